@@ -1,0 +1,43 @@
+"""The ``hpsray`` command (also ``python -m hpsray``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from hpsray.version import __version__
+
+# One module per subcommand; each defines HELP, add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS = {
+    "bench": "hpsray.cli.bench",
+    "reference": "hpsray.cli.reference",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpsray",
+        description="Hierarchical parameter server on Ray for CTR models with huge sparse embedding tables.",
+    )
+    parser.add_argument("--version", action="version", version=f"hpsray {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+"""Benchmarks behind ``hpsray bench NAME``.
+
+Each module defines ``HELP``, ``add_arguments(parser)`` and ``run(args) -> dict``; the dict is
+the JSON report. Every benchmark measures its baseline in the same run and reports ratios.
+"""
+
+BENCHMARKS = {
+    "kernels": "hpsray.bench.kernels",
+}

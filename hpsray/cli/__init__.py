@@ -1,0 +1,1 @@
+"""Subcommands of the ``hpsray`` command, one module each (see ``hpsray.__main__``)."""
