@@ -50,7 +50,8 @@ def uniform_at(key, element, seed):
 
 def mix64_array(x: np.ndarray) -> np.ndarray:
     """Vectorised :func:`mix64` over a ``uint64`` array (numpy, wrapping arithmetic)."""
-    z = np.asarray(x, dtype=np.uint64) + _GOLDEN
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
+    with np.errstate(over="ignore"):  # wrapping multiplication is the point
+        z = np.asarray(x, dtype=np.uint64) + _GOLDEN
+        z = (z ^ (z >> _S30)) * _M1
+        z = (z ^ (z >> _S27)) * _M2
+        return z ^ (z >> _S31)

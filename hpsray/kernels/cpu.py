@@ -1,0 +1,295 @@
+"""CPU backend of :class:`~hpsray.kernels.table.HashTable`, in numba.
+
+Layout: ``buckets uint64[nb, 2]`` holds (key, slot) pairs so one probe reads one cache line;
+``rows float32[capacity, width]`` is the arena; ``row_keys uint64[capacity]`` names the key of
+each slot (``EMPTY_KEY`` when free); ``free`` is a stack of free slots.
+
+Parallelism: reads (``find``, ``gather``) split keys over threads. Inserts find in parallel and
+insert only the misses serially, which keeps duplicates and probe chains simple; new rows are
+then initialised in parallel. Updates (``scatter_add``, ``assign``, ``apply_gradients``) use
+*owner computes*: thread ``t`` applies the entries whose slot is ``t`` mod threads, in input
+order, so there are no races and duplicates are combined deterministically.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from hpsray.kernels.hashing import EMPTY_KEY, bucket_hash
+from hpsray.kernels.init import RowInit, init_row
+from hpsray.kernels.optim import SparseOptimizer, apply_row_update
+from hpsray.kernels.table import (
+    HashTable,
+    TableFullError,
+    as_keys,
+    as_rows,
+    bucket_count,
+    missing_key_error,
+)
+
+_EMPTY = EMPTY_KEY
+
+
+@njit(parallel=True, cache=True)
+def _find(buckets, mask, keys, out):
+    for i in prange(keys.size):
+        k = keys[i]
+        b = bucket_hash(k) & mask
+        while True:
+            kk = buckets[b, 0]
+            if kk == k:
+                out[i] = np.int64(buckets[b, 1])
+                break
+            if kk == _EMPTY:
+                out[i] = -1
+                break
+            b = (b + np.uint64(1)) & mask
+
+
+@njit(cache=True)
+def _insert_misses(buckets, mask, row_keys, free, state, keys, miss, out, new_slots):
+    """Insert ``keys[miss]`` serially; state = [size, free_top]. Returns #new or -1 if full."""
+    n_new = 0
+    for t in range(miss.size):
+        i = miss[t]
+        k = keys[i]
+        b = bucket_hash(k) & mask
+        while True:
+            kk = buckets[b, 0]
+            if kk == k:  # a duplicate inserted earlier in this call
+                out[i] = np.int64(buckets[b, 1])
+                break
+            if kk == _EMPTY:
+                if state[1] == 0:
+                    return -1 - n_new
+                state[1] -= 1
+                s = free[state[1]]
+                buckets[b, 0] = k
+                buckets[b, 1] = np.uint64(s)
+                row_keys[s] = k
+                state[0] += 1
+                new_slots[n_new] = s
+                n_new += 1
+                out[i] = s
+                break
+            b = (b + np.uint64(1)) & mask
+    return n_new
+
+
+@njit(parallel=True, cache=True)
+def _init_rows(rows, row_keys, slots, dim, scale, seed, state_value):
+    width = rows.shape[1]
+    for t in prange(slots.size):
+        s = slots[t]
+        init_row(rows[s], row_keys[s], dim, width, scale, seed, state_value)
+
+
+@njit(cache=True)
+def _erase(buckets, mask, row_keys, free, state, keys):
+    removed = 0
+    for i in range(keys.size):
+        k = keys[i]
+        b = bucket_hash(k) & mask
+        while True:
+            kk = buckets[b, 0]
+            if kk == _EMPTY:
+                b = np.uint64(0xFFFFFFFFFFFFFFFF)
+                break
+            if kk == k:
+                break
+            b = (b + np.uint64(1)) & mask
+        if b == np.uint64(0xFFFFFFFFFFFFFFFF):
+            continue
+        s = np.int64(buckets[b, 1])
+        row_keys[s] = _EMPTY
+        free[state[1]] = s
+        state[1] += 1
+        state[0] -= 1
+        removed += 1
+        # backward-shift deletion: pull later members of the probe chain into the hole
+        hole = b
+        j = b
+        while True:
+            j = (j + np.uint64(1)) & mask
+            kj = buckets[j, 0]
+            if kj == _EMPTY:
+                break
+            home = bucket_hash(kj) & mask
+            # move j into the hole unless its home lies cyclically in (hole, j]
+            if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
+                buckets[hole, 0] = kj
+                buckets[hole, 1] = buckets[j, 1]
+                hole = j
+        buckets[hole, 0] = _EMPTY
+        buckets[hole, 1] = np.uint64(0)
+    return removed
+
+
+@njit(parallel=True, cache=True)
+def _gather(rows, slots, out):
+    width = rows.shape[1]
+    for i in prange(slots.size):
+        s = slots[i]
+        for j in range(width):
+            out[i, j] = rows[s, j]
+
+
+@njit(parallel=True, cache=True)
+def _scatter(rows, slots, values, add, n_threads):
+    width = values.shape[1]
+    for t in prange(n_threads):
+        for i in range(slots.size):
+            s = slots[i]
+            if s % n_threads == t:
+                if add:
+                    for j in range(width):
+                        rows[s, j] += values[i, j]
+                else:
+                    for j in range(width):
+                        rows[s, j] = values[i, j]
+
+
+@njit(parallel=True, cache=True)
+def _apply_gradients(rows, slots, grads, kind, hp, first, n_threads):
+    """``first`` (int64[capacity], all -1) maps a slot to the first input index holding it."""
+    dim = grads.shape[1]
+    acc = np.empty_like(grads)
+    for t in prange(n_threads):
+        for i in range(slots.size):  # sum duplicates, in input order
+            s = slots[i]
+            if s % n_threads != t:
+                continue
+            f = first[s]
+            if f < 0:
+                first[s] = i
+                for j in range(dim):
+                    acc[i, j] = grads[i, j]
+            else:
+                for j in range(dim):
+                    acc[f, j] += grads[i, j]
+        for i in range(slots.size):  # one update per distinct row
+            s = slots[i]
+            if s % n_threads == t and first[s] == i:
+                apply_row_update(kind, rows[s], acc[i], dim, hp)
+                first[s] = -1
+
+
+@njit(cache=True)
+def _occupied_slots(row_keys):
+    out = np.empty(row_keys.size, dtype=np.int64)
+    n = 0
+    for s in range(row_keys.size):
+        if row_keys[s] != _EMPTY:
+            out[n] = s
+            n += 1
+    return out[:n]
+
+
+class CpuHashTable(HashTable):
+    """Numba CPU hash table; see the module docstring for its layout and parallelism."""
+
+    def __init__(self, capacity: int, width: int, init: RowInit | None = None) -> None:
+        super().__init__(capacity, width, init)
+        nb = bucket_count(capacity)
+        self._mask = np.uint64(nb - 1)
+        self._buckets = np.empty((nb, 2), dtype=np.uint64)
+        self._buckets[:, 0] = _EMPTY
+        self._buckets[:, 1] = 0
+        self._rows = np.zeros((capacity, width), dtype=np.float32)
+        self._row_keys = np.full(capacity, _EMPTY, dtype=np.uint64)
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # pops 0, 1, 2, ...
+        self._state = np.array([0, capacity], dtype=np.int64)  # size, free-stack top
+        self._first = np.full(capacity, -1, dtype=np.int64)
+
+    @property
+    def size(self) -> int:
+        return int(self._state[0])
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The arena itself (a view; slots index it)."""
+        return self._rows
+
+    @staticmethod
+    def _threads() -> int:
+        return numba.get_num_threads()
+
+    def find(self, keys) -> np.ndarray:
+        keys = as_keys(keys)
+        out = np.empty(keys.size, dtype=np.int64)
+        _find(self._buckets, self._mask, keys, out)
+        return out
+
+    def find_or_insert(self, keys) -> np.ndarray:
+        keys = as_keys(keys)
+        out = self.find(keys)
+        miss = np.flatnonzero(out < 0)
+        if miss.size == 0:
+            return out
+        new_slots = np.empty(miss.size, dtype=np.int64)
+        n_new = _insert_misses(
+            self._buckets, self._mask, self._row_keys, self._free, self._state, keys, miss, out, new_slots
+        )
+        if n_new < 0:  # roll back this call's inserts, then report
+            done = -1 - n_new
+            self.erase(self._row_keys[new_slots[:done]].copy())
+            distinct = np.unique(keys[miss]).size
+            raise TableFullError(
+                f"hash table full: capacity {self.capacity} rows, {self.size} used, "
+                f"this call needs {distinct} more; nothing was inserted"
+            )
+        init = self.init
+        _init_rows(
+            self._rows, self._row_keys, new_slots[:n_new], init.dim,
+            np.float32(init.scale), np.uint64(init.seed), np.float32(init.state_value),
+        )
+        return out
+
+    def gather(self, slots) -> np.ndarray:
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
+            bad = slots[(slots < 0) | (slots >= self.capacity)][0]
+            raise KeyError(f"gather: slot {bad} is not a row of this table (an absent key gives -1)")
+        out = np.empty((slots.size, self.width), dtype=np.float32)
+        _gather(self._rows, slots, out)
+        return out
+
+    def _present_slots(self, keys: np.ndarray, op: str) -> np.ndarray:
+        slots = self.find(keys)
+        if slots.size and slots.min() < 0:
+            raise missing_key_error(keys, slots, op)
+        return slots
+
+    def scatter_add(self, keys, values) -> None:
+        keys = as_keys(keys)
+        values = as_rows(values, keys.size, self.width, "scatter_add values")
+        _scatter(self._rows, self._present_slots(keys, "scatter_add"), values, True, self._threads())
+
+    def assign(self, keys, values) -> None:
+        keys = as_keys(keys)
+        values = as_rows(values, keys.size, self.width, "assign values")
+        _scatter(self._rows, self.find_or_insert(keys), values, False, self._threads())
+
+    def erase(self, keys) -> int:
+        keys = as_keys(keys)
+        return int(_erase(self._buckets, self._mask, self._row_keys, self._free, self._state, keys))
+
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        slots = _occupied_slots(self._row_keys)
+        return self._row_keys[slots].copy(), self.gather(slots)
+
+    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
+        keys = as_keys(keys)
+        dim = self.init.dim
+        if dim + optimizer.state_width(dim) != self.width:
+            raise ValueError(
+                f"{type(optimizer).__name__} needs rows of width {dim + optimizer.state_width(dim)} "
+                f"(dim {dim}), this table has width {self.width}"
+            )
+        grads = as_rows(grads, keys.size, dim, "apply_gradients grads")
+        slots = self._present_slots(keys, "apply_gradients")
+        _apply_gradients(
+            self._rows, slots, grads, optimizer.kind, optimizer.hyperparams(step), self._first, self._threads()
+        )

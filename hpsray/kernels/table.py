@@ -1,0 +1,152 @@
+"""The ``HashTable`` interface shared by the CPU (numba) and CUDA backends.
+
+A table maps ``uint64`` keys to rows of a fixed-capacity arena ``float32[capacity, width]``.
+Lookups return *slots* (row indices into the arena, ``int64``; -1 when absent). A key keeps its
+slot until it is erased. Every operation takes arrays of keys and is correct when a call holds
+the same key several times:
+
+* ``find_or_insert``: each distinct key is inserted once;
+* ``scatter_add`` and ``apply_gradients``: the values of duplicates are summed (in input
+  order) before they are applied, so a row sees one update per call;
+* ``assign``: the last occurrence wins.
+
+Open addressing with linear probing; erase uses backward-shift deletion, so no tombstones
+accumulate. The bucket array is sized so that buckets are at most 75 % full when the arena is
+full; the arena itself is the capacity limit, and inserting past it raises
+:class:`TableFullError` without changing the table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from hpsray.kernels.hashing import EMPTY_KEY
+from hpsray.kernels.init import RowInit
+from hpsray.kernels.optim import SparseOptimizer
+
+
+class TableFullError(RuntimeError):
+    """Raised when an insert needs more rows than the table has free."""
+
+
+def bucket_count(capacity: int) -> int:
+    """Power-of-two bucket count keeping the bucket load at most 0.75 for a full arena."""
+    return 1 << max(4, int(np.ceil(np.log2(capacity * 4 / 3 + 1))))
+
+
+def as_keys(keys, name: str = "keys") -> np.ndarray:
+    """Keys as a contiguous ``uint64`` array; refuses other types and the empty marker."""
+    arr = np.asarray(keys)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array, got shape {arr.shape}")
+    if arr.dtype != np.uint64:
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name}: expected integer keys, got dtype {arr.dtype}")
+        if arr.size and np.issubdtype(arr.dtype, np.signedinteger) and arr.min() < 0:
+            raise ValueError(f"{name}: negative key {arr.min()}")
+        arr = arr.astype(np.uint64)
+    if arr.size and np.any(arr == EMPTY_KEY):
+        raise ValueError(f"{name}: key 0xFFFFFFFFFFFFFFFF is reserved as the empty marker")
+    return np.ascontiguousarray(arr)
+
+
+def as_rows(values, n: int, width: int, name: str) -> np.ndarray:
+    """``values`` as contiguous ``float32[n, width]``, with a clear error on a shape mismatch."""
+    arr = np.ascontiguousarray(values, dtype=np.float32)
+    if arr.shape != (n, width):
+        raise ValueError(f"{name}: expected shape ({n}, {width}), got {arr.shape}")
+    return arr
+
+
+class HashTable(ABC):
+    """Fixed-capacity ``uint64`` → ``float32[width]`` hash table (see module docstring).
+
+    Args:
+        capacity: number of rows in the arena (the most keys the table holds).
+        width: floats per row (embedding ``dim`` plus optimizer state).
+        init: how rows of new keys are filled; zeros when ``None``.
+    """
+
+    def __init__(self, capacity: int, width: int, init: RowInit | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if width < 0:
+            raise ValueError(f"width must be >= 0, got {width}")
+        init = init or RowInit(dim=0, scale=0.0)
+        if init.dim > width:
+            raise ValueError(f"init.dim={init.dim} exceeds row width {width}")
+        self._capacity = int(capacity)
+        self._width = int(width)
+        self.init = init
+
+    @property
+    def capacity(self) -> int:
+        """Most keys the table can hold."""
+        return self._capacity
+
+    @property
+    def width(self) -> int:
+        """Floats per row."""
+        return self._width
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Number of keys held."""
+
+    @property
+    def load_factor(self) -> float:
+        """``size / capacity``."""
+        return self.size / self.capacity
+
+    def __len__(self) -> int:
+        return self.size
+
+    @abstractmethod
+    def find(self, keys) -> np.ndarray:
+        """Slot of each key, -1 where absent."""
+
+    @abstractmethod
+    def find_or_insert(self, keys) -> np.ndarray:
+        """Slot of each key, inserting absent keys with their initial rows.
+
+        Raises :class:`TableFullError` (and leaves the table unchanged) if the distinct new
+        keys do not fit.
+        """
+
+    @abstractmethod
+    def gather(self, slots) -> np.ndarray:
+        """Rows at ``slots`` as ``float32[n, width]``; a negative slot raises ``KeyError``."""
+
+    @abstractmethod
+    def scatter_add(self, keys, values) -> None:
+        """Add ``values[i]`` to the row of ``keys[i]``; every key must be present."""
+
+    @abstractmethod
+    def assign(self, keys, values) -> None:
+        """Set the rows of ``keys`` to ``values``, inserting absent keys (last duplicate wins)."""
+
+    @abstractmethod
+    def erase(self, keys) -> int:
+        """Remove ``keys`` (absent ones are ignored); returns how many were removed."""
+
+    @abstractmethod
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        """All ``(keys uint64[size], rows float32[size, width])``, ordered by slot."""
+
+    @abstractmethod
+    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
+        """Apply ``optimizer`` at global ``step`` to the rows of ``keys`` with gradients
+        ``grads`` (``float32[n, dim]``, ``dim = init.dim``); duplicates are summed first."""
+
+    def get(self, keys) -> np.ndarray:
+        """Rows of ``keys``, all of which must be present (``find`` then ``gather``)."""
+        return self.gather(self.find(keys))
+
+
+def missing_key_error(keys: np.ndarray, slots: np.ndarray, op: str) -> KeyError:
+    """A ``KeyError`` naming how many keys were absent and the first of them."""
+    absent = np.flatnonzero(slots < 0)
+    return KeyError(f"{op}: {absent.size} of {keys.size} keys are not in the table (first: {int(keys[absent[0]])})")
