@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 from numba.extending import register_jitable
 
 KIND_SGD = 0
@@ -173,3 +174,21 @@ def make_optimizer(name: str, **params) -> SparseOptimizer:
     if name == "adam":
         return Adam(**params)
     raise ValueError(f"unknown sparse optimizer {name!r}; choose sgd, adagrad, adagrad_row or adam")
+
+
+@njit(cache=True)
+def _apply_each_row(rows, grads, kind, hp):
+    dim = grads.shape[1]
+    for i in range(rows.shape[0]):
+        apply_row_update(kind, rows[i], grads[i], dim, hp)
+
+
+def apply_to_rows(rows: np.ndarray, grads: np.ndarray, optimizer: SparseOptimizer, step: int) -> None:
+    """Apply one step in place to distinct rows ``float32[n, width]`` with gradients
+    ``float32[n, dim]``: the same math the table kernels run, without a table."""
+    if rows.dtype != np.float32 or grads.dtype != np.float32 or rows.shape[0] != grads.shape[0]:
+        raise ValueError(f"apply_to_rows: need float32 rows [n, width] and grads [n, dim], got {rows.dtype}{rows.shape}, {grads.dtype}{grads.shape}")
+    dim = grads.shape[1]
+    if rows.shape[1] != dim + optimizer.state_width(dim):
+        raise ValueError(f"apply_to_rows: {type(optimizer).__name__} needs width {dim + optimizer.state_width(dim)}, rows have {rows.shape[1]}")
+    _apply_each_row(rows, np.ascontiguousarray(grads), optimizer.kind, optimizer.hyperparams(step))

@@ -1,0 +1,59 @@
+"""Typed configuration shared by the reference trainer and the distributed system."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpsray.kernels.init import RowInit
+from hpsray.kernels.optim import SparseOptimizer, make_optimizer
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how: model shape, optimizers, mini-batch size, seed.
+
+    Attributes:
+        dim: embedding width per key.
+        hidden: MLP widths of the :class:`~hpsray.models.DNN`.
+        sparse_optimizer: ``sgd``, ``adagrad``, ``adagrad_row`` or ``adam`` (rows, in the tables).
+        sparse_lr: learning rate of the sparse optimizer.
+        dense_optimizer: ``adam``, ``adagrad`` or ``sgd`` (replicated MLP weights, PyTorch).
+        dense_lr: learning rate of the dense optimizer.
+        minibatch_size: examples per gradient step.
+        init_scale: new rows' weights are uniform in ``[-init_scale, init_scale)``.
+        seed: seeds row initialisation and model weights.
+    """
+
+    dim: int = 16
+    hidden: tuple[int, ...] = (512, 256, 128)
+    sparse_optimizer: str = "adagrad"
+    sparse_lr: float = 0.05
+    dense_optimizer: str = "adam"
+    dense_lr: float = 1e-3
+    minibatch_size: int = 1024
+    init_scale: float = 0.01
+    seed: int = 0
+    sparse_params: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dim < 1:
+            raise ValueError(f"TrainConfig.dim must be >= 1, got {self.dim}")
+        if self.minibatch_size < 1:
+            raise ValueError(f"TrainConfig.minibatch_size must be >= 1, got {self.minibatch_size}")
+        if self.init_scale < 0:
+            raise ValueError(f"TrainConfig.init_scale must be >= 0, got {self.init_scale}")
+        object.__setattr__(self, "hidden", tuple(self.hidden))
+        self.optimizer()  # validates name and parameters
+
+    def optimizer(self) -> SparseOptimizer:
+        """The sparse optimizer this config names."""
+        return make_optimizer(self.sparse_optimizer, lr=self.sparse_lr, **self.sparse_params)
+
+    @property
+    def row_width(self) -> int:
+        """Floats per stored row: weights plus optimizer state."""
+        return self.dim + self.optimizer().state_width(self.dim)
+
+    def row_init(self) -> RowInit:
+        """How new rows are initialised."""
+        return RowInit.for_optimizer(self.dim, self.optimizer(), scale=self.init_scale, seed=self.seed)

@@ -1,0 +1,181 @@
+"""The in-memory reference trainer: the oracle of every test and the baseline of benchmarks.
+
+Single process, every row in host memory, plain PyTorch for the model. It uses the same row
+initialiser (:func:`~hpsray.kernels.init.initial_rows`), the same sparse-optimizer math
+(:func:`~hpsray.kernels.optim.apply_to_rows`) and the same model as the distributed system, but
+none of its tables, tiers or actors: rows live in a sorted key array with a growable row
+array. Tiering, pipelining, devices and nodes must not change what it computes (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from hpsray.config import TrainConfig
+from hpsray.data.batch import Batch
+from hpsray.kernels.init import initial_rows
+from hpsray.kernels.optim import apply_to_rows
+from hpsray.models.dnn import DNN, make_dense_optimizer
+from hpsray.models.metrics import auc, logloss
+from hpsray.models.pooling import BagLayout, pool_sum
+
+
+class SortedRowStore:
+    """Every row in memory: keys kept sorted beside their row positions; rows appended."""
+
+    def __init__(self, width: int, init) -> None:
+        self.width = width
+        self.init = init
+        self._keys = np.empty(0, dtype=np.uint64)  # sorted
+        self._pos = np.empty(0, dtype=np.int64)  # row of each sorted key
+        self._rows = np.empty((1024, width), dtype=np.float32)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.searchsorted(self._keys, keys)
+        found = idx < self._keys.size
+        found[found] = self._keys[idx[found]] == keys[found]
+        return idx, found
+
+    def positions(self, unique_keys: np.ndarray) -> np.ndarray:
+        """Row positions of sorted distinct keys, creating initial rows for new ones."""
+        idx, found = self._locate(unique_keys)
+        new = unique_keys[~found]
+        if new.size:
+            need = self._n + new.size
+            if need > self._rows.shape[0]:
+                grown = np.empty((max(need, 2 * self._rows.shape[0]), self.width), dtype=np.float32)
+                grown[: self._n] = self._rows[: self._n]
+                self._rows = grown
+            self._rows[self._n : need] = initial_rows(new, self.width, self.init)
+            new_pos = np.arange(self._n, need, dtype=np.int64)
+            self._keys = np.insert(self._keys, idx[~found], new)
+            self._pos = np.insert(self._pos, idx[~found], new_pos)
+            self._n = need
+            idx, found = self._locate(unique_keys)
+        return self._pos[idx]
+
+    def peek(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of ``keys`` without inserting; absent keys get their initial rows."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        idx, found = self._locate(keys)
+        out = initial_rows(keys, self.width, self.init)
+        out[found] = self._rows[self._pos[idx[found]]]
+        return out
+
+    def rows_at(self, pos: np.ndarray) -> np.ndarray:
+        return self._rows[pos]
+
+    def write(self, pos: np.ndarray, rows: np.ndarray) -> None:
+        self._rows[pos] = rows
+
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        """All ``(keys, rows)`` sorted by key."""
+        return self._keys.copy(), self._rows[self._pos].copy()
+
+
+@dataclass
+class EvalResult:
+    """Metrics of a model over some examples."""
+
+    auc: float
+    logloss: float
+    examples: int
+
+
+class ReferenceTrainer:
+    """Mini-batch training with every row in memory (see module docstring).
+
+    Args:
+        n_slots: categorical slots per example.
+        n_dense: dense features per example.
+        config: model shape, optimizers, mini-batch size and seed.
+        model: any module ``(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]``;
+            the paper's :class:`~hpsray.models.DNN` when ``None``.
+    """
+
+    def __init__(self, n_slots: int, n_dense: int, config: TrainConfig | None = None, model: torch.nn.Module | None = None):
+        self.config = config or TrainConfig()
+        self.n_slots, self.n_dense = n_slots, n_dense
+        self.optimizer = self.config.optimizer()
+        self.store = SortedRowStore(self.config.row_width, self.config.row_init())
+        self.model = model or DNN(n_slots, self.config.dim, n_dense, self.config.hidden, seed=self.config.seed)
+        self.dense_optimizer = make_dense_optimizer(self.config.dense_optimizer, self.model.parameters(), self.config.dense_lr)
+        self.step = 0  # mini-batches trained; the sparse optimizer's global step
+        self.examples = 0
+        self.train_seconds = 0.0
+
+    def _check(self, batch: Batch) -> None:
+        if batch.n_slots != self.n_slots or batch.n_dense != self.n_dense:
+            raise ValueError(
+                f"batch has {batch.n_slots} slots and {batch.n_dense} dense features; "
+                f"the trainer was built for {self.n_slots} and {self.n_dense}"
+            )
+
+    def train_minibatch(self, mb: Batch) -> float:
+        """One gradient step on ``mb``; returns its mean log-loss before the step."""
+        layout = BagLayout.of(mb)
+        pos = self.store.positions(layout.unique_keys)
+        rows = self.store.rows_at(pos)
+        dim = self.config.dim
+        emb = torch.from_numpy(np.ascontiguousarray(rows[:, :dim])).requires_grad_(True)
+        logits = self.model(pool_sum(emb, layout), torch.from_numpy(mb.dense))
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(mb.labels))
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.dense_optimizer.step()
+        self.step += 1
+        apply_to_rows(rows, emb.grad.numpy(), self.optimizer, self.step)
+        self.store.write(pos, rows)
+        self.examples += len(mb)
+        return float(loss.detach())
+
+    def train_batch(self, batch: Batch) -> float:
+        """Train on every mini-batch of ``batch`` in order; returns the mean loss."""
+        self._check(batch)
+        t0 = time.perf_counter()
+        self.model.train()
+        losses = [self.train_minibatch(mb) for mb in batch.minibatches(self.config.minibatch_size)]
+        self.train_seconds += time.perf_counter() - t0
+        return float(np.mean(losses)) if losses else float("nan")
+
+    def fit(self, batches: Iterable[Batch], progress=None) -> None:
+        """Train on each batch in order; ``progress(i, batch, loss)`` is called after each."""
+        for i, batch in enumerate(batches):
+            loss = self.train_batch(batch)
+            if progress:
+                progress(i, batch, loss)
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> np.ndarray:
+        """Click probabilities of ``batch``'s examples (unseen keys use their initial rows)."""
+        self._check(batch)
+        self.model.eval()
+        out = []
+        for mb in batch.minibatches(self.config.minibatch_size):
+            layout = BagLayout.of(mb)
+            emb = torch.from_numpy(self.store.peek(layout.unique_keys)[:, : self.config.dim])
+            out.append(torch.sigmoid(self.model(pool_sum(emb, layout), torch.from_numpy(mb.dense))).numpy())
+        return np.concatenate(out) if out else np.empty(0, dtype=np.float32)
+
+    def evaluate(self, batches: Iterable[Batch]) -> EvalResult:
+        """AUC and log-loss over ``batches``."""
+        labels, probs = [], []
+        for batch in batches:
+            labels.append(batch.labels)
+            probs.append(self.predict(batch))
+        y, p = np.concatenate(labels), np.concatenate(probs)
+        return EvalResult(auc=auc(y, p), logloss=logloss(y, p), examples=int(y.size))
+
+    def export(self) -> tuple[np.ndarray, np.ndarray, dict]:
+        """``(keys sorted, rows, dense state_dict)``: everything the model learnt."""
+        keys, rows = self.store.export()
+        return keys, rows, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
