@@ -1,0 +1,116 @@
+"""``hpsray bench kernels``: hash-table throughput against a Python dict and the gather bound.
+
+For each table size (default 1M and 10M keys, dim 16) it measures, in keys per second:
+``find_or_insert`` into an empty table, ``find`` of random present keys, ``find`` followed by
+``gather`` of the found rows, and ``scatter_add``; and in the same run two baselines: lookups in
+a Python ``dict`` holding the same keys, and the *gather bound*, numpy ``take`` of random rows
+from an array as large as the table's arena (one random memory access per key: the memory
+latency limit of this machine). Top-level keys carry the largest size's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numba
+import numpy as np
+
+from hpsray.kernels import make_table
+
+
+HELP = "hash-table kernels (find, find_or_insert, scatter_add) vs a Python dict and the random-gather bound"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="1000000,10000000", help="comma-separated key counts (default 1M,10M)")
+    parser.add_argument("--dim", type=int, default=16, help="row width in floats (default 16)")
+    parser.add_argument("--queries", type=int, default=4_000_000, help="keys per timed call (default 4M)")
+    parser.add_argument("--dict-queries", type=int, default=1_000_000, help="keys looked up in the dict baseline")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions; the best is reported")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="table backend")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _best(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        from numba import cuda
+
+        cuda.synchronize()
+
+
+def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, device: str, seed: int) -> dict:
+    """All figures for one table size."""
+    rng = np.random.default_rng(seed)
+    keys = rng.choice(np.iinfo(np.int64).max, size=n, replace=False).astype(np.uint64)
+    q = keys[rng.integers(0, n, queries)]
+    values = rng.standard_normal((queries, dim)).astype(np.float32)
+
+    # warm-up compiles the kernels outside the timings
+    warm = make_table(64, dim, device=device)
+    warm.find_or_insert(keys[:8])
+    warm.gather(warm.find(keys[:8]))
+    warm.scatter_add(keys[:8], values[:8])
+
+    table = make_table(n, dim, device=device)
+    t0 = time.perf_counter()
+    table.find_or_insert(keys)
+    _sync(device)
+    insert_s = time.perf_counter() - t0
+
+    find_s = _best(lambda: (table.find(q), _sync(device)), repeat)
+    find_gather_s = _best(lambda: (table.gather(table.find(q)), _sync(device)), repeat)
+    scatter_s = _best(lambda: (table.scatter_add(q, values), _sync(device)), repeat)
+
+    # baselines, same run
+    # A written array: an untouched np.zeros arena maps every page to the kernel's shared zero
+    # page, which stays in cache and would overstate the bound by ~2.5x.
+    arena = np.full((n, dim), 1.0, dtype=np.float32)
+    rows = rng.integers(0, n, queries)
+    gather_s = _best(lambda: np.take(arena, rows, axis=0), repeat)
+    del arena
+    d = dict(zip(keys.tolist(), range(n)))
+    dq = q[:dict_queries].tolist()
+    dict_s = _best(lambda: [d[k] for k in dq], repeat)
+    del d
+
+    out = {
+        "keys": n,
+        "dim": dim,
+        "queries": queries,
+        "insert_keys_per_s": n / insert_s,
+        "find_keys_per_s": queries / find_s,
+        "find_gather_keys_per_s": queries / find_gather_s,
+        "scatter_add_keys_per_s": queries / scatter_s,
+        "dict_find_keys_per_s": len(dq) / dict_s,
+        "gather_bound_keys_per_s": queries / gather_s,
+    }
+    out["find_vs_dict"] = out["find_keys_per_s"] / out["dict_find_keys_per_s"]
+    out["find_gather_vs_gather_bound"] = out["find_gather_keys_per_s"] / out["gather_bound_keys_per_s"]
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--sizes: need positive key counts, got {args.sizes!r}")
+    by_size = {}
+    for n in sizes:
+        print(f"[bench kernels] {n:,} keys, dim {args.dim}, device {args.device} ...", flush=True)
+        by_size[str(n)] = measure(n, args.dim, args.queries, args.dict_queries, args.repeat, args.device, args.seed)
+    largest = by_size[str(max(sizes))]
+    return {
+        "device": args.device,
+        "threads": numba.get_num_threads(),
+        **{k: v for k, v in largest.items() if k.endswith("per_s") or k.startswith(("find_vs", "find_gather_vs"))},
+        "by_size": by_size,
+    }
