@@ -1,0 +1,1 @@
+"""Embedded versus existing Ray cluster, node placement, collective groups and consistency."""
