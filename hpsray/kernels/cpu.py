@@ -234,7 +234,8 @@ class CpuHashTable(HashTable):
         )
         if n_new < 0:  # roll back this call's inserts, then report
             done = -1 - n_new
-            self.erase(self._row_keys[new_slots[:done]].copy())
+            # erase newest first so the free stack returns to its exact previous order
+            self.erase(self._row_keys[new_slots[:done][::-1]].copy())
             distinct = np.unique(keys[miss]).size
             raise TableFullError(
                 f"hash table full: capacity {self.capacity} rows, {self.size} used, "

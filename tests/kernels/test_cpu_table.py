@@ -101,7 +101,10 @@ def test_full_table_raises_and_changes_nothing():
     assert t.size == 2
     np.testing.assert_array_equal(t.find(u64([3, 4])), [-1, -1])
     np.testing.assert_array_equal(t.get(u64([1, 2]))[:, 0], [1, 2])
-    t.find_or_insert(u64([3, 3]))  # exactly fills it
+    slots_before = t.find_or_insert(u64([3]))  # a failed insert leaves slot allocation as it was
+    fresh = CpuHashTable(3, 1)
+    fresh.assign(u64([1, 2]), np.array([[1], [2]], np.float32))
+    np.testing.assert_array_equal(slots_before, fresh.find_or_insert(u64([3])))
     assert t.size == 3 and t.load_factor == 1.0
 
 
