@@ -11,6 +11,7 @@ from hpsray.version import __version__
 # One module per subcommand; each defines HELP, add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "bench": "hpsray.cli.bench",
+    "gen-data": "hpsray.cli.gen_data",
     "reference": "hpsray.cli.reference",
 }
 

@@ -11,6 +11,7 @@ latency limit of this machine). Top-level keys carry the largest size's figures.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numba
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--sizes: need positive key counts, got {args.sizes!r}")
     by_size = {}
     for n in sizes:
-        print(f"[bench kernels] {n:,} keys, dim {args.dim}, device {args.device} ...", flush=True)
+        print(f"[bench kernels] {n:,} keys, dim {args.dim}, device {args.device} ...", file=sys.stderr, flush=True)
         by_size[str(n)] = measure(n, args.dim, args.queries, args.dict_queries, args.repeat, args.device, args.seed)
     largest = by_size[str(max(sizes))]
     return {

@@ -1,7 +1,53 @@
-"""Data: the Batch type, key hashing, sources, formats and the synthetic generator."""
+"""Data: the Batch type, key hashing, sources, formats, bad-input policy and the synthetic generator.
+
+The reading path a pipeline uses::
+
+    from hpsray.data import DataReader, Schema, BadInputPolicy
+    reader = DataReader("s3://bucket/clicks/", Schema.criteo(), reader_index=i, num_readers=n)
+    for batch in reader: ...
+    reader.report.summary()
+"""
 
 from hpsray.data.batch import Batch
+from hpsray.data.categorical import hash_strings
+from hpsray.data.errors import (
+    LENIENT,
+    STRICT,
+    BadInputPolicy,
+    BadInputReport,
+    DataError,
+    TooMuchBadInput,
+)
+from hpsray.data.generate import dataset_schema, load_dataset, write_synthetic
 from hpsray.data.keys import hash_keys
+from hpsray.data.osrp import OPOSRP
+from hpsray.data.readers import DataReader, read_batches, read_split
+from hpsray.data.schema import Schema
+from hpsray.data.sources import Split, list_files, open_source, plan_splits, resolve_filesystem
 from hpsray.data.synthetic import PlantedCTR
 
-__all__ = ["Batch", "PlantedCTR", "hash_keys"]
+__all__ = [
+    "LENIENT",
+    "OPOSRP",
+    "STRICT",
+    "BadInputPolicy",
+    "BadInputReport",
+    "Batch",
+    "DataError",
+    "DataReader",
+    "PlantedCTR",
+    "Schema",
+    "Split",
+    "TooMuchBadInput",
+    "dataset_schema",
+    "hash_keys",
+    "hash_strings",
+    "list_files",
+    "load_dataset",
+    "open_source",
+    "plan_splits",
+    "read_batches",
+    "read_split",
+    "resolve_filesystem",
+    "write_synthetic",
+]

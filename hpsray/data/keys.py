@@ -24,6 +24,8 @@ def hash_keys(slot: int | np.ndarray, values: np.ndarray) -> np.ndarray:
     ``slot`` is a scalar slot id or an array broadcastable to ``values``.
     """
     v = np.asarray(values).astype(np.uint64, copy=False)
-    keys = mix64_array(v ^ slot_salt(slot))
+    keys = np.asarray(mix64_array(v ^ slot_salt(slot)))
+    if keys.ndim == 0:
+        return np.where(keys == EMPTY_KEY, EMPTY_KEY - np.uint64(1), keys)
     keys[keys == EMPTY_KEY] = EMPTY_KEY - np.uint64(1)
     return keys
