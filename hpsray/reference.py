@@ -20,9 +20,10 @@ from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.kernels.init import initial_rows
 from hpsray.kernels.optim import apply_to_rows
-from hpsray.models.dnn import DNN, make_dense_optimizer
+from hpsray.models.dnn import DNN
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
+from hpsray.models.step import DenseReplicas
 
 
 class SortedRowStore:
@@ -108,7 +109,7 @@ class ReferenceTrainer:
         self.optimizer = self.config.optimizer()
         self.store = SortedRowStore(self.config.row_width, self.config.row_init())
         self.model = model or DNN(n_slots, self.config.dim, n_dense, self.config.hidden, seed=self.config.seed)
-        self.dense_optimizer = make_dense_optimizer(self.config.dense_optimizer, self.model.parameters(), self.config.dense_lr)
+        self.dense = DenseReplicas(self.model, 1, self.config.dense_optimizer, self.config.dense_lr)
         self.step = 0  # mini-batches trained; the sparse optimizer's global step
         self.examples = 0
         self.train_seconds = 0.0
@@ -122,21 +123,19 @@ class ReferenceTrainer:
 
     def train_minibatch(self, mb: Batch) -> float:
         """One gradient step on ``mb``; returns its mean log-loss before the step."""
-        layout = BagLayout.of(mb)
-        pos = self.store.positions(layout.unique_keys)
-        rows = self.store.rows_at(pos)
-        dim = self.config.dim
-        emb = torch.from_numpy(np.ascontiguousarray(rows[:, :dim])).requires_grad_(True)
-        logits = self.model(pool_sum(emb, layout), torch.from_numpy(mb.dense))
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(mb.labels))
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.dense_optimizer.step()
+        fetched = {}
+
+        def weights_of(unique_keys: np.ndarray) -> np.ndarray:
+            fetched["pos"] = pos = self.store.positions(unique_keys)
+            fetched["rows"] = rows = self.store.rows_at(pos)
+            return rows[:, : self.config.dim]
+
+        loss, _, grads = self.dense.step(mb, weights_of)
         self.step += 1
-        apply_to_rows(rows, emb.grad.numpy(), self.optimizer, self.step)
-        self.store.write(pos, rows)
+        apply_to_rows(fetched["rows"], grads, self.optimizer, self.step)
+        self.store.write(fetched["pos"], fetched["rows"])
         self.examples += len(mb)
-        return float(loss.detach())
+        return loss
 
     def train_batch(self, batch: Batch) -> float:
         """Train on every mini-batch of ``batch`` in order; returns the mean loss."""
