@@ -59,9 +59,10 @@ class DenseReplicas:
             part = mb.slice(lo, hi)
             layout = BagLayout.of(part)
             emb = torch.from_numpy(np.ascontiguousarray(weights_of(layout.unique_keys))).requires_grad_(True)
-            logits = model(pool_sum(emb, layout), torch.from_numpy(part.dense))
+            # torch.tensor copies: batches from the object store are read-only views
+            logits = model(pool_sum(emb, layout), torch.tensor(part.dense))
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, torch.from_numpy(part.labels), reduction="sum"
+                logits, torch.tensor(part.labels), reduction="sum"
             ) / n_total
             model.zero_grad(set_to_none=True)
             loss.backward()

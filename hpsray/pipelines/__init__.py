@@ -1,2 +1,9 @@
 """The pipeline composition API: stages joined by bounded object-ref queues, scheduling,
 metrics and the run report."""
+
+from hpsray.pipelines.edge import BoundedEdge
+from hpsray.pipelines.pipeline import Pipeline
+from hpsray.pipelines.sources import FileSource, SyntheticSource
+from hpsray.pipelines.stages import MemPSStage, SSDPSStage, TrainerStage
+
+__all__ = ["BoundedEdge", "FileSource", "MemPSStage", "Pipeline", "SSDPSStage", "SyntheticSource", "TrainerStage"]

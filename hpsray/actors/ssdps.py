@@ -1,0 +1,38 @@
+"""``SSDPSShard``: a node's SSD-PS (parameter files on local disk) as a Ray actor."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpsray.actors.timing import StageClock
+from hpsray.tiers.ssd import SSDPS
+
+
+class SSDPSShard:
+    """Owns one node's parameter-file directory; MEM-PS loads from and dumps to it."""
+
+    def __init__(self, node: int, directory: str, width: int, **options) -> None:
+        self.node = node
+        self.store = SSDPS(directory, width, **options)
+        self.clock = StageClock("load", node)
+
+    def __repr__(self) -> str:
+        return f"SSDPS[node {self.node}]"
+
+    def load(self, keys: np.ndarray, batch=None) -> tuple[np.ndarray, np.ndarray]:
+        with self.clock.timed(batch):
+            return self.store.load(keys)
+
+    def dump(self, keys: np.ndarray, rows: np.ndarray, batch=None) -> None:
+        with self.clock.timed(batch):
+            self.store.dump(keys, rows)
+
+    def scan(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every live row, file by file."""
+        return list(self.store.scan())
+
+    def stats(self) -> dict:
+        return {**self.clock.snapshot(), "store": self.store.stats}
+
+    def close(self) -> None:
+        self.store.close()

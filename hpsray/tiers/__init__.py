@@ -1,0 +1,24 @@
+"""Storage engines of one node, with no Ray inside (DESIGN §1, §4).
+
+* :class:`SSDPS` (:mod:`~hpsray.tiers.ssd`) — every row of the node's shard in append-only,
+  checksummed parameter files with a manifest, stale counters and background compaction;
+  acknowledged dumps survive ``kill -9``.
+* :class:`MemPS` (:mod:`~hpsray.tiers.mem`) — the node's rows in host memory: an LRU → LFU
+  cache over SSD-PS whose in-flight batches' rows are pinned.
+* :class:`Partitioner` (:mod:`~hpsray.tiers.partition`) — owner node and device of each key.
+
+Formats, protocols and measurements: ``docs/tiers.md``.
+"""
+
+from hpsray.tiers.cache_policy import CapacityError, LruLfuPolicy, belady_hit_rate
+from hpsray.tiers.mem import MemPS, rows_for_bytes
+from hpsray.tiers.paramfile import CorruptFileError, SSDError, SSDFullError
+from hpsray.tiers.partition import Partitioner, device_of, group_by, owner_of, place
+from hpsray.tiers.ssd import DEFAULT_ROWS_PER_FILE, SSDPS
+
+__all__ = [
+    "SSDPS", "MemPS", "Partitioner", "LruLfuPolicy",
+    "SSDError", "SSDFullError", "CorruptFileError", "CapacityError",
+    "DEFAULT_ROWS_PER_FILE", "belady_hit_rate", "rows_for_bytes",
+    "owner_of", "device_of", "place", "group_by",
+]

@@ -1,0 +1,118 @@
+"""HBM-PS: the trainer's working set, partitioned over the node's ``D`` device hash tables.
+
+Paper §4 / Algorithm 2. A key lives on device ``(h(key) // N) % D`` of its node (DESIGN §5).
+Per batch the trainer *inserts* the working set pulled from MEM-PS, then, per mini-batch,
+*gets* rows and *accumulates* gradients through the sparse optimizer inside the tables. At batch
+end it *exports* the batch's rows for write-back.
+
+Rows already resident from the previous batch are fresher than any copy pulled while that batch
+trained (the pull of batch ``t+1`` overlaps the training of ``t``), so :meth:`insert` keeps
+them and only fills keys that are new; :meth:`retain` then drops what the new batch no longer
+needs. This is how the pipeline stays BSP-exact across batch boundaries (DESIGN invariant 2).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpsray.kernels import make_table
+from hpsray.kernels.init import RowInit
+from hpsray.kernels.optim import SparseOptimizer
+from hpsray.kernels.table import as_keys
+from hpsray.tiers.partition import device_of, group_by
+
+
+class HbmPS:
+    """``D`` hash tables of one node's trainer (on CPU, ``D`` "virtual devices").
+
+    Args:
+        capacity: rows the node's working set may hold in all (two consecutive batches).
+        width: floats per row.
+        init: initialiser of rows (only used for rows never pulled, which should not happen).
+        n_devices: ``D``.
+        n_nodes: ``N``, for the device hash.
+        device: ``"cpu"`` or ``"cuda"`` kernels.
+    """
+
+    def __init__(self, capacity: int, width: int, init: RowInit, n_devices: int = 1, n_nodes: int = 1,
+                 device: str = "cpu") -> None:
+        if n_devices < 1:
+            raise ValueError(f"n_devices must be >= 1, got {n_devices}")
+        self.n_devices, self.n_nodes, self.width = n_devices, n_nodes, width
+        # hashing is not perfectly even: give each device some slack over its fair share
+        per_device = int(np.ceil(capacity / n_devices * 1.1)) + 64
+        self.init, self.device = init, device
+        self.tables = [make_table(per_device, width, init, device=device) for _ in range(n_devices)]
+        self.grown = 0
+
+    def _grow(self, d: int, need: int) -> None:
+        """Replace device ``d``'s table by one that fits ``need`` more rows (the working set
+        outgrew the estimate it was sized by); rows move over unchanged."""
+        old = self.tables[d]
+        keys, rows = old.export()
+        new = make_table(max(2 * old.capacity, old.size + need), self.width, self.init, device=self.device)
+        new.assign(keys, rows)
+        self.tables[d] = new
+        self.grown += 1
+
+    @property
+    def size(self) -> int:
+        return sum(t.size for t in self.tables)
+
+    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.n_devices == 1:
+            return np.arange(keys.size), np.array([0, keys.size])
+        return group_by(device_of(keys, self.n_nodes, self.n_devices), self.n_devices)
+
+    def _parts(self, keys: np.ndarray):
+        order, offsets = self._split(keys)
+        for d, table in enumerate(self.tables):
+            yield table, order[offsets[d] : offsets[d + 1]]
+
+    def insert(self, keys, rows) -> int:
+        """Insert the working set; keys already resident keep their (fresher) rows.
+
+        Returns how many keys were new.
+        """
+        keys = as_keys(keys)
+        new_total = 0
+        for d, (table, pos) in enumerate(self._parts(keys)):
+            k = keys[pos]
+            new = table.find(k) < 0
+            if new.any():
+                if table.size + int(new.sum()) > table.capacity:
+                    self._grow(d, int(new.sum()))
+                self.tables[d].assign(k[new], rows[pos[new]])
+                new_total += int(new.sum())
+        return new_total
+
+    def retain(self, keys) -> int:
+        """Erase every resident key not in ``keys``; returns how many were erased."""
+        keys = np.sort(as_keys(keys))
+        erased = 0
+        for table in self.tables:
+            resident, _ = table.export()
+            idx = np.searchsorted(keys, resident)
+            stale = resident[(idx >= keys.size) | (keys[np.minimum(idx, keys.size - 1)] != resident)] if keys.size else resident
+            if stale.size:
+                erased += table.erase(stale)
+        return erased
+
+    def get(self, keys) -> np.ndarray:
+        """Rows of resident ``keys`` (``float32[n, width]``)."""
+        keys = as_keys(keys)
+        out = np.empty((keys.size, self.width), dtype=np.float32)
+        for table, pos in self._parts(keys):
+            out[pos] = table.get(keys[pos])
+        return out
+
+    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
+        """Accumulate ``grads`` into the rows of ``keys`` through ``optimizer`` (duplicates summed)."""
+        keys = as_keys(keys)
+        for table, pos in self._parts(keys):
+            if pos.size:
+                table.apply_gradients(keys[pos], grads[pos], optimizer, step)
+
+    def export(self, keys) -> np.ndarray:
+        """Rows of ``keys`` for write-back (same as :meth:`get`)."""
+        return self.get(keys)

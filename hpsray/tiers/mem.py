@@ -1,0 +1,330 @@
+"""MEM-PS: a node's rows in host memory, a cache over SSD-PS (paper §5, App. D).
+
+Rows live in the arena of a :class:`~hpsray.kernels.cpu.CpuHashTable` (key → slot); per-slot
+metadata (replacement state, pin counts, dirty flags) lives in numpy arrays. Replacement is
+LRU → LFU (:mod:`hpsray.tiers.cache_policy`): every visited row enters the LRU region, rows
+leaving the LRU enter the LFU region, rows leaving the LFU region are written to SSD-PS
+*before* their memory is released.
+
+A batch's rows are pinned under its batch id from :meth:`MemPS.pull` until
+:meth:`MemPS.unpin`; pinned rows are never evicted (DESIGN invariant 3). Only *dirty* rows
+(changed by :meth:`MemPS.write_back` since they were last stored) are written on eviction: a
+clean row is already on SSD-PS with the same value, or was never stored and is re-created
+bit for bit by the deterministic initializer.
+
+Every call takes arrays of keys; there is no per-row Python on the hot path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Hashable, Protocol
+
+import numpy as np
+
+from hpsray.kernels.cpu import CpuHashTable
+from hpsray.kernels.hashing import EMPTY_KEY
+from hpsray.kernels.init import RowInit, initial_rows
+from hpsray.kernels.table import as_keys, as_rows, bucket_count
+from hpsray.tiers.cache_policy import (
+    DEFAULT_AGING,
+    DEFAULT_HISTORY,
+    DEFAULT_LRU_FRACTION,
+    CapacityError,
+    FrequencySketch,
+    LruLfuPolicy,
+)
+
+__all__ = ["MemPS", "BackingStore", "CapacityError", "rows_for_bytes"]
+
+# per-row bookkeeping besides the row and the hash buckets: table row_keys/free/first (24),
+# our slot keys (8), policy region/tick/freq/pins (21), dirty flag (1)
+_META_BYTES_PER_ROW = 54
+_FLUSH_CHUNK_ROWS = 1 << 20
+
+
+class BackingStore(Protocol):
+    """What MEM-PS needs from the tier below (:class:`~hpsray.tiers.ssd.SSDPS`)."""
+
+    width: int
+
+    def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def dump(self, keys: np.ndarray, rows: np.ndarray) -> None: ...
+
+
+def rows_for_bytes(capacity_bytes: int, width: int, history: float | None = DEFAULT_HISTORY) -> int:
+    """Most rows of ``width`` floats whose rows and bookkeeping (hash buckets, replacement
+    state, frequency sketch) fit in ``capacity_bytes``."""
+
+    def cost(rows: int) -> int:
+        sketch = 4 * 2 * FrequencySketch.width_for(int(history * rows)) if history else 0
+        return rows * (4 * width + _META_BYTES_PER_ROW) + 16 * bucket_count(rows) + sketch
+
+    lo, hi = 0, max(1, capacity_bytes // (4 * width + _META_BYTES_PER_ROW))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= capacity_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo < 1:
+        raise ValueError(f"capacity_bytes={capacity_bytes} holds no row of width {width} ({cost(1)} bytes each)")
+    return lo
+
+
+class MemPS:
+    """In-memory rows of one node over a backing SSD-PS.
+
+    Args:
+        capacity_rows: most rows held (``None`` when ``capacity_bytes`` is given).
+        width: floats per row; must equal ``ssd.width``.
+        ssd: the backing store (rows come from ``ssd.load`` and go to ``ssd.dump``).
+        init: initializer of keys the store has never seen (zeros when ``None``).
+        capacity_bytes: memory budget instead of ``capacity_rows`` (rows + bookkeeping).
+        lru_fraction: share of the capacity for the LRU region (1: plain LRU, 0: plain LFU).
+        aging: frequencies halve every ``aging × capacity`` visits (``None``: never).
+        history: size of the frequency sketch, counters per depth × capacity (``None``: a
+            row's count restarts at 1 whenever it is re-admitted).
+        stats_history: how many batches keep their per-batch counters.
+    """
+
+    def __init__(
+        self,
+        capacity_rows: int | None,
+        width: int,
+        ssd: BackingStore,
+        init: RowInit | None = None,
+        *,
+        capacity_bytes: int | None = None,
+        lru_fraction: float = DEFAULT_LRU_FRACTION,
+        aging: float | None = DEFAULT_AGING,
+        history: float | None = DEFAULT_HISTORY,
+        stats_history: int = 4096,
+    ) -> None:
+        if (capacity_rows is None) == (capacity_bytes is None):
+            raise ValueError("give exactly one of capacity_rows and capacity_bytes")
+        if capacity_rows is None:
+            capacity_rows = rows_for_bytes(int(capacity_bytes), width, history)
+        if capacity_rows < 1:
+            raise ValueError(f"capacity_rows must be >= 1, got {capacity_rows}")
+        if ssd.width != width:
+            raise ValueError(f"MEM-PS width {width} differs from its store's width {ssd.width}")
+        self.width = int(width)
+        self.capacity = int(capacity_rows)
+        self.init = init or RowInit(dim=0, scale=0.0)
+        if self.init.dim > width:
+            raise ValueError(f"init.dim={self.init.dim} exceeds row width {width}")
+        self.ssd = ssd
+        self._table = CpuHashTable(self.capacity, self.width)
+        self._policy = LruLfuPolicy(self.capacity, lru_fraction, aging, history)
+        self._slot_key = np.full(self.capacity, EMPTY_KEY, dtype=np.uint64)
+        self._dirty = np.zeros(self.capacity, dtype=bool)
+        self._pins: dict[Hashable, list[np.ndarray]] = {}
+        self._batch_stats: OrderedDict[Hashable, dict] = OrderedDict()
+        self._history = int(stats_history)
+        self._lock = threading.RLock()
+        self._totals = dict(pulls=0, hits=0, misses=0, loaded=0, initialised=0, evicted=0,
+                            evicted_dirty=0, write_backs=0, rows_written_back=0, flushed=0)
+
+    # -- the batch cycle -----------------------------------------------------------------
+
+    def pull(self, batch_id: Hashable, keys) -> np.ndarray:
+        """Rows of ``keys`` (``float32[n, width]``, duplicates allowed), pinned for ``batch_id``.
+
+        Resident rows are hits; misses are loaded from SSD-PS or, if never stored,
+        initialised. Room is made by evicting unpinned rows. Raises :class:`CapacityError`
+        (changing nothing) when the rows pinned by in-flight batches plus this batch's
+        misses exceed the capacity. May be called more than once per batch id.
+        """
+        keys = as_keys(keys)
+        with self._lock:
+            uk, inv = np.unique(keys, return_inverse=True)
+            slots = self._table.find(uk)
+            hit = slots >= 0
+            hit_slots = slots[hit]
+            miss_keys = uk[~hit]
+            m = miss_keys.size
+            need = self._table.size + m - self.capacity
+            policy = self._policy
+            if need > 0 and need > policy.evictable(hit_slots):
+                pinned = policy.n_pinned + int(np.count_nonzero(policy.pins[hit_slots] == 0))
+                raise CapacityError(
+                    f"MEM-PS capacity {self.capacity} rows: batch {batch_id!r} needs {uk.size} distinct rows "
+                    f"({m} not resident), {policy.n_pinned} rows are pinned by in-flight batches "
+                    f"{list(self._pins)[:8]}, so {pinned + m} rows would have to be held; "
+                    "raise the capacity or keep fewer batches in flight"
+                )
+            policy.touch(hit_slots, uk[hit])
+            policy.pin(hit_slots)
+            try:
+                loaded = 0
+                if m:
+                    victims = policy.make_room(max(need, 0), incoming=m)
+                    self._evict(victims)
+                    rows, found = self.ssd.load(miss_keys)
+                    loaded = int(np.count_nonzero(found))
+                    if loaded < m:
+                        if not rows.flags.writeable:  # e.g. an array from Ray's object store
+                            rows = rows.copy()
+                        absent = ~found
+                        rows[absent] = initial_rows(miss_keys[absent], self.width, self.init)
+                    new_slots = self._table.find_or_insert(miss_keys)
+                    self._table.rows[new_slots] = rows
+                    self._slot_key[new_slots] = miss_keys
+                    self._dirty[new_slots] = False
+                    policy.touch(new_slots, miss_keys)
+                    policy.pin(new_slots)
+                    slots[~hit] = new_slots
+            except BaseException:
+                policy.unpin(hit_slots)
+                raise
+            self._pins.setdefault(batch_id, []).append(slots)
+            hits = int(hit_slots.size)
+            self._count(batch_id, hits=hits, misses=m, loaded=loaded, initialised=m - loaded)
+            self._totals["pulls"] += 1
+            return self._table.gather(slots[inv])
+
+    def write_back(self, batch_id: Hashable, keys, rows) -> None:
+        """Store the updated ``rows`` of ``keys`` (all pulled by ``batch_id`` and still pinned);
+        the last duplicate wins. The rows become dirty: eviction will write them to SSD-PS."""
+        keys = as_keys(keys)
+        rows = as_rows(rows, keys.size, self.width, "write_back rows")
+        with self._lock:
+            held = self._pins.get(batch_id)
+            if held is None:
+                raise KeyError(f"write_back: batch {batch_id!r} has no pinned rows (never pulled, or unpinned)")
+            slots = self._table.find(keys)
+            bad = slots < 0
+            if not bad.any():
+                bad = ~np.isin(slots, np.concatenate(held))
+            if bad.any():
+                raise KeyError(
+                    f"write_back: {int(bad.sum())} of {keys.size} keys were not pulled by batch {batch_id!r} "
+                    f"(first: {int(keys[np.argmax(bad)])})"
+                )
+            self._table.assign(keys, rows)
+            self._dirty[slots] = True
+            self._totals["write_backs"] += 1
+            self._totals["rows_written_back"] += int(keys.size)
+
+    def unpin(self, batch_id: Hashable) -> None:
+        """Release the pins of ``batch_id``; its rows become evictable (LRU order)."""
+        with self._lock:
+            held = self._pins.pop(batch_id, None)
+            if held is None:
+                raise KeyError(f"unpin: batch {batch_id!r} has no pinned rows")
+            for slots in held:
+                self._policy.unpin(slots)
+
+    # -- eviction and flushing -----------------------------------------------------------
+
+    def _evict(self, victims: np.ndarray) -> None:
+        if victims.size == 0:
+            return
+        dirty = victims[self._dirty[victims]]
+        if dirty.size:
+            self.ssd.dump(self._slot_key[dirty], self._table.gather(dirty))  # before release
+        self._table.erase(self._slot_key[victims])
+        self._policy.release(victims)
+        self._slot_key[victims] = EMPTY_KEY
+        self._dirty[victims] = False
+        self._totals["evicted"] += int(victims.size)
+        self._totals["evicted_dirty"] += int(dirty.size)
+
+    def flush(self) -> int:
+        """Write every dirty row (pinned ones included) to SSD-PS; rows stay resident.
+        Returns the number of rows written."""
+        with self._lock:
+            dirty = np.flatnonzero(self._dirty)
+            for i in range(0, dirty.size, _FLUSH_CHUNK_ROWS):
+                part = dirty[i : i + _FLUSH_CHUNK_ROWS]
+                self.ssd.dump(self._slot_key[part], self._table.gather(part))
+                self._dirty[part] = False
+            self._totals["flushed"] += int(dirty.size)
+            return int(dirty.size)
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def peek(self, keys) -> np.ndarray:
+        """Current rows of resident ``keys`` without touching replacement state (e.g. to
+        re-read a prefetched batch's rows after the previous batch's write-back)."""
+        keys = as_keys(keys)
+        with self._lock:
+            slots = self._table.find(keys)
+            if slots.size and slots.min() < 0:
+                raise KeyError(f"peek: {int((slots < 0).sum())} of {keys.size} keys are not resident "
+                               f"(first: {int(keys[np.argmax(slots < 0)])})")
+            return self._table.gather(slots)
+
+    def contains(self, keys) -> np.ndarray:
+        """Whether each key is resident."""
+        keys = as_keys(keys)
+        with self._lock:
+            return self._table.find(keys) >= 0
+
+    def pinned(self, keys) -> np.ndarray:
+        """Whether each key is resident and pinned by some in-flight batch."""
+        keys = as_keys(keys)
+        with self._lock:
+            slots = self._table.find(keys)
+            out = slots >= 0
+            out[out] = self._policy.pins[slots[out]] > 0
+            return out
+
+    @property
+    def size(self) -> int:
+        """Resident rows."""
+        return self._table.size
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def in_flight(self) -> list:
+        """Batch ids holding pins."""
+        with self._lock:
+            return list(self._pins)
+
+    def _count(self, batch_id: Hashable, **kv: int) -> None:
+        s = self._batch_stats.get(batch_id)
+        if s is None:
+            s = self._batch_stats[batch_id] = dict(hits=0, misses=0, loaded=0, initialised=0)
+            while len(self._batch_stats) > self._history:
+                self._batch_stats.popitem(last=False)
+        for k, v in kv.items():
+            s[k] += v
+            self._totals[k] += v
+
+    def batch_stats(self, batch_id: Hashable) -> dict:
+        """``hits``, ``misses`` (of which ``loaded`` from SSD-PS, ``initialised`` new) and
+        ``hit_rate`` of one batch (distinct keys)."""
+        with self._lock:
+            s = dict(self._batch_stats[batch_id])
+        total = s["hits"] + s["misses"]
+        s["hit_rate"] = s["hits"] / total if total else 0.0
+        return s
+
+    @property
+    def stats(self) -> dict:
+        """Totals since creation plus current occupancy (rows, pinned rows, LRU/LFU split)."""
+        with self._lock:
+            t = dict(self._totals)
+            total = t["hits"] + t["misses"]
+            p = self._policy
+            t.update(
+                hit_rate=t["hits"] / total if total else 0.0,
+                capacity=self.capacity, size=self.size, pinned_rows=p.n_pinned,
+                batches_in_flight=len(self._pins), lru_rows=p.n_lru, lfu_rows=p.n_lfu,
+                dirty_rows=int(np.count_nonzero(self._dirty)),
+            )
+            return t
+
+    def close(self, flush: bool = True) -> None:
+        """Flush dirty rows (unless ``flush=False``). The SSD-PS is not closed."""
+        if flush:
+            self.flush()
+
+    def __repr__(self) -> str:
+        return f"MemPS(capacity={self.capacity}, width={self.width}, rows={self.size}, in_flight={len(self._pins)})"

@@ -1,0 +1,93 @@
+"""Which node owns a key and which of the node's devices holds it (DESIGN §5).
+
+``h = mix64(key)``; owner node ``= h % N``; device ``= (h // N) % D``. The device uses the
+quotient, not the same low bits again: with ``key % 2`` for both, node 0 would only ever
+see even keys and all of them would land on its device 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpsray.kernels.hashing import mix64_array
+from hpsray.kernels.table import as_keys
+
+
+def _check(n: int, name: str) -> int:
+    if int(n) < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+    return int(n)
+
+
+def key_hash(keys) -> np.ndarray:
+    """The partitioning hash ``mix64(key)`` of each key (``uint64``)."""
+    return mix64_array(as_keys(keys))
+
+
+def owner_of(keys, n_nodes: int) -> np.ndarray:
+    """Owner node of each key, ``int64`` in ``[0, n_nodes)``."""
+    n = np.uint64(_check(n_nodes, "n_nodes"))
+    return (key_hash(keys) % n).astype(np.int64)
+
+
+def device_of(keys, n_nodes: int, n_devices: int) -> np.ndarray:
+    """Device (within its owner node) of each key, ``int64`` in ``[0, n_devices)``."""
+    n = np.uint64(_check(n_nodes, "n_nodes"))
+    d = np.uint64(_check(n_devices, "n_devices"))
+    return ((key_hash(keys) // n) % d).astype(np.int64)
+
+
+def place(keys, n_nodes: int, n_devices: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``(owner node, device)`` of each key, hashing once."""
+    n = np.uint64(_check(n_nodes, "n_nodes"))
+    d = np.uint64(_check(n_devices, "n_devices"))
+    h = key_hash(keys)
+    return (h % n).astype(np.int64), ((h // n) % d).astype(np.int64)
+
+
+def group_by(parts: np.ndarray, n_parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group positions by part id: ``(order, offsets)`` such that
+    ``order[offsets[p]:offsets[p + 1]]`` are the positions with ``parts == p``, in input order."""
+    parts = np.asarray(parts, dtype=np.int64)
+    order = np.argsort(parts, kind="stable")
+    offsets = np.zeros(n_parts + 1, dtype=np.int64)
+    np.cumsum(np.bincount(parts, minlength=n_parts), out=offsets[1:])
+    return order, offsets
+
+
+@dataclass(frozen=True)
+class Partitioner:
+    """Key placement for a cluster of ``n_nodes`` nodes with ``n_devices`` devices each."""
+
+    n_nodes: int
+    n_devices: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.n_nodes, "n_nodes")
+        _check(self.n_devices, "n_devices")
+
+    def owner(self, keys) -> np.ndarray:
+        """Owner node of each key."""
+        return owner_of(keys, self.n_nodes)
+
+    def device(self, keys) -> np.ndarray:
+        """Device of each key within its owner node."""
+        return device_of(keys, self.n_nodes, self.n_devices)
+
+    def place(self, keys) -> tuple[np.ndarray, np.ndarray]:
+        """``(owner, device)`` of each key."""
+        return place(keys, self.n_nodes, self.n_devices)
+
+    def split_by_owner(self, keys) -> list[np.ndarray]:
+        """The keys owned by each node, in input order (a list of ``n_nodes`` arrays)."""
+        keys = as_keys(keys)
+        order, offsets = group_by(self.owner(keys), self.n_nodes)
+        return [keys[order[offsets[i] : offsets[i + 1]]] for i in range(self.n_nodes)]
+
+    def split_by_device(self, keys) -> list[np.ndarray]:
+        """Keys of one node split over its devices (a list of ``n_devices`` arrays)."""
+        keys = as_keys(keys)
+        order, offsets = group_by(self.device(keys), self.n_devices)
+        return [keys[order[offsets[i] : offsets[i + 1]]] for i in range(self.n_devices)]

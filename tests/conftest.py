@@ -1,0 +1,21 @@
+"""Shared fixtures: one local Ray instance for every test that needs it."""
+
+import os
+
+import pytest
+
+# Tests run on a 2-core machine: keep numba/torch from oversubscribing inside Ray workers.
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A real local Ray instance (started once per session, stopped at the end)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()

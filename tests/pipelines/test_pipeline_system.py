@@ -1,0 +1,134 @@
+"""The single-node system on real Ray actors: lossless against the reference, bounded, named."""
+
+import sys
+import time
+
+from ray import cloudpickle
+import numpy as np
+import pytest
+import ray
+import torch
+
+from hpsray.actors.trainer import Trainer
+from hpsray.config import TrainConfig
+from hpsray.data import Batch, PlantedCTR
+from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.reference import ReferenceTrainer
+
+GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)
+SOURCE = SyntheticSource(GEN, rows=6000)
+BATCH = 1000
+
+
+def reference_of(cfg: TrainConfig, source=SOURCE) -> tuple:
+    ref = ReferenceTrainer(source.n_slots, source.n_dense, cfg)
+    ref.fit(source.open(BATCH))
+    return ref.export()
+
+
+@pytest.mark.parametrize(
+    "optimizer,lr,devices",
+    [("adagrad", 0.05, 2), ("adam", 0.01, 1)],
+)
+def test_pipeline_is_lossless_with_rows_travelling_to_ssd_and_back(ray_local, tmp_path, optimizer, lr, devices):
+    cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=200, sparse_optimizer=optimizer, sparse_lr=lr)
+    # 3000 rows of MEM-PS against ~5000 distinct keys, two batches pinned at a time: rows must
+    # be evicted to SSD-PS and loaded back for later batches.
+    with Pipeline(SOURCE, TrainerStage(cfg, n_devices=devices), MemPSStage(capacity_rows=3000),
+                  SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+                  batch_size=BATCH, read_queue=2) as p:
+        report = p.fit(progress=False)
+        keys, rows = p.export_rows()
+        dense = p.dense_state()
+    assert report["batches"] == 6 and report["examples"] == 6000
+    assert report["ssd"]["bytes_read"] > 0, "the budget should have forced SSD loads"
+    assert min(report["cache_hit_rate"].values()) < 1.0
+    ref_keys, ref_rows, ref_dense = reference_of(cfg)
+    np.testing.assert_array_equal(keys, ref_keys)
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
+    for name, value in ref_dense.items():
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# Models defined here travel to Ray workers by value (workers cannot import test modules).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class SlowDNN(torch.nn.Module):
+    """A real model whose forward pass is slowed down, to make training the bottleneck."""
+
+    def __init__(self, n_slots, dim, n_dense, delay_s):
+        super().__init__()
+        self.linear = torch.nn.Linear(n_slots * dim + n_dense, 1)
+        self.delay_s = delay_s
+
+    def forward(self, pooled, dense):
+        time.sleep(self.delay_s)
+        return self.linear(torch.cat([pooled.flatten(1), dense], 1)).squeeze(1)
+
+
+def test_slow_trainer_stalls_the_reader(ray_local):
+    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    source = SyntheticSource(GEN, rows=8000)
+    with Pipeline(source, TrainerStage(cfg, model=SlowDNN(4, 4, 3, 0.15)), MemPSStage(capacity_rows=20000),
+                  batch_size=500, read_queue=2) as p:
+        report = p.fit(progress=False)
+        reader_events = ray.get(p.actors()["Reader[node 0]#0"].stats.remote())["events"]
+        trainer_events = ray.get(p.actors()["Trainer[node 0]"].stats.remote())["events"]
+    assert report["batches"] == 16
+    train_starts = sorted(start for start, _, _ in trainer_events)
+    for start, _, batch in reader_events:
+        trained = sum(s < start for s in train_starts)
+        # read t may run while t-1 trains, t is pulled and the read queue (2) holds t+1, t+2
+        assert batch - trained <= 2 + 2, f"read of batch {batch} ran with only {trained} batches in training"
+    assert report["queues"]["read→pull"]["max_depth"] <= 2
+    assert report["stage_busy_s"]["train"] > report["stage_busy_s"]["read"]
+
+
+def test_actors_are_named_for_the_dashboard(ray_local):
+    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    with Pipeline(SyntheticSource(GEN, rows=1000), TrainerStage(cfg), MemPSStage(capacity_rows=10000),
+                  batch_size=500, name="named-run") as p:
+        p.fit(progress=False)
+        names = set(ray.util.list_named_actors())
+        assert {"named-run:MemPS[node 0]", "named-run:SSDPS[node 0]", "named-run:Trainer[node 0]",
+                "named-run:Reader[node 0]"} <= names
+    assert repr(Trainer(0, 1, cfg, 4, 3, capacity=100)) == "Trainer[node 0]"
+
+
+def test_transform_stage_runs_in_the_reader(ray_local):
+    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+
+    def only_first_slot(batch: Batch) -> Batch:
+        keep = batch.slots == 0
+        counts = np.bincount(batch.example_of_key()[keep], minlength=len(batch))
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return Batch(batch.labels, batch.dense, batch.keys[keep], offsets, batch.slots[keep], batch.n_slots)
+
+    with Pipeline(SyntheticSource(GEN, rows=2000), TrainerStage(cfg), MemPSStage(capacity_rows=10000),
+                  transforms=[only_first_slot], batch_size=1000) as p:
+        p.fit(progress=False)
+        keys, _ = p.export_rows()
+    all_keys = np.unique(GEN.generate(2000).keys)
+    first_slot = np.unique(GEN.generate(2000).keys[GEN.generate(2000).slots == 0])
+    np.testing.assert_array_equal(keys, first_slot)
+    assert keys.size < all_keys.size
+
+
+def test_too_small_memory_budget_fails_clearly(ray_local):
+    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    with Pipeline(SyntheticSource(GEN, rows=2000), TrainerStage(cfg), MemPSStage(capacity_rows=50),
+                  batch_size=1000) as p:
+        with pytest.raises(ray.exceptions.RayTaskError, match="(?i)capacity"):
+            p.fit(progress=False)
+
+
+def test_evaluate_scores_held_out_rows(ray_local):
+    cfg = TrainConfig(dim=8, hidden=(32,), minibatch_size=500)
+    gen = PlantedCTR(n_slots=6, keys_per_slot=500, n_dense=3, seed=4)
+    with Pipeline(SyntheticSource(gen, rows=40_000), TrainerStage(cfg), MemPSStage(capacity_rows=8000),
+                  batch_size=5000) as p:
+        p.fit(progress=False)
+        result = p.evaluate(SyntheticSource(gen, rows=5000, start_row=10**8))
+    assert result["examples"] == 5000
+    assert result["auc"] > 0.7
