@@ -6,4 +6,8 @@ the JSON report. Every benchmark measures its baseline in the same run and repor
 
 BENCHMARKS = {
     "kernels": "hpsray.bench.kernels",
+    "ssd": "hpsray.bench.ssd",
+    "cache": "hpsray.bench.cache",
+    "ingest": "hpsray.bench.ingest",
+    "e2e": "hpsray.bench.e2e",
 }
