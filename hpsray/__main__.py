@@ -11,8 +11,10 @@ from hpsray.version import __version__
 # One module per subcommand; each defines HELP, add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS = {
     "bench": "hpsray.cli.bench",
+    "demo": "hpsray.cli.demo",
     "gen-data": "hpsray.cli.gen_data",
     "reference": "hpsray.cli.reference",
+    "train": "hpsray.cli.train",
 }
 
 

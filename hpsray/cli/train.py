@@ -1,0 +1,275 @@
+"""``hpsray train JOB.toml``: train a job file on the hierarchical parameter server (or the reference).
+
+The job file (``examples/train.toml``; schema in :class:`hpsray.config.JobConfig`) names the
+data, model, optimizers, tier budgets and pipeline sizes. The command prints held-out AUC,
+throughput and the stage table; ``--report`` writes the run report (JSON plus per-batch PNG
+plots), ``--export`` the trained rows (Parquet) and dense weights (``docs/export.md``).
+
+Checking losslessness (DESIGN §3, invariant 1) takes two runs of the same job::
+
+    hpsray train job.toml --export out/hps
+    hpsray train job.toml --reference --compare out/hps
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any
+
+HELP = "train a TOML job file (data, model, optimizer, tiers, pipeline, cluster); --reference trains the oracle"
+
+EXIT_CONFIG = 2  # bad job file or arguments
+EXIT_FAILED = 1  # training failed, or --compare found a difference
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="JOB.toml", help="the job file (see examples/train.toml)")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster address (overrides [cluster] address; default RAY_ADDRESS or an embedded Ray)")
+    parser.add_argument("--report", metavar="FILE.json", default=None,
+                        help="write the run report as JSON, with FILE.stage_times.png, FILE.cache_hit_rate.png "
+                             "and FILE.ssd_io.png beside it")
+    parser.add_argument("--export", metavar="DIR", default=None,
+                        help="write the trained rows (Parquet) and dense weights to DIR (docs/export.md)")
+    parser.add_argument("--reference", action="store_true",
+                        help="train with the in-memory reference trainer instead (the losslessness oracle)")
+    parser.add_argument("--compare", metavar="DIR", default=None,
+                        help="after training, compare the model with an earlier --export DIR; exit 1 if they differ")
+    parser.add_argument("--tolerance", type=float, default=1e-5,
+                        help="largest absolute difference --compare accepts (default 1e-5)")
+    parser.add_argument("--json", action="store_true", help="print the run report as JSON on stdout")
+    parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+
+
+def error(msg: str, code: int = EXIT_CONFIG) -> int:
+    print(f"hpsray train: error: {msg}", file=sys.stderr)
+    return code
+
+
+def check_fresh_ssd(path: str | None) -> None:
+    """Refuse an SSD-PS directory that holds an earlier run's parameter files: training on top
+    of them would silently start from old rows."""
+    if not path or not os.path.isdir(path):
+        return
+    leftovers = [e for e in os.listdir(path) if e.startswith("node-") and os.listdir(os.path.join(path, e))]
+    if leftovers:
+        raise ValueError(f"tiers.ssd_path: {path} already holds parameter files of an earlier run "
+                         f"({', '.join(sorted(leftovers))}); remove them or choose another directory")
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The user-facing exception inside a Ray task error."""
+    seen = 0
+    while seen < 8 and getattr(e, "cause", None) is not None and e.cause is not e:
+        e = e.cause
+        seen += 1
+    return e
+
+
+def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None = None) -> tuple[dict, Any]:
+    """Fit ``job`` with the :class:`~hpsray.pipelines.Pipeline`, evaluate, optionally export.
+
+    Returns ``(report, model)`` where ``model`` is ``(keys, rows, dense_state)`` when exported
+    (else ``None``). Ray is started (and stopped) here unless the process is already connected.
+    """
+    import logging
+
+    import ray
+
+    from hpsray.cluster.runtime import connect
+    from hpsray.pipelines.export import export
+
+    started = connect(address or job.cluster.address, logging_level=logging.WARNING if quiet else logging.INFO,
+                      log_to_driver=not quiet)
+    model = None
+    try:
+        with job.build_pipeline(address=address) as pipe:
+            report = dict(pipe.fit(progress=not quiet))
+            report["trainer"] = "hpsray"
+            _evaluate(report, job, pipe.evaluate)
+            if export_dir:
+                keys, rows = pipe.export_rows()
+                dense = pipe.dense_state()
+                model = (keys, rows, dense)
+                source = pipe.source
+                report["export"] = export(model, export_dir, job.train_config(), n_slots=source.n_slots,
+                                          n_dense=source.n_dense, extra={"trainer": "hpsray"})
+                report["rows"] = int(keys.size)
+    finally:
+        if started:
+            ray.shutdown()
+    return report, model
+
+
+def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
+    """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
+    from hpsray.reference import ReferenceTrainer
+
+    source = job.source()
+    bs = job.pipeline.batch_size
+    data_reader = source.reader(bs) if hasattr(source, "reader") else None
+    it = iter(data_reader) if data_reader is not None else source.open(bs)
+    trainer = ReferenceTrainer(source.n_slots, source.n_dense, job.train_config())
+    per_read, per_train, losses = {}, {}, {}
+    t0 = time.perf_counter()
+    t = 0
+    while True:
+        r0 = time.perf_counter()
+        batch = next(it, None)
+        per_read[str(t)] = time.perf_counter() - r0
+        if batch is None:
+            break
+        s0 = time.perf_counter()
+        losses[str(t)] = trainer.train_batch(batch)
+        per_train[str(t)] = time.perf_counter() - s0
+        if not quiet:
+            rate = trainer.examples / max(time.perf_counter() - t0, 1e-9)
+            print(f"\r[reference] batch {t + 1}: {trainer.examples:,} examples, {rate:,.0f} examples/s",
+                  end="", file=sys.stderr, flush=True)
+        t += 1
+    wall = time.perf_counter() - t0
+    if not quiet:
+        print(file=sys.stderr)
+    if t == 0:
+        raise ValueError("the source produced no examples")
+    busy = {"read": sum(per_read.values()), "train": sum(per_train.values())}
+    report = {
+        "trainer": "reference",
+        "mode": "reference",
+        "nodes": 1,
+        "batches": t,
+        "examples": trainer.examples,
+        "wall_s": wall,
+        "examples_per_s": trainer.examples / wall if wall > 0 else 0.0,
+        "stage_busy_s": busy,
+        "pipeline_efficiency": max(busy.values()) / wall if wall > 0 else 0.0,
+        "per_batch_s": {"read": per_read, "train": per_train},
+        "cache_hit_rate": {},
+        "ssd": {},
+        "loss": losses,
+        "bad_input": data_reader.report.to_dict() if data_reader is not None else {},
+    }
+
+    def evaluate(eval_source) -> dict:
+        r = trainer.evaluate(eval_source.open(bs))
+        return {"auc": r.auc, "logloss": r.logloss, "examples": r.examples}
+
+    _evaluate(report, job, evaluate)
+    model = trainer.export()
+    report["rows"] = int(model[0].size)
+    return report, model
+
+
+def _evaluate(report: dict, job, evaluate) -> None:
+    eval_source = job.eval_source()
+    if eval_source is None:
+        report.update(auc=None, logloss=None, eval_examples=0)
+        return
+    result = evaluate(eval_source)
+    report.update(auc=result["auc"], logloss=result["logloss"], eval_examples=result["examples"])
+
+
+def summary(report: dict) -> str:
+    """The human-readable result: AUC, throughput and the stage table."""
+    from hpsray.pipelines.report import format_stage_table
+
+    who = "reference trainer" if report.get("trainer") == "reference" else "hpsray pipeline"
+    lines = [(f"{who}: {report['examples']:,} examples in {report['batches']} batches, "
+              f"{report['wall_s']:.1f} s, {report['examples_per_s']:,.0f} examples/s")]
+    if report.get("auc") is not None:
+        lines.append(f"held-out AUC {report['auc']:.4f}, log-loss {report['logloss']:.4f} "
+                     f"({report['eval_examples']:,} examples)")
+    else:
+        lines.append("no evaluation data in the job (data.eval_paths or data.synthetic.eval_rows)")
+    lines.append(format_stage_table(report))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from ray.exceptions import RayError
+
+    from hpsray.config import ConfigError, JobConfig
+    from hpsray.data import DataError
+
+    if args.compare and not os.path.isfile(os.path.join(args.compare, "manifest.json")):
+        return error(f"--compare {args.compare}: no manifest.json there (not an hpsray export)")
+    if not (args.tolerance >= 0 and math.isfinite(args.tolerance)):
+        return error(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
+    try:
+        job = JobConfig.load(args.config)
+        job.source()  # resolves the schema: configuration errors surface before Ray starts
+        job.eval_source()
+        if not args.reference:
+            job.cluster_kwargs()
+            check_fresh_ssd(job.tiers.ssd_path)
+    except (ConfigError, DataError) as e:
+        return error(str(e))
+    except ValueError as e:
+        return error(f"{args.config}: {e}")
+
+    try:
+        if args.reference:
+            report, model = train_reference(job, args.quiet)
+            if args.export:
+                from hpsray.pipelines.export import export
+
+                report["export"] = export(model, args.export, job.train_config(), n_slots=job.source().n_slots,
+                                          n_dense=job.source().n_dense, extra={"trainer": "reference"})
+        else:
+            export_dir = args.export
+            if args.compare and not export_dir:
+                import tempfile
+
+                export_dir = tempfile.mkdtemp(prefix="hpsray-export-")
+            report, model = train_pipeline(job, args.address, args.quiet, export_dir)
+            if export_dir and not args.export:
+                import shutil
+
+                shutil.rmtree(export_dir, ignore_errors=True)
+                report.pop("export", None)
+    except KeyboardInterrupt:
+        return error("interrupted", 130)
+    except (DataError, ValueError, OSError, RayError) as e:  # actor errors arrive wrapped in RayTaskError
+        cause = _cause(e)
+        return error(f"training failed: {type(cause).__name__}: {cause}", EXIT_FAILED)
+
+    report["bad_rows"] = int((report.get("bad_input") or {}).get("rows_bad", 0))
+    report["config"] = job.to_dict()
+    report["config_file"] = os.path.abspath(args.config)
+    code = 0
+    if args.compare:
+        from hpsray.pipelines.export import compare_exports, load_export
+
+        diff = compare_exports(model, load_export(args.compare))
+        worst = max(diff["max_abs_row_diff"], diff["max_abs_dense_diff"])
+        same_keys = diff["keys_only_in_a"] == 0 and diff["keys_only_in_b"] == 0
+        diff.update(against=os.path.abspath(args.compare), tolerance=args.tolerance,
+                    equal=bool(same_keys and worst <= args.tolerance))
+        report["compare"] = diff
+        code = 0 if diff["equal"] else EXIT_FAILED
+    if args.report:
+        from hpsray.pipelines.report import write_report
+
+        written = write_report(report, args.report)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(summary(report))
+        if args.report:
+            print(f"report: {written[0]} (plots: {', '.join(os.path.basename(p) for p in written[1:])})")
+        if args.export:
+            print(f"export: {report['export']['rows']:,} rows to {args.export}")
+        if args.compare:
+            d = report["compare"]
+            verdict = "EQUAL" if d["equal"] else "DIFFERENT"
+            print(f"compare with {args.compare}: {d['rows_a']:,} vs {d['rows_b']:,} rows "
+                  f"({d['keys_only_in_a']} / {d['keys_only_in_b']} keys only on one side), max |diff| rows "
+                  f"{d['max_abs_row_diff']:.3g}, dense {d['max_abs_dense_diff']:.3g}: {verdict} "
+                  f"within {args.tolerance:g}")
+    return code

@@ -1,0 +1,163 @@
+"""The run report on disk: JSON plus the paper's per-batch plots, and a stage table for terminals.
+
+:func:`write_report` writes ``out.json`` and beside it
+
+- ``out.stage_times.png``: busy seconds of each stage per batch (paper Fig. 3c),
+- ``out.cache_hit_rate.png``: MEM-PS cache hit rate per batch (Fig. 4c),
+- ``out.ssd_io.png``: SSD-PS I/O seconds per batch, i.e. the ``load`` stage (Fig. 5a).
+
+A report lacking a series (the reference trainer has no cache) still gets its plot, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+STAGES = ("read", "pull", "load", "train")
+PLOTS = ("stage_times", "cache_hit_rate", "ssd_io")
+
+
+def _series(per_batch: Mapping[str, float] | None, batches: int | None = None) -> tuple[list[int], list[float]]:
+    """A ``{batch: value}`` map (JSON keys are strings) as sorted ``(batches, values)``, without
+    entries at or past ``batches`` (the reader's empty end-of-data reads)."""
+    if not per_batch:
+        return [], []
+    items = sorted((int(k), float(v)) for k, v in per_batch.items() if batches is None or int(k) < batches)
+    return [k for k, _ in items], [v for _, v in items]
+
+
+def plot_paths(path: str | os.PathLike) -> dict[str, str]:
+    """Where :func:`write_report` puts each PNG for a report written to ``path``."""
+    path = os.fspath(path)
+    stem = path.removesuffix(".json")
+    return {name: f"{stem}.{name}.png" for name in PLOTS}
+
+
+def _json_default(v: Any) -> Any:
+    try:  # numpy scalars and arrays
+        return v.tolist()
+    except AttributeError:
+        return str(v)
+
+
+def write_report(report: Mapping[str, Any], path: str | os.PathLike) -> list[str]:
+    """Write ``report`` as JSON to ``path`` and the three PNG plots beside it; returns all paths."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, default=_json_default, allow_nan=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    pngs = plot_paths(path)
+    _plot_stage_times(report, pngs["stage_times"])
+    _plot_cache_hit_rate(report, pngs["cache_hit_rate"])
+    _plot_ssd_io(report, pngs["ssd_io"])
+    return [path, *pngs.values()]
+
+
+def _figure(title: str):
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.set_title(title)
+    ax.set_xlabel("batch")
+    ax.grid(True, alpha=0.3)
+    return plt, fig, ax
+
+
+def _save(plt, fig, ax, path: str, empty: bool, why: str) -> None:
+    if empty:
+        ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def _plot_stage_times(report: Mapping[str, Any], path: str) -> None:
+    plt, fig, ax = _figure("time per stage per batch")
+    per = report.get("per_batch_s") or {}
+    names = [s for s in STAGES if s in per] + [s for s in per if s not in STAGES]
+    drawn = False
+    for name in names:
+        x, y = _series(per[name], report.get("batches"))
+        if x:
+            ax.plot(x, y, marker="o", markersize=3, label=name)
+            drawn = True
+    ax.set_ylabel("busy seconds")
+    if drawn:
+        ax.legend()
+    _save(plt, fig, ax, path, not drawn, "no per-batch stage times in this report")
+
+
+def _plot_cache_hit_rate(report: Mapping[str, Any], path: str) -> None:
+    plt, fig, ax = _figure("MEM-PS cache hit rate per batch")
+    x, y = _series(report.get("cache_hit_rate"))
+    if x:
+        ax.plot(x, y, marker="o", markersize=3, color="tab:green")
+        ax.set_ylim(0, 1.02)
+    ax.set_ylabel("hit rate")
+    _save(plt, fig, ax, path, not x, "no MEM-PS cache in this run")
+
+
+def _plot_ssd_io(report: Mapping[str, Any], path: str) -> None:
+    plt, fig, ax = _figure("SSD-PS I/O time per batch")
+    x, y = _series((report.get("per_batch_s") or {}).get("load"))
+    if x:
+        ax.bar(x, y, color="tab:orange")
+    ax.set_ylabel("seconds (SSD-PS load + dump)")
+    _save(plt, fig, ax, path, not x, "no SSD-PS in this run")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_stage_table(report: Mapping[str, Any]) -> str:
+    """A plain-text summary: per-stage busy time, pipeline efficiency, cache hit rate, SSD bytes."""
+    wall = float(report.get("wall_s") or 0.0)
+    busy = report.get("stage_busy_s") or {}
+    per = report.get("per_batch_s") or {}
+    lines = [f"{'stage':<8}{'busy s':>10}{'% of wall':>11}{'mean/batch s':>14}{'max/batch s':>13}"]
+    names = [s for s in STAGES if s in busy] + [s for s in busy if s not in STAGES]
+    for name in names:
+        _, ys = _series(per.get(name), report.get("batches"))
+        mean = sum(ys) / len(ys) if ys else math.nan
+        peak = max(ys) if ys else math.nan
+        share = 100.0 * busy[name] / wall if wall else math.nan
+        lines.append(f"{name:<8}{busy[name]:>10.2f}{share:>10.1f}%{mean:>14.3f}{peak:>13.3f}")
+    ex = report.get("examples", 0)
+    lines.append(f"wall {wall:.2f} s, {report.get('batches', 0)} batches, {ex:,} examples, "
+                 f"{report.get('examples_per_s', 0.0):,.0f} examples/s")
+    if busy:
+        slowest = max(busy, key=busy.get)
+        lines.append(f"pipeline efficiency {report.get('pipeline_efficiency', 0.0):.2f} "
+                     f"(slowest stage {slowest}: busy {busy[slowest]:.2f} s of {wall:.2f} s wall)")
+    _, rates = _series(report.get("cache_hit_rate"))
+    if rates:
+        overall = (report.get("cache") or {}).get("hit_rate")
+        tail = f", overall {overall:.3f}" if isinstance(overall, (int, float)) else ""
+        lines.append(f"cache hit rate per batch: first {rates[0]:.3f}, last {rates[-1]:.3f}, "
+                     f"mean {sum(rates) / len(rates):.3f}{tail}")
+    ssd = report.get("ssd") or {}
+    if ssd:
+        lines.append(f"SSD-PS: {_bytes(ssd.get('bytes_read', 0))} read in {ssd.get('load_seconds', 0.0):.2f} s, "
+                     f"{_bytes(ssd.get('bytes_written', 0))} written in {ssd.get('dump_seconds', 0.0):.2f} s, "
+                     f"{ssd.get('files', 0)} files, {ssd.get('compactions', 0)} compactions")
+    bad = report.get("bad_input") or {}
+    if bad:
+        lines.append(f"bad input: {bad.get('rows_bad', 0):,} rows and {bad.get('files_bad', 0)} files skipped"
+                     + (f" ({', '.join(f'{k}: {v}' for k, v in bad['counts'].items())})" if bad.get("counts") else ""))
+    return "\n".join(lines)
