@@ -196,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hpsray.config import ConfigError, JobConfig
     from hpsray.data import DataError
+    from hpsray.pipelines import TrainingStopped
 
     if args.compare and not os.path.isfile(os.path.join(args.compare, "manifest.json")):
         return error(f"--compare {args.compare}: no manifest.json there (not an hpsray export)")
@@ -235,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
                 report.pop("export", None)
     except KeyboardInterrupt:
         return error("interrupted", 130)
+    except TrainingStopped as e:
+        return error(f"training failed: {e}", EXIT_FAILED)
     except (DataError, ValueError, OSError, RayError) as e:  # actor errors arrive wrapped in RayTaskError
         cause = _cause(e)
         return error(f"training failed: {type(cause).__name__}: {cause}", EXIT_FAILED)

@@ -2,8 +2,8 @@
 metrics and the run report."""
 
 from hpsray.pipelines.edge import BoundedEdge
-from hpsray.pipelines.pipeline import Pipeline
+from hpsray.pipelines.pipeline import Pipeline, TrainingStopped
 from hpsray.pipelines.sources import FileSource, SyntheticSource
 from hpsray.pipelines.stages import MemPSStage, SSDPSStage, TrainerStage
 
-__all__ = ["BoundedEdge", "FileSource", "MemPSStage", "Pipeline", "SSDPSStage", "SyntheticSource", "TrainerStage"]
+__all__ = ["BoundedEdge", "FileSource", "MemPSStage", "Pipeline", "SSDPSStage", "SyntheticSource", "TrainerStage", "TrainingStopped"]

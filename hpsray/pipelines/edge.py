@@ -38,6 +38,10 @@ class BoundedEdge:
         self._refs.append(ref)
         self.max_depth = max(self.max_depth, len(self._refs))
 
+    def in_flight(self) -> list:
+        """The refs still held, oldest first."""
+        return list(self._refs)
+
     def drain(self) -> list:
         """Wait for every item still in flight and return their values (raises their errors)."""
         values = ray.get(list(self._refs))

@@ -36,6 +36,23 @@ from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.stages import MemPSStage, SSDPSStage, TrainerStage
 
 
+class TrainingStopped(RuntimeError):
+    """A stage failed during ``fit()``; what trained before it was kept (DESIGN invariant 7).
+
+    ``cause`` is the failure as raised (e.g. a ``RayTaskError`` wrapping a ``DataError``);
+    ``saved_batches`` counts the batches whose rows were written back and flushed to SSD-PS.
+    """
+
+    def __init__(self, cause: BaseException, saved_batches: int) -> None:
+        self.cause = cause
+        self.saved_batches = saved_batches
+        root = cause
+        while getattr(root, "cause", None) is not None and root.cause is not root:
+            root = root.cause
+        super().__init__(f"{type(root).__name__}: {root}\n(the rows of the {saved_batches} batches trained "
+                         f"before the failure were written back and flushed to SSD-PS)")
+
+
 @dataclass
 class _Node:
     index: int
@@ -142,33 +159,54 @@ class Pipeline:
             next_read(k)
         write_backs = BoundedEdge("train→write-back", 2)
         batch_ref, keys_ref, n_ref = pending_reads.pop(0)
-        if ray.get(n_ref) == 0:
-            raise ValueError("the source produced no examples")
-        pull_ref = node.mem.pull.remote(first, keys_ref)
-        t, examples, last_loss = 0, 0, float("nan")
-        while True:
-            result_ref = node.trainer.train.remote(first + t, batch_ref, keys_ref, pull_ref)
-            next_read(t + self.read_queue)
-            nb_ref, nk_ref, nn_ref = pending_reads.pop(0)
-            more = ray.get(nn_ref) > 0
-            if more:
-                next_pull = node.mem.pull.remote(first + t + 1, nk_ref)
-            wb = node.mem.write_back.remote(first + t, result_ref)
-            write_backs.put(wb)
-            examples += ray.get(n_ref)
-            if progress:
-                self._progress(t, examples, t0)
-            if not more:
-                break
-            t += 1
-            batch_ref, keys_ref, n_ref, pull_ref = nb_ref, nk_ref, nn_ref, next_pull
-        write_backs.drain()
+        t, examples = 0, 0
+        in_training = None  # (batch id, result ref) of a batch whose write-back is not yet submitted
+        try:
+            if ray.get(n_ref) == 0:
+                raise ValueError("the source produced no examples")
+            pull_ref = node.mem.pull.remote(first, keys_ref)
+            while True:
+                result_ref = node.trainer.train.remote(first + t, batch_ref, keys_ref, pull_ref)
+                in_training = (first + t, result_ref)
+                next_read(t + self.read_queue)
+                nb_ref, nk_ref, nn_ref = pending_reads.pop(0)
+                more = ray.get(nn_ref) > 0  # raises the reader's error (bad input in strict mode)
+                if more:
+                    next_pull = node.mem.pull.remote(first + t + 1, nk_ref)
+                write_backs.put(node.mem.write_back.remote(first + t, result_ref))
+                in_training = None
+                examples += ray.get(n_ref)
+                if progress:
+                    self._progress(t, examples, t0)
+                if not more:
+                    break
+                t += 1
+                batch_ref, keys_ref, n_ref, pull_ref = nb_ref, nk_ref, nn_ref, next_pull
+            write_backs.drain()
+        except Exception as e:
+            raise TrainingStopped(e, self._salvage(node, write_backs, in_training)) from e
         wall = time.perf_counter() - t0
         if progress:
             print(file=sys.stderr)
         self._next_batch = first + t + 1
         self.report = self._report(wall, range(first, first + t + 1), examples, reads, write_backs)
         return self.report
+
+    def _salvage(self, node: _Node, write_backs: BoundedEdge, in_training) -> int:
+        """After a failure: finish the write-backs of every batch that trained, flush MEM-PS to
+        SSD-PS, and return how many batches were saved (DESIGN invariant 7)."""
+        refs = write_backs.in_flight()
+        if in_training is not None:
+            refs.append(node.mem.write_back.remote(*in_training))
+        saved = 0
+        for ref in refs:
+            try:
+                ray.get(ref)
+                saved += 1
+            except Exception:  # that batch failed itself; its rows were never trained
+                pass
+        ray.get(node.mem.flush.remote())
+        return saved
 
     def _progress(self, t: int, examples: int, t0: float) -> None:
         rate = examples / max(time.perf_counter() - t0, 1e-9)
