@@ -1,0 +1,81 @@
+"""``ray job submit -- hpsray train`` against a real ``ray start --head`` cluster (token auth on)."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def head(tmp_path):
+    """A head node in its own process group, stopped by signal (``ray stop`` would stop every Ray here)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    gcs, dash = free_port(), free_port()
+    temp = Path("/tmp") / f"hpsray-job-{os.getpid()}"
+    proc = subprocess.Popen(
+        [RAY, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dash}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        probe = subprocess.run([RAY, "job", "list", "--address", address], env=env, capture_output=True, text=True)
+        if probe.returncode == 0:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"ray start --head exited: {proc.stdout.read()}")
+        time.sleep(2)
+    else:
+        pytest.fail("the head node's job server did not come up in 120 s")
+    yield address, env
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_hpsray_train_runs_as_a_submitted_job(head, tmp_path):
+    address, env = head
+    report = tmp_path / "run.json"
+    job = tmp_path / "job.toml"
+    example = (ROOT / "examples" / "train.toml").read_text()
+    assert "rows = 200000" in example
+    job.write_text(example.replace("rows = 200000", "rows = 20000"))  # the example job, smaller
+    out = subprocess.run(
+        [RAY, "job", "submit", "--address", address, "--", sys.executable, "-m", "hpsray", "train", str(job),
+         "--report", str(report), "--quiet"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "succeeded" in out.stdout + out.stderr
+    result = json.loads(report.read_text())
+    assert result["examples"] > 0 and result["batches"] >= 1
+    assert 0.5 < result["auc"] <= 1.0
+
+
+def test_submission_without_token_mode_is_refused(head):
+    address, env = head
+    plain = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+    out = subprocess.run([RAY, "job", "submit", "--address", address, "--", "true"], env=plain,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "authentication" in (out.stdout + out.stderr).lower()
