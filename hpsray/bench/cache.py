@@ -28,7 +28,12 @@ import time
 import numpy as np
 
 from hpsray.kernels.hashing import mix64_array
-from hpsray.tiers.cache_policy import DEFAULT_AGING, DEFAULT_HISTORY, DEFAULT_LRU_FRACTION, belady_hit_rate
+from hpsray.tiers.cache_policy import (
+    DEFAULT_AGING,
+    DEFAULT_HISTORY,
+    DEFAULT_LRU_FRACTION,
+    belady_hit_rate,
+)
 from hpsray.tiers.mem import MemPS
 
 HELP = "hit rates of LRU->LFU, LRU, LFU and Belady's optimum on Zipf and drifting traces"
@@ -99,8 +104,8 @@ def simulate(trace: list[np.ndarray], capacity: int, lru_fraction: float, aging:
         mem.pull(t, keys)
         mem.unpin(t)
     s = mem.stats
-    return dict(hit_rate=s["hit_rate"], hits=s["hits"], accesses=s["hits"] + s["misses"],
-                seconds=time.perf_counter() - t0)
+    return {"hit_rate": s["hit_rate"], "hits": s["hits"], "accesses": s["hits"] + s["misses"],
+            "seconds": time.perf_counter() - t0}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -109,11 +114,11 @@ def run(args: argparse.Namespace) -> dict:
     capacity = max(200, int(args.capacity * args.size))
     aging = args.aging or None
     history = args.history or None
-    report: dict = dict(
-        config=dict(universe=universe, batch=batch, batches=args.batches, capacity=capacity, zipf=args.zipf,
-                    drift_ranks_per_batch=args.drift * capacity, lru_fraction=args.lru_fraction, aging=aging,
-                    history=history),
-    )
+    report: dict = {
+        "config": {"universe": universe, "batch": batch, "batches": args.batches, "capacity": capacity,
+                   "zipf": args.zipf, "drift_ranks_per_batch": args.drift * capacity,
+                   "lru_fraction": args.lru_fraction, "aging": aging, "history": history},
+    }
     policies = {  # name: (lru_fraction, aging, history)
         "lru_lfu": (args.lru_fraction, aging, history),
         "lru": (1.0, None, None),
@@ -136,12 +141,12 @@ def run(args: argparse.Namespace) -> dict:
                 for ag in (0, 8.0, 16.0, 32.0)
             }
         best_single = max(res["lru"]["hit_rate"], res["lfu"]["hit_rate"])
-        res["checks"] = dict(
-            lru_lfu_minus_best_single=res["lru_lfu"]["hit_rate"] - best_single,
-            lru_lfu_minus_lfu_aged=res["lru_lfu"]["hit_rate"] - res["lfu_aged"]["hit_rate"],
-            belady_minus_lru_lfu=res["belady"]["hit_rate"] - res["lru_lfu"]["hit_rate"],
-            ok=bool(res["lru_lfu"]["hit_rate"] >= best_single
-                    and res["belady"]["hit_rate"] - res["lru_lfu"]["hit_rate"] <= 0.10),
-        )
+        res["checks"] = {
+            "lru_lfu_minus_best_single": res["lru_lfu"]["hit_rate"] - best_single,
+            "lru_lfu_minus_lfu_aged": res["lru_lfu"]["hit_rate"] - res["lfu_aged"]["hit_rate"],
+            "belady_minus_lru_lfu": res["belady"]["hit_rate"] - res["lru_lfu"]["hit_rate"],
+            "ok": bool(res["lru_lfu"]["hit_rate"] >= best_single
+                       and res["belady"]["hit_rate"] - res["lru_lfu"]["hit_rate"] <= 0.10),
+        }
         report[kind] = res
     return report

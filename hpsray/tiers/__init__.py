@@ -7,6 +7,8 @@
   cache over SSD-PS whose in-flight batches' rows are pinned.
 * :class:`Partitioner` (:mod:`~hpsray.tiers.partition`) — owner node and device of each key.
 
+HBM-PS, the trainer's working set over its devices, is :mod:`hpsray.tiers.hbm`.
+
 Formats, protocols and measurements: ``docs/tiers.md``.
 """
 
@@ -14,11 +16,23 @@ from hpsray.tiers.cache_policy import CapacityError, LruLfuPolicy, belady_hit_ra
 from hpsray.tiers.mem import MemPS, rows_for_bytes
 from hpsray.tiers.paramfile import CorruptFileError, SSDError, SSDFullError
 from hpsray.tiers.partition import Partitioner, device_of, group_by, owner_of, place
-from hpsray.tiers.ssd import DEFAULT_ROWS_PER_FILE, SSDPS
+from hpsray.tiers.ssd import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
 
 __all__ = [
-    "SSDPS", "MemPS", "Partitioner", "LruLfuPolicy",
-    "SSDError", "SSDFullError", "CorruptFileError", "CapacityError",
-    "DEFAULT_ROWS_PER_FILE", "belady_hit_rate", "rows_for_bytes",
-    "owner_of", "device_of", "place", "group_by",
+    "DEFAULT_FILE_BYTES",
+    "SSDPS",
+    "CapacityError",
+    "CorruptFileError",
+    "LruLfuPolicy",
+    "MemPS",
+    "Partitioner",
+    "SSDError",
+    "SSDFullError",
+    "belady_hit_rate",
+    "default_rows_per_file",
+    "device_of",
+    "group_by",
+    "owner_of",
+    "place",
+    "rows_for_bytes",
 ]

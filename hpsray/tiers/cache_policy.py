@@ -107,7 +107,7 @@ class LruLfuPolicy:
             raise ValueError(f"aging must be > 0 (or None for no aging), got {aging}")
         self.capacity = int(capacity)
         self.lru_fraction = float(lru_fraction)
-        self.lru_capacity = int(round(capacity * lru_fraction))
+        self.lru_capacity = round(capacity * lru_fraction)
         self.region = np.full(capacity, FREE, dtype=np.int8)
         self.tick = np.zeros(capacity, dtype=np.int64)
         self.freq = np.zeros(capacity, dtype=np.int64)
@@ -245,4 +245,4 @@ def belady_hit_rate(trace: list[np.ndarray], capacity: int) -> dict:
         slots[~hit] = new
         next_use[slots] = nb
     total = int(sizes.sum())
-    return dict(hits=hits, accesses=total, hit_rate=hits / total if total else 0.0)
+    return {"hits": hits, "accesses": total, "hit_rate": hits / total if total else 0.0}

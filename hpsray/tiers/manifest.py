@@ -21,9 +21,16 @@ import os
 import struct
 import threading
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
-from hpsray.tiers.paramfile import CorruptFileError, SSDError, SSDFullError, Writer, _write_all, fsync_dir
+from hpsray.tiers.paramfile import (
+    CorruptFileError,
+    SSDError,
+    SSDFullError,
+    Writer,
+    _write_all,
+    fsync_dir,
+)
 
 NAME = "MANIFEST"
 FORMAT_VERSION = 1
@@ -71,7 +78,7 @@ class Manifest:
     # -- opening -------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: str, width: int | None, write: Writer = os.write) -> "Manifest":
+    def open(cls, directory: str, width: int | None, write: Writer = os.write) -> Manifest:
         """Open (or create, when absent) the manifest of ``directory``.
 
         ``width=None`` takes the width recorded in an existing manifest.

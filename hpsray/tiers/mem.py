@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Hashable, Protocol
+from collections.abc import Hashable
+from typing import Protocol
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from hpsray.tiers.cache_policy import (
     LruLfuPolicy,
 )
 
-__all__ = ["MemPS", "BackingStore", "CapacityError", "rows_for_bytes"]
+__all__ = ["BackingStore", "CapacityError", "MemPS", "rows_for_bytes"]
 
 # per-row bookkeeping besides the row and the hash buckets: table row_keys/free/first (24),
 # our slot keys (8), policy region/tick/freq/pins (21), dirty flag (1)
@@ -125,8 +126,8 @@ class MemPS:
         self._batch_stats: OrderedDict[Hashable, dict] = OrderedDict()
         self._history = int(stats_history)
         self._lock = threading.RLock()
-        self._totals = dict(pulls=0, hits=0, misses=0, loaded=0, initialised=0, evicted=0,
-                            evicted_dirty=0, write_backs=0, rows_written_back=0, flushed=0)
+        self._totals = {"pulls": 0, "hits": 0, "misses": 0, "loaded": 0, "initialised": 0, "evicted": 0,
+                        "evicted_dirty": 0, "write_backs": 0, "rows_written_back": 0, "flushed": 0}
 
     # -- the batch cycle -----------------------------------------------------------------
 
@@ -290,7 +291,7 @@ class MemPS:
     def _count(self, batch_id: Hashable, **kv: int) -> None:
         s = self._batch_stats.get(batch_id)
         if s is None:
-            s = self._batch_stats[batch_id] = dict(hits=0, misses=0, loaded=0, initialised=0)
+            s = self._batch_stats[batch_id] = {"hits": 0, "misses": 0, "loaded": 0, "initialised": 0}
             while len(self._batch_stats) > self._history:
                 self._batch_stats.popitem(last=False)
         for k, v in kv.items():

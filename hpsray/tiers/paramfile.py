@@ -28,8 +28,8 @@ import errno
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

@@ -31,8 +31,8 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Iterator
 
 import numpy as np
 from numba import njit
@@ -59,15 +59,22 @@ from hpsray.tiers.paramfile import (
     write_tmp,
 )
 
-__all__ = ["SSDPS", "SSDError", "SSDFullError", "CorruptFileError", "DEFAULT_ROWS_PER_FILE"]
+__all__ = ["DEFAULT_FILE_BYTES", "SSDPS", "CorruptFileError", "SSDError", "SSDFullError", "default_rows_per_file"]
 
-DEFAULT_ROWS_PER_FILE = 8192
-"""Rows per parameter file. Measured with ``hpsray bench ssd --sweep`` (docs/tiers.md): at
-width 32 (1.2 MB files) cold loads reach the sequential-read plateau; smaller files lose to
-per-file overhead, larger ones only add read amplification for sparse batches."""
+DEFAULT_FILE_BYTES = 16 << 20
+"""Target size of a parameter file when ``rows_per_file`` is not given. Measured with
+``hpsray bench ssd --sweep`` (docs/tiers.md): a whole-file read costs about one device request
+plus a fixed latency, so small files waste bandwidth; beyond a few MiB the gain flattens while
+sparse batches read ever more unneeded rows."""
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_MAX_OPEN_FILES = 64  # files opened per load round; bounds descriptors and the rows in flight
+_MAX_OPEN_FILES = 64  # files opened per load round: bounds descriptors...
+_ROUND_BYTES = 128 << 20  # ...and the bytes read ahead of the rows being picked
+
+
+def default_rows_per_file(width: int, file_bytes: int = DEFAULT_FILE_BYTES) -> int:
+    """Rows per file so that a file of rows of ``width`` floats is about ``file_bytes``."""
+    return max(1, (file_bytes - HEADER_BYTES) // record_bytes(width))
 
 
 @njit(cache=True)
@@ -189,7 +196,8 @@ class SSDPS:
     Args:
         directory: store directory (created if needed).
         width: floats per row; ``None`` reopens an existing store with its recorded width.
-        rows_per_file: rows per parameter file written by dumps and compaction.
+        rows_per_file: rows per parameter file written by dumps and compaction (default:
+            files of about :data:`DEFAULT_FILE_BYTES`).
         stale_threshold: compaction rewrites files whose stale share (by bytes, header
             included) exceeds this; 0.5 bounds disk usage by 2 × live bytes.
         compact_trigger: the background thread compacts once disk bytes exceed this × live bytes.
@@ -199,6 +207,9 @@ class SSDPS:
         io_threads: files read (and fsynced) concurrently.
         compact_pass_bytes: most input bytes one compaction pass rewrites (the most stale
             files first), so a pass, and a dump waiting on it, stays short.
+        merge_small_files: once this many files hold fewer than ``rows_per_file / 2`` rows
+            (small dumps write them), compaction merges them into full-size files, so that
+            loads keep reading files of a good size.
         write: ``os.write``-compatible function used for all writes (fault injection in tests).
     """
 
@@ -207,16 +218,17 @@ class SSDPS:
         directory: str | os.PathLike,
         width: int | None = None,
         *,
-        rows_per_file: int = DEFAULT_ROWS_PER_FILE,
+        rows_per_file: int | None = None,
         stale_threshold: float = 0.5,
         compact_trigger: float = 1.5,
         max_space_ratio: float | None = 2.0,
         background: bool = True,
         io_threads: int = 4,
         compact_pass_bytes: int = 256 << 20,
+        merge_small_files: int = 16,
         write: Writer = os.write,
     ) -> None:
-        if rows_per_file < 1:
+        if rows_per_file is not None and rows_per_file < 1:
             raise ValueError(f"rows_per_file must be >= 1, got {rows_per_file}")
         if not 0.0 < stale_threshold < 1.0:
             raise ValueError(f"stale_threshold must be in (0, 1), got {stale_threshold}")
@@ -226,11 +238,13 @@ class SSDPS:
             raise ValueError(f"width must be >= 0, got {width}")
         self.directory = os.fspath(directory)
         os.makedirs(self.directory, exist_ok=True)
-        self.rows_per_file = int(rows_per_file)
         self.stale_threshold = float(stale_threshold)
         self.compact_trigger = float(compact_trigger)
         self.max_space_ratio = max_space_ratio
         self.compact_pass_bytes = int(compact_pass_bytes)
+        if merge_small_files < 2:
+            raise ValueError(f"merge_small_files must be >= 2, got {merge_small_files}")
+        self.merge_small_files = int(merge_small_files)
         self._write = write
 
         self._lock = threading.RLock()  # mapping, file table, counters; held briefly
@@ -243,16 +257,18 @@ class SSDPS:
         self._compaction_errors = 0
         self._last_compaction_error: str | None = None
         self._fatal_error: BaseException | None = None
-        self._stats = dict(
-            dumps=0, rows_dumped=0, bytes_written=0, files_written=0, dump_seconds=0.0,
-            loads=0, rows_loaded=0, rows_absent=0, bytes_read=0, files_read=0, load_seconds=0.0,
-            compactions=0, files_compacted=0, compaction_bytes_read=0, compaction_bytes_written=0,
-            compaction_seconds=0.0, backpressure_waits=0, garbage_files_removed=0,
-        )
+        self._stats = {
+            "dumps": 0, "rows_dumped": 0, "bytes_written": 0, "files_written": 0, "dump_seconds": 0.0,
+            "loads": 0, "rows_loaded": 0, "rows_absent": 0, "bytes_read": 0, "files_read": 0, "load_seconds": 0.0,
+            "compactions": 0, "files_compacted": 0, "compaction_bytes_read": 0, "compaction_bytes_written": 0,
+            "compaction_seconds": 0.0, "backpressure_waits": 0, "garbage_files_removed": 0,
+        }
 
         self._manifest = Manifest.open(self.directory, width, write)
         self.width = self._manifest.width
         self._rec = record_bytes(self.width)
+        self.rows_per_file = int(rows_per_file or default_rows_per_file(self.width))
+        self._round_files = int(min(_MAX_OPEN_FILES, max(2, _ROUND_BYTES // (self._rec * self.rows_per_file))))
         self._next_file_no = self._manifest.next_file_no
         self._files = _Files()
         self._index = CpuHashTable(1024, 0)
@@ -277,10 +293,10 @@ class SSDPS:
         live = self._manifest.live
         for name in os.listdir(self.directory):
             no = parse_file_name(name)
-            if (no is not None and no not in live) or name.endswith(TMP_SUFFIX):
-                if name != MANIFEST_NAME:  # a crash left it: never acknowledged
-                    os.unlink(os.path.join(self.directory, name))
-                    self._stats["garbage_files_removed"] += 1
+            garbage = (no is not None and no not in live) or name.endswith(TMP_SUFFIX)
+            if garbage and name != MANIFEST_NAME:  # a crash left it: never acknowledged
+                os.unlink(os.path.join(self.directory, name))
+                self._stats["garbage_files_removed"] += 1
         keys, vers, fslots, poss = [], [], [], []
         for no in sorted(live):
             path = self._path(no)
@@ -370,18 +386,19 @@ class SSDPS:
                 idx, pos, starts = _resolve(slots, self._loc_slot, self._loc_pos, self._files.capacity)
                 file_no = self._files.no.copy()
                 groups = np.flatnonzero(starts[1:] > starts[:-1])
-                for s in groups[:_MAX_OPEN_FILES].tolist():  # start the I/O right away
+                for s in groups[: self._round_files].tolist():  # start the I/O right away
                     first_fds.append(os.open(self._path(int(file_no[s])), os.O_RDONLY))
             prefetch.append(self._pool.submit(_will_need, first_fds))
             found = slots >= 0
             n_present = int(idx.size)
-            # Rounds of at most _MAX_OPEN_FILES files, opened under the lock: an open
+            # Rounds of a few files (_ROUND_BYTES), opened under the lock: an open
             # descriptor keeps a file readable even if compaction unlinks it a moment later.
             # The first round was opened with the lookup; later rounds check that their files
             # are still live and look up again the rows of files a compaction retired. Each
             # round gets a WILLNEED hint one round ahead of its reads, so the device sees a
             # deep queue instead of one read per I/O thread.
-            rounds = [groups[r : r + _MAX_OPEN_FILES] for r in range(0, groups.size, _MAX_OPEN_FILES)]
+            rf = self._round_files
+            rounds = [groups[r : r + rf] for r in range(0, groups.size, rf)]
             if rounds:
                 tasks0 = []
                 for s in rounds[0].tolist():
@@ -510,8 +527,7 @@ class SSDPS:
                 st["dump_seconds"] += time.perf_counter() - t0
                 ratio = _space_ratio(self._files.disk_bytes, self._live_bytes())
             self._manifest.maybe_rewrite()
-        if ratio > self.compact_trigger:
-            self._wake.set()
+        self._wake.set()  # the thread checks needs_compaction(): space ratio, small files
         if self.max_space_ratio is not None and ratio > self.max_space_ratio:
             self._backpressure()
 
@@ -527,7 +543,7 @@ class SSDPS:
             try:
                 while self._over_hard_limit() and self._compact_pass() > 0:
                     pass
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the dump before it is durable; report, don't fail it
                 with self._lock:
                     self._compaction_errors += 1
                     self._last_compaction_error = repr(e)
@@ -584,11 +600,18 @@ class SSDPS:
 
     def needs_compaction(self) -> bool:
         """Disk bytes exceed ``compact_trigger`` × live bytes and some file is over the
-        stale threshold."""
+        stale threshold, or ``merge_small_files`` small files have accumulated."""
         with self._lock:
+            if self._small_slots().size >= self.merge_small_files:
+                return True
             if self._files.disk_bytes <= self.compact_trigger * self._live_bytes():
                 return False
             return self._files.stale_slots(self._rec, self.stale_threshold).size > 0
+
+    def _small_slots(self) -> np.ndarray:
+        """Files with fewer than half of ``rows_per_file`` rows (small dumps write them)."""
+        f = self._files
+        return np.flatnonzero((f.no >= 0) & (f.n < max(2, self.rows_per_file // 2)))
 
     def compact(self, full: bool = False) -> int:
         """Run compaction passes now, in this thread, until no file exceeds the stale
@@ -608,6 +631,10 @@ class SSDPS:
             with self._lock:
                 cand = f.stale_slots(self._rec, None if full else self.stale_threshold)
                 cand = cand[np.argsort(f.live[cand] / f.n[cand], kind="stable")]  # most stale first
+                small = self._small_slots()
+                if small.size >= self.merge_small_files or (full and small.size > 1):
+                    small = small[np.argsort(f.no[small], kind="stable")]  # oldest first
+                    cand = np.concatenate([cand, small[~np.isin(small, cand)]])
                 within = np.cumsum(f.size[cand]) <= self.compact_pass_bytes
                 within[:1] = True
                 victims = cand[within]
@@ -689,7 +716,7 @@ class SSDPS:
                     with self._lock:
                         self._passes += 1
                         self._pass_done.notify_all()
-            except Exception as e:  # shown in stats; a fatal one also fails the next dump
+            except Exception as e:  # noqa: BLE001 - shown in stats; a fatal one fails the next dump
                 with self._lock:
                     self._compaction_errors += 1
                     self._last_compaction_error = repr(e)
@@ -754,8 +781,9 @@ class SSDPS:
         with self._lock:
             f = self._files
             return [
-                dict(file_no=int(f.no[s]), rows=int(f.n[s]), live=int(f.live[s]), stale=int(f.n[s] - f.live[s]),
-                     bytes=int(f.size[s]), compacted=bool(f.flags[s] & FLAG_COMPACTED))
+                {"file_no": int(f.no[s]), "rows": int(f.n[s]), "live": int(f.live[s]),
+                 "stale": int(f.n[s] - f.live[s]), "bytes": int(f.size[s]),
+                 "compacted": bool(f.flags[s] & FLAG_COMPACTED)}
                 for s in sorted(f.slot_of.values(), key=lambda s: f.no[s])
             ]
 
@@ -802,7 +830,7 @@ class SSDPS:
                 self._pool.shutdown(wait=True)
                 self._manifest.close()
 
-    def __enter__(self) -> "SSDPS":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:

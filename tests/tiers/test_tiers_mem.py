@@ -152,7 +152,7 @@ def test_only_dirty_rows_are_written_on_eviction():
     rows = mem.pull(3, np.array([5, 1], np.uint64))  # clean row re-created, dirty one reloaded
     assert np.array_equal(rows[0], initial_rows(np.array([5], np.uint64), W, INIT)[0])
     assert np.all(rows[1] == 0)
-    assert mem.batch_stats(3) == dict(hits=0, misses=2, loaded=1, initialised=1, hit_rate=0.0)
+    assert mem.batch_stats(3) == {"hits": 0, "misses": 2, "loaded": 1, "initialised": 1, "hit_rate": 0.0}
 
 
 def test_lru_alone_evicts_the_least_recent_and_lfu_alone_the_least_frequent():
@@ -199,7 +199,7 @@ def test_write_back_and_unpin_errors_and_stats(tmp_path):
     assert rows.shape == (4, W) and np.array_equal(rows[1], rows[3])
     assert mem.batch_stats("x")["misses"] == 3
     mem.pull("x", np.array([3, 4], np.uint64))  # a second pull for the same batch
-    assert mem.batch_stats("x") == dict(hits=1, misses=4, loaded=0, initialised=4, hit_rate=0.2)
+    assert mem.batch_stats("x") == {"hits": 1, "misses": 4, "loaded": 0, "initialised": 4, "hit_rate": 0.2}
     with pytest.raises(KeyError, match="not pulled by batch 'x'"):
         mem.write_back("x", np.array([1, 99], np.uint64), np.zeros((2, W), np.float32))
     with pytest.raises(KeyError, match="no pinned rows"):
@@ -231,7 +231,9 @@ def test_belady_beats_online_policies_on_a_small_trace():
     rng = np.random.default_rng(5)
     trace = [rng.zipf(1.3, 60).astype(np.uint64) % np.uint64(500) for _ in range(200)]
     opt = belady_hit_rate(trace, 80)["hit_rate"]
-    mem = MemPS(80, 0, type("Null", (), dict(width=0, load=lambda s, k: (np.zeros((k.size, 0), np.float32), np.zeros(k.size, bool)), dump=lambda s, k, r: None))())
+    from hpsray.bench.cache import _NullStore
+
+    mem = MemPS(80, 0, _NullStore())
     for t, keys in enumerate(trace):
         mem.pull(t, keys)
         mem.unpin(t)

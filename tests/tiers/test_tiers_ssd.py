@@ -126,6 +126,20 @@ def test_background_compaction_bounds_disk_after_every_dump(tmp_path):
         model.check(s)
 
 
+def test_small_dumps_are_merged_into_full_files(tmp_path):
+    model = Model()
+    with SSDPS(tmp_path / "s", W, rows_per_file=100, merge_small_files=4) as s:
+        for i in range(30):  # evictions of a few rows at a time
+            k = np.arange(i * 7, i * 7 + 7, dtype=np.uint64)
+            s.dump(k, rows_for(k, i))
+            model.dump(k, rows_for(k, i))
+        assert s.wait_compaction(timeout=30)
+        sizes = [f["rows"] for f in s.file_stats()]
+        assert sum(n < 50 for n in sizes) < 4 and len(sizes) <= 6, sizes  # from 30 files of 7 rows
+        assert s.stats["compactions"] > 0
+        model.check(s)
+
+
 def test_loads_stay_correct_while_compaction_moves_rows(tmp_path):
     rng = np.random.default_rng(2)
     with SSDPS(tmp_path / "s", W, rows_per_file=16, compact_trigger=1.05, io_threads=3) as s:
@@ -306,7 +320,7 @@ def _mount_tmpfs(path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0:
         return False
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, check=False)
     return r.returncode == 0
 
 
@@ -332,7 +346,7 @@ def test_disk_full_on_a_real_small_filesystem(tmp_path):
             got, found = s2.load(keys)
             assert found.all() and np.array_equal(got, np.stack([acked.rows[k] for k in keys.tolist()]))
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 def test_a_dump_during_compaction_wins_after_reopen(tmp_path):
