@@ -280,27 +280,13 @@ def open_source(
 # -- byte streams -----------------------------------------------------------------------------
 
 
-class RangeStream(io.RawIOBase):
-    """A read-only stream over ``[start, end)`` of a pyarrow random-access file."""
+class _NativeFileStream(io.RawIOBase):
+    """A readable raw stream over a pyarrow ``NativeFile`` ``self._f``; subclasses define ``read``."""
 
-    def __init__(self, f: pa.NativeFile, start: int, end: int) -> None:
-        super().__init__()
-        self._f = f
-        self._pos = start
-        self._end = end
+    _f: pa.NativeFile
 
     def readable(self) -> bool:
         return True
-
-    def read(self, n: int = -1) -> bytes:
-        left = self._end - self._pos
-        if n is None or n < 0 or n > left:
-            n = left
-        if n <= 0:
-            return b""
-        data = self._f.read_at(n, self._pos)
-        self._pos += len(data)
-        return data
 
     def readinto(self, b) -> int:
         data = self.read(len(b))
@@ -313,7 +299,29 @@ class RangeStream(io.RawIOBase):
         super().close()
 
 
-class WholeLineStream(io.RawIOBase):
+class RangeStream(_NativeFileStream):
+    """A read-only stream over ``[start, end)`` of a pyarrow random-access file."""
+
+    def __init__(self, f: pa.NativeFile, start: int, end: int) -> None:
+        super().__init__()
+        self._f = f
+        self._pos = start
+        self._end = end
+
+
+    def read(self, n: int = -1) -> bytes:
+        left = self._end - self._pos
+        if n is None or n < 0 or n > left:
+            n = left
+        if n <= 0:
+            return b""
+        data = self._f.read_at(n, self._pos)
+        self._pos += len(data)
+        return data
+
+
+
+class WholeLineStream(_NativeFileStream):
     """A decompressing stream that hands out whole lines only and turns a read error into EOF.
 
     A truncated or corrupt gzip/zstd file fails somewhere mid-line. Holding back the bytes after
@@ -329,8 +337,6 @@ class WholeLineStream(io.RawIOBase):
         self._eof = False
         self.error: BaseException | None = None
 
-    def readable(self) -> bool:
-        return True
 
     def read(self, n: int = -1) -> bytes:
         while not self._eof:
@@ -354,15 +360,6 @@ class WholeLineStream(io.RawIOBase):
         out, self._tail = self._tail, b""
         return out
 
-    def readinto(self, b) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            self._f.close()
-        super().close()
 
 
 def next_line_start(f: pa.NativeFile, pos: int, size: int, chunk: int = 1 << 16) -> int:
