@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--hidden", default="512,256,128")
     parser.add_argument("--devices", type=int, default=1, help="virtual devices per trainer")
+    parser.add_argument("--trainer-threads", type=int, default=None,
+                        help="torch threads of the pipeline's trainer (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
     if started:
         ray.init(include_dashboard=False, log_to_driver=False)
     try:
-        with Pipeline(warmup, TrainerStage(cfg, n_devices=args.devices), MemPSStage(capacity_rows=all_rows + 1024),
+        with Pipeline(warmup, TrainerStage(cfg, n_devices=args.devices, threads=args.trainer_threads), MemPSStage(capacity_rows=all_rows + 1024),
                       batch_size=args.batch) as p:
             p.fit(progress=False)
             p.source = measured
@@ -80,4 +82,5 @@ def run(args: argparse.Namespace) -> dict:
         "dim": args.dim,
         "hidden": list(hidden),
         "devices": args.devices,
+        "trainer_threads": args.trainer_threads,
     }
