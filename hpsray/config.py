@@ -340,6 +340,14 @@ class ClusterSection:
     nodes: int = 1
 
 
+def _parse_sub(t: "_Table", parse, sub: "_Table", where: str):
+    """``parse(sub.d, where=where)``, its ``ValueError`` re-raised as a ``ConfigError`` of ``t``."""
+    try:
+        return parse(sub.d, where=where)
+    except ValueError as e:
+        raise ConfigError(t.where, "", str(e)) from None
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """A training job: everything ``hpsray train JOB.toml`` needs (see ``examples/train.toml``).
@@ -417,19 +425,13 @@ class JobConfig:
         schema = None
         schema_t = t.sub("schema")
         if schema_t is not None:
-            try:
-                schema = Schema.from_dict(schema_t.d, where="data.schema")
-            except ValueError as e:
-                raise ConfigError(t.where, "", str(e)) from None
+            schema = _parse_sub(t, Schema.from_dict, schema_t, "data.schema")
             if fmt is not None and schema.format != fmt:
                 t.fail("format", f"{fmt!r} contradicts data.schema.format {schema.format!r}")
         policy = LENIENT
         bad_t = t.sub("bad_input")
         if bad_t is not None:
-            try:
-                policy = BadInputPolicy.from_dict(bad_t.d, where="data.bad_input")
-            except ValueError as e:
-                raise ConfigError(t.where, "", str(e)) from None
+            policy = _parse_sub(t, BadInputPolicy.from_dict, bad_t, "data.bad_input")
         synthetic = None
         syn_t = t.sub("synthetic")
         if syn_t is not None:

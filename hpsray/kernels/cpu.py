@@ -281,6 +281,9 @@ class CpuHashTable(HashTable):
         slots = _occupied_slots(self._row_keys)
         return self._row_keys[slots].copy(), self.gather(slots)
 
+    def keys(self) -> np.ndarray:
+        return self._row_keys[_occupied_slots(self._row_keys)]
+
     def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
         keys = as_keys(keys)
         dim = self.init.dim

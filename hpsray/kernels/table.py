@@ -143,6 +143,10 @@ class HashTable(ABC):
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """All ``(keys uint64[size], rows float32[size, width])``, ordered by slot."""
 
+    def keys(self) -> np.ndarray:
+        """All keys held, ordered by slot (``export()`` without copying the rows)."""
+        return self.export()[0]
+
     @abstractmethod
     def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
         """Apply ``optimizer`` at global ``step`` to the rows of ``keys`` with gradients

@@ -91,7 +91,7 @@ class HbmPS:
         keys = np.sort(as_keys(keys))
         erased = 0
         for table in self.tables:
-            resident, _ = table.export()
+            resident = table.keys()
             idx = np.searchsorted(keys, resident)
             stale = resident[(idx >= keys.size) | (keys[np.minimum(idx, keys.size - 1)] != resident)] if keys.size else resident
             if stale.size:

@@ -200,11 +200,8 @@ def fsync_path(path: str) -> None:
 
 
 def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Make a rename or unlink in ``directory`` durable (a directory is fsynced like a file)."""
+    fsync_path(directory)
 
 
 def _read_exact(fd: int, buf: np.ndarray, offset: int, path: str) -> None:

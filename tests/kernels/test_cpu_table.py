@@ -127,6 +127,7 @@ def test_export_lists_every_key_once():
     t.erase(keys[:100])
     k, r = t.export()
     assert sorted(k.tolist()) == sorted(keys[100:].tolist())
+    np.testing.assert_array_equal(t.keys(), k)
     np.testing.assert_array_equal(r, np.stack([k % 7, k % 11], 1).astype(np.float32))
 
 
