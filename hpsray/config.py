@@ -334,10 +334,15 @@ class PipelineSection:
 
 @dataclass(frozen=True)
 class ClusterSection:
-    """``[cluster]``: Ray address (empty: ``RAY_ADDRESS`` or an embedded local Ray) and node count."""
+    """``[cluster]``: Ray address (empty: ``RAY_ADDRESS`` or an embedded local Ray), node count
+    (0: every node of the cluster), consistency across nodes and dense aggregation."""
 
     address: str | None = None
     nodes: int = 1
+    consistency: str = "bsp"
+    staleness: int = 2
+    dense_sync: str = "allreduce"
+    chunk_bytes: int = 32768
 
 
 def _parse_sub(t: "_Table", parse, sub: "_Table", where: str):
@@ -549,7 +554,11 @@ class JobConfig:
 
     @staticmethod
     def _cluster(t: _Table) -> ClusterSection:
-        c = ClusterSection(address=t.take("address", _str) or None, nodes=t.take("nodes", _int(1), 1))
+        c = ClusterSection(address=t.take("address", _str) or None, nodes=t.take("nodes", _int(0), 1),
+                           consistency=t.take("consistency", _choice(("bsp", "ssp", "asp")), "bsp"),
+                           staleness=t.take("staleness", _int(0), 2),
+                           dense_sync=t.take("dense_sync", _choice(("allreduce", "chunked")), "allreduce"),
+                           chunk_bytes=t.take("chunk_bytes", _size, 32768))
         t.done()
         return c
 
@@ -643,18 +652,15 @@ class JobConfig:
                         **kwargs)
 
     def cluster_kwargs(self) -> dict:
-        """Extra :class:`~hpsray.pipelines.Pipeline` arguments of ``[cluster]``; raises
-        :class:`ConfigError` when the installed pipeline cannot honour them."""
-        import inspect
+        """Extra :class:`~hpsray.pipelines.Pipeline` arguments of ``[cluster]``."""
+        from hpsray.pipelines.stages import SyncStage
 
-        from hpsray.pipelines.pipeline import Pipeline
-
-        if self.cluster.nodes == 1:
-            return {}
-        if "nodes" not in inspect.signature(Pipeline).parameters:
-            raise ConfigError(self.where, "cluster.nodes",
-                              f"this version of the pipeline trains on one node, got {self.cluster.nodes}")
-        return {"nodes": self.cluster.nodes}
+        c = self.cluster
+        if c.chunk_bytes < 4:
+            raise ConfigError(self.where, "cluster.chunk_bytes", f"must be at least 4 bytes, got {c.chunk_bytes}")
+        return {"nodes": c.nodes or None,
+                "sync": SyncStage(consistency=c.consistency, staleness=c.staleness, dense=c.dense_sync,
+                                  chunk_bytes=c.chunk_bytes)}
 
     def to_dict(self) -> dict:
         """The resolved job as plain data (for the run report): defaults filled, paths absolute."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -153,6 +153,13 @@ class ReferenceTrainer:
             if progress:
                 progress(i, batch, loss)
 
+    def fit_nodes(self, source, batch_size: int, n_nodes: int) -> None:
+        """Train what ``n_nodes`` nodes train on ``source`` (see :func:`global_minibatches`)."""
+        self.model.train()
+        for mb in global_minibatches(source, batch_size, n_nodes, self.config.minibatch_size):
+            self._check(mb)
+            self.train_minibatch(mb)
+
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
         """Click probabilities of ``batch``'s examples (unseen keys use their initial rows)."""
@@ -178,3 +185,29 @@ class ReferenceTrainer:
         """``(keys sorted, rows, dense state_dict)``: everything the model learnt."""
         keys, rows = self.store.export()
         return keys, rows, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def global_batches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[list[Batch]]:
+    """Per batch, the global mini-batches that ``n_nodes`` nodes train under BSP, in order.
+
+    Node ``i`` reads share ``i`` of ``n_nodes`` of ``source`` in batches of ``batch_size``; in
+    batch ``t`` every node steps through the same number of mini-batches, and global mini-batch
+    ``k`` is the concatenation, in node order, of each node's ``k``-th mini-batch (a node whose
+    batch is shorter, or whose share has ended, contributes nothing). Training the reference
+    on these gives what the distributed system must reproduce (DESIGN invariant 1).
+    """
+    streams = [iter(source.open(batch_size, i, n_nodes)) for i in range(n_nodes)]
+    m = minibatch_size
+    while True:
+        batches = [next(s, None) for s in streams]
+        present = [b for b in batches if b is not None and len(b)]
+        if not present:
+            return
+        yield [Batch.concat([b.slice(k * m, (k + 1) * m) for b in present if k * m < len(b)])
+               for k in range(max(-(-len(b) // m) for b in present))]
+
+
+def global_minibatches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[Batch]:
+    """:func:`global_batches`, flattened."""
+    for batch in global_batches(source, batch_size, n_nodes, minibatch_size):
+        yield from batch

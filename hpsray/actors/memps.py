@@ -26,7 +26,14 @@ class _RemoteStore:
 
 
 class MemPSShard:
-    """Pulls pin a batch's rows; write-backs store the trained rows and release the pins."""
+    """The owner of one node's rows: lends them to the trainers of batches and takes them back.
+
+    A *lease* ``(batch, borrower)`` pins the rows lent to node ``borrower``'s trainer for
+    ``batch`` (its own trainer, or another node's) until that trainer returns them at batch
+    end. Every borrower returns every row it borrowed, updated: under BSP all copies applied
+    the same combined updates, so the owner ends each batch with the reference value of each
+    row it owns even when only another node's batch touched it (DESIGN invariant 4).
+    """
 
     def __init__(self, node: int, ssd_actor, width: int, init: RowInit, capacity_rows: int | None = None,
                  capacity_bytes: int | None = None, **options) -> None:
@@ -36,25 +43,54 @@ class MemPSShard:
         self.mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)
         self.clock = StageClock("pull", node)
         self.hit_rate: dict = {}
+        self._hits: dict = {}  # batch -> [hits, misses] over its leases
+        self.lent: dict = {}  # (batch, borrower) -> sorted keys lent
 
     def __repr__(self) -> str:
         return f"MemPS[node {self.node}]"
 
-    def pull(self, batch_id, keys: np.ndarray) -> np.ndarray:
-        """Rows of the batch's distinct ``keys``, pinned until its write-back."""
+    def pull(self, batch_id, keys: np.ndarray, borrower: int | None = None) -> np.ndarray:
+        """Rows of the distinct sorted ``keys`` this node owns, lent to ``borrower``'s trainer
+        (default: this node's) for ``batch_id`` and pinned until it returns them."""
+        lease = (batch_id, self.node if borrower is None else borrower)
         with self.clock.timed(batch_id):
             self.store.batch = batch_id
-            rows = self.mem.pull(batch_id, keys)
-            self.hit_rate[batch_id] = self.mem.batch_stats(batch_id)["hit_rate"]
+            rows = self.mem.pull(lease, keys)
+            self.lent[lease] = keys
+            s = self.mem.batch_stats(lease)
+            counts = self._hits.setdefault(batch_id, [0, 0])
+            counts[0] += s["hits"]
+            counts[1] += s["misses"]
+            self.hit_rate[batch_id] = counts[0] / max(counts[0] + counts[1], 1)
             return rows
 
-    def write_back(self, batch_id, result: dict) -> int:
-        """Store the trainer's updated rows of ``batch_id`` and unpin them."""
+    def write_back(self, batch_id, *returned: dict) -> int:
+        """Take back the rows of ``batch_id`` from its borrowers (one ``{"borrower", "keys",
+        "rows"}`` per borrower), store them and release their pins; returns the rows stored."""
         with self.clock.timed(batch_id):
             self.store.batch = batch_id
-            self.mem.write_back(batch_id, result["keys"], result["rows"])
-            self.mem.unpin(batch_id)
-            return int(result["keys"].size)
+            n = 0
+            for part in returned:
+                lease = (batch_id, part["borrower"])
+                self.mem.write_back(lease, part["keys"], part["rows"])
+                self.mem.unpin(lease)
+                n += int(part["keys"].size)
+            for lease in [k for k in self.lent if k[0] < batch_id]:  # refresh(batch_id) is done
+                del self.lent[lease]
+            return n
+
+    def refresh(self, batch_id, borrower: int) -> dict:
+        """Current rows of the keys lent to ``borrower`` for ``batch_id`` that other borrowers
+        held in batch ``batch_id - 1``: ``pull(batch_id)`` served them before that batch's
+        write-back (it overlapped the training), so they were stale (DESIGN invariant 2). The
+        borrower's own rows of the previous batch are still in its HBM-PS, and fresh."""
+        keys = self.lent[(batch_id, borrower)]
+        others = [k for (b, n), k in self.lent.items() if b == batch_id - 1 and n != borrower]
+        mine = self.lent.get((batch_id - 1, borrower))
+        stale = keys[np.isin(keys, np.concatenate(others))] if others and keys.size else keys[:0]
+        if mine is not None and stale.size:
+            stale = stale[~np.isin(stale, mine)]
+        return {"keys": stale, "rows": self.mem.peek(stale) if stale.size else np.empty((0, self.mem.width), np.float32)}
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Current rows of ``keys`` for evaluation: resident, else stored, else initial; no pinning."""

@@ -9,6 +9,7 @@ import ray
 
 from hpsray.data.batch import Batch
 from hpsray.actors.timing import StageClock
+from hpsray.tiers.partition import owner_of
 
 Transform = Callable[[Batch], Batch]
 
@@ -16,12 +17,14 @@ Transform = Callable[[Batch], Batch]
 class Reader:
     """Reader ``index`` of ``count`` on node ``node``; :meth:`read` returns the next batch.
 
-    ``transforms`` (e.g. feature engineering) run here, on the reader's CPU, in order.
+    ``transforms`` (e.g. feature engineering) run here, on the reader's CPU, in order. With
+    ``n_nodes`` > 1 the batch's distinct keys come split by owner node (DESIGN §5), so each
+    owner's MEM-PS gets exactly the keys it serves.
     """
 
     def __init__(self, source, batch_size: int, node: int = 0, index: int = 0, count: int = 1,
-                 transforms: Sequence[Transform] = ()) -> None:
-        self.node, self.index = node, index
+                 transforms: Sequence[Transform] = (), n_nodes: int = 1) -> None:
+        self.node, self.index, self.n_nodes = node, index, n_nodes
         self.source = source
         # file sources expose their DataReader, whose report counts bad rows
         self._data_reader = source.reader(batch_size, index, count) if hasattr(source, "reader") else None
@@ -35,17 +38,23 @@ class Reader:
 
     @ray.method(num_returns=3)
     def read(self, batch_id: int):
-        """``(batch, unique keys, examples)`` of the next batch; ``(None, None, 0)`` at the end."""
+        """``(batch, keys of owner 0, ..., keys of owner N-1, examples)`` of the next batch,
+        keys distinct and sorted; call with ``.options(num_returns=n_nodes + 2)``. At the end of
+        the share: ``(None, empty, ..., 0)``."""
         with self.clock.timed(batch_id):
             batch = next(self._it, None)
             if batch is None:
-                return None, None, 0
+                return (None, *[np.empty(0, np.uint64)] * self.n_nodes, 0)
             for transform in self.transforms:
                 batch = transform(batch)
                 if not isinstance(batch, Batch):
                     raise TypeError(f"transform {transform!r} returned {type(batch).__name__}, not a Batch")
             self.examples += len(batch)
-            return batch, np.unique(batch.keys), len(batch)
+            keys = np.unique(batch.keys)
+            if self.n_nodes == 1:
+                return batch, keys, len(batch)
+            owners = owner_of(keys, self.n_nodes)
+            return (batch, *[keys[owners == o] for o in range(self.n_nodes)], len(batch))
 
     def bad_input(self) -> dict:
         """Bad-row counts of file sources (empty for generated data)."""

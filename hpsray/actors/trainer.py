@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
 
 from hpsray.config import TrainConfig
+from hpsray.data.batch import Batch
 from hpsray.models.dnn import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
@@ -38,6 +40,16 @@ class Trainer:
         self.hbm = HbmPS(capacity, config.row_width, config.row_init(), n_devices, n_nodes, device)
         model = model if model is not None else DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
         self.dense = DenseReplicas(model, n_devices, config.dense_optimizer, config.dense_lr)
+        self.n_nodes = n_nodes
+        self.group = None  # the collective group, when n_nodes > 1 (see join)
+        self.dense_reducer = None
+        self.sync, self.board = None, None  # SSP / ASP: the clock board (see join)
+        self.max_staleness = 0
+        self._seen = {r: 0 for r in range(n_nodes) if r != node}  # newest clock applied per other trainer
+        self._pending_dense = None
+        self.exchanged_bytes: list[int] = []  # per global mini-batch, this node's payload
+        self._sent = 0
+        self._empty = Batch.empty(n_slots, n_dense)
         self.step = 0
         self.examples = 0
         self.losses: dict = {}
@@ -46,26 +58,176 @@ class Trainer:
     def __repr__(self) -> str:
         return f"Trainer[node {self.node}]"
 
-    def train(self, batch_id, batch, keys: np.ndarray, rows: np.ndarray) -> dict:
-        """Insert the working set, train every mini-batch, return the batch's updated rows."""
+    def join(self, world: int, group: str, sync, aggregators=None, board=None) -> int:
+        """Join the trainers' collective group (every trainer calls this at once); ``sync`` is
+        the pipeline's :class:`~hpsray.pipelines.SyncStage`."""
+        from hpsray.cluster.collective import CollectiveGroup
+
+        backend = "nccl" if self.hbm.device == "cuda" else "gloo"
+        self.group = CollectiveGroup(world, self.node, group, backend)
+        self.sync, self.board = sync, board
+        if sync.dense == "chunked":
+            from hpsray.cluster.aggregation import ChunkedAggregator
+
+            self.dense_reducer = ChunkedAggregator(aggregators, world, self.node, chunk_bytes=sync.chunk_bytes)
+        return self.node
+
+    def _reduce_dense(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.dense_reducer is not None:
+            out = self.dense_reducer.reduce(flat, self.step)
+            self.group.bytes_sent += flat.numel() * flat.element_size()
+            return out
+        return self.group.allreduce_sum(flat)
+
+    def train(self, batch_id, inputs: list, plan: dict) -> tuple:
+        """Train a batch on its working set and return its rows to their owners.
+
+        ``inputs`` holds the refs, unresolved, of: the batch, then per owner node ``o`` the
+        keys lent by ``o``, then the rows lent, then (when refreshed) ``o``'s refreshed rows.
+        ``plan["sizes"]`` holds every node's examples in this batch: the trainers step through
+        the same number of global mini-batches (an exhausted node contributes empty ones).
+        Returns one ``{"borrower", "keys", "rows"}`` per owner, then ``{"loss", "examples"}``.
+
+        With several nodes the trainers first agree that every one of them has its inputs: if
+        one failed (a bad batch, a pull over capacity), all fail this batch together instead of
+        leaving the others waiting in the collective.
+        """
+        import ray
+
+        n = self.n_nodes
+        error = None
+        try:
+            batch, *parts = ray.get(list(inputs))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the peers
+            error = e
+        if n > 1 and self.group is not None:
+            failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
+            if error is None and float(failed[0]) > 0:
+                raise RuntimeError(f"batch {batch_id} failed on another node; see that trainer's error")
+        if error is not None:
+            raise error
+        key_parts, row_parts = parts[:n], parts[n : 2 * n]
         with self.clock.timed(batch_id):
+            keys = np.concatenate(key_parts) if n > 1 else key_parts[0]
+            rows = np.concatenate(row_parts) if n > 1 else row_parts[0]
             self.hbm.insert(keys, rows)  # rows resident from the previous batch are fresher
             self.hbm.retain(keys)
-            dim = self.config.dim
-            self.dense.train(True)
-            losses = []
-            for mb in batch.minibatches(self.config.minibatch_size):
-                loss, gkeys, grads = self.dense.step(mb, lambda k: self.hbm.get(k)[:, :dim])
-                self.step += 1
-                self.hbm.apply_gradients(gkeys, grads, self.optimizer, self.step)
-                losses.append(loss)
-            self.examples += len(batch)
-            self.losses[batch_id] = float(np.mean(losses)) if losses else float("nan")
-            return {"keys": keys, "rows": self.hbm.export(keys), "loss": self.losses[batch_id]}
+            for fresh in parts[2 * n :]:
+                if fresh["keys"].size:
+                    self.hbm.assign(fresh["keys"], fresh["rows"])
+            if n == 1:
+                losses = self._train_local(batch)
+            elif self.board is None:
+                losses = self._train_steps(batch, plan["sizes"])
+            else:
+                losses = self._train_stale(batch, plan["sizes"])
+            self.examples += len(batch) if batch is not None else 0
+            self.losses[batch_id] = float(np.sum(losses) / max(len(losses), 1)) if losses else float("nan")
+            out = [{"borrower": self.node, "keys": k, "rows": self.hbm.export(k)} for k in key_parts]
+            return (*out, {"loss": self.losses[batch_id], "examples": len(batch) if batch is not None else 0})
+
+    def _weights(self, keys: np.ndarray) -> np.ndarray:
+        return self.hbm.get(keys)[:, : self.config.dim]
+
+    def _train_local(self, batch) -> list[float]:
+        self.dense.train(True)
+        losses = []
+        for mb in batch.minibatches(self.config.minibatch_size):
+            loss, gkeys, grads = self.dense.step(mb, self._weights)
+            self.step += 1
+            self.hbm.apply_gradients(gkeys, grads, self.optimizer, self.step)
+            losses.append(loss)
+        return losses
+
+    def _train_steps(self, batch, sizes: list[int]) -> list[float]:
+        """BSP across nodes: after every global mini-batch, all trainers combine their sparse
+        updates (each applies every node's to the rows it holds) and sum their dense gradients."""
+        self.dense.train(True)
+        m = self.config.minibatch_size
+        steps = max(-(-s // m) for s in sizes)
+        losses = []
+        for k in range(steps):
+            total = sum(min(max(s - k * m, 0), m) for s in sizes)
+            mb = batch.slice(k * m, min((k + 1) * m, len(batch))) if batch is not None and k * m < len(batch) else None
+            if mb is None:
+                mb = self._empty
+            loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=self._reduce_dense)
+            all_keys, all_grads = self.group.allgather_sparse(gkeys, grads)
+            self.step += 1
+            self.hbm.apply_gradients(all_keys, all_grads, self.optimizer, self.step, resident_only=True)
+            self.exchanged_bytes.append(self.group.bytes_sent - self._sent)
+            self._sent = self.group.bytes_sent
+            if mb is not self._empty:
+                losses.append(loss * total / len(mb))
+        return losses
+
+    def _train_stale(self, batch, sizes: list[int]) -> list[float]:
+        """SSP / ASP across nodes (:mod:`hpsray.cluster.consistency`): publish each mini-batch's
+        update, apply the others' as they arrive, wait only when beyond the staleness bound."""
+        import ray
+
+        self.dense.train(True)
+        m = self.config.minibatch_size
+        steps = max(-(-s // m) for s in sizes)
+        bound = self.sync.staleness if self.sync.consistency == "ssp" else None
+        straggler = self.sync.straggler
+        losses = []
+        for k in range(steps):
+            clock = self.step + 1
+            # ssp: every other trainer must have published clock - 1 - s; asp: take what is there
+            others = self._fetch(clock - 1 - bound if bound is not None else -1)
+            self.max_staleness = max(self.max_staleness, clock - 1 - min(self._seen.values()))
+            total = sum(min(max(s - k * m, 0), m) for s in sizes)
+            mb = batch.slice(k * m, min((k + 1) * m, len(batch))) if batch is not None and k * m < len(batch) else None
+            if straggler is not None and straggler[0] == self.node:
+                time.sleep(straggler[1])
+            own = {}
+
+            def reduce(flat: torch.Tensor) -> torch.Tensor:
+                own["dense"] = flat.numpy().copy()
+                return flat + torch.from_numpy(others["dense"]) if others["dense"] is not None else flat
+
+            loss, gkeys, grads = self.dense.step(mb if mb is not None else self._empty, self._weights, total=total,
+                                                 reduce=reduce)
+            self.step += 1
+            self.board.publish.remote(self.node, clock, [ray.put((gkeys, grads, own["dense"]))])
+            self.exchanged_bytes.append(gkeys.nbytes + grads.nbytes + own["dense"].nbytes)
+            self.hbm.apply_gradients(np.concatenate([gkeys, others["keys"]]),
+                                     np.concatenate([grads, others["grads"]]), self.optimizer, self.step,
+                                     resident_only=True)
+            if mb is not None:
+                losses.append(loss * total / len(mb))
+        # the batch end is a barrier: every update of the batch reaches the rows before write-back
+        rest = self._fetch(self.step)
+        if rest["keys"].size:
+            self.hbm.apply_gradients(rest["keys"], rest["grads"], self.optimizer, self.step, resident_only=True)
+        if rest["dense"] is not None:
+            self._pending_dense = rest["dense"]
+        return losses
+
+    def _fetch(self, oldest: int) -> dict:
+        """The others' updates not applied yet (waiting for clock ``oldest``), combined."""
+        import ray
+
+        got = ray.get(self.board.fetch.remote(self.node, oldest))
+        keys, grads, dense = [np.empty(0, np.uint64)], [np.empty((0, self.config.dim), np.float32)], None
+        if self._pending_dense is not None:
+            dense, self._pending_dense = self._pending_dense, None
+        for rank, clock, (ref,) in got:
+            k, g, d = ray.get(ref)
+            keys.append(k)
+            grads.append(g)
+            dense = d.copy() if dense is None else dense + d
+            self._seen[rank] = max(self._seen[rank], clock)
+        return {"keys": np.concatenate(keys), "grads": np.concatenate(grads), "dense": dense}
 
     @torch.no_grad()
-    def predict(self, batch, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Click probabilities of ``batch`` given the rows of its distinct ``keys`` (sorted)."""
+    def predict(self, batch, *parts) -> np.ndarray:
+        """Click probabilities of ``batch`` given, per owner, its keys then (after all keys) their rows."""
+        half = len(parts) // 2
+        keys, rows = np.concatenate(parts[:half]), np.concatenate(parts[half:])
+        order = np.argsort(keys)
+        keys, rows = keys[order], rows[order]
         model = self.dense.models[0]
         model.eval()
         out = []
@@ -85,4 +247,6 @@ class Trainer:
         return all(torch.equal(ref[k], m.state_dict()[k]) for m in self.dense.models[1:] for k in ref)
 
     def stats(self) -> dict:
-        return {**self.clock.snapshot(), "examples": self.examples, "steps": self.step, "losses": dict(self.losses)}
+        sent = self.exchanged_bytes
+        return {**self.clock.snapshot(), "examples": self.examples, "steps": self.step, "losses": dict(self.losses),
+                "exchanged_bytes_per_step": float(np.mean(sent)) if sent else 0.0, "max_staleness": self.max_staleness}

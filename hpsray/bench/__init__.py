@@ -10,4 +10,6 @@ BENCHMARKS = {
     "cache": "hpsray.bench.cache",
     "ingest": "hpsray.bench.ingest",
     "e2e": "hpsray.bench.e2e",
+    "exchange": "hpsray.bench.exchange",
+    "scale": "hpsray.bench.scale",
 }

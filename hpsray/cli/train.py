@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 HELP = "train a TOML job file (data, model, optimizer, tiers, pipeline, cluster); --reference trains the oracle"
 
 EXIT_CONFIG = 2  # bad job file or arguments
@@ -107,12 +109,20 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
 
 def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
-    from hpsray.reference import ReferenceTrainer
+    from hpsray.reference import ReferenceTrainer, global_batches
 
     source = job.source()
     bs = job.pipeline.batch_size
-    data_reader = source.reader(bs) if hasattr(source, "reader") else None
-    it = iter(data_reader) if data_reader is not None else source.open(bs)
+    n_nodes = job.cluster.nodes
+    if n_nodes == 0:
+        raise ValueError("cluster.nodes: --reference needs the node count (0 means 'whatever the cluster has')")
+    data_reader = source.reader(bs) if hasattr(source, "reader") and n_nodes == 1 else None
+    if data_reader is not None:
+        it = iter(data_reader)
+    elif n_nodes == 1:
+        it = source.open(bs)
+    else:  # what N nodes train: per batch, the global mini-batches of every node's share
+        it = global_batches(source, bs, n_nodes, job.train_config().minibatch_size)
     trainer = ReferenceTrainer(source.n_slots, source.n_dense, job.train_config())
     per_read, per_train, losses = {}, {}, {}
     t0 = time.perf_counter()
@@ -124,7 +134,11 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
         if batch is None:
             break
         s0 = time.perf_counter()
-        losses[str(t)] = trainer.train_batch(batch)
+        if isinstance(batch, list):
+            trainer.model.train()
+            losses[str(t)] = float(np.mean([trainer.train_minibatch(mb) for mb in batch]))
+        else:
+            losses[str(t)] = trainer.train_batch(batch)
         per_train[str(t)] = time.perf_counter() - s0
         if not quiet:
             rate = trainer.examples / max(time.perf_counter() - t0, 1e-9)
@@ -140,7 +154,7 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     report = {
         "trainer": "reference",
         "mode": "reference",
-        "nodes": 1,
+        "nodes": n_nodes,
         "batches": t,
         "examples": trainer.examples,
         "wall_s": wall,

@@ -36,3 +36,18 @@ def alive_nodes() -> list[dict]:
 def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
     """Scheduling strategy that pins an actor to one node."""
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+NODE_RESOURCE = "hpsray_node"
+
+
+def training_nodes() -> list[dict]:
+    """The nodes that may host an hpsray node (MEM-PS, SSD-PS, trainer, readers).
+
+    Nodes offering the custom resource ``hpsray_node`` when the cluster marks any (the cluster
+    launcher and KubeRay examples give it to the workers, so a head without disks stays out);
+    otherwise every alive node. Order as :func:`alive_nodes`.
+    """
+    nodes = alive_nodes()
+    marked = [n for n in nodes if n.get("Resources", {}).get(NODE_RESOURCE, 0) > 0]
+    return marked or nodes

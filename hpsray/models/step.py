@@ -41,18 +41,26 @@ class DenseReplicas:
             m.train(mode)
 
     def step(
-        self, mb: Batch, weights_of: Callable[[np.ndarray], np.ndarray]
+        self, mb: Batch, weights_of: Callable[[np.ndarray], np.ndarray], total: int | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[float, np.ndarray, np.ndarray]:
         """Forward/backward over ``mb`` and one dense optimizer step.
 
         ``weights_of(unique_keys)`` returns ``float32[U, dim]`` embedding weights. Returns the
-        mini-batch's mean loss and ``(keys, grads)`` of the sparse gradient; keys may repeat
-        across replicas, whose gradients the tables sum before they apply them.
+        mini-batch's loss (its share of the mean over ``total`` examples, default ``len(mb)``)
+        and ``(keys, grads)`` of the sparse gradient; keys may repeat across replicas, whose
+        gradients the tables sum before they apply them.
+
+        Across nodes, ``mb`` is this node's part of a global mini-batch of ``total`` examples
+        (possibly empty) and ``reduce(flat)`` sums the flattened dense gradient over the nodes
+        before every replica steps with it.
         """
-        n_total = len(mb)
-        bounds = np.linspace(0, n_total, len(self.models) + 1).astype(int)
+        n_total = total if total is not None else len(mb)
+        bounds = np.linspace(0, len(mb), len(self.models) + 1).astype(int)
         loss_sum = 0.0
         keys_out, grads_out = [], []
+        for model in self.models:  # a replica whose slice is empty must not keep old gradients
+            model.zero_grad(set_to_none=True)
         for model, lo, hi in zip(self.models, bounds[:-1], bounds[1:]):
             if hi <= lo:
                 continue
@@ -64,16 +72,20 @@ class DenseReplicas:
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
                 logits, torch.tensor(part.labels), reduction="sum"
             ) / n_total
-            model.zero_grad(set_to_none=True)
             loss.backward()
             loss_sum += float(loss.detach())
             keys_out.append(layout.unique_keys)
             grads_out.append(emb.grad.numpy())
-        self._allreduce_and_step()
+        self._allreduce_and_step(reduce)
+        if not keys_out:  # this node's part of the global mini-batch is empty
+            no_keys = np.empty(0, np.uint64)
+            return loss_sum, no_keys, np.zeros_like(weights_of(no_keys))
         return loss_sum, np.concatenate(keys_out), np.concatenate(grads_out)
 
-    def _allreduce_and_step(self) -> None:
-        if len(self.models) > 1:
+    def _allreduce_and_step(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if reduce is not None:
+            self._reduce_across_nodes(reduce)
+        elif len(self.models) > 1:
             params = [list(m.parameters()) for m in self.models]
             for group in zip(*params):
                 grads = [p.grad for p in group if p.grad is not None]
@@ -84,3 +96,18 @@ class DenseReplicas:
                     p.grad = total.clone()
         for opt in self.optimizers:
             opt.step()
+
+    def _reduce_across_nodes(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum the replicas' gradients locally, then over nodes with ``reduce``, and give every
+        replica the total (zeros stand in for parameters without a gradient)."""
+        params = [list(m.parameters()) for m in self.models]
+        flat = torch.cat([
+            sum((p.grad for p in group if p.grad is not None), torch.zeros_like(group[0])).reshape(-1)
+            for group in zip(*params)
+        ])
+        total = reduce(flat)
+        for group in zip(*params):
+            n = group[0].numel()
+            chunk, total = total[:n].view_as(group[0]), total[n:]
+            for p in group:
+                p.grad = chunk.clone()

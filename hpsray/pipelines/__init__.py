@@ -4,6 +4,6 @@ metrics and the run report."""
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.pipeline import Pipeline, TrainingStopped
 from hpsray.pipelines.sources import FileSource, SyntheticSource
-from hpsray.pipelines.stages import MemPSStage, SSDPSStage, TrainerStage
+from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
-__all__ = ["BoundedEdge", "FileSource", "MemPSStage", "Pipeline", "SSDPSStage", "SyntheticSource", "TrainerStage", "TrainingStopped"]
+__all__ = ["BoundedEdge", "FileSource", "MemPSStage", "Pipeline", "SSDPSStage", "SyncStage", "SyntheticSource", "TrainerStage", "TrainingStopped"]

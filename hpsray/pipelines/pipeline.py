@@ -14,6 +14,7 @@ runs up to ``read_queue`` batches ahead through a :class:`BoundedEdge`.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -29,11 +30,11 @@ from hpsray.actors.memps import MemPSShard
 from hpsray.actors.reader import Reader
 from hpsray.actors.ssdps import SSDPSShard
 from hpsray.actors.trainer import Trainer
-from hpsray.cluster.runtime import alive_nodes, connect, on_node
+from hpsray.cluster.runtime import connect, on_node, training_nodes
 from hpsray.data.batch import Batch
 from hpsray.models.metrics import auc, logloss
 from hpsray.pipelines.edge import BoundedEdge
-from hpsray.pipelines.stages import MemPSStage, SSDPSStage, TrainerStage
+from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
 
 class TrainingStopped(RuntimeError):
@@ -76,12 +77,16 @@ class Pipeline:
         read_queue: batches the reader may run ahead of the pull stage.
         address: Ray address; an embedded local Ray when None (and no ``RAY_ADDRESS``).
         name: prefix of the actor names shown on the Ray dashboard.
+        nodes: Ray nodes to train on, one MEM-PS, SSD-PS, trainer and reader each (``None``:
+            every alive node).
+        sync: how the nodes' trainers stay consistent (BSP, SSP, ASP) and combine dense
+            gradients (all-reduce or PHub-style chunks).
     """
 
     def __init__(self, source, trainer: TrainerStage | None = None, mem: MemPSStage | None = None,
                  ssd: SSDPSStage | None = None, transforms: Sequence[Callable[[Batch], Batch]] = (),
                  batch_size: int = 65536, read_queue: int = 2, address: str | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, nodes: int | None = 1, sync: SyncStage | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if read_queue < 1:
@@ -95,6 +100,11 @@ class Pipeline:
         self.read_queue = read_queue
         self.address = address
         self.name = name or f"hpsray-{uuid.uuid4().hex[:6]}"
+        if nodes is not None and nodes < 1:
+            raise ValueError(f"nodes must be >= 1 (or None for every alive node), got {nodes}")
+        self.n_nodes = nodes
+        self.sync = sync or SyncStage()
+        self._aggregators = None
         self.config = self.trainer_stage.config
         self._nodes: list[_Node] = []
         self._tmp: str | None = None
@@ -108,96 +118,167 @@ class Pipeline:
         if self._nodes:
             return
         self._started_ray = connect(self.address)
-        node = alive_nodes()[0]
-        node_id = node["NodeID"]
+        alive = training_nodes()
+        n_nodes = self.n_nodes or len(alive)
+        if n_nodes > len(alive):
+            raise ValueError(f"the pipeline asks for {n_nodes} nodes but the Ray cluster has {len(alive)} alive; "
+                             "start more nodes (ray start --address=...) or lower cluster.nodes")
         width = self.config.row_width
         ssd_path = self.ssd_stage.path
         if ssd_path is None:
             self._tmp = ssd_path = tempfile.mkdtemp(prefix="hpsray-ssd-")
-        strategy = on_node(node_id)
-        opts = dict(num_cpus=0, scheduling_strategy=strategy, max_concurrency=1)
-        i = 0
-        ssd = ray.remote(SSDPSShard).options(name=f"{self.name}:SSDPS[node {i}]", **opts).remote(
-            i, f"{ssd_path}/node-{i}", width, **self.ssd_stage.options)
-        mem = ray.remote(MemPSShard).options(name=f"{self.name}:MemPS[node {i}]", **opts).remote(
-            i, ssd, width, self.config.row_init(), self.mem_stage.capacity_rows, self.mem_stage.capacity_bytes,
-            **self.mem_stage.options)
         t = self.trainer_stage
         capacity = t.hbm_capacity or 2 * self.batch_size * max(self.source.n_slots, 1)
-        trainer = ray.remote(Trainer).options(name=f"{self.name}:Trainer[node {i}]", **opts).remote(
-            i, 1, self.config, self.source.n_slots, self.source.n_dense, capacity, t.n_devices, t.device,
-            t.model, t.threads)
-        self._nodes = [_Node(i, node_id, ssd, mem, trainer)]
+        for i, node in enumerate(alive[:n_nodes]):
+            opts = dict(num_cpus=0, scheduling_strategy=on_node(node["NodeID"]), max_concurrency=1)
+            threads = t.threads or max(1, int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1))
+            ssd = ray.remote(SSDPSShard).options(name=f"{self.name}:SSDPS[node {i}]", **opts).remote(
+                i, f"{ssd_path}/node-{i}", width, **self.ssd_stage.options)
+            mem = ray.remote(MemPSShard).options(name=f"{self.name}:MemPS[node {i}]", **opts).remote(
+                i, ssd, width, self.config.row_init(), self.mem_stage.capacity_rows, self.mem_stage.capacity_bytes,
+                **self.mem_stage.options)
+            trainer = ray.remote(Trainer).options(name=f"{self.name}:Trainer[node {i}]", **opts).remote(
+                i, n_nodes, self.config, self.source.n_slots, self.source.n_dense, capacity, t.n_devices, t.device,
+                t.model, threads)
+            self._nodes.append(_Node(i, node["NodeID"], ssd, mem, trainer))
+        if n_nodes > 1:
+            self._join_group()
 
-    def _reader(self, node: _Node, source, name: str):
+    def _join_group(self) -> None:
+        """Form the trainers' collective group (and the chunk aggregators, if chosen)."""
+        sync = self.sync
+        aggregators = None
+        if sync.dense == "chunked":
+            from hpsray.cluster.aggregation import start_aggregators
+
+            aggregators = start_aggregators(len(self._nodes), node_ids=[n.node_id for n in self._nodes],
+                                            name_prefix=self.name)
+            self._aggregators = list(aggregators)
+        board = None
+        if sync.consistency != "bsp":
+            from hpsray.cluster.consistency import ClockBoard
+
+            board = ray.remote(ClockBoard).options(
+                name=f"{self.name}:ClockBoard", num_cpus=0, scheduling_strategy=on_node(self._nodes[0].node_id),
+                max_concurrency=1000).remote(len(self._nodes))
+            self._aggregators = [*(self._aggregators or []), board]
+        group = f"{self.name}:trainers"
+        ray.get([n.trainer.join.remote(len(self._nodes), group, sync, aggregators, board) for n in self._nodes])
+
+    def _reader(self, node: _Node, source, name: str, index: int, count: int):
         opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
         return ray.remote(Reader).options(name=f"{self.name}:{name}[node {node.index}]", **opts).remote(
-            source, self.batch_size, node.index, 0, 1, self.transforms)
+            source, self.batch_size, node.index, index, count, self.transforms, len(self._nodes))
 
     # -- training ------------------------------------------------------------------------
 
     def fit(self, progress: bool = True) -> dict:
-        """Train one pass over the source; returns the run report (also ``self.report``)."""
+        """Train one pass over the source; returns the run report (also ``self.report``).
+
+        Each node's reader reads that node's share of the source. Per batch ``t`` the driver
+        submits, on every node: ``train(t)``, the reads ahead, the pulls of ``t+1`` (each node's
+        keys split by owner, every owner lending in parallel), the write-backs of ``t`` (each
+        owner takes its rows back from every borrower) and, with several nodes, the refresh of
+        rows of ``t+1`` that ``t`` changed elsewhere (see :meth:`MemPSShard.refresh`).
+        """
         self._start()
-        node = self._nodes[0]
-        passes = len(node.readers)
-        reader = self._reader(node, self.source, "Reader" if passes == 0 else f"Reader#{passes + 1}")
-        node.readers.append(reader)
-        reads = BoundedEdge("read→pull", self.read_queue)
-        pending_reads: list = []
+        nodes = self._nodes
+        n = len(nodes)
+        passes = len(nodes[0].readers)
+        for node in nodes:
+            node.readers.append(self._reader(node, self.source, "Reader" if passes == 0 else f"Reader#{passes + 1}",
+                                             node.index, n))
+        reads = [BoundedEdge(f"read→pull[node {i}]" if n > 1 else "read→pull", self.read_queue) for i in range(n)]
+        write_backs = [BoundedEdge(f"train→write-back[node {i}]" if n > 1 else "train→write-back", 2)
+                       for i in range(n)]
+        pending: list = []  # per batch read ahead: per node (batch ref, key refs by owner, examples ref)
+        first = self._next_batch
         t0 = time.perf_counter()
 
-        first = self._next_batch
+        def read(t: int) -> None:
+            row = []
+            for node, edge in zip(nodes, reads):
+                refs = node.readers[-1].read.options(num_returns=n + 2).remote(first + t)
+                edge.put(refs[-1])
+                row.append((refs[0], refs[1:-1], refs[-1]))
+            pending.append(row)
 
-        def next_read(t):
-            batch_ref, keys_ref, n_ref = reader.read.remote(first + t)
-            reads.put(n_ref)
-            pending_reads.append((batch_ref, keys_ref, n_ref))
+        def lend(t: int, row) -> list:  # [borrower][owner] -> rows ref
+            return [[nodes[o].mem.pull.remote(first + t, row[b][1][o], b) for o in range(n)] for b in range(n)]
 
-        next_read(0)
-        for k in range(1, self.read_queue):
-            next_read(k)
-        write_backs = BoundedEdge("train→write-back", 2)
-        batch_ref, keys_ref, n_ref = pending_reads.pop(0)
+        def refresh(t: int) -> list:
+            return [[nodes[o].mem.refresh.remote(first + t, b) for o in range(n)] for b in range(n)]
+
+        for k in range(self.read_queue):
+            read(k)
         t, examples = 0, 0
-        in_training = None  # (batch id, result ref) of a batch whose write-back is not yet submitted
+        outcomes: list = []  # every trainer's {"loss", "examples"} ref, to find a failure's root
+        in_training = None  # (batch id, result refs) of a batch whose write-backs are not yet submitted
         try:
-            if ray.get(n_ref) == 0:
+            row = pending.pop(0)
+            sizes = ray.get([r[2] for r in row])  # raises a reader's error (bad input in strict mode)
+            if sum(sizes) == 0:
                 raise ValueError("the source produced no examples")
-            pull_ref = node.mem.pull.remote(first, keys_ref)
+            lent, fresh = lend(0, row), None
             while True:
-                result_ref = node.trainer.train.remote(first + t, batch_ref, keys_ref, pull_ref)
-                in_training = (first + t, result_ref)
-                next_read(t + self.read_queue)
-                nb_ref, nk_ref, nn_ref = pending_reads.pop(0)
-                more = ray.get(nn_ref) > 0  # raises the reader's error (bad input in strict mode)
+                plan = {"sizes": sizes}
+                results = [node.trainer.train.options(num_returns=n + 1).remote(
+                    first + t, [row[b][0], *row[b][1], *lent[b], *(fresh[b] if fresh else ())], plan)
+                    for b, node in enumerate(nodes)]
+                in_training = (first + t, results)
+                outcomes += [r[-1] for r in results]
+                read(t + self.read_queue)
+                next_row = pending.pop(0)
+                next_sizes = ray.get([r[2] for r in next_row])
+                more = sum(next_sizes) > 0
                 if more:
-                    next_pull = node.mem.pull.remote(first + t + 1, nk_ref)
-                write_backs.put(node.mem.write_back.remote(first + t, result_ref))
+                    next_lent = lend(t + 1, next_row)
+                for o, node in enumerate(nodes):
+                    write_backs[o].put(node.mem.write_back.remote(first + t, *[results[b][o] for b in range(n)]))
                 in_training = None
-                examples += ray.get(n_ref)
+                fresh = refresh(t + 1) if more and n > 1 else None
+                examples += sum(sizes)
                 if progress:
                     self._progress(t, examples, t0)
                 if not more:
                     break
                 t += 1
-                batch_ref, keys_ref, n_ref, pull_ref = nb_ref, nk_ref, nn_ref, next_pull
-            write_backs.drain()
+                row, sizes, lent = next_row, next_sizes, next_lent
+            for edge in write_backs:
+                edge.drain()
         except Exception as e:
-            raise TrainingStopped(e, self._salvage(node, write_backs, in_training)) from e
+            saved = self._salvage(write_backs, in_training)
+            raise TrainingStopped(self._first_failure(e, outcomes), saved) from e
         wall = time.perf_counter() - t0
         if progress:
             print(file=sys.stderr)
         self._next_batch = first + t + 1
-        self.report = self._report(wall, range(first, first + t + 1), examples, reads, write_backs)
+        self.report = self._report(wall, range(first, first + t + 1), examples, *reads, *write_backs)
         return self.report
 
-    def _salvage(self, node: _Node, write_backs: BoundedEdge, in_training) -> int:
+    @staticmethod
+    def _first_failure(error: BaseException, outcomes: list) -> BaseException:
+        """The error that stopped training: when trainers of other nodes failed only because
+        one of them did (see :meth:`Trainer.train`), that one's error."""
+        if "failed on another node" not in str(error):
+            return error
+        done, _ = ray.wait(outcomes, num_returns=len(outcomes), timeout=0)
+        for ref in [r for r in outcomes if r in set(done)]:
+            try:
+                ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - looking for the root cause
+                if "failed on another node" not in str(e):
+                    return e
+        return error
+
+    def _salvage(self, write_backs: list[BoundedEdge], in_training) -> int:
         """After a failure: finish the write-backs of every batch that trained, flush MEM-PS to
         SSD-PS, and return how many batches were saved (DESIGN invariant 7)."""
-        refs = write_backs.in_flight()
+        nodes = self._nodes
+        refs = [ref for edge in write_backs for ref in edge.in_flight()]
         if in_training is not None:
-            refs.append(node.mem.write_back.remote(*in_training))
+            batch_id, results = in_training
+            refs += [node.mem.write_back.remote(batch_id, *[r[o] for r in results]) for o, node in enumerate(nodes)]
         saved = 0
         for ref in refs:
             try:
@@ -205,8 +286,8 @@ class Pipeline:
                 saved += 1
             except Exception:  # that batch failed itself; its rows were never trained
                 pass
-        ray.get(node.mem.flush.remote())
-        return saved
+        ray.get([node.mem.flush.remote() for node in nodes])
+        return saved // len(nodes)
 
     def _progress(self, t: int, examples: int, t0: float) -> None:
         rate = examples / max(time.perf_counter() - t0, 1e-9)
@@ -214,20 +295,38 @@ class Pipeline:
               end="", file=sys.stderr, flush=True)
 
     def _report(self, wall: float, batches: range, examples: int, *edges: BoundedEdge) -> dict:
-        """The run report of one ``fit()``: only the batches it trained count."""
-        node = self._nodes[0]
-        stats = ray.get([node.readers[-1].stats.remote(), node.mem.stats.remote(), node.ssd.stats.remote(),
-                         node.trainer.stats.remote()])
-        reader, mem, ssd, trainer = stats
-        stages = {s["stage"]: s for s in (reader, mem, ssd, trainer)}
+        """The run report of one ``fit()``: only the batches it trained count.
+
+        With several nodes, a stage's busy seconds (per batch and in all) are those of its
+        busiest node, so ``pipeline_efficiency`` is the slowest (stage, node) over wall time;
+        ``per_node`` keeps every node's own figures.
+        """
+        nodes = self._nodes
+        stats = ray.get([ref for node in nodes for ref in (
+            node.readers[-1].stats.remote(), node.mem.stats.remote(), node.ssd.stats.remote(),
+            node.trainer.stats.remote(), node.readers[-1].bad_input.remote())])
+        per_node = [stats[5 * i : 5 * i + 5] for i in range(len(nodes))]
         mine = set(batches)
-        per_batch = {name: {b: v for b, v in s["per_batch"].items() if b in mine} for name, s in stages.items()}
-        busy = {name: float(sum(v.values())) for name, v in per_batch.items()}
-        store = ssd["store"]
-        bad = ray.get(node.readers[-1].bad_input.remote())
-        return {
-            "mode": "bsp",
-            "nodes": 1,
+        node_busy, node_per_batch = [], []
+        for reader, mem, ssd, trainer, _ in per_node:
+            stages = {s["stage"]: s for s in (reader, mem, ssd, trainer)}
+            pb = {name: {b: v for b, v in s["per_batch"].items() if b in mine} for name, s in stages.items()}
+            node_per_batch.append(pb)
+            node_busy.append({name: float(sum(v.values())) for name, v in pb.items()})
+        busy = {name: max(nb[name] for nb in node_busy) for name in node_busy[0]}
+        per_batch = {name: {b: max(pb[name].get(b, 0.0) for pb in node_per_batch) for b in sorted(mine)}
+                     for name in node_per_batch[0]}
+        hit_rate = {b: float(np.mean([mem["hit_rate"][b] for _, mem, _, _, _ in per_node if b in mem["hit_rate"]]))
+                    for b in sorted(mine) if any(b in mem["hit_rate"] for _, mem, _, _, _ in per_node)}
+        ssd_keys = ("bytes_read", "bytes_written", "files", "disk_bytes", "live_bytes", "compactions",
+                    "load_seconds", "dump_seconds")
+        stores = [ssd["store"] for _, _, ssd, _, _ in per_node]
+        ssd_total = {k: sum(st[k] for st in stores) for k in ssd_keys}
+        ssd_total["space_ratio"] = ssd_total["disk_bytes"] / ssd_total["live_bytes"] if ssd_total["live_bytes"] else 0.0
+        trainer0 = per_node[0][3]
+        report = {
+            "mode": self.sync.consistency if len(nodes) > 1 else "bsp",
+            "nodes": len(nodes),
             "devices_per_node": self.trainer_stage.n_devices,
             "batches": len(batches),
             "examples": examples,
@@ -235,32 +334,46 @@ class Pipeline:
             "examples_per_s": examples / wall if wall > 0 else 0.0,
             "stage_busy_s": busy,
             "pipeline_efficiency": max(busy.values()) / wall if wall > 0 else 0.0,
-            "per_batch_s": {name: {str(k): v for k, v in sorted(pb.items())} for name, pb in per_batch.items()},
-            "cache_hit_rate": {str(k): v for k, v in sorted(mem["hit_rate"].items()) if k in mine},
-            "ssd": {k: store[k] for k in ("bytes_read", "bytes_written", "files", "disk_bytes", "live_bytes",
-                                          "space_ratio", "compactions", "load_seconds", "dump_seconds")},
-            "cache": mem["cache"],
-            "loss": {str(k): v for k, v in sorted(trainer["losses"].items()) if k in mine},
+            "per_batch_s": {name: {str(k): v for k, v in pb.items()} for name, pb in per_batch.items()},
+            "cache_hit_rate": {str(k): v for k, v in hit_rate.items()},
+            "ssd": ssd_total,
+            "cache": per_node[0][1]["cache"] if len(nodes) == 1 else [mem["cache"] for _, mem, _, _, _ in per_node],
+            "loss": {str(k): v for k, v in sorted(trainer0["losses"].items()) if k in mine},
             "queues": {e.name: {"capacity": e.capacity, "max_depth": e.max_depth, "stalls": e.stalls} for e in edges},
-            "bad_input": bad,
+            "bad_input": per_node[0][4] if len(nodes) == 1 else {f"node {i}": r[4] for i, r in enumerate(per_node)},
         }
+        if len(nodes) > 1:
+            trainers = [r[3] for r in per_node]
+            report["sync"] = {
+                "consistency": self.sync.consistency,
+                "staleness_bound": self.sync.staleness if self.sync.consistency == "ssp" else None,
+                "max_staleness_observed": max(tr.get("max_staleness", 0) for tr in trainers),
+                "dense": self.sync.dense,
+                "exchanged_bytes_per_minibatch": float(np.mean([tr["exchanged_bytes_per_step"] for tr in trainers])),
+            }
+            report["per_node"] = [{"node": i, "stage_busy_s": nb, "examples": r[0]["examples"]}
+                                  for i, (nb, r) in enumerate(zip(node_busy, per_node))]
+        return report
 
     # -- using the trained model ---------------------------------------------------------
 
     def evaluate(self, source) -> dict:
-        """AUC and log-loss of the trained model over ``source``'s examples."""
+        """AUC and log-loss of the trained model over ``source``'s examples (read on node 0,
+        each key's row looked up at its owner)."""
         self._start()
-        node = self._nodes[0]
-        reader = self._reader(node, source, "EvalReader")
+        nodes = self._nodes
+        n = len(nodes)
+        reader = self._reader(nodes[0], source, "EvalReader", 0, 1)
         labels, probs = [], []
         t = 0
         while True:
-            batch_ref, keys_ref, n_ref = reader.read.remote(t)
-            if ray.get(n_ref) == 0:
+            refs = reader.read.options(num_returns=n + 2).remote(t)
+            if ray.get(refs[-1]) == 0:
                 break
-            rows_ref = node.mem.lookup.remote(keys_ref)
-            probs.append(ray.get(node.trainer.predict.remote(batch_ref, keys_ref, rows_ref)))
-            labels.append(ray.get(batch_ref).labels)
+            key_refs = refs[1:-1]
+            row_refs = [node.mem.lookup.remote(k) for node, k in zip(nodes, key_refs)]
+            probs.append(ray.get(nodes[0].trainer.predict.remote(refs[0], *key_refs, *row_refs)))
+            labels.append(ray.get(refs[0]).labels)
             t += 1
         ray.kill(reader)
         if not labels:
@@ -306,7 +419,9 @@ class Pipeline:
                 pass
             for a in [n.mem, n.trainer, n.ssd, *n.readers]:
                 ray.kill(a)
-        self._nodes = []
+        for a in self._aggregators or []:
+            ray.kill(a)
+        self._nodes, self._aggregators = [], None
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

@@ -46,3 +46,35 @@ class TrainerStage:
             raise ValueError(f"TrainerStage.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.n_devices < 1:
             raise ValueError(f"TrainerStage.n_devices must be >= 1, got {self.n_devices}")
+
+
+CONSISTENCY = ("bsp", "ssp", "asp")
+DENSE_SYNC = ("allreduce", "chunked")
+
+
+@dataclass
+class SyncStage:
+    """How the trainers of several nodes stay consistent (DESIGN §8) and combine dense gradients.
+
+    ``consistency``: ``"bsp"`` (lossless: every mini-batch synchronised), ``"ssp"`` (a trainer
+    runs at most ``staleness`` mini-batches ahead of the slowest), ``"asp"`` (no waiting).
+    ``dense``: ``"allreduce"`` (the collective group) or ``"chunked"`` (PHub-style: fixed
+    ``chunk_bytes`` chunks, each summed by one aggregator actor). ``straggler``: for
+    experiments, ``(node, seconds)`` makes that node's trainer sleep per mini-batch.
+    """
+
+    consistency: str = "bsp"
+    staleness: int = 2
+    dense: str = "allreduce"
+    chunk_bytes: int = 32768
+    straggler: tuple[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.consistency not in CONSISTENCY:
+            raise ValueError(f"SyncStage.consistency must be one of {CONSISTENCY}, got {self.consistency!r}")
+        if self.dense not in DENSE_SYNC:
+            raise ValueError(f"SyncStage.dense must be one of {DENSE_SYNC}, got {self.dense!r}")
+        if self.staleness < 0:
+            raise ValueError(f"SyncStage.staleness must be >= 0, got {self.staleness}")
+        if self.chunk_bytes < 4:
+            raise ValueError(f"SyncStage.chunk_bytes must be >= 4, got {self.chunk_bytes}")

@@ -106,12 +106,27 @@ class HbmPS:
             out[pos] = table.get(keys[pos])
         return out
 
-    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
-        """Accumulate ``grads`` into the rows of ``keys`` through ``optimizer`` (duplicates summed)."""
+    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int, resident_only: bool = False) -> None:
+        """Accumulate ``grads`` into the rows of ``keys`` through ``optimizer`` (duplicates summed).
+
+        With ``resident_only``, keys this node does not hold are skipped: across nodes every
+        trainer receives every node's updates and applies those to the rows it has.
+        """
         keys = as_keys(keys)
         for table, pos in self._parts(keys):
+            if resident_only and pos.size:
+                pos = pos[table.find(keys[pos]) >= 0]
             if pos.size:
                 table.apply_gradients(keys[pos], grads[pos], optimizer, step)
+
+    def assign(self, keys, rows) -> None:
+        """Overwrite (or insert) the rows of ``keys``: fresher copies re-read after a write-back."""
+        keys = as_keys(keys)
+        for d, (table, pos) in enumerate(self._parts(keys)):
+            if pos.size:
+                if table.size + pos.size > table.capacity:
+                    self._grow(d, pos.size)
+                self.tables[d].assign(keys[pos], rows[pos])
 
     def export(self, keys) -> np.ndarray:
         """Rows of ``keys`` for write-back (same as :meth:`get`)."""

@@ -60,7 +60,10 @@ def test_the_message_names_file_key_and_reason():
     (with_("tiers", ssd={"stale_threshold": 1.0}), "tiers.ssd.stale_threshold", "must be in (0, 1)"),
     (with_("pipeline", device="tpu"), "pipeline.device", "must be one of cpu, cuda"),
     (with_("pipeline", read_queue=0), "pipeline.read_queue", "must be a positive integer, got 0"),
-    (with_("cluster", nodes=-2), "cluster.nodes", "must be a positive integer, got -2"),
+    (with_("cluster", nodes=-2), "cluster.nodes", "must be a non-negative integer, got -2"),
+    (with_("cluster", consistency="eventual"), "cluster.consistency", "must be one of"),
+    (with_("cluster", staleness=-1), "cluster.staleness", "must be a non-negative integer, got -1"),
+    (with_("cluster", dense_sync="ring"), "cluster.dense_sync", "must be one of"),
     ({"data": {"synthetic": {"rows": 10, "eval_rows": -1}}}, "data.synthetic.eval_rows", "non-negative integer"),
     # contradictions
     (with_("tiers", mem_rows=10, mem_bytes=1000), "tiers.mem_bytes", "either tiers.mem_rows or tiers.mem_bytes"),
@@ -181,10 +184,10 @@ def test_more_nodes_than_the_pipeline_supports_is_a_config_error():
 
     from hpsray.pipelines import Pipeline
 
-    job = JobConfig.from_dict(with_("cluster", nodes=3), where="j.toml")
-    if "nodes" in inspect.signature(Pipeline).parameters:
-        assert job.cluster_kwargs() == {"nodes": 3}
-    else:
-        with pytest.raises(ConfigError, match=r"j\.toml: cluster\.nodes: this version of the pipeline trains on one node"):
-            job.cluster_kwargs()
-    assert JobConfig.from_dict(with_("cluster", nodes=1, address="")).cluster_kwargs() == {}
+    from hpsray.pipelines import SyncStage
+
+    job = JobConfig.from_dict(with_("cluster", nodes=3, consistency="ssp", staleness=1, dense_sync="chunked",
+                                    chunk_bytes="64KiB"), where="j.toml")
+    assert job.cluster_kwargs() == {"nodes": 3, "sync": SyncStage("ssp", 1, "chunked", 65536)}
+    assert set(inspect.signature(Pipeline).parameters) >= {"nodes", "sync"}
+    assert JobConfig.from_dict(with_("cluster", nodes=0)).cluster_kwargs()["nodes"] is None  # every node

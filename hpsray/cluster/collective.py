@@ -1,0 +1,80 @@
+"""The trainers' collective group: per-mini-batch exchange of sparse and dense updates.
+
+Paper §4.2 / App. C.3: after every mini-batch all trainers combine their sparse updates (keys
+and gradients, a different number per node) and dense gradients, so every copy of a row and of
+the dense model applies the same update. Over ``ray.util.collective`` (``gloo`` on CPU, through
+torch.distributed; ``nccl`` on GPU). Its allgather needs equal sizes, so a variable-length
+exchange first all-gathers the lengths, pads every payload to the longest, and trims after.
+
+Sparse updates travel as one float32 payload per node: the keys' 64 bits as two float32 words
+each, then the gradient rows. Every node concatenates the gathered parts in rank order, so all
+nodes hold the same arrays in the same order and sum duplicates identically (bit-equal copies).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_WORDS_PER_KEY = 2  # a uint64 key viewed as two float32 words
+
+
+class CollectiveGroup:
+    """This trainer's membership (``rank`` of ``world``) in the collective group ``name``.
+
+    ``bytes_sent`` counts the payload bytes this rank contributed (padding included), so the
+    report can give bytes exchanged per mini-batch.
+    """
+
+    def __init__(self, world: int, rank: int, name: str, backend: str = "gloo") -> None:
+        import ray.util.collective as col
+
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside a group of {world}")
+        self.col, self.world, self.rank, self.name, self.backend = col, world, rank, name, backend
+        col.init_collective_group(world, rank, backend=backend, group_name=name)
+        self.bytes_sent = 0
+        self.exchanges = 0
+
+    def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``flat`` over every rank (a new tensor; ``flat`` is untouched)."""
+        out = flat.detach().clone().contiguous()
+        self.col.allreduce(out, group_name=self.name)
+        self.bytes_sent += out.numel() * out.element_size()
+        return out
+
+    def allgather_varlen(self, payload: np.ndarray) -> list[np.ndarray]:
+        """Every rank's float32 ``payload`` (lengths may differ), in rank order."""
+        payload = np.ascontiguousarray(payload, dtype=np.float32).reshape(-1)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self.col.allgather(sizes, torch.tensor([payload.size], dtype=torch.int64), group_name=self.name)
+        lengths = [int(s.item()) for s in sizes]
+        longest = max(lengths)
+        if longest == 0:
+            return [payload[:0] for _ in lengths]
+        padded = torch.zeros(longest, dtype=torch.float32)
+        padded[: payload.size] = torch.from_numpy(payload)
+        parts = [torch.empty(longest, dtype=torch.float32) for _ in range(self.world)]
+        self.col.allgather(parts, padded, group_name=self.name)
+        self.bytes_sent += 8 + longest * 4
+        self.exchanges += 1
+        return [p[:n].numpy() for p, n in zip(parts, lengths)]
+
+    def allgather_sparse(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's ``(keys, grads)`` concatenated in rank order (duplicates kept)."""
+        dim = grads.shape[1]
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        payload = np.concatenate([keys.view(np.float32), np.ascontiguousarray(grads, np.float32).reshape(-1)])
+        all_keys, all_grads = [], []
+        for part in self.allgather_varlen(payload):
+            n = part.size // (_WORDS_PER_KEY + dim)
+            all_keys.append(part[: n * _WORDS_PER_KEY].view(np.uint64))
+            all_grads.append(part[n * _WORDS_PER_KEY :].reshape(n, dim))
+        return np.concatenate(all_keys), np.concatenate(all_grads)
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point."""
+        self.col.barrier(group_name=self.name)
+
+    def destroy(self) -> None:
+        self.col.destroy_collective_group(self.name)

@@ -1,0 +1,47 @@
+"""A multi-node Ray cluster on one machine, for tests and ``hpsray bench scale``.
+
+Each simulated node is a real raylet with its own node id, object store and resources
+(``ray.cluster_utils.Cluster``); actors placed by node id land on it exactly as on real nodes.
+Only the network is missing: every node shares this machine's cores and loopback.
+"""
+
+from __future__ import annotations
+
+import ray
+
+
+class SimulatedCluster:
+    """``nodes`` Ray nodes on this machine; the driver connects to it on ``__enter__``.
+
+    A Ray connection of this process that is already open is closed first (a driver talks
+    to one cluster at a time).
+    """
+
+    def __init__(self, nodes: int, cpus_per_node: int = 1, object_store_bytes: int = 200 * 1024**2) -> None:
+        if nodes < 1:
+            raise ValueError(f"a cluster needs at least one node, got {nodes}")
+        self.nodes, self.cpus_per_node, self.object_store_bytes = nodes, cpus_per_node, object_store_bytes
+        self.cluster = None
+
+    def __enter__(self) -> "SimulatedCluster":
+        from ray.cluster_utils import Cluster
+
+        if ray.is_initialized():
+            ray.shutdown()
+        args = {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_bytes}
+        self.cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
+        for _ in range(self.nodes - 1):
+            self.cluster.add_node(**args)
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, log_to_driver=False)
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def __exit__(self, *exc) -> None:
+        ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
