@@ -10,6 +10,7 @@ BENCHMARKS = {
     "cache": "hpsray.bench.cache",
     "ingest": "hpsray.bench.ingest",
     "e2e": "hpsray.bench.e2e",
+    "outofcore": "hpsray.bench.outofcore",
     "exchange": "hpsray.bench.exchange",
     "scale": "hpsray.bench.scale",
 }

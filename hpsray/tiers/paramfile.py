@@ -16,10 +16,17 @@ Layout (little-endian)::
     64      8 n          keys      uint64[n]
     64+8n   8 n          versions  uint64[n]  (number of the dump file that produced the value)
     64+16n  4 n width    rows      float32[n, width]
+    ...     4 ceil(n/B)  blocks    uint32 checksum of each block of B rows (format 2)
+
+Format 2 stores the block size ``B`` (``block_rows``) and the crc32 of the block table in the
+first 8 of the 16 header bytes that format 1 left zero. Block ``b``'s checksum covers the keys
+and rows of rows ``b·B .. (b+1)·B - 1`` (:func:`block_sums`), so a load that needs a few rows of
+a large file reads and verifies only their blocks (:func:`pick_blocks`) instead of the whole
+file. Format 1 files (no block table) are still read, always whole.
 
 A file is written once, under a temporary name, fsynced, then renamed; it is never modified.
-The index section has its own checksum so that reopening a store reads only headers and
-indexes, while a load (which reads the whole file anyway) verifies everything.
+The index section has its own checksum so that reopening a store reads only headers, indexes
+and block tables, while a whole-file load verifies everything.
 """
 
 from __future__ import annotations
@@ -32,15 +39,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 MAGIC = b"HPSPARAM"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+BLOCK_BYTES = 4096  # target bytes of row data per checksummed block
 HEADER_BYTES = 64
 FLAG_COMPACTED = 1
 SUFFIX = ".hps"
 TMP_SUFFIX = ".tmp"
 
-_HEADER = struct.Struct("<8sIIQQIII16s")  # 60 bytes, followed by the header crc
+_HEADER = struct.Struct("<8sIIQQIIIII8s")  # 60 bytes, followed by the header crc
 assert _HEADER.size == 60
 
 
@@ -76,8 +86,113 @@ def record_bytes(width: int) -> int:
     return 16 + 4 * width
 
 
-def file_bytes(n: int, width: int) -> int:
-    return HEADER_BYTES + n * record_bytes(width)
+def block_rows_for(width: int) -> int:
+    """Rows per checksummed block: about :data:`BLOCK_BYTES` of row data."""
+    return max(8, BLOCK_BYTES // max(4 * width, 1))
+
+
+def n_blocks(n: int, block_rows: int) -> int:
+    return -(-n // block_rows) if block_rows else 0
+
+
+def file_bytes(n: int, width: int, block_rows: int | None = None) -> int:
+    """Bytes of a file of ``n`` rows (format 2 with the default block size unless
+    ``block_rows=0``, format 1)."""
+    br = block_rows_for(width) if block_rows is None else block_rows
+    return HEADER_BYTES + n * record_bytes(width) + 4 * n_blocks(n, br)
+
+
+@njit(cache=True, nogil=True)
+def _mix_words(h, words):
+    for i in range(words.size):
+        h = (h ^ np.uint64(words[i])) * np.uint64(0x100000001B3)
+        h ^= h >> np.uint64(29)
+    return h
+
+
+@njit(cache=True, nogil=True)
+def _block_sum(keys_u32, rows_u32, b, block_rows, width):
+    """Checksum of block ``b``: a 64-bit multiply-xor hash of its key and row words, folded
+    to 32 bits (detects flipped bits and misplaced data; not cryptographic)."""
+    n = keys_u32.size // 2
+    lo = b * block_rows
+    hi = min(n, lo + block_rows)
+    h = np.uint64(0xCBF29CE484222325) ^ np.uint64(b)
+    h = _mix_words(h, keys_u32[2 * lo : 2 * hi])
+    h = _mix_words(h, rows_u32[lo * width : hi * width])
+    return np.uint32((h ^ (h >> np.uint64(32))) & np.uint64(0xFFFFFFFF))
+
+
+@njit(cache=True, nogil=True)
+def _block_sums(keys_u32, rows_u32, block_rows, width, out):
+    for b in range(out.size):
+        out[b] = _block_sum(keys_u32, rows_u32, b, block_rows, width)
+
+
+def block_sums(keys: np.ndarray, rows: np.ndarray, block_rows: int) -> np.ndarray:
+    """``uint32`` checksum of each block of ``block_rows`` rows (keys and row values)."""
+    n, width = rows.shape
+    out = np.empty(n_blocks(n, block_rows), dtype=np.uint32)
+    _block_sums(np.ascontiguousarray(keys).view(np.uint32), np.ascontiguousarray(rows).reshape(-1).view(np.uint32),
+                block_rows, width, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _pick_blocks(data, n, width, block_rows, table, out, idx, pos, keys):
+    """Copy ``out[idx[j]] = rows[pos[j]]`` straight from a file's bytes (``data``, e.g. a
+    memory map), verifying each touched block's checksum once and the key at each position.
+    Returns 0, ``-(j + 1)`` for the first key mismatch, or ``b + 1`` for a bad block ``b``."""
+    keys_u32 = data[HEADER_BYTES : HEADER_BYTES + 8 * n].view(np.uint32)
+    rows_u32 = data[HEADER_BYTES + 16 * n : HEADER_BYTES + 16 * n + 4 * n * width].view(np.uint32)
+    file_keys = data[HEADER_BYTES : HEADER_BYTES + 8 * n].view(np.uint64)
+    rows = rows_u32.view(np.float32)
+    seen = np.zeros(table.size, dtype=np.bool_)
+    for j in range(idx.size):
+        p = pos[j]
+        if p >= n:
+            return -(j + 1)
+        b = p // block_rows
+        if not seen[b]:
+            if _block_sum(keys_u32, rows_u32, b, block_rows, width) != table[b]:
+                return b + 1
+            seen[b] = True
+        if file_keys[p] != keys[idx[j]]:
+            return -(j + 1)
+        i = idx[j]
+        for c in range(width):
+            out[i, c] = rows[p * width + c]
+    return 0
+
+
+def pick_blocks(data: np.ndarray, h: "Header", table: np.ndarray, out: np.ndarray, idx: np.ndarray,
+                pos: np.ndarray, keys: np.ndarray) -> int:
+    """See :func:`_pick_blocks`; ``data`` is the whole file as ``uint8`` (a map of it)."""
+    return int(_pick_blocks(data, h.n, h.width, h.block_rows, table, out, idx, pos, keys))
+
+
+@njit(cache=True)
+def touched_blocks(pos, starts, groups, block_rows):
+    """Distinct blocks of ``block_rows`` among the positions ``pos[starts[g]:starts[g+1]]`` of
+    each file slot ``g`` in ``groups``."""
+    out = np.zeros(groups.size, dtype=np.int64)
+    top = 0
+    for g in groups:
+        for j in range(starts[g], starts[g + 1]):
+            top = max(top, pos[j] // block_rows + 1)
+    mark = np.zeros(top, dtype=np.bool_)
+    for k in range(groups.size):
+        g = groups[k]
+        c = 0
+        for j in range(starts[g], starts[g + 1]):
+            b = pos[j] // block_rows
+            if not mark[b]:
+                mark[b] = True
+                c += 1
+        for j in range(starts[g], starts[g + 1]):
+            mark[pos[j] // block_rows] = False
+        out[k] = c
+    return out
 
 
 def _crc(*parts) -> int:
@@ -87,8 +202,11 @@ def _crc(*parts) -> int:
     return c
 
 
-def encode_header(n: int, width: int, file_no: int, flags: int, index_crc: int, rows_crc: int) -> bytes:
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, width, n, file_no, flags, index_crc, rows_crc, b"\0" * 16)
+def encode_header(n: int, width: int, file_no: int, flags: int, index_crc: int, rows_crc: int,
+                  block_rows: int = 0, table_crc: int = 0) -> bytes:
+    """The 64-byte header (format 2; ``block_rows=0`` means no block table)."""
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, width, n, file_no, flags, index_crc, rows_crc,
+                        block_rows, table_crc, b"\0" * 8)
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -100,10 +218,20 @@ class Header:
     flags: int
     index_crc: int
     rows_crc: int
+    block_rows: int = 0  # 0: no block table (format 1)
+    table_crc: int = 0
+
+    @property
+    def n_blocks(self) -> int:
+        return n_blocks(self.n, self.block_rows)
+
+    @property
+    def table_offset(self) -> int:
+        return HEADER_BYTES + self.n * record_bytes(self.width)
 
     @property
     def size(self) -> int:
-        return file_bytes(self.n, self.width)
+        return file_bytes(self.n, self.width, self.block_rows)
 
 
 def decode_header(buf, path: str) -> Header:
@@ -111,14 +239,16 @@ def decode_header(buf, path: str) -> Header:
         raise CorruptFileError(f"{path}: truncated header ({len(buf)} of {HEADER_BYTES} bytes)")
     head = bytes(buf[:60])
     (crc,) = struct.unpack("<I", bytes(buf[60:64]))
-    magic, version, width, n, file_no, flags, index_crc, rows_crc, _ = _HEADER.unpack(head)
+    magic, version, width, n, file_no, flags, index_crc, rows_crc, block_rows, table_crc, _ = _HEADER.unpack(head)
     if magic != MAGIC:
         raise CorruptFileError(f"{path}: not an hpsray parameter file (magic {magic!r})")
     if zlib.crc32(head) != crc:
         raise CorruptFileError(f"{path}: header checksum mismatch")
-    if version != FORMAT_VERSION:
-        raise CorruptFileError(f"{path}: unsupported format version {version} (this build reads {FORMAT_VERSION})")
-    return Header(n, width, file_no, flags, index_crc, rows_crc)
+    if version not in READABLE_VERSIONS:
+        raise CorruptFileError(f"{path}: unsupported format version {version} (this build reads {READABLE_VERSIONS})")
+    if version == 1:
+        block_rows = table_crc = 0
+    return Header(n, width, file_no, flags, index_crc, rows_crc, block_rows, table_crc)
 
 
 Writer = Callable[[int, memoryview], int]
@@ -136,6 +266,18 @@ def _write_all(fd: int, parts, write: Writer) -> None:
             mv = mv[k:]
 
 
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks in one request, so the file system lays it out as one
+    contiguous extent (written piecewise by delayed allocation, a 9 MiB file came out as two
+    distant extents on ext4, and cold whole-file reads paid a seek for each)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        # EOPNOTSUPP / EINVAL (file systems without fallocate): plain writes still work
+
+
 def write_tmp(
     directory: str,
     file_no: int,
@@ -149,7 +291,7 @@ def write_tmp(
     """Write a parameter file under its temporary name and (unless ``fsync=False``, when the
     caller fsyncs it before the rename) fsync it.
 
-    Returns ``(tmp_path, size)``. On any error the temporary file is removed and the error
+    Returns ``(tmp_path, size, block table)``. On any error the temporary file is removed and the error
     re-raised (:class:`SSDFullError` for ENOSPC / EDQUOT / EFBIG).
     """
     keys = np.ascontiguousarray(keys, dtype=np.uint64)
@@ -158,12 +300,15 @@ def write_tmp(
     n, width = rows.shape
     index_crc = _crc(keys, versions)
     rows_crc = _crc(rows)
-    header = encode_header(n, width, file_no, flags, index_crc, rows_crc)
+    br = block_rows_for(width)
+    table = block_sums(keys, rows, br)
+    header = encode_header(n, width, file_no, flags, index_crc, rows_crc, br, _crc(table))
     tmp = os.path.join(directory, file_name(file_no) + TMP_SUFFIX)
     fd = None
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _write_all(fd, (header, keys, versions, rows), write)
+        _preallocate(fd, file_bytes(n, width))
+        _write_all(fd, (header, keys, versions, rows, table), write)
         if fsync:
             os.fsync(fd)
     except OSError as e:
@@ -181,7 +326,7 @@ def write_tmp(
     finally:
         if fd is not None:
             os.close(fd)
-    return tmp, file_bytes(n, width)
+    return tmp, file_bytes(n, width), table
 
 
 def _unlink_quiet(path: str) -> None:
@@ -222,16 +367,24 @@ class ParamFile:
     keys: np.ndarray
     versions: np.ndarray
     rows: np.ndarray | None  # None when only the index was read
+    blocks: np.ndarray | None = None  # block checksums (format 2)
 
 
-def _split(buf: np.ndarray, h: Header, with_rows: bool) -> ParamFile:
+def _split(buf: np.ndarray, h: Header, with_rows: bool, blocks: np.ndarray | None = None) -> ParamFile:
     n, w = h.n, h.width
     keys = buf[HEADER_BYTES : HEADER_BYTES + 8 * n].view(np.uint64)
     versions = buf[HEADER_BYTES + 8 * n : HEADER_BYTES + 16 * n].view(np.uint64)
     rows = None
     if with_rows:
         rows = buf[HEADER_BYTES + 16 * n : HEADER_BYTES + 16 * n + 4 * n * w].view(np.float32).reshape(n, w)
-    return ParamFile(h, keys, versions, rows)
+        if h.block_rows:
+            blocks = buf[h.table_offset : h.size].view(np.uint32)
+    return ParamFile(h, keys, versions, rows, blocks)
+
+
+def _check_table(table: np.ndarray, h: Header, path: str) -> None:
+    if zlib.crc32(table) != h.table_crc:
+        raise CorruptFileError(f"{path}: block table checksum mismatch")
 
 
 def read_file(path: str, fd: int | None = None, expect_width: int | None = None, buf: np.ndarray | None = None) -> ParamFile:
@@ -255,8 +408,10 @@ def read_file(path: str, fd: int | None = None, expect_width: int | None = None,
     n = h.n
     if zlib.crc32(buf[HEADER_BYTES : HEADER_BYTES + 16 * n]) != h.index_crc:
         raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged)")
-    if zlib.crc32(buf[HEADER_BYTES + 16 * n :]) != h.rows_crc:
+    if zlib.crc32(buf[HEADER_BYTES + 16 * n : h.table_offset]) != h.rows_crc:
         raise CorruptFileError(f"{path}: rows checksum mismatch (row data damaged)")
+    if h.block_rows:
+        _check_table(buf[h.table_offset : h.size], h, path)
     return _split(buf, h, True)
 
 
@@ -272,11 +427,17 @@ def read_index(path: str, expect_width: int | None = None) -> ParamFile:
         buf = np.empty(HEADER_BYTES + 16 * h.n, dtype=np.uint8)
         buf[:HEADER_BYTES] = head
         _read_exact(fd, buf[HEADER_BYTES:], HEADER_BYTES, path)
+        table = None
+        if h.block_rows:
+            table = np.empty(h.n_blocks, dtype=np.uint32)
+            _read_exact(fd, table.view(np.uint8), h.table_offset, path)
     finally:
         os.close(fd)
     if zlib.crc32(buf[HEADER_BYTES:]) != h.index_crc:
         raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged)")
-    return _split(buf, h, False)
+    if table is not None:
+        _check_table(table, h, path)
+    return _split(buf, h, False, table)
 
 
 def _check_shape(h: Header, size: int, path: str, expect_width: int | None) -> None:

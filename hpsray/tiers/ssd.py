@@ -28,8 +28,10 @@ See ``docs/tiers.md`` for the formats, the durability protocol and measurements.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
+import zlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -49,13 +51,17 @@ from hpsray.tiers.paramfile import (
     SSDError,
     SSDFullError,
     Writer,
+    block_rows_for,
+    decode_header,
     file_name,
     fsync_dir,
     fsync_path,
     parse_file_name,
+    pick_blocks,
     read_file,
     read_index,
     record_bytes,
+    touched_blocks,
     write_tmp,
 )
 
@@ -161,12 +167,12 @@ class _Files:
         self._free.append(s)
 
     def stale_slots(self, record: int, threshold: float | None) -> np.ndarray:
-        """Slots with stale rows whose stale share (bytes, header counted as stale) exceeds
-        ``threshold`` (``None``: any stale row)."""
+        """Slots with stale rows whose stale share (bytes; header and block table counted as
+        stale) exceeds ``threshold`` (``None``: any stale row)."""
         stale = self.n - self.live
         mask = (self.no >= 0) & (stale > 0)
         if threshold is not None:
-            mask &= HEADER_BYTES + stale * record > threshold * self.size
+            mask &= self.size - (self.n - stale) * record > threshold * self.size
         return np.flatnonzero(mask)
 
 
@@ -205,6 +211,9 @@ class SSDPS:
             compaction pass before it returns (``None``: never wait).
         background: run compaction in a background thread (else only inline, see above).
         io_threads: files read (and fsynced) concurrently.
+        partial_read_share: a load reads only the checksummed blocks holding the requested
+            rows of a file (through a memory map, see :func:`~hpsray.tiers.paramfile.pick_blocks`)
+            when those blocks are at most this share of the file; else the whole file.
         compact_pass_bytes: most input bytes one compaction pass rewrites (the most stale
             files first), so a pass, and a dump waiting on it, stays short.
         merge_small_files: once this many files hold fewer than ``rows_per_file / 2`` rows
@@ -226,6 +235,7 @@ class SSDPS:
         io_threads: int = 4,
         compact_pass_bytes: int = 256 << 20,
         merge_small_files: int = 16,
+        partial_read_share: float = 0.25,
         write: Writer = os.write,
     ) -> None:
         if rows_per_file is not None and rows_per_file < 1:
@@ -245,6 +255,7 @@ class SSDPS:
         if merge_small_files < 2:
             raise ValueError(f"merge_small_files must be >= 2, got {merge_small_files}")
         self.merge_small_files = int(merge_small_files)
+        self.partial_read_share = float(partial_read_share)
         self._write = write
 
         self._lock = threading.RLock()  # mapping, file table, counters; held briefly
@@ -260,6 +271,7 @@ class SSDPS:
         self._stats = {
             "dumps": 0, "rows_dumped": 0, "bytes_written": 0, "files_written": 0, "dump_seconds": 0.0,
             "loads": 0, "rows_loaded": 0, "rows_absent": 0, "bytes_read": 0, "files_read": 0, "load_seconds": 0.0,
+            "files_read_partially": 0,
             "compactions": 0, "files_compacted": 0, "compaction_bytes_read": 0, "compaction_bytes_written": 0,
             "compaction_seconds": 0.0, "backpressure_waits": 0, "garbage_files_removed": 0,
         }
@@ -267,6 +279,8 @@ class SSDPS:
         self._manifest = Manifest.open(self.directory, width, write)
         self.width = self._manifest.width
         self._rec = record_bytes(self.width)
+        self._block_rows = block_rows_for(self.width)
+        self._tables: dict[int, np.ndarray] = {}  # file number -> block checksums (format 2 files)
         self.rows_per_file = int(rows_per_file or default_rows_per_file(self.width))
         self._round_files = int(min(_MAX_OPEN_FILES, max(2, _ROUND_BYTES // (self._rec * self.rows_per_file))))
         self._next_file_no = self._manifest.next_file_no
@@ -306,6 +320,8 @@ class SSDPS:
             if pf.header.file_no != no:
                 raise CorruptFileError(f"{path}: header names file {pf.header.file_no}")
             s = self._files.add(no, pf.header.n, pf.header.size, 0, pf.header.flags)
+            if pf.blocks is not None and pf.header.block_rows == self._block_rows:
+                self._tables[no] = pf.blocks
             keys.append(pf.keys)
             vers.append(pf.versions)
             fslots.append(np.full(pf.header.n, s, dtype=np.int32))
@@ -380,25 +396,44 @@ class SSDPS:
         opened: list[tuple[list, list]] = []
         prefetch: list = []
         n_files = n_bytes = 0
+        n_partial = 0
         try:
             with self._lock:
                 slots = self._index.find(keys)
                 idx, pos, starts = _resolve(slots, self._loc_slot, self._loc_pos, self._files.capacity)
                 file_no = self._files.no.copy()
                 groups = np.flatnonzero(starts[1:] > starts[:-1])
-                for s in groups[: self._round_files].tolist():  # start the I/O right away
+                partial = self._partial_groups(groups, starts, pos, file_no)
+                whole = groups[~partial]
+                for s in whole[: self._round_files].tolist():  # start the I/O right away
                     first_fds.append(os.open(self._path(int(file_no[s])), os.O_RDONLY))
             prefetch.append(self._pool.submit(_will_need, first_fds))
             found = slots >= 0
             n_present = int(idx.size)
-            # Rounds of a few files (_ROUND_BYTES), opened under the lock: an open
+            # Files whose requested rows fill few blocks: only those blocks are read (memory
+            # map, checksummed blocks), in rounds of open descriptors, no read-ahead hint.
+            part = groups[partial]
+            for r in range(0, part.size, _MAX_OPEN_FILES):
+                tasks, fds = self._open_round(keys, part[r : r + _MAX_OPEN_FILES], starts, idx, pos, file_no)
+                opened.append((tasks, fds))
+                futures = [self._pool.submit(self._read_partial, keys, out, i, p, self._path(no), fd)
+                           if no in self._tables else
+                           self._pool.submit(self._read_rows, keys, out, i, p, self._path(no), fd)
+                           for (i, p, no), fd in zip(tasks, fds)]
+                wait(futures)
+                for fut in futures:
+                    b, was_partial = fut.result()
+                    n_bytes += b
+                    n_partial += was_partial
+                n_files += len(tasks)
+            # Whole files: rounds of a few files (_ROUND_BYTES), opened under the lock: an open
             # descriptor keeps a file readable even if compaction unlinks it a moment later.
             # The first round was opened with the lookup; later rounds check that their files
             # are still live and look up again the rows of files a compaction retired. Each
             # round gets a WILLNEED hint one round ahead of its reads, so the device sees a
             # deep queue instead of one read per I/O thread.
             rf = self._round_files
-            rounds = [groups[r : r + rf] for r in range(0, groups.size, rf)]
+            rounds = [whole[r : r + rf] for r in range(0, whole.size, rf)]
             if rounds:
                 tasks0 = []
                 for s in rounds[0].tolist():
@@ -406,8 +441,9 @@ class SSDPS:
                     tasks0.append((idx[a:b], pos[a:b], int(file_no[s])))
                 opened.append((tasks0, first_fds))
                 first_fds = []
+            base = len(opened) - len(rounds[:1])
             for r in range(len(rounds)):
-                tasks, fds = opened[r]
+                tasks, fds = opened[base + r]
                 futures = [
                     self._pool.submit(self._read_rows, keys, out, i, p, self._path(no), fd)
                     for (i, p, no), fd in zip(tasks, fds)
@@ -417,7 +453,7 @@ class SSDPS:
                     prefetch.append(self._pool.submit(_will_need, opened[-1][1]))
                 wait(futures)
                 for fut in futures:
-                    n_bytes += fut.result()
+                    n_bytes += fut.result()[0]
                 n_files += len(tasks)
         finally:
             wait(prefetch)  # before their descriptors close
@@ -432,6 +468,7 @@ class SSDPS:
             st["rows_loaded"] += n_present
             st["rows_absent"] += int(keys.size - n_present)
             st["files_read"] += n_files
+            st["files_read_partially"] += n_partial
             st["bytes_read"] += n_bytes
             st["load_seconds"] += time.perf_counter() - t0
         return out, found
@@ -472,7 +509,57 @@ class SSDPS:
             raise CorruptFileError(
                 f"{path}: row {int(pos[bad])} does not hold key {int(keys[idx[bad]])} as the mapping says"
             )
-        return pf.header.size
+        return pf.header.size, False
+
+    def _partial_groups(self, groups: np.ndarray, starts: np.ndarray, pos: np.ndarray, file_no: np.ndarray) -> np.ndarray:
+        """Which of the file slots ``groups`` to read partially: format-2 files whose requested
+        rows lie in at most ``partial_read_share`` of their blocks."""
+        if groups.size == 0 or self.partial_read_share <= 0 or not self._tables:
+            return np.zeros(groups.size, dtype=bool)
+        br = self._block_rows
+        touched = touched_blocks(pos, starts, groups, br)
+        blocks = -(-self._files.n[groups] // br)
+        ok = touched <= self.partial_read_share * blocks
+        if ok.any():
+            have = np.fromiter((int(no) in self._tables for no in file_no[groups[ok]]), bool, int(ok.sum()))
+            ok[np.flatnonzero(ok)[~have]] = False
+        return ok
+
+    def _read_partial(self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str,
+                      fd: int) -> tuple[int, bool]:
+        """Copy the requested rows of one file out of a read-only memory map of it, verifying
+        the checksum of every block touched and the key at every position. Returns the bytes
+        of the blocks touched (an estimate of what the device read)."""
+        no = parse_file_name(os.path.basename(path))
+        table = self._tables.get(no) if no is not None else None
+        size = os.fstat(fd).st_size
+        if table is None or size < HEADER_BYTES:
+            return self._read_rows(keys, out, idx, pos, path, fd)
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        try:
+            mm.madvise(mmap.MADV_RANDOM)  # no read-around: only the touched pages
+            data = np.frombuffer(mm, dtype=np.uint8)
+            try:
+                h = decode_header(data[:HEADER_BYTES], path)
+                if h.width != self.width or h.size != size or h.block_rows != self._block_rows:
+                    raise CorruptFileError(f"{path}: size {size} bytes, header says {h.size} "
+                                           f"({h.n} rows of width {h.width}, blocks of {h.block_rows})")
+                if table.size != h.n_blocks or zlib.crc32(table) != h.table_crc:
+                    raise CorruptFileError(f"{path}: block table checksum mismatch")
+                r = pick_blocks(data, h, table, out, idx, pos, keys)
+            finally:
+                del data
+        finally:
+            mm.close()
+        if r > 0:
+            raise CorruptFileError(f"{path}: block {r - 1} checksum mismatch (rows {(r - 1) * h.block_rows}.. damaged)")
+        if r < 0:
+            j = -r - 1
+            raise CorruptFileError(
+                f"{path}: row {int(pos[j])} does not hold key {int(keys[idx[j]])} as the mapping says"
+            )
+        touched = int(np.unique(pos // h.block_rows).size)
+        return HEADER_BYTES + touched * h.block_rows * self._rec, True
 
     def dump(self, keys, rows) -> None:
         """Durably store ``rows`` (``float32[n, width]``) for ``keys``; the last duplicate wins.
@@ -499,7 +586,7 @@ class SSDPS:
                 self._next_file_no += n_files
             nos = list(range(first_no, first_no + n_files))
             versions = np.repeat(np.asarray(nos, dtype=np.uint64), rpf)[: keys.size]
-            sizes = self._write_files(nos, keys, versions, rows, 0)
+            sizes, tables = self._write_files(nos, keys, versions, rows, 0)
             self._hook("dump:written")
             try:
                 self._manifest.append(add=nos, next_file_no=first_no + n_files)
@@ -515,6 +602,7 @@ class SSDPS:
                     self._files.add(no, min(rpf, keys.size - i * rpf), size, min(rpf, keys.size - i * rpf), 0)
                     for i, (no, size) in enumerate(zip(nos, sizes))
                 ]
+                self._tables.update(tables)
                 slots = self._index.find_or_insert(keys)
                 pos = np.arange(keys.size, dtype=np.int64)
                 self._loc_slot[slots] = np.asarray(fslots, dtype=np.int32)[pos // rpf]
@@ -564,17 +652,20 @@ class SSDPS:
             over = self._files.disk_bytes > self.max_space_ratio * self._live_bytes()
             return over and self._files.stale_slots(self._rec, self.stale_threshold).size > 0
 
-    def _write_files(self, nos: list[int], keys: np.ndarray, versions: np.ndarray, rows: np.ndarray, flags: int) -> list[int]:
+    def _write_files(self, nos: list[int], keys: np.ndarray, versions: np.ndarray, rows: np.ndarray, flags: int) -> tuple[list[int], dict[int, np.ndarray]]:
         """Write one file per ``rows_per_file`` rows under temporary names, fsync them (in
-        parallel, so the device sees a queue), rename them, fsync the directory."""
+        parallel, so the device sees a queue), rename them, fsync the directory. Returns their
+        sizes and block tables (by file number), for the caller to register with the files."""
         rpf = self.rows_per_file
-        tmps, sizes = [], []
+        tmps, sizes, tables = [], [], []
         try:
             for i, no in enumerate(nos):
                 sl = slice(i * rpf, (i + 1) * rpf)
-                tmp, size = write_tmp(self.directory, no, keys[sl], versions[sl], rows[sl], flags, self._write, fsync=False)
+                tmp, size, table = write_tmp(self.directory, no, keys[sl], versions[sl], rows[sl], flags, self._write,
+                                             fsync=False)
                 tmps.append(tmp)
                 sizes.append(size)
+                tables.append(table)
             if len(tmps) > 1:
                 list(self._pool.map(fsync_path, tmps))
             elif tmps:
@@ -590,7 +681,7 @@ class SSDPS:
                 raise SSDFullError(e.errno, f"SSD-PS {self.directory}: no space left: {e.strerror}; "
                                    "nothing of this write was recorded and the store stays readable") from e
             raise
-        return sizes
+        return sizes, dict(zip(nos, tables))
 
     def _remove_files(self, nos) -> None:
         for no in nos:
@@ -664,7 +755,7 @@ class SSDPS:
                 first_no = self._next_file_no
                 self._next_file_no += n_out
             nos = list(range(first_no, first_no + n_out))
-            sizes = self._write_files(nos, keys, vers, rows, FLAG_COMPACTED) if n_out else []
+            sizes, tables = self._write_files(nos, keys, vers, rows, FLAG_COMPACTED) if n_out else ([], {})
             self._hook("compaction:written")
             with self._lock:
                 slots = self._index.find(keys)
@@ -685,11 +776,13 @@ class SSDPS:
                      for i, (no, size) in enumerate(zip(nos, sizes))],
                     dtype=np.int32,
                 )
+                self._tables.update(tables)
                 if n_out:
                     self._loc_slot[slots[still]] = out_slots[pos[still] // rpf]
                     self._loc_pos[slots[still]] = pos[still] % rpf
                 for s, no in zip(victims.tolist(), victim_nos):
                     f.remove(s)
+                    self._tables.pop(no, None)
                     _unlink_quiet(self._path(no))
                 st = self._stats
                 st["compactions"] += 1
@@ -788,7 +881,16 @@ class SSDPS:
             ]
 
     def scan(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield ``(keys, rows)`` of the live rows, file by file (checksums verified)."""
+        """Yield ``(keys, rows)`` of the live rows, file by file (checksums verified).
+
+        Compaction is paused until the scan ends (a pass that moved rows from a file not yet
+        scanned into a new one would hide them from it); every live row is yielded once as long
+        as no dump runs concurrently.
+        """
+        with self._compact_lock:
+            yield from self._scan()
+
+    def _scan(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         with self._lock:
             nos = sorted(self._files.slot_of)
         for no in nos:
