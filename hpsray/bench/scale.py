@@ -81,9 +81,8 @@ def _factor_for(costs: dict, target: float, bandwidth: float, latency: float) ->
 def _distinct_keys(report: dict) -> float:
     """Mean distinct keys per batch per node: MEM-PS hits + misses count each pulled key once
     (its totals include the one warm-up batch per node)."""
-    caches = report["cache"] if isinstance(report["cache"], list) else [report["cache"]]
-    total = sum(c["hits"] + c["misses"] for c in caches)
-    return total / (report["batches"] + 1) / len(caches)
+    total = report["cache"]["hits"] + report["cache"]["misses"]
+    return total / (report["batches"] + 1) / report["nodes"]
 
 
 def _measure(args: argparse.Namespace, n: int) -> dict:

@@ -64,6 +64,16 @@ class _Node:
     readers: list = field(default_factory=list)
 
 
+def _sum_counts(caches: list[dict]) -> dict:
+    """MEM-PS counters summed over nodes, the hit rate recomputed from the sums."""
+    if len(caches) == 1:
+        return caches[0]
+    out = {k: sum(c[k] for c in caches) for k, v in caches[0].items() if isinstance(v, (int, float))}
+    looked_up = out.get("hits", 0) + out.get("misses", 0)
+    out["hit_rate"] = out.get("hits", 0) / looked_up if looked_up else 0.0
+    return out
+
+
 class Pipeline:
     """A training pipeline composed from stage objects; ``fit()`` trains, ``evaluate()`` scores.
 
@@ -337,7 +347,7 @@ class Pipeline:
             "per_batch_s": {name: {str(k): v for k, v in pb.items()} for name, pb in per_batch.items()},
             "cache_hit_rate": {str(k): v for k, v in hit_rate.items()},
             "ssd": ssd_total,
-            "cache": per_node[0][1]["cache"] if len(nodes) == 1 else [mem["cache"] for _, mem, _, _, _ in per_node],
+            "cache": _sum_counts([mem["cache"] for _, mem, _, _, _ in per_node]),
             "loss": {str(k): v for k, v in sorted(trainer0["losses"].items()) if k in mine},
             "queues": {e.name: {"capacity": e.capacity, "max_depth": e.max_depth, "stalls": e.stalls} for e in edges},
             "bad_input": per_node[0][4] if len(nodes) == 1 else {f"node {i}": r[4] for i, r in enumerate(per_node)},
@@ -351,7 +361,7 @@ class Pipeline:
                 "dense": self.sync.dense,
                 "exchanged_bytes_per_minibatch": float(np.mean([tr["exchanged_bytes_per_step"] for tr in trainers])),
             }
-            report["per_node"] = [{"node": i, "stage_busy_s": nb, "examples": r[0]["examples"]}
+            report["per_node"] = [{"node": i, "stage_busy_s": nb, "examples": r[0]["examples"], "cache": r[1]["cache"]}
                                   for i, (nb, r) in enumerate(zip(node_busy, per_node))]
         return report
 

@@ -116,3 +116,38 @@ def test_more_nodes_than_the_cluster_has_is_a_clear_error(two_nodes_cluster):
         with Pipeline(SyntheticSource(GEN, rows=100), TrainerStage(CFG), MemPSStage(capacity_rows=400),
                       batch_size=BATCH, nodes=3) as p:
             p.fit(progress=False)
+
+
+def test_hpsray_train_on_two_nodes_matches_its_reference(two_nodes_cluster, tmp_path):
+    """``hpsray train`` with ``[cluster] nodes = 2`` against the running cluster, then
+    ``hpsray train --reference --compare``: the user-facing losslessness check."""
+    import os
+    import subprocess
+    import sys
+
+    from hpsray.data.generate import to_toml
+
+    job = {
+        "data.synthetic": {"rows": 3000, "eval_rows": 500, "slots": 4, "keys": 3000, "nnz": 4, "dense": 2, "seed": 1},
+        "model": {"dim": 4, "hidden": [16]},
+        "optimizer": {"sparse": "adagrad", "sparse_lr": 0.05},
+        "tiers": {"mem_rows": 1400, "ssd_path": str(tmp_path / "ssd")},
+        "pipeline": {"batch_size": 500, "minibatch_size": 128},
+        "cluster": {"nodes": 2},
+    }
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def hpsray(*args):
+        out = subprocess.run([sys.executable, "-m", "hpsray", "train", str(path), "--quiet", *args],
+                             capture_output=True, text=True, timeout=300, env=env, check=False)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        return out
+
+    hpsray("--address", two_nodes_cluster.address, "--export", str(tmp_path / "export"),
+           "--report", str(tmp_path / "run.json"))
+    report = __import__("json").loads((tmp_path / "run.json").read_text())
+    assert report["nodes"] == 2 and report["examples"] == 3000 and report["sync"]["consistency"] == "bsp"
+    assert report["cache"]["evicted"] > 0 and report["ssd"]["bytes_written"] > 0  # rows went to SSD
+    hpsray("--reference", "--compare", str(tmp_path / "export"))
