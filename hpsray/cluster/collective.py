@@ -32,33 +32,36 @@ class CollectiveGroup:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside a group of {world}")
         self.col, self.world, self.rank, self.name, self.backend = col, world, rank, name, backend
+        # NCCL moves device memory only: payloads go to the GPU and back
+        self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         col.init_collective_group(world, rank, backend=backend, group_name=name)
         self.bytes_sent = 0
         self.exchanges = 0
 
     def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
         """Element-wise sum of ``flat`` over every rank (a new tensor; ``flat`` is untouched)."""
-        out = flat.detach().clone().contiguous()
+        out = flat.detach().to(self.device, copy=True).contiguous()
         self.col.allreduce(out, group_name=self.name)
         self.bytes_sent += out.numel() * out.element_size()
-        return out
+        return out.to(flat.device)
 
     def allgather_varlen(self, payload: np.ndarray) -> list[np.ndarray]:
         """Every rank's float32 ``payload`` (lengths may differ), in rank order."""
         payload = np.ascontiguousarray(payload, dtype=np.float32).reshape(-1)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        self.col.allgather(sizes, torch.tensor([payload.size], dtype=torch.int64), group_name=self.name)
+        dev = self.device
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world)]
+        self.col.allgather(sizes, torch.tensor([payload.size], dtype=torch.int64, device=dev), group_name=self.name)
         lengths = [int(s.item()) for s in sizes]
         longest = max(lengths)
         if longest == 0:
             return [payload[:0] for _ in lengths]
-        padded = torch.zeros(longest, dtype=torch.float32)
-        padded[: payload.size] = torch.from_numpy(payload)
-        parts = [torch.empty(longest, dtype=torch.float32) for _ in range(self.world)]
+        padded = torch.zeros(longest, dtype=torch.float32, device=dev)
+        padded[: payload.size] = torch.from_numpy(payload).to(dev)
+        parts = [torch.empty(longest, dtype=torch.float32, device=dev) for _ in range(self.world)]
         self.col.allgather(parts, padded, group_name=self.name)
         self.bytes_sent += 8 + longest * 4
         self.exchanges += 1
-        return [p[:n].numpy() for p, n in zip(parts, lengths)]
+        return [p[:n].cpu().numpy() for p, n in zip(parts, lengths)]
 
     def allgather_sparse(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every rank's ``(keys, grads)`` concatenated in rank order (duplicates kept)."""

@@ -10,6 +10,10 @@ so MEM-PS runs ``pull(t+1)`` while batch ``t`` trains, and ``pull(t+2)`` only af
 ``pull(t+1)`` served early for keys also in batch ``t`` are stale, and the trainer ignores them:
 it keeps those rows resident in HBM-PS from batch ``t`` (see :mod:`hpsray.tiers.hbm`). The reader
 runs up to ``read_queue`` batches ahead through a :class:`BoundedEdge`.
+
+With several nodes the same order holds on every owner's MEM-PS, per borrower; rows that other
+nodes changed in batch ``t`` are re-read for ``t+1`` after ``write_back(t)`` (``refresh``), and
+every borrower returns its rows to their owners (docs/architecture.md, "One batch across nodes").
 """
 
 from __future__ import annotations
