@@ -11,6 +11,7 @@ BENCHMARKS = {
     "ingest": "hpsray.bench.ingest",
     "e2e": "hpsray.bench.e2e",
     "outofcore": "hpsray.bench.outofcore",
+    "peers": "hpsray.bench.peers",
     "exchange": "hpsray.bench.exchange",
     "scale": "hpsray.bench.scale",
 }

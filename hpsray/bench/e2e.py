@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     import ray
 
+    from hpsray.cluster.runtime import connect
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
     from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
@@ -54,9 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     ref_s = time.perf_counter() - t0
 
     print("[bench e2e] pipeline ...", file=sys.stderr, flush=True)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(include_dashboard=False, log_to_driver=False)
+    started = connect(include_dashboard=False, log_to_driver=False)
     try:
         with Pipeline(warmup, TrainerStage(cfg, n_devices=args.devices, threads=args.trainer_threads), MemPSStage(capacity_rows=all_rows + 1024),
                       batch_size=args.batch) as p:

@@ -22,7 +22,10 @@ def connect(address: str | None = None, **init_options) -> bool:
     if address:
         ray.init(address=address, **options)
     else:
-        ray.init(**options)
+        # Ray starts its workers at niceness 15; the embedded instance exists only for this job,
+        # whose trainer must not yield its cores to whatever else runs on the machine
+        options.setdefault("_system_config", {"worker_niceness": 0})
+        ray.init(address="local", **options)
     return True
 
 

@@ -6,7 +6,7 @@ session's local Ray (``ray_local``) and starts it again, with the same options, 
 
 import pytest
 
-LOCAL_RAY = dict(num_cpus=2, include_dashboard=False, log_to_driver=False)  # as tests/conftest.py
+LOCAL_RAY = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # as tests/conftest.py
 
 
 def _cluster(nodes: int):

@@ -188,7 +188,7 @@ def two_nodes():
         ray.shutdown()
         cluster.shutdown()
         if had_local:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 
 @pytest.fixture(scope="module")

@@ -463,6 +463,37 @@ def test_format_1_files_are_still_read(tmp_path):
         assert np.array_equal(rows[:60], rows_for(k[:60], 2)) and np.array_equal(rows[60:], rows_for(k[60:], 1))
 
 
+def test_format_2_files_are_read_whole_until_compaction_rewrites_them(tmp_path):
+    """Format 2 block tables used another block hash: such files still open, load (whole, crc32
+    verified) and compact; the compacted copies are format 3 and serve partial loads."""
+    import zlib
+
+    from hpsray.tiers import paramfile as pfmod
+
+    d = tmp_path / "s"
+    n = 40 * block_rows_for(W)
+    with SSDPS(d, W, rows_per_file=n) as s:
+        k = np.arange(1, n + 1, dtype=np.uint64)
+        s.dump(k, rows_for(k, 1))
+        nos = [f["file_no"] for f in s.file_stats()]
+    for no in nos:  # the same file with a version 2 header
+        path = d / file_name(no)
+        data = bytearray(path.read_bytes())
+        data[8:12] = (2).to_bytes(4, "little")
+        data[60:64] = zlib.crc32(bytes(data[:60])).to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+        assert pfmod.read_index(str(path)).header.version == 2
+    with SSDPS(d, background=False) as s:
+        rows, found = s.load(k[[3, n - 1]])
+        assert found.all() and np.array_equal(rows, rows_for(k[[3, n - 1]], 1))
+        assert s.stats["files_read_partially"] == 0
+        s.dump(k[: n // 2 + 8], rows_for(k[: n // 2 + 8], 2))
+        s.compact(full=True)
+        rows, _ = s.load(k[[3, n - 1]])
+        assert np.array_equal(rows, np.stack([rows_for(k[[3]], 2)[0], rows_for(k[[n - 1]], 1)[0]]))
+        assert s.stats["files_read_partially"] >= 1  # the rewritten (format 3) files
+
+
 def test_scan_sees_every_row_while_background_compaction_runs(tmp_path):
     """Small dumps make compaction merge files; a scan running meanwhile must not miss the rows
     a pass moves from a file it has not reached yet into a new file."""

@@ -1,0 +1,184 @@
+"""Plain PyTorch peer: every row in one ``nn.EmbeddingBag(mode="sum", sparse=True)``.
+
+The table is indexed by the dense row of each key (:class:`~hpsray.bench.baselines.Vocabulary`,
+computed once as preprocessing, like any integer-encoded CTR data set); sparse gradients go to
+``torch.optim.Adagrad`` (or ``SparseAdam`` / ``SGD`` for hpsray's ``adam`` / ``sgd``), whose
+update is hpsray's row update (``a += g*g; w -= lr * g / (sqrt(a) + eps)``). Rows start from
+hpsray's per-key initial values and the MLP is the same seeded :class:`~hpsray.models.DNN`, so
+with the same mini-batches it trains the same parameters as the reference trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpsray.config import TrainConfig
+from hpsray.data.batch import Batch
+from hpsray.models.dnn import DNN, make_dense_optimizer
+from hpsray.models.metrics import auc, logloss
+
+from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peak_rss_bytes, split, write_result
+
+
+@dataclass
+class IndexedBatch:
+    """A mini-batch as ``nn.EmbeddingBag`` input: rows in bag order and each bag's start."""
+
+    indices: torch.Tensor  # int64[nnz]
+    offsets: torch.Tensor  # int64[B * n_slots]
+    dense: torch.Tensor  # float32[B, n_dense]
+    labels: torch.Tensor  # float32[B]
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def index_batch(batch: Batch, vocab: Vocabulary) -> IndexedBatch:
+    """Turn ``batch``'s keys into table rows grouped by ``(example, slot)`` bag."""
+    bag = batch.bag_index()
+    keys = batch.keys
+    if bag.size > 1 and np.any(bag[1:] < bag[:-1]):
+        order = np.argsort(bag, kind="stable")
+        bag, keys = bag[order], keys[order]
+    n_bags = len(batch) * batch.n_slots
+    offsets = np.zeros(n_bags, dtype=np.int64)
+    np.cumsum(np.bincount(bag, minlength=n_bags)[:-1], out=offsets[1:])
+    return IndexedBatch(torch.from_numpy(vocab.index(keys)), torch.from_numpy(offsets),
+                        torch.from_numpy(np.array(batch.dense, dtype=np.float32)),
+                        torch.from_numpy(np.array(batch.labels, dtype=np.float32)))
+
+
+class PlainTorchCTR(nn.Module):
+    """``nn.EmbeddingBag`` (sum, sparse gradients) under hpsray's :class:`DNN`."""
+
+    def __init__(self, weights: torch.Tensor, n_slots: int, n_dense: int, hidden: Sequence[int], seed: int = 0):
+        super().__init__()
+        n_rows, dim = weights.shape
+        self.n_slots, self.dim = n_slots, dim
+        self.embedding = nn.EmbeddingBag(n_rows, dim, mode="sum", sparse=True, _weight=weights)
+        self.dnn = DNN(n_slots, dim, n_dense, hidden, seed=seed)
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        pooled = self.embedding(indices, offsets).view(-1, self.n_slots, self.dim)
+        return self.dnn(pooled, dense)
+
+
+def sparse_optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
+    """The torch optimizer with the math of ``config``'s sparse optimizer (sparse gradients)."""
+    opt = config.optimizer()
+    name = config.sparse_optimizer.lower()
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator)
+    if name == "adam":
+        return torch.optim.SparseAdam(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr)
+    raise ValueError(f"plain PyTorch has no sparse optimizer for {config.sparse_optimizer!r} "
+                     "(torch.optim offers adagrad, adam (SparseAdam) and sgd for sparse gradients)")
+
+
+class PlainTorchTrainer:
+    """Mini-batch training of :class:`PlainTorchCTR` with a sparse and a dense optimizer.
+
+    Args:
+        weights: ``float32[rows, dim]`` initial table (see :meth:`Vocabulary.initial_weights`).
+        n_slots, n_dense: input shape.
+        config: model shape, optimizers, seed (its ``minibatch_size`` is not used here: the
+            caller hands over :class:`IndexedBatch` mini-batches).
+    """
+
+    def __init__(self, weights: np.ndarray, n_slots: int, n_dense: int, config: TrainConfig) -> None:
+        self.config = config
+        self.model = PlainTorchCTR(torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)),
+                                   n_slots, n_dense, config.hidden, seed=config.seed)
+        self.sparse = sparse_optimizer(config, [self.model.embedding.weight])
+        self.dense = make_dense_optimizer(config.dense_optimizer, self.model.dnn.parameters(), config.dense_lr)
+        self.steps = 0
+
+    def train_minibatch(self, mb: IndexedBatch) -> float:
+        """One gradient step; returns the mini-batch's mean loss before it."""
+        self.model.train()
+        logits = self.model(mb.indices, mb.offsets, mb.dense)
+        loss = F.binary_cross_entropy_with_logits(logits, mb.labels)
+        self.sparse.zero_grad(set_to_none=True)
+        self.dense.zero_grad(set_to_none=True)
+        loss.backward()
+        self.sparse.step()
+        self.dense.step()
+        self.steps += 1
+        return float(loss.detach())
+
+    def fit(self, minibatches: Iterable[IndexedBatch]) -> int:
+        """Train on each mini-batch in order; returns the number of examples."""
+        examples = 0
+        for mb in minibatches:
+            self.train_minibatch(mb)
+            examples += len(mb)
+        return examples
+
+    @torch.no_grad()
+    def predict(self, mb: IndexedBatch) -> np.ndarray:
+        """Click probabilities of ``mb``'s examples."""
+        self.model.eval()
+        return torch.sigmoid(self.model(mb.indices, mb.offsets, mb.dense)).numpy()
+
+    def export(self) -> tuple[np.ndarray, dict]:
+        """``(table float32[rows, dim], dense state_dict)``."""
+        return (self.model.embedding.weight.detach().numpy().copy(),
+                {k: v.detach().clone() for k, v in self.model.dnn.state_dict().items()})
+
+
+def minibatches(batch: Batch, vocab: Vocabulary, spec: PeerSpec, start: int, stop: int) -> list[IndexedBatch]:
+    """Indexed mini-batches of ``batch[start:stop]`` in hpsray's order (batches of ``spec.batch``
+    examples, each cut into mini-batches of ``spec.minibatch``)."""
+    return [index_batch(mb, vocab) for big in split(batch, spec.batch, start, stop)
+            for mb in big.minibatches(spec.minibatch)]
+
+
+def run_peer(spec: PeerSpec) -> dict:
+    """Train and evaluate the plain PyTorch peer on ``spec``'s stored examples; returns its figures."""
+    import os
+
+    torch.set_num_threads(spec.threads or os.cpu_count() or 1)
+    t_prep = time.perf_counter()
+    vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
+    trainer = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config())
+    train = load_examples(spec, "train")
+    warmup = minibatches(train, vocab, spec, 0, spec.warmup_rows)
+    measured = minibatches(train, vocab, spec, spec.warmup_rows, spec.warmup_rows + spec.rows)
+    held_out = [index_batch(mb, vocab) for mb in load_examples(spec, "eval").minibatches(spec.minibatch)]
+    del train
+    prep_s = time.perf_counter() - t_prep
+
+    trainer.fit(warmup)
+    t0 = time.perf_counter()
+    examples = trainer.fit(measured)
+    train_s = time.perf_counter() - t0
+
+    y = np.concatenate([mb.labels.numpy() for mb in held_out])
+    p = np.concatenate([trainer.predict(mb) for mb in held_out])
+    return {
+        "examples_per_s": examples / train_s,
+        "auc": auc(y, p),
+        "logloss": logloss(y, p),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "examples": examples,
+        "train_s": train_s,
+        "prepare_s": prep_s,
+        "table_rows": len(vocab),
+        "sparse_optimizer": type(trainer.sparse).__name__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main(spec_json: str) -> None:
+    """Entry point of the peer's own process: run and write the result file."""
+    spec = PeerSpec.from_json(spec_json)
+    write_result(spec, run_peer(spec))

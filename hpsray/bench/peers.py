@@ -1,0 +1,463 @@
+"""``hpsray bench peers``: hpsray beside the systems it replaces, same model, data and optimizers.
+
+Trained side by side in one run, for 26 and 100 keys per example (multi-hot slots past 26):
+
+=====================  ===================================================================
+``hpsray_in_memory``   the :class:`~hpsray.pipelines.Pipeline`, every row fits in MEM-PS
+``hpsray_ssd``         the same with a small MEM-PS budget: SSD-PS serves the misses
+``pytorch``            ``nn.EmbeddingBag(sum, sparse)`` + sparse ``torch.optim.Adagrad``
+                       (:mod:`hpsray.bench.baselines.plain_torch`)
+``torchrec``           a sharded ``EmbeddingBagCollection`` under ``DistributedModelParallel``
+                       (world size 1, gloo, fused FBGEMM Adagrad), run by
+                       ``benchmarks/torchrec_peer.py`` in ``benchmarks/.torchrec-venv``
+                       (``bash benchmarks/torchrec_env.sh`` makes it; skipped without it)
+``sharded_ps``         K in-memory shard actors and a trainer actor that pulls rows per
+                       mini-batch (:mod:`hpsray.bench.baselines.sharded_ps`)
+=====================  ===================================================================
+
+Every system trains the paper's DNN over sum-pooled slot embeddings, rows initialised with
+hpsray's per-key values, per-element sparse Adagrad on the rows and TrainConfig's dense
+optimizer, with the same mini-batches in the same order. The examples are generated once per
+size and stored; each system runs in its own process, loads them into memory (plain PyTorch and
+TorchRec also turn keys into dense row indices there: preprocessing, not timed), trains
+``--warmup-rows`` untimed, then ``--rows`` timed, then scores held-out rows.
+
+Per system: ``examples_per_s`` (timed rows / training seconds; for hpsray the pipeline's wall
+time, reading included), held-out ``auc``, and ``peak_rss_bytes``: the peak RSS of the processes
+doing the work (the system's process, plus each of its Ray actors, asked for their
+``getrusage`` maximum). Ratios compare hpsray with each peer; the issue's target is
+``hpsray_in_memory_vs_pytorch >= 1.0`` at equal AUC (±0.002).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from hpsray.bench.baselines import PeerSpec, peak_rss_bytes, write_result
+
+HELP = "hpsray vs plain PyTorch, TorchRec and an in-memory sharded PS (same model, data, optimizers)"
+
+SYSTEMS = ("hpsray_in_memory", "hpsray_ssd", "pytorch", "torchrec", "sharded_ps")
+AUC_TOLERANCE = 0.002
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_TORCHREC_VENV = REPO / "benchmarks" / ".torchrec-venv"
+TORCHREC_RUNNER = REPO / "benchmarks" / "torchrec_peer.py"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keys-per-example", default="26,100",
+                        help="comma-separated sizes; each is one run of every system (default 26,100)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--size", type=float, default=1.0,
+                        help="scale of --rows, --warmup-rows and --eval-rows (default 1.0: ~6 min on 2 idle cores)")
+    parser.add_argument("--rows", type=int, default=131_072, help="timed training examples (times --size)")
+    parser.add_argument("--warmup-rows", type=int, default=32_768, help="untimed examples first (times --size)")
+    parser.add_argument("--eval-rows", type=int, default=32_768, help="held-out examples for AUC (times --size)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of every system, round-robin; the fastest counts (all rates are listed)")
+    parser.add_argument("--slots", type=int, default=26)
+    parser.add_argument("--keys", type=int, default=100_000, help="distinct keys per slot (table rows = slots × keys)")
+    parser.add_argument("--dense", type=int, default=13)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--hidden", default="512,256,128")
+    parser.add_argument("--minibatch", type=int, default=4096, help="examples per gradient step (every system)")
+    parser.add_argument("--batch", type=int, default=32_768, help="hpsray batch (unit of pull / write-back)")
+    parser.add_argument("--ssd-batch", type=int, default=16_384, help="hpsray batch of the hpsray_ssd run")
+    parser.add_argument("--ssd-mem-fraction", type=float, default=0.25,
+                        help="hpsray_ssd MEM-PS budget as a share of the distinct keys trained (raised to hold "
+                             "the rows of two batches in flight when that is more)")
+    parser.add_argument("--shards", type=int, default=2, help="shard actors of the sharded_ps peer")
+    parser.add_argument("--sparse-lr", type=float, default=0.05)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of every trainer (default: all cores)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torchrec-venv", default=os.environ.get("HPSRAY_TORCHREC_VENV", str(DEFAULT_TORCHREC_VENV)),
+                        help="virtual environment with TorchRec (made by benchmarks/torchrec_env.sh)")
+    parser.add_argument("--torchrec-optimizer", choices=("exact_adagrad", "rowwise_adagrad"), default="exact_adagrad",
+                        help="FBGEMM fused optimizer: exact_adagrad has the other systems' math; rowwise_adagrad "
+                             "keeps one accumulator per row")
+    parser.add_argument("--ray-worker-niceness", type=int, default=0,
+                        help="niceness of the Ray actors of hpsray and sharded_ps (Ray's own default is 15, "
+                             "below the other peers' processes); -1 keeps Ray's default")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds one system may take")
+    parser.add_argument("--report-dir", default=None,
+                        help="write peers.json, peers.md (tables, hpsray stage tables), a throughput plot and "
+                             "each hpsray run's report (JSON + stage/cache/SSD PNGs) to this directory")
+
+
+# -- the orchestrator ------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> dict:
+    sizes = [int(s) for s in str(args.keys_per_example).split(",") if s.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if args.repeat < 1:
+        raise SystemExit("hpsray bench peers: --repeat must be >= 1")
+    if unknown or not systems:
+        raise SystemExit(f"hpsray bench peers: unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    scale = lambda n: max(int(n * args.size) // args.minibatch * args.minibatch, args.minibatch)  # noqa: E731
+    base = PeerSpec(system="", data_dir="", n_slots=args.slots, keys_per_slot=args.keys, n_dense=args.dense,
+                    dim=args.dim, hidden=tuple(int(h) for h in args.hidden.split(",")), minibatch=args.minibatch,
+                    batch=args.batch, warmup_rows=scale(args.warmup_rows), rows=scale(args.rows),
+                    eval_rows=scale(args.eval_rows), sparse_lr=args.sparse_lr, seed=args.seed,
+                    threads=args.threads, shards=args.shards, torchrec_optimizer=args.torchrec_optimizer,
+                    extra={"ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness})
+    base.train_config()  # validates
+    out: dict = {"config": _config(base, args, systems), "by_keys_per_example": {}}
+    reports: dict = {}
+    tmp = tempfile.mkdtemp(prefix="hpsray-peers-")
+    try:
+        for kpe in sizes:
+            spec = replace(base, keys_per_example=kpe, data_dir=os.path.join(tmp, f"data-{kpe}"))
+            _log(f"{kpe} keys/example: generating {spec.warmup_rows + spec.rows:,} + {spec.eval_rows:,} examples")
+            t0 = time.perf_counter()
+            data = _prepare(spec, args)
+            data["generate_s"] = time.perf_counter() - t0
+            results = _run_size(spec, data, systems, args, tmp, reports)
+            shutil.rmtree(spec.data_dir, ignore_errors=True)
+            out["by_keys_per_example"][str(kpe)] = {"data": data, "systems": results, "ratios": ratios(results)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.report_dir:
+        out["report_files"] = write_peer_report(out, reports, args.report_dir)
+    return out
+
+
+def _run_size(spec: PeerSpec, data: dict, systems: list[str], args: argparse.Namespace, tmp: str,
+              reports: dict) -> dict:
+    """Every system on one size, ``--repeat`` rounds round-robin (other load on the machine then
+    hits every system alike); the fastest run of each system counts, all its rates are listed."""
+    kpe = spec.keys_per_example
+    results: dict = {}
+    for round_ in range(args.repeat):
+        for system in systems:
+            _log(f"{kpe} keys/example: {system} ..." + (f" (round {round_ + 1})" if args.repeat > 1 else ""))
+            r = _run_system(_spec_for(system, spec, data, tmp, args), args)
+            _log(f"{kpe} keys/example: {system}: {_brief(r)}")
+            rates = results.get(system, {}).get("examples_per_s_runs", [])
+            if "examples_per_s" in r:
+                rates = rates + [r["examples_per_s"]]
+            best = results.get(system)
+            if best is None or r.get("examples_per_s", -1) > best.get("examples_per_s", -1):
+                results[system] = r
+                reports[(kpe, system)] = r.pop("report", None)
+            if rates:
+                results[system]["examples_per_s_runs"] = rates
+    return results
+
+
+def _config(base: PeerSpec, args: argparse.Namespace, systems: list[str]) -> dict:
+    cfg = base.train_config()
+    return {"systems": systems, "slots": base.n_slots, "keys_per_slot": base.keys_per_slot,
+            "table_rows": base.vocabulary_rows, "dense": base.n_dense, "dim": base.dim,
+            "hidden": list(base.hidden), "minibatch": base.minibatch, "batch": base.batch, "ssd_batch": args.ssd_batch,
+            "warmup_rows": base.warmup_rows, "rows": base.rows, "eval_rows": base.eval_rows,
+            "sparse_optimizer": cfg.sparse_optimizer, "sparse_lr": cfg.sparse_lr,
+            "dense_optimizer": cfg.dense_optimizer, "dense_lr": cfg.dense_lr, "threads": base.threads,
+            "cpus": os.cpu_count(), "seed": base.seed, "ray_worker_niceness": base.extra["ray_worker_niceness"],
+            "ssd_mem_fraction": args.ssd_mem_fraction, "shards": base.shards,
+            "torchrec_optimizer": base.torchrec_optimizer, "repeat": args.repeat}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench peers] {msg}", file=sys.stderr, flush=True)
+
+
+def _brief(r: dict) -> str:
+    if "examples_per_s" in r:
+        return (f"{r['examples_per_s']:,.0f} examples/s, AUC {r.get('auc', float('nan')):.4f}, "
+                f"peak RSS {r.get('peak_rss_bytes', 0) / 2**20:,.0f} MiB")
+    return json.dumps(r)[:300]
+
+
+def _prepare(spec: PeerSpec, args: argparse.Namespace) -> dict:
+    """Generate and store the examples; also size hpsray_ssd's MEM-PS budget from them."""
+    import numpy as np
+
+    from hpsray.bench.baselines import load_examples, save_examples, split
+
+    data = save_examples(spec)
+    train = load_examples(spec, "train")
+    most = max(np.unique(b.keys).size for b in split(train, args.ssd_batch))
+    data["max_distinct_keys_per_ssd_batch"] = int(most)
+    data["ssd_mem_capacity_rows"] = max(int(args.ssd_mem_fraction * data["distinct_train_keys"]), int(2.2 * most))
+    return data
+
+
+def _spec_for(system: str, spec: PeerSpec, data: dict, tmp: str, args: argparse.Namespace) -> PeerSpec:
+    one = replace(spec, system=system, result_path=os.path.join(tmp, f"{system}-{spec.keys_per_example}.json"))
+    if system == "hpsray_ssd":
+        one = replace(one, batch=args.ssd_batch, mem_capacity_rows=int(data["ssd_mem_capacity_rows"]))
+    return one
+
+
+def _run_system(spec: PeerSpec, args: argparse.Namespace) -> dict:
+    """Run one system in its own process; returns its figures, ``{"skipped": why}`` or ``{"error": ...}``."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # each system starts its own local Ray
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    spec_path = f"{spec.result_path}.spec.json"
+    Path(spec_path).write_text(spec.to_json())
+    if spec.system == "torchrec":
+        python = Path(args.torchrec_venv) / "bin" / "python"
+        if not python.exists():
+            return {"skipped": f"no TorchRec environment at {args.torchrec_venv}: run `bash benchmarks/torchrec_env.sh`"}
+        if not TORCHREC_RUNNER.exists():
+            return {"skipped": f"{TORCHREC_RUNNER} not found (hpsray installed without its benchmarks/ folder)"}
+        cmd = [str(python), str(TORCHREC_RUNNER), spec_path]
+    else:
+        cmd = [sys.executable, "-m", "hpsray.bench.peers", spec_path]
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the system's own process group (it may have started a Ray)
+        output, _ = proc.communicate()
+        return {"error": f"timed out after {args.timeout:.0f} s", "output_tail": output[-2000:]}
+    if proc.returncode != 0 or not os.path.exists(spec.result_path):
+        return {"error": f"exit status {proc.returncode}", "output_tail": (output or "")[-3000:]}
+    with open(spec.result_path) as f:
+        result = json.load(f)
+    result["process_s"] = time.perf_counter() - t0
+    # other load on the machine perturbs the figures: the 1-minute load average before and after
+    result["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return result
+
+
+def ratios(results: dict) -> dict:
+    """Throughput ratios of the hpsray runs to each peer, AUC differences, and the issue's target."""
+    out: dict = {}
+    ok = {k: v for k, v in results.items() if isinstance(v, dict) and "examples_per_s" in v}
+    for mine in ("hpsray_in_memory", "hpsray_ssd"):
+        if mine not in ok:
+            continue
+        for peer in ("pytorch", "torchrec", "sharded_ps"):
+            if peer in ok:
+                out[f"{mine}_vs_{peer}"] = ok[mine]["examples_per_s"] / ok[peer]["examples_per_s"]
+                out[f"auc_{mine}_minus_{peer}"] = ok[mine]["auc"] - ok[peer]["auc"]
+                out[f"rss_{mine}_vs_{peer}"] = ok[mine]["peak_rss_bytes"] / ok[peer]["peak_rss_bytes"]
+    if "hpsray_ssd" in ok and "hpsray_in_memory" in ok:
+        out["hpsray_ssd_vs_hpsray_in_memory"] = ok["hpsray_ssd"]["examples_per_s"] / ok["hpsray_in_memory"]["examples_per_s"]
+    if "hpsray_in_memory_vs_pytorch" in out:
+        out["target_met"] = bool(out["hpsray_in_memory_vs_pytorch"] >= 1.0
+                                 and abs(out["auc_hpsray_in_memory_minus_pytorch"]) <= AUC_TOLERANCE)
+    return out
+
+
+# -- the report directory ----------------------------------------------------------------------
+
+def write_peer_report(out: dict, reports: dict, directory: str) -> list[str]:
+    """``peers.json``, ``peers.md`` (system table, ratios, hpsray stage tables), a throughput PNG,
+    and each hpsray run's pipeline report (JSON + PNGs, :func:`hpsray.pipelines.report.write_report`)."""
+    from hpsray.pipelines.report import format_stage_table, write_report
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    written = []
+    lines = ["# hpsray bench peers", "", "```", json.dumps(out["config"]), "```", ""]
+    for kpe, run_ in out["by_keys_per_example"].items():
+        lines += [f"## {kpe} keys per example", "", "| system | examples/s | AUC | peak RSS MiB | note |",
+                  "|---|---:|---:|---:|---|"]
+        for name, r in run_["systems"].items():
+            if "examples_per_s" in r:
+                lines.append(f"| {name} | {r['examples_per_s']:,.0f} | {r['auc']:.4f} | "
+                             f"{r['peak_rss_bytes'] / 2**20:,.0f} | |")
+            else:
+                lines.append(f"| {name} | | | | {r.get('skipped') or r.get('error')} |")
+        lines += ["", "| ratio | value |", "|---|---:|"]
+        lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in run_["ratios"].items()]
+        lines.append("")
+        for (k, system), rep in sorted(reports.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            if rep and str(k) == kpe:
+                written += write_report(rep, d / f"{system}.{kpe}keys.json")
+                lines += [f"### {system}: pipeline stages", "", "```", format_stage_table(rep), "```",
+                          f"plots: {system}.{kpe}keys.stage_times.png, .cache_hit_rate.png, .ssd_io.png", ""]
+    (d / "peers.md").write_text("\n".join(lines) + "\n")
+    (d / "peers.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    written += [str(d / "peers.md"), str(d / "peers.json")]
+    png = _plot_throughput(out, d / "peers.examples_per_s.png")
+    return [str(p) for p in written] + ([png] if png else [])
+
+
+def _plot_throughput(out: dict, path: Path) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    runs = out["by_keys_per_example"]
+    systems = out["config"]["systems"]
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    width = 0.8 / max(len(systems), 1)
+    for i, system in enumerate(systems):
+        xs, ys = [], []
+        for j, r in enumerate(runs.values()):
+            v = r["systems"].get(system, {}).get("examples_per_s")
+            if v:
+                xs.append(j + i * width)
+                ys.append(v)
+        ax.bar(xs, ys, width=width, label=system)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(runs))], [f"{k} keys/example" for k in runs])
+    ax.set_ylabel("examples/s")
+    ax.set_title("training throughput, same model and data")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return str(path)
+
+
+# -- one system, in its own process -------------------------------------------------------------
+
+class PreparedSource:
+    """Batches already in Ray's object store (refs), for a pipeline's reader: the reader then
+    only fetches them (zero-copy), as every peer reads its examples from memory."""
+
+    def __init__(self, refs: list, batch_size: int, n_slots: int, n_dense: int) -> None:
+        self.refs, self.batch_size, self.n_slots, self.n_dense = list(refs), batch_size, n_slots, n_dense
+
+    def open(self, batch_size: int, reader_index: int = 0, num_readers: int = 1):
+        import ray
+
+        if batch_size != self.batch_size:
+            raise ValueError(f"PreparedSource holds batches of {self.batch_size} examples, asked for {batch_size}")
+        for ref in self.refs[reader_index::num_readers]:
+            yield ray.get(ref)
+
+
+def _put_batches(batch, spec: PeerSpec, start: int, stop: int, size: int) -> list:
+    import ray
+
+    from hpsray.bench.baselines import split
+
+    return [ray.put(b) for b in split(batch, size, start, stop)]
+
+
+def _start_ray(spec: PeerSpec) -> None:
+    """A fresh local Ray for this system alone (never a cluster that happens to run here).
+
+    Ray 2.60 runs its workers at niceness 15; the other peers run at the shell's niceness, so on
+    a machine with other load the actors would lose the CPU to it. ``spec.extra["ray_worker_niceness"]``
+    (``--ray-worker-niceness``, default 0) evens that out.
+    """
+    import ray
+
+    niceness = spec.extra.get("ray_worker_niceness")
+    system_config = {} if niceness is None else {"worker_niceness": int(niceness)}
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, _system_config=system_config)
+
+
+def run_hpsray(spec: PeerSpec) -> dict:
+    """The hpsray pipeline on ``spec``'s examples (MEM-PS budget ``spec.mem_capacity_rows``)."""
+    import ray
+
+    from hpsray.bench.baselines import load_examples, ray_peak_rss
+    from hpsray.pipelines import MemPSStage, Pipeline, TrainerStage
+
+    _start_ray(spec)
+    try:
+        cfg = spec.train_config()
+        train = load_examples(spec, "train")
+        warm = _put_batches(train, spec, 0, spec.warmup_rows, spec.batch)
+        measured = _put_batches(train, spec, spec.warmup_rows, spec.warmup_rows + spec.rows, spec.batch)
+        held_out = _put_batches(load_examples(spec, "eval"), spec, 0, None, spec.batch)
+        del train
+        src = lambda refs: PreparedSource(refs, spec.batch, spec.n_slots, spec.n_dense)  # noqa: E731
+        capacity = spec.mem_capacity_rows or spec.vocabulary_rows + 1024
+        with Pipeline(src(warm), TrainerStage(cfg, threads=spec.threads), MemPSStage(capacity_rows=capacity),
+                      batch_size=spec.batch) as p:
+            p.fit(progress=False)
+            p.source = src(measured)
+            report = p.fit(progress=False)
+            ev = p.evaluate(src(held_out))
+            rss = ray_peak_rss(p.actors())
+        cache = report.get("cache") or {}
+        ssd = report.get("ssd") or {}
+        return {
+            "examples_per_s": report["examples_per_s"],
+            "auc": ev["auc"],
+            "logloss": ev["logloss"],
+            **rss,
+            "examples": report["examples"],
+            "train_s": report["wall_s"],
+            "pipeline_efficiency": report["pipeline_efficiency"],
+            "stage_busy_s": report["stage_busy_s"],
+            "batch": spec.batch,
+            "mem_capacity_rows": capacity,
+            "mem_capacity_fraction_of_table": capacity / spec.vocabulary_rows,
+            "cache_hit_rate": cache.get("hit_rate"),
+            "ssd_bytes_read": ssd.get("bytes_read"),
+            "ssd_bytes_written": ssd.get("bytes_written"),
+            "report": report,
+        }
+    finally:
+        ray.shutdown()
+
+
+def run_sharded_ps(spec: PeerSpec) -> dict:
+    """The in-memory sharded PS baseline on ``spec``'s examples."""
+    import ray
+
+    from hpsray.bench.baselines import load_examples, ray_peak_rss
+    from hpsray.bench.baselines.sharded_ps import ShardedPS
+
+    _start_ray(spec)
+    try:
+        train = load_examples(spec, "train")
+        warm = _put_batches(train, spec, 0, spec.warmup_rows, spec.batch)
+        measured = _put_batches(train, spec, spec.warmup_rows, spec.warmup_rows + spec.rows, spec.batch)
+        held_out = _put_batches(load_examples(spec, "eval"), spec, 0, None, spec.batch)
+        del train
+        ps = ShardedPS(spec.train_config(), spec.n_slots, spec.n_dense, capacity=spec.vocabulary_rows,
+                       n_shards=spec.shards, threads=spec.threads)
+        ps.fit(warm)
+        t0 = time.perf_counter()
+        done = ps.fit(measured)
+        wall = time.perf_counter() - t0
+        ev = ps.evaluate(held_out)
+        rss = ray_peak_rss(ps.actors())
+        stats = ps.stats()
+        ps.shutdown()
+        return {"examples_per_s": done["examples"] / wall, "auc": ev["auc"], "logloss": ev["logloss"], **rss,
+                "examples": done["examples"], "train_s": wall, "shards": spec.shards,
+                "pull_wait_s": stats["trainer"]["pull_wait_s"],
+                "shard_busy_s": [s["busy_s"] for s in stats["shards"]]}
+    finally:
+        ray.shutdown()
+
+
+def run_one(spec: PeerSpec) -> dict:
+    """Run ``spec.system`` (not TorchRec, which has its own runner) in this process."""
+    if spec.system in ("hpsray_in_memory", "hpsray_ssd"):
+        return run_hpsray(spec)
+    if spec.system == "pytorch":
+        from hpsray.bench.baselines.plain_torch import run_peer
+
+        return run_peer(spec)
+    if spec.system == "sharded_ps":
+        return run_sharded_ps(spec)
+    raise ValueError(f"no in-process runner for system {spec.system!r}")
+
+
+def _main(spec_path: str) -> None:
+    spec = PeerSpec.from_json(Path(spec_path).read_text())
+    result = run_one(spec)
+    result.setdefault("peak_rss_bytes", peak_rss_bytes())
+    write_result(spec, result)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
