@@ -18,11 +18,13 @@ Layout (little-endian)::
     64+16n  4 n width    rows      float32[n, width]
     ...     4 ceil(n/B)  blocks    uint32 checksum of each block of B rows (format 2)
 
-Format 2 stores the block size ``B`` (``block_rows``) and the crc32 of the block table in the
-first 8 of the 16 header bytes that format 1 left zero. Block ``b``'s checksum covers the keys
-and rows of rows ``b·B .. (b+1)·B - 1`` (:func:`block_sums`), so a load that needs a few rows of
-a large file reads and verifies only their blocks (:func:`pick_blocks`) instead of the whole
-file. Format 1 files (no block table) are still read, always whole.
+Formats 2 and 3 store the block size ``B`` (``block_rows``) and the crc32 of the block table in
+the first 8 of the 16 header bytes that format 1 left zero. Block ``b``'s checksum covers the
+keys and rows of rows ``b·B .. (b+1)·B - 1`` (:func:`block_sums`), so a load that needs a few
+rows of a large file reads and verifies only their blocks (:func:`pick_blocks`) instead of the
+whole file. Format 3 (current) differs from 2 only in the block hash (four lanes, ~3x faster)
+and uses smaller blocks (~1 KiB of rows: 8 rows at width 32). Format 1 and 2 files are still
+read, always whole (their whole-file crc32s are verified as before).
 
 A file is written once, under a temporary name, fsynced, then renamed; it is never modified.
 The index section has its own checksum so that reopening a store reads only headers, indexes
@@ -42,9 +44,10 @@ import numpy as np
 from numba import njit
 
 MAGIC = b"HPSPARAM"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-BLOCK_BYTES = 4096  # target bytes of row data per checksummed block
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+PARTIAL_VERSIONS = (3,)  # formats whose block tables partial loads use (format 2 files load whole)
+BLOCK_BYTES = 1024  # target bytes of row data per checksummed block
 HEADER_BYTES = 64
 FLAG_COMPACTED = 1
 SUFFIX = ".hps"
@@ -102,24 +105,52 @@ def file_bytes(n: int, width: int, block_rows: int | None = None) -> int:
     return HEADER_BYTES + n * record_bytes(width) + 4 * n_blocks(n, br)
 
 
-@njit(cache=True, nogil=True)
-def _mix_words(h, words):
-    for i in range(words.size):
-        h = (h ^ np.uint64(words[i])) * np.uint64(0x100000001B3)
-        h ^= h >> np.uint64(29)
-    return h
+_P = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection of 64-bit words
+_S = np.uint64(29)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lanes(h, words, lo, hi):
+    """Fold ``words[lo:hi]`` (``uint32``, taken in pairs as 64-bit words) into ``h`` over four
+    independent lanes (multiply-xorshift each), so the CPU overlaps their multiplies: ~3x the
+    speed of one serial chain. Every step is a bijection of the lane state, so a changed or
+    moved word changes the lane and thus the result (up to the final 32-bit fold)."""
+    h0 = h
+    h1 = h ^ np.uint64(0x243F6A8885A308D3)
+    h2 = h ^ np.uint64(0x13198A2E03707344)
+    h3 = h ^ np.uint64(0xA4093822299F31D0)
+    i = lo
+    while i + 8 <= hi:
+        h0 = (h0 ^ (np.uint64(words[i]) | (np.uint64(words[i + 1]) << np.uint64(32)))) * _P
+        h1 = (h1 ^ (np.uint64(words[i + 2]) | (np.uint64(words[i + 3]) << np.uint64(32)))) * _P
+        h2 = (h2 ^ (np.uint64(words[i + 4]) | (np.uint64(words[i + 5]) << np.uint64(32)))) * _P
+        h3 = (h3 ^ (np.uint64(words[i + 6]) | (np.uint64(words[i + 7]) << np.uint64(32)))) * _P
+        h0 ^= h0 >> _S
+        h1 ^= h1 >> _S
+        h2 ^= h2 >> _S
+        h3 ^= h3 >> _S
+        i += 8
+    while i < hi:
+        h0 = (h0 ^ np.uint64(words[i])) * _P
+        h0 ^= h0 >> _S
+        i += 1
+    h = (h0 * _P) ^ h1
+    h = (h * _P) ^ h2
+    return (h * _P) ^ h3
 
 
 @njit(cache=True, nogil=True)
 def _block_sum(keys_u32, rows_u32, b, block_rows, width):
-    """Checksum of block ``b``: a 64-bit multiply-xor hash of its key and row words, folded
-    to 32 bits (detects flipped bits and misplaced data; not cryptographic)."""
+    """Checksum of block ``b`` (format 3): a 4-lane 64-bit multiply-xorshift hash of its key
+    words then its row words, folded to 32 bits (detects flipped bits and misplaced data; not
+    cryptographic). Format 2 used one serial chain over 32-bit words; its tables are checked as
+    a whole (crc32) but not used for partial reads."""
     n = keys_u32.size // 2
     lo = b * block_rows
     hi = min(n, lo + block_rows)
     h = np.uint64(0xCBF29CE484222325) ^ np.uint64(b)
-    h = _mix_words(h, keys_u32[2 * lo : 2 * hi])
-    h = _mix_words(h, rows_u32[lo * width : hi * width])
+    h = _lanes(h, keys_u32, 2 * lo, 2 * hi)
+    h = _lanes(h, rows_u32, lo * width, hi * width)
     return np.uint32((h ^ (h >> np.uint64(32))) & np.uint64(0xFFFFFFFF))
 
 
@@ -142,33 +173,38 @@ def block_sums(keys: np.ndarray, rows: np.ndarray, block_rows: int) -> np.ndarra
 def _pick_blocks(data, n, width, block_rows, table, out, idx, pos, keys):
     """Copy ``out[idx[j]] = rows[pos[j]]`` straight from a file's bytes (``data``, e.g. a
     memory map), verifying each touched block's checksum once and the key at each position.
-    Returns 0, ``-(j + 1)`` for the first key mismatch, or ``b + 1`` for a bad block ``b``."""
+    Returns ``(status, blocks touched)``; status 0, ``-(j + 1)`` for the first key mismatch, or
+    ``b + 1`` for a bad block ``b``."""
     keys_u32 = data[HEADER_BYTES : HEADER_BYTES + 8 * n].view(np.uint32)
     rows_u32 = data[HEADER_BYTES + 16 * n : HEADER_BYTES + 16 * n + 4 * n * width].view(np.uint32)
     file_keys = data[HEADER_BYTES : HEADER_BYTES + 8 * n].view(np.uint64)
     rows = rows_u32.view(np.float32)
     seen = np.zeros(table.size, dtype=np.bool_)
+    touched = 0
     for j in range(idx.size):
         p = pos[j]
         if p >= n:
-            return -(j + 1)
+            return -(j + 1), touched
         b = p // block_rows
         if not seen[b]:
             if _block_sum(keys_u32, rows_u32, b, block_rows, width) != table[b]:
-                return b + 1
+                return b + 1, touched
             seen[b] = True
+            touched += 1
         if file_keys[p] != keys[idx[j]]:
-            return -(j + 1)
+            return -(j + 1), touched
         i = idx[j]
         for c in range(width):
             out[i, c] = rows[p * width + c]
-    return 0
+    return 0, touched
 
 
-def pick_blocks(data: np.ndarray, h: "Header", table: np.ndarray, out: np.ndarray, idx: np.ndarray,
-                pos: np.ndarray, keys: np.ndarray) -> int:
-    """See :func:`_pick_blocks`; ``data`` is the whole file as ``uint8`` (a map of it)."""
-    return int(_pick_blocks(data, h.n, h.width, h.block_rows, table, out, idx, pos, keys))
+def pick_blocks(data: np.ndarray, h: Header, table: np.ndarray, out: np.ndarray, idx: np.ndarray,
+                pos: np.ndarray, keys: np.ndarray) -> tuple[int, int]:
+    """See :func:`_pick_blocks`; ``data`` is the whole file as ``uint8`` (a map of it).
+    Returns ``(status, blocks touched)``."""
+    r, touched = _pick_blocks(data, h.n, h.width, h.block_rows, table, out, idx, pos, keys)
+    return int(r), int(touched)
 
 
 @njit(cache=True)
@@ -220,6 +256,7 @@ class Header:
     rows_crc: int
     block_rows: int = 0  # 0: no block table (format 1)
     table_crc: int = 0
+    version: int = FORMAT_VERSION
 
     @property
     def n_blocks(self) -> int:
@@ -248,7 +285,7 @@ def decode_header(buf, path: str) -> Header:
         raise CorruptFileError(f"{path}: unsupported format version {version} (this build reads {READABLE_VERSIONS})")
     if version == 1:
         block_rows = table_crc = 0
-    return Header(n, width, file_no, flags, index_crc, rows_crc, block_rows, table_crc)
+    return Header(n, width, file_no, flags, index_crc, rows_crc, block_rows, table_crc, version)
 
 
 Writer = Callable[[int, memoryview], int]

@@ -7,8 +7,9 @@
   stale counting and victim selection are vectorised. Reopening rebuilds all of it from the
   manifest and the files' key/version indexes.
 * **load(keys)** reads every file that holds a requested key whole (one I/O per file, several
-  files in flight), verifies its checksums and picks the rows out. Keys never stored come back
-  flagged absent so that the caller initialises them.
+  files in flight), verifies its checksums and picks the rows out; a file whose requested rows
+  lie in few checksummed blocks is read partially instead, through a memory map kept across
+  loads. Keys never stored come back flagged absent so that the caller initialises them.
 * **dump(keys, rows)** writes the rows as *new* files, sequentially, each under a temporary
   name; fsyncs them, renames them, fsyncs the directory; appends one manifest record adding
   them and fsyncs it; only then updates the mapping and returns (the acknowledgement). The
@@ -31,8 +32,8 @@ import errno
 import mmap
 import os
 import threading
-import zlib
 import time
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -46,6 +47,7 @@ from hpsray.tiers.manifest import Manifest
 from hpsray.tiers.paramfile import (
     FLAG_COMPACTED,
     HEADER_BYTES,
+    PARTIAL_VERSIONS,
     TMP_SUFFIX,
     CorruptFileError,
     SSDError,
@@ -87,24 +89,33 @@ def default_rows_per_file(width: int, file_bytes: int = DEFAULT_FILE_BYTES) -> i
 def _resolve(slots, loc_slot, loc_pos, n_file_slots):
     """Group the found keys by file (a counting sort). ``slots`` are index slots (-1: absent).
     Returns ``(idx, pos, starts)``: the keys of file slot ``f`` are ``idx[starts[f]:starts[f+1]]``
-    (positions into ``slots``), at row positions ``pos[...]`` of that file."""
+    (positions into ``slots``, ascending), at row positions ``pos[...]`` of that file.
+    The mapping is gathered once (random reads), the sort then runs on sequential arrays."""
+    n_all = slots.size
+    fs = np.empty(n_all, dtype=np.int32)
+    ps = np.empty(n_all, dtype=np.int32)
     starts = np.zeros(n_file_slots + 1, dtype=np.int64)
-    for s in slots:
+    for i in range(n_all):
+        s = slots[i]
         if s >= 0:
-            starts[loc_slot[s] + 1] += 1
+            f = loc_slot[s]
+            fs[i] = f
+            ps[i] = loc_pos[s]
+            starts[f + 1] += 1
+        else:
+            fs[i] = -1
     for f in range(n_file_slots):
         starts[f + 1] += starts[f]
     cursor = starts[:-1].copy()
     n = starts[n_file_slots]
     idx = np.empty(n, dtype=np.int64)
     pos = np.empty(n, dtype=np.int64)
-    for i in range(slots.size):
-        s = slots[i]
-        if s >= 0:
-            f = loc_slot[s]
+    for i in range(n_all):
+        f = fs[i]
+        if f >= 0:
             c = cursor[f]
             idx[c] = i
-            pos[c] = loc_pos[s]
+            pos[c] = ps[i]
             cursor[f] = c + 1
     return idx, pos, starts
 
@@ -174,6 +185,27 @@ class _Files:
         if threshold is not None:
             mask &= self.size - (self.n - stale) * record > threshold * self.size
         return np.flatnonzero(mask)
+
+
+class _Map:
+    """A read-only memory map of one parameter file, kept across loads (partial reads of a
+    cached file then cost no mmap/munmap and no page faults for pages already mapped).
+    ``refs`` counts loads using it; a file that compaction retires is unmapped once unused."""
+
+    __slots__ = ("dead", "mm", "refs", "size")
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.size = os.fstat(fd).st_size
+            if self.size < HEADER_BYTES:
+                raise CorruptFileError(f"{path}: truncated header ({self.size} of {HEADER_BYTES} bytes)")
+            self.mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self.mm.madvise(mmap.MADV_RANDOM)  # no read-around: only the touched pages
+        self.refs = 0
+        self.dead = False
 
 
 def _will_need(fds: list[int]) -> None:
@@ -280,7 +312,8 @@ class SSDPS:
         self.width = self._manifest.width
         self._rec = record_bytes(self.width)
         self._block_rows = block_rows_for(self.width)
-        self._tables: dict[int, np.ndarray] = {}  # file number -> block checksums (format 2 files)
+        self._tables: dict[int, np.ndarray] = {}  # file number -> block checksums (format 3 files)
+        self._maps: dict[int, _Map] = {}  # file number -> memory map kept for partial reads
         self.rows_per_file = int(rows_per_file or default_rows_per_file(self.width))
         self._round_files = int(min(_MAX_OPEN_FILES, max(2, _ROUND_BYTES // (self._rec * self.rows_per_file))))
         self._next_file_no = self._manifest.next_file_no
@@ -320,7 +353,8 @@ class SSDPS:
             if pf.header.file_no != no:
                 raise CorruptFileError(f"{path}: header names file {pf.header.file_no}")
             s = self._files.add(no, pf.header.n, pf.header.size, 0, pf.header.flags)
-            if pf.blocks is not None and pf.header.block_rows == self._block_rows:
+            if (pf.blocks is not None and pf.header.block_rows == self._block_rows
+                    and pf.header.version in PARTIAL_VERSIONS):  # format 2 files: whole reads only
                 self._tables[no] = pf.blocks
             keys.append(pf.keys)
             vers.append(pf.versions)
@@ -384,7 +418,8 @@ class SSDPS:
         """Rows of ``keys`` and a mask of which keys were found.
 
         Returns ``(rows float32[n, width], found bool[n])``; rows of absent keys are zero (the
-        caller initialises them). Each file holding a requested key is read whole, once.
+        caller initialises them). Each file holding a requested key is read once: whole, or only
+        the checksummed blocks holding the requested rows (``partial_read_share``).
         Raises :class:`CorruptFileError` when a file fails its checks.
         """
         keys = as_keys(keys)
@@ -393,31 +428,45 @@ class SSDPS:
         # zeros: absent rows stay zero, and the pages fault in on the I/O threads as rows land
         out = np.zeros((keys.size, self.width), dtype=np.float32)
         first_fds: list[int] = []
+        pending: list[list] = []  # futures of whole-file rounds in flight
         opened: list[tuple[list, list]] = []
         prefetch: list = []
         n_files = n_bytes = 0
         n_partial = 0
         try:
             with self._lock:
+                if keys.size * self._block_rows >= 2 * self.partial_read_share * self._index.size:
+                    # So many keys that (nearly) every file will be read whole: start reading
+                    # the first files while the lookup and grouping below run (~0.1 s per 2M keys).
+                    early = np.flatnonzero(self._files.no >= 0)[: self._round_files]
+                    opened.append(([], first_fds))  # closed at the end
+                    for no in self._files.no[early].tolist():
+                        first_fds.append(os.open(self._path(no), os.O_RDONLY))
+                    prefetch.append(self._pool.submit(_will_need, first_fds))
                 slots = self._index.find(keys)
                 idx, pos, starts = _resolve(slots, self._loc_slot, self._loc_pos, self._files.capacity)
                 file_no = self._files.no.copy()
                 groups = np.flatnonzero(starts[1:] > starts[:-1])
                 partial = self._partial_groups(groups, starts, pos, file_no)
                 whole = groups[~partial]
-                for s in whole[: self._round_files].tolist():  # start the I/O right away
-                    first_fds.append(os.open(self._path(int(file_no[s])), os.O_RDONLY))
-            prefetch.append(self._pool.submit(_will_need, first_fds))
+                rf = self._round_files
+                rounds = [whole[r : r + rf] for r in range(0, whole.size, rf)]
+                if rounds:  # start the I/O right away
+                    opened.append(self._open_round(keys, rounds[0], starts, idx, pos, file_no))
+            whole_rounds = opened[-1:] if rounds else []
+            if rounds:
+                prefetch.append(self._pool.submit(_will_need, whole_rounds[0][1]))
             found = slots >= 0
             n_present = int(idx.size)
             # Files whose requested rows fill few blocks: only those blocks are read (memory
             # map, checksummed blocks), in rounds of open descriptors, no read-ahead hint.
             part = groups[partial]
             for r in range(0, part.size, _MAX_OPEN_FILES):
-                tasks, fds = self._open_round(keys, part[r : r + _MAX_OPEN_FILES], starts, idx, pos, file_no)
+                tasks, fds = self._open_round(keys, part[r : r + _MAX_OPEN_FILES], starts, idx, pos, file_no,
+                                              mapped=True)
                 opened.append((tasks, fds))
                 futures = [self._pool.submit(self._read_partial, keys, out, i, p, self._path(no), fd)
-                           if no in self._tables else
+                           if isinstance(fd, _Map) else
                            self._pool.submit(self._read_rows, keys, out, i, p, self._path(no), fd)
                            for (i, p, no), fd in zip(tasks, fds)]
                 wait(futures)
@@ -428,40 +477,37 @@ class SSDPS:
                 n_files += len(tasks)
             # Whole files: rounds of a few files (_ROUND_BYTES), opened under the lock: an open
             # descriptor keeps a file readable even if compaction unlinks it a moment later.
-            # The first round was opened with the lookup; later rounds check that their files
-            # are still live and look up again the rows of files a compaction retired. Each
-            # round gets a WILLNEED hint one round ahead of its reads, so the device sees a
-            # deep queue instead of one read per I/O thread.
-            rf = self._round_files
-            rounds = [whole[r : r + rf] for r in range(0, whole.size, rf)]
-            if rounds:
-                tasks0 = []
-                for s in rounds[0].tolist():
-                    a, b = int(starts[s]), int(starts[s + 1])
-                    tasks0.append((idx[a:b], pos[a:b], int(file_no[s])))
-                opened.append((tasks0, first_fds))
-                first_fds = []
-            base = len(opened) - len(rounds[:1])
+            # Later rounds check that their files are still live and look up again the rows of
+            # files a compaction retired. Round r + 1 is opened, hinted (WILLNEED, so the device
+            # sees a deep queue) and queued on the I/O threads as soon as round r is queued; round
+            # r + 2 waits until round r is done (two rounds in flight, no idle threads between).
             for r in range(len(rounds)):
-                tasks, fds = opened[base + r]
-                futures = [
+                tasks, fds = whole_rounds[r]
+                pending.append([
                     self._pool.submit(self._read_rows, keys, out, i, p, self._path(no), fd)
                     for (i, p, no), fd in zip(tasks, fds)
-                ]
+                ])
+                n_files += len(tasks)
+                if len(pending) > 1:
+                    wait(pending[0])
+                    n_bytes += sum(fut.result()[0] for fut in pending.pop(0))
                 if r + 1 < len(rounds):
                     opened.append(self._open_round(keys, rounds[r + 1], starts, idx, pos, file_no))
+                    whole_rounds.append(opened[-1])
                     prefetch.append(self._pool.submit(_will_need, opened[-1][1]))
-                wait(futures)
-                for fut in futures:
-                    n_bytes += fut.result()[0]
-                n_files += len(tasks)
+            while pending:
+                wait(pending[0])
+                n_bytes += sum(fut.result()[0] for fut in pending.pop(0))
         finally:
+            for futures in pending:  # an error left reads running: they use the descriptors
+                wait(futures)
             wait(prefetch)  # before their descriptors close
-            for fd in first_fds:
-                os.close(fd)
-            for _, fds in opened:
-                for fd in fds:
-                    os.close(fd)
+            for tasks, fds in opened:
+                for t, fd in zip(tasks, fds) if tasks else ((None, fd) for fd in fds):
+                    if isinstance(fd, _Map):
+                        self._release_map(t[2], fd)
+                    else:
+                        os.close(fd)
         with self._lock:
             st = self._stats
             st["loads"] += 1
@@ -473,7 +519,31 @@ class SSDPS:
             st["load_seconds"] += time.perf_counter() - t0
         return out, found
 
-    def _open_round(self, keys, group_slots, starts, idx, pos, file_no) -> tuple[list, list]:
+    def _acquire_map(self, no: int) -> _Map:
+        """The kept memory map of live file ``no`` (created on first use); call under the lock."""
+        m = self._maps.get(no)
+        if m is None:
+            m = self._maps[no] = _Map(self._path(no))
+        m.refs += 1
+        return m
+
+    def _release_map(self, no: int, m: _Map) -> None:
+        with self._lock:
+            m.refs -= 1
+            if m.dead and m.refs == 0:
+                m.mm.close()
+
+    def _drop_map(self, no: int) -> None:
+        """File ``no`` leaves the live set: unmap it now, or when its last load is done."""
+        m = self._maps.pop(no, None)
+        if m is not None:
+            m.dead = True
+            if m.refs == 0:
+                m.mm.close()
+
+    def _open_round(self, keys, group_slots, starts, idx, pos, file_no, mapped: bool = False) -> tuple[list, list]:
+        """Tasks ``(idx, pos, file number)`` for the file slots ``group_slots`` and, per task, an
+        open descriptor (``mapped``: the file's kept memory map where it has a block table)."""
         tasks, fds, moved = [], [], []
         with self._lock:
             for s in group_slots.tolist():
@@ -491,10 +561,18 @@ class SSDPS:
                     tasks.append((mi[sel], mp[sel], int(self._files.no[s])))
             try:
                 for t in tasks:
-                    fds.append(os.open(self._path(t[2]), os.O_RDONLY))
+                    if mapped and t[2] in self._tables:
+                        fds.append(self._acquire_map(t[2]))
+                    else:
+                        fds.append(os.open(self._path(t[2]), os.O_RDONLY))
             except BaseException:
-                for fd in fds:
-                    os.close(fd)
+                for t, fd in zip(tasks, fds):
+                    if isinstance(fd, _Map):
+                        fd.refs -= 1
+                        if fd.dead and fd.refs == 0:
+                            fd.mm.close()
+                    else:
+                        os.close(fd)
                 raise
         return tasks, fds
 
@@ -526,31 +604,25 @@ class SSDPS:
         return ok
 
     def _read_partial(self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str,
-                      fd: int) -> tuple[int, bool]:
-        """Copy the requested rows of one file out of a read-only memory map of it, verifying
-        the checksum of every block touched and the key at every position. Returns the bytes
-        of the blocks touched (an estimate of what the device read)."""
+                      m: _Map) -> tuple[int, bool]:
+        """Copy the requested rows of one file out of its read-only memory map, verifying the
+        checksum of every block touched and the key at every position. Returns the bytes of the
+        blocks touched (an estimate of what the device read)."""
         no = parse_file_name(os.path.basename(path))
         table = self._tables.get(no) if no is not None else None
-        size = os.fstat(fd).st_size
-        if table is None or size < HEADER_BYTES:
-            return self._read_rows(keys, out, idx, pos, path, fd)
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        size = m.size
+        data = np.frombuffer(m.mm, dtype=np.uint8)
         try:
-            mm.madvise(mmap.MADV_RANDOM)  # no read-around: only the touched pages
-            data = np.frombuffer(mm, dtype=np.uint8)
-            try:
-                h = decode_header(data[:HEADER_BYTES], path)
-                if h.width != self.width or h.size != size or h.block_rows != self._block_rows:
-                    raise CorruptFileError(f"{path}: size {size} bytes, header says {h.size} "
-                                           f"({h.n} rows of width {h.width}, blocks of {h.block_rows})")
-                if table.size != h.n_blocks or zlib.crc32(table) != h.table_crc:
-                    raise CorruptFileError(f"{path}: block table checksum mismatch")
-                r = pick_blocks(data, h, table, out, idx, pos, keys)
-            finally:
-                del data
+            h = decode_header(data[:HEADER_BYTES], path)
+            if (table is None or h.width != self.width or h.size != size or h.block_rows != self._block_rows
+                    or h.version not in PARTIAL_VERSIONS):
+                raise CorruptFileError(f"{path}: size {size} bytes, header says {h.size} "
+                                       f"({h.n} rows of width {h.width}, blocks of {h.block_rows})")
+            if table.size != h.n_blocks or zlib.crc32(table) != h.table_crc:
+                raise CorruptFileError(f"{path}: block table checksum mismatch")
+            r, touched = pick_blocks(data, h, table, out, idx, pos, keys)
         finally:
-            mm.close()
+            del data
         if r > 0:
             raise CorruptFileError(f"{path}: block {r - 1} checksum mismatch (rows {(r - 1) * h.block_rows}.. damaged)")
         if r < 0:
@@ -558,7 +630,6 @@ class SSDPS:
             raise CorruptFileError(
                 f"{path}: row {int(pos[j])} does not hold key {int(keys[idx[j]])} as the mapping says"
             )
-        touched = int(np.unique(pos // h.block_rows).size)
         return HEADER_BYTES + touched * h.block_rows * self._rec, True
 
     def dump(self, keys, rows) -> None:
@@ -783,6 +854,7 @@ class SSDPS:
                 for s, no in zip(victims.tolist(), victim_nos):
                     f.remove(s)
                     self._tables.pop(no, None)
+                    self._drop_map(no)
                     _unlink_quiet(self._path(no))
                 st = self._stats
                 st["compactions"] += 1
@@ -931,6 +1003,9 @@ class SSDPS:
             with self._compact_lock:
                 self._pool.shutdown(wait=True)
                 self._manifest.close()
+                with self._lock:
+                    for no in list(self._maps):
+                        self._drop_map(no)
 
     def __enter__(self):
         return self
