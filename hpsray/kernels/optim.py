@@ -10,9 +10,12 @@ optimizer                 state per row    update for summed gradient ``g``
 ``SGD``                   none             ``w -= lr * g``
 ``Adagrad``               ``dim``          ``a += g*g;  w -= lr * g / (sqrt(a) + eps)``
 ``Adagrad(per_row)``      1                ``a += mean(g*g);  w -= lr * g / (sqrt(a) + eps)``
-``Adam`` (lazy)           ``2 * dim``      moments of touched rows only; bias correction
-                                           uses the optimizer's global step (as
-                                           ``torch.optim.SparseAdam``)
+``Adam`` (lazy)           ``2 * dim``      moments of touched rows only;
+                                           ``w -= lr * (m/bc1) / (sqrt(v/bc2) + eps)``
+                                           with bias corrections ``bc`` of the global
+                                           step (``torch.optim.SparseAdam`` instead adds
+                                           ``eps`` to ``sqrt(v)`` before correcting, which
+                                           differs when gradients are near ``eps``)
 ========================  ===============  ==============================================
 """
 
