@@ -192,7 +192,7 @@ class _Map:
     cached file then cost no mmap/munmap and no page faults for pages already mapped).
     ``refs`` counts loads using it; a file that compaction retires is unmapped once unused."""
 
-    __slots__ = ("dead", "mm", "refs", "size")
+    __slots__ = ("dead", "mm", "refs", "size", "table")
 
     def __init__(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -206,6 +206,7 @@ class _Map:
         self.mm.madvise(mmap.MADV_RANDOM)  # no read-around: only the touched pages
         self.refs = 0
         self.dead = False
+        self.table = None  # the file's block checksums, kept with the map: compaction may retire the file meanwhile
 
 
 def _will_need(fds: list[int]) -> None:
@@ -524,6 +525,7 @@ class SSDPS:
         m = self._maps.get(no)
         if m is None:
             m = self._maps[no] = _Map(self._path(no))
+        m.table = self._tables.get(no)
         m.refs += 1
         return m
 
@@ -608,13 +610,14 @@ class SSDPS:
         """Copy the requested rows of one file out of its read-only memory map, verifying the
         checksum of every block touched and the key at every position. Returns the bytes of the
         blocks touched (an estimate of what the device read)."""
-        no = parse_file_name(os.path.basename(path))
-        table = self._tables.get(no) if no is not None else None
+        table = m.table
         size = m.size
         data = np.frombuffer(m.mm, dtype=np.uint8)
         try:
             h = decode_header(data[:HEADER_BYTES], path)
-            if (table is None or h.width != self.width or h.size != size or h.block_rows != self._block_rows
+            if table is None:
+                raise CorruptFileError(f"{path}: no block table to verify a partial read with")
+            if (h.width != self.width or h.size != size or h.block_rows != self._block_rows
                     or h.version not in PARTIAL_VERSIONS):
                 raise CorruptFileError(f"{path}: size {size} bytes, header says {h.size} "
                                        f"({h.n} rows of width {h.width}, blocks of {h.block_rows})")

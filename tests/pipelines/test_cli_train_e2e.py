@@ -101,20 +101,14 @@ def test_reference_run_matches_the_pipeline_export(trained, job_file):
     assert json.loads((ref_dir / "manifest.json").read_text())["trainer"] == "reference"
 
 
-def test_export_round_trip_equals_pipeline_export_rows(trained, job_file, tmp_path):
-    import ray
-
+def test_export_round_trip_equals_pipeline_export_rows(trained, job_file, tmp_path, ray_local):
     _, hps_dir, _ = trained
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        job = JobConfig.load(job_file)
-        with job.build_pipeline() as pipe:
-            pipe.fit(progress=False)
-            keys, rows = pipe.export_rows()
-            manifest = export(pipe, tmp_path / "exp", job.train_config())
-            dense = pipe.dense_state()
-    finally:
-        ray.shutdown()
+    job = JobConfig.load(job_file)
+    with job.build_pipeline() as pipe:
+        pipe.fit(progress=False)
+        keys, rows = pipe.export_rows()
+        manifest = export(pipe, tmp_path / "exp", job.train_config())
+        dense = pipe.dense_state()
     assert manifest["rows"] == keys.size and manifest["state_width"] == 4 and manifest["model"]["n_slots"] == 4
     perm = np.random.default_rng(0).permutation(keys.size)  # order-insensitive comparison
     for directory in (tmp_path / "exp", hps_dir):

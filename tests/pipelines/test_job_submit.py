@@ -60,11 +60,16 @@ def test_hpsray_train_runs_as_a_submitted_job(head, tmp_path):
     example = (ROOT / "examples" / "train.toml").read_text()
     assert "rows = 200000" in example
     job.write_text(example.replace("rows = 200000", "rows = 20000"))  # the example job, smaller
-    out = subprocess.run(
-        [RAY, "job", "submit", "--address", address, "--", sys.executable, "-m", "hpsray", "train", str(job),
-         "--report", str(report), "--quiet"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
+    deadline = time.time() + 120
+    while True:  # `ray job list` answers before the node's job agent takes submissions
+        out = subprocess.run(
+            [RAY, "job", "submit", "--address", address, "--", sys.executable, "-m", "hpsray", "train", str(job),
+             "--report", str(report), "--quiet"],
+            env=env, capture_output=True, text=True, timeout=600,
+        )
+        if "No available agent to submit job" not in out.stdout + out.stderr or time.time() > deadline:
+            break
+        time.sleep(3)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "succeeded" in out.stdout + out.stderr
     result = json.loads(report.read_text())
