@@ -30,7 +30,11 @@ def head(tmp_path):
     temp = Path("/tmp") / f"hpsray-job-{os.getpid()}"
     proc = subprocess.Popen(
         [RAY, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"],
+         f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats",
+         # own agent ports: another Ray on this machine (the tests' local one) holds the defaults,
+         # and a head whose job agent cannot bind answers every submission "No available agent"
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
