@@ -143,23 +143,27 @@ class Trainer:
         """BSP across nodes: after every global mini-batch, all trainers combine their sparse
         updates (each applies every node's to the rows it holds) and sum their dense gradients."""
         self.dense.train(True)
-        m = self.config.minibatch_size
-        steps = max(-(-s // m) for s in sizes)
         losses = []
-        for k in range(steps):
-            total = sum(min(max(s - k * m, 0), m) for s in sizes)
-            mb = batch.slice(k * m, min((k + 1) * m, len(batch))) if batch is not None and k * m < len(batch) else None
-            if mb is None:
-                mb = self._empty
+        for mb, total in self._global_minibatches(batch, sizes):
             loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=self._reduce_dense)
             all_keys, all_grads = self.group.allgather_sparse(gkeys, grads)
             self.step += 1
             self.hbm.apply_gradients(all_keys, all_grads, self.optimizer, self.step, resident_only=True)
             self.exchanged_bytes.append(self.group.bytes_sent - self._sent)
             self._sent = self.group.bytes_sent
-            if mb is not self._empty:
+            if len(mb):
                 losses.append(loss * total / len(mb))
         return losses
+
+    def _global_minibatches(self, batch, sizes: list[int]):
+        """This node's part of each global mini-batch of the batch (empty once its examples are
+        used up), with the global mini-batch's size: every node steps through as many as the
+        node with the most examples."""
+        m = self.config.minibatch_size
+        n = len(batch) if batch is not None else 0
+        for k in range(max(-(-s // m) for s in sizes)):
+            total = sum(min(max(s - k * m, 0), m) for s in sizes)
+            yield (batch.slice(k * m, min((k + 1) * m, n)) if k * m < n else self._empty), total
 
     def _train_stale(self, batch, sizes: list[int]) -> list[float]:
         """SSP / ASP across nodes (:mod:`hpsray.cluster.consistency`): publish each mini-batch's
@@ -167,18 +171,14 @@ class Trainer:
         import ray
 
         self.dense.train(True)
-        m = self.config.minibatch_size
-        steps = max(-(-s // m) for s in sizes)
         bound = self.sync.staleness if self.sync.consistency == "ssp" else None
         straggler = self.sync.straggler
         losses = []
-        for k in range(steps):
+        for mb, total in self._global_minibatches(batch, sizes):
             clock = self.step + 1
             # ssp: every other trainer must have published clock - 1 - s; asp: take what is there
             others = self._fetch(clock - 1 - bound if bound is not None else -1)
             self.max_staleness = max(self.max_staleness, clock - 1 - min(self._seen.values()))
-            total = sum(min(max(s - k * m, 0), m) for s in sizes)
-            mb = batch.slice(k * m, min((k + 1) * m, len(batch))) if batch is not None and k * m < len(batch) else None
             if straggler is not None and straggler[0] == self.node:
                 time.sleep(straggler[1])
             own = {}
@@ -187,15 +187,14 @@ class Trainer:
                 own["dense"] = flat.numpy().copy()
                 return flat + torch.from_numpy(others["dense"]) if others["dense"] is not None else flat
 
-            loss, gkeys, grads = self.dense.step(mb if mb is not None else self._empty, self._weights, total=total,
-                                                 reduce=reduce)
+            loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=reduce)
             self.step += 1
             self.board.publish.remote(self.node, clock, [ray.put((gkeys, grads, own["dense"]))])
             self.exchanged_bytes.append(gkeys.nbytes + grads.nbytes + own["dense"].nbytes)
             self.hbm.apply_gradients(np.concatenate([gkeys, others["keys"]]),
                                      np.concatenate([grads, others["grads"]]), self.optimizer, self.step,
                                      resident_only=True)
-            if mb is not None:
+            if len(mb):
                 losses.append(loss * total / len(mb))
         # the batch end is a barrier: every update of the batch reaches the rows before write-back
         rest = self._fetch(self.step)

@@ -147,6 +147,34 @@ def test_small_dumps_are_merged_into_full_files(tmp_path):
         model.check(s)
 
 
+def load_while_dumping(s, stable, hot, rounds: int, per_round: int, rng) -> list[str]:
+    """Load ``stable`` (stored at version 0) over and over on a thread while ``rounds`` dumps of
+    ``per_round`` random ``hot`` keys (versions 1, 2, ...) drive compaction; the reader's errors."""
+    errors, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                got, found = s.load(stable)
+            except Exception as e:  # noqa: BLE001 - reported by the caller
+                errors.append(repr(e))
+                return
+            if not found.all() or not np.array_equal(got, rows_for(stable, 0)):
+                errors.append("stable rows changed")
+                return
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for v in range(1, rounds + 1):
+            k = rng.choice(hot, per_round, replace=False)
+            s.dump(k, rows_for(k, v))
+    finally:
+        stop.set()
+        t.join()
+    return errors
+
+
 def test_loads_stay_correct_while_compaction_moves_rows(tmp_path):
     rng = np.random.default_rng(2)
     with SSDPS(tmp_path / "s", W, rows_per_file=16, compact_trigger=1.05, io_threads=3) as s:
@@ -154,29 +182,7 @@ def test_loads_stay_correct_while_compaction_moves_rows(tmp_path):
         s.dump(keys, rows_for(keys, 0))
         stable = keys[::3]  # never rewritten, but their files get compacted
         hot = np.setdiff1d(keys, stable)
-        errors, stop = [], threading.Event()
-
-        def reader():
-            while not stop.is_set():
-                try:
-                    got, found = s.load(stable)
-                except Exception as e:  # noqa: BLE001 - reported by the test below
-                    errors.append(repr(e))
-                    return
-                if not found.all() or not np.array_equal(got, rows_for(stable, 0)):
-                    errors.append("stable rows changed")
-                    return
-
-        t = threading.Thread(target=reader)
-        t.start()
-        try:
-            for v in range(1, 30):
-                k = rng.choice(hot, 500, replace=False)
-                s.dump(k, rows_for(k, v))
-        finally:
-            stop.set()
-            t.join()
-        assert not errors
+        assert not load_while_dumping(s, stable, hot, rounds=29, per_round=500, rng=rng)
         assert s.stats["compactions"] > 0
 
 
@@ -191,29 +197,7 @@ def test_partial_loads_stay_correct_while_compaction_retires_their_mapped_files(
         s.dump(keys, rows_for(keys, 0))
         stable = keys[:: 7 * br]  # a few blocks of every file: partial reads
         hot = np.setdiff1d(keys, stable)
-        errors, stop = [], threading.Event()
-
-        def reader():
-            while not stop.is_set():
-                try:
-                    got, found = s.load(stable)
-                except Exception as e:  # noqa: BLE001 - reported by the test below
-                    errors.append(repr(e))
-                    return
-                if not found.all() or not np.array_equal(got, rows_for(stable, 0)):
-                    errors.append("stable rows changed")
-                    return
-
-        t = threading.Thread(target=reader)
-        t.start()
-        try:
-            for v in range(1, 25):
-                k = rng.choice(hot, rpf // 2, replace=False)
-                s.dump(k, rows_for(k, v))
-        finally:
-            stop.set()
-            t.join()
-        assert not errors
+        assert not load_while_dumping(s, stable, hot, rounds=24, per_round=rpf // 2, rng=rng)
         st = s.stats
         assert st["compactions"] > 0 and st["files_read_partially"] > 0
         live = {f["file_no"] for f in s.file_stats()}
