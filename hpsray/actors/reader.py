@@ -8,6 +8,7 @@ import numpy as np
 import ray
 
 from hpsray.data.batch import Batch
+from hpsray.kernels.distinct import distinct_sorted
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.partition import owner_of
 
@@ -19,18 +20,24 @@ class Reader:
 
     ``transforms`` (e.g. feature engineering) run here, on the reader's CPU, in order. With
     ``n_nodes`` > 1 the batch's distinct keys come split by owner node (DESIGN §5), so each
-    owner's MEM-PS gets exactly the keys it serves.
+    owner's MEM-PS gets exactly the keys it serves. :meth:`open` starts another pass (the next
+    epoch, an evaluation) in the same actor: a new actor costs seconds of process start.
     """
 
     def __init__(self, source, batch_size: int, node: int = 0, index: int = 0, count: int = 1,
                  transforms: Sequence[Transform] = (), n_nodes: int = 1) -> None:
-        self.node, self.index, self.n_nodes = node, index, n_nodes
-        self.source = source
+        self.node, self.n_nodes = node, n_nodes
+        self.transforms = list(transforms)
+        self.clock = StageClock("read", node)
+        self.open(source, batch_size, index, count)
+
+    def open(self, source, batch_size: int, index: int = 0, count: int = 1) -> None:
+        """Read ``source`` from now on (share ``index`` of ``count``), counting examples and
+        bad rows afresh; busy times stay per batch id."""
+        self.source, self.index = source, index
         # file sources expose their DataReader, whose report counts bad rows
         self._data_reader = source.reader(batch_size, index, count) if hasattr(source, "reader") else None
         self._it = iter(self._data_reader) if self._data_reader is not None else source.open(batch_size, index, count)
-        self.transforms = list(transforms)
-        self.clock = StageClock("read", node)
         self.examples = 0
 
     def __repr__(self) -> str:
@@ -50,7 +57,7 @@ class Reader:
                 if not isinstance(batch, Batch):
                     raise TypeError(f"transform {transform!r} returned {type(batch).__name__}, not a Batch")
             self.examples += len(batch)
-            keys = np.unique(batch.keys)
+            keys = distinct_sorted(batch.keys)
             if self.n_nodes == 1:
                 return batch, keys, len(batch)
             owners = owner_of(keys, self.n_nodes)

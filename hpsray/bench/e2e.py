@@ -2,8 +2,10 @@
 
 Same planted data, same model and optimizers, same batches, in one run; every row fits in
 MEM-PS. Both are warmed up on a few batches first (numba compilation, actor start-up), then
-timed over the measured rows. Reports ``examples_per_s`` (pipeline), ``reference_examples_per_s``,
-their ratio, and the pipeline's stage busy times and ``pipeline_efficiency``.
+timed over the measured rows, ``--repeat`` times with the two alternating (a shared machine
+then slows both alike). Reports medians: ``examples_per_s`` (pipeline),
+``reference_examples_per_s``, ``ratio_vs_reference`` (median of the per-repeat ratios), and the
+pipeline's stage busy times and ``pipeline_efficiency``; ``runs`` keeps every repeat.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+import numpy as np
 
 HELP = "end-to-end pipeline throughput vs the in-memory reference trainer (same data, model, run)"
 
@@ -28,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=1, help="virtual devices per trainer")
     parser.add_argument("--trainer-threads", type=int, default=None,
                         help="torch threads of the pipeline's trainer (default: all cores)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="alternating reference / pipeline passes over the measured rows (medians reported)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -47,33 +53,47 @@ def run(args: argparse.Namespace) -> dict:
     measured = SyntheticSource(gen, rows=args.rows, start_row=args.warmup_rows)
     all_rows = args.slots * args.keys  # every row fits in MEM-PS
 
-    print("[bench e2e] reference trainer ...", file=sys.stderr, flush=True)
+    print("[bench e2e] warming up ...", file=sys.stderr, flush=True)
     ref = ReferenceTrainer(args.slots, args.dense, cfg)
     ref.fit(warmup.open(args.batch))
-    t0 = time.perf_counter()
-    ref.fit(measured.open(args.batch))
-    ref_s = time.perf_counter() - t0
-
-    print("[bench e2e] pipeline ...", file=sys.stderr, flush=True)
     started = connect(include_dashboard=False, log_to_driver=False)
+    runs = []
     try:
-        with Pipeline(warmup, TrainerStage(cfg, n_devices=args.devices, threads=args.trainer_threads), MemPSStage(capacity_rows=all_rows + 1024),
-                      batch_size=args.batch) as p:
+        with Pipeline(warmup, TrainerStage(cfg, n_devices=args.devices, threads=args.trainer_threads),
+                      MemPSStage(capacity_rows=all_rows + 1024), batch_size=args.batch) as p:
             p.fit(progress=False)
             p.source = measured
-            report = p.fit(progress=False)
+            for r in range(max(1, args.repeat)):
+                t0 = time.perf_counter()
+                ref.fit(measured.open(args.batch))
+                ref_s = time.perf_counter() - t0
+                report = p.fit(progress=False)
+                runs.append({"examples_per_s": report["examples_per_s"],
+                             "reference_examples_per_s": args.rows / ref_s,
+                             "ratio_vs_reference": report["examples_per_s"] * ref_s / args.rows,
+                             "pipeline_efficiency": report["pipeline_efficiency"],
+                             "wall_s": report["wall_s"], "reference_wall_s": ref_s,
+                             "stage_busy_s": report["stage_busy_s"]})
+                print(f"[bench e2e] repeat {r + 1}: pipeline {runs[-1]['examples_per_s']:,.0f} ex/s, "
+                      f"reference {runs[-1]['reference_examples_per_s']:,.0f} ex/s, "
+                      f"ratio {runs[-1]['ratio_vs_reference']:.3f}", file=sys.stderr, flush=True)
     finally:
         if started:
             ray.shutdown()
-    ref_rate = args.rows / ref_s
+
+    def median(key: str) -> float:
+        return float(np.median([run[key] for run in runs]))
+
+    mid = runs[int(np.argsort([run["ratio_vs_reference"] for run in runs])[len(runs) // 2])]
     return {
-        "examples_per_s": report["examples_per_s"],
-        "reference_examples_per_s": ref_rate,
-        "ratio_vs_reference": report["examples_per_s"] / ref_rate,
-        "pipeline_efficiency": report["pipeline_efficiency"],
-        "stage_busy_s": report["stage_busy_s"],
-        "wall_s": report["wall_s"],
-        "reference_wall_s": ref_s,
+        "examples_per_s": median("examples_per_s"),
+        "reference_examples_per_s": median("reference_examples_per_s"),
+        "ratio_vs_reference": median("ratio_vs_reference"),
+        "pipeline_efficiency": median("pipeline_efficiency"),
+        "stage_busy_s": mid["stage_busy_s"],  # of the repeat with the median ratio
+        "wall_s": median("wall_s"),
+        "reference_wall_s": median("reference_wall_s"),
+        "runs": runs,
         "rows": args.rows,
         "batch": args.batch,
         "minibatch": args.minibatch,

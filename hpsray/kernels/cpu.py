@@ -17,6 +17,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.hashing import EMPTY_KEY, bucket_hash
 from hpsray.kernels.init import RowInit, init_row
 from hpsray.kernels.optim import SparseOptimizer, apply_row_update
@@ -236,7 +237,7 @@ class CpuHashTable(HashTable):
             done = -1 - n_new
             # erase newest first so the free stack returns to its exact previous order
             self.erase(self._row_keys[new_slots[:done][::-1]].copy())
-            distinct = np.unique(keys[miss]).size
+            distinct = distinct_sorted(keys[miss]).size
             raise TableFullError(
                 f"hash table full: capacity {self.capacity} rows, {self.size} used, "
                 f"this call needs {distinct} more; nothing was inserted"

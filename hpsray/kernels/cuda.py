@@ -29,6 +29,7 @@ import numba
 import numpy as np
 from numba import cuda
 
+from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.hashing import EMPTY_KEY, bucket_hash
 from hpsray.kernels.init import RowInit, init_row
 from hpsray.kernels.optim import SparseOptimizer, apply_row_update
@@ -623,7 +624,7 @@ class CudaHashTable(HashTable):
             keys = host_keys if host_keys is not None else dkeys.copy_to_host()
             if reserved:
                 raise ValueError("keys: key 0xFFFFFFFFFFFFFFFF is reserved as the empty marker")
-            distinct = np.unique(keys[out.copy_to_host() < 0]).size
+            distinct = distinct_sorted(keys[out.copy_to_host() < 0]).size
             raise TableFullError(
                 f"hash table full: capacity {self.capacity} rows, {self.size} used, "
                 f"this call needs {distinct} more; nothing was inserted"

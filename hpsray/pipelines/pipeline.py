@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -65,7 +65,7 @@ class _Node:
     ssd: object
     mem: object
     trainer: object
-    readers: list = field(default_factory=list)
+    reader: object = None  # created by the first pass, then reopened for each later one
 
 
 def _sum_counts(caches: list[dict]) -> dict:
@@ -179,10 +179,15 @@ class Pipeline:
         group = f"{self.name}:trainers"
         ray.get([n.trainer.join.remote(len(self._nodes), group, sync, aggregators, board) for n in self._nodes])
 
-    def _reader(self, node: _Node, source, name: str, index: int, count: int):
-        opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
-        return ray.remote(Reader).options(name=f"{self.name}:{name}[node {node.index}]", **opts).remote(
-            source, self.batch_size, node.index, index, count, self.transforms, len(self._nodes))
+    def _open_reader(self, node: _Node, source, index: int, count: int):
+        """Node ``node``'s reader, reading share ``index`` of ``count`` of ``source`` from now on."""
+        if node.reader is None:
+            opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
+            node.reader = ray.remote(Reader).options(name=f"{self.name}:Reader[node {node.index}]", **opts).remote(
+                source, self.batch_size, node.index, index, count, self.transforms, len(self._nodes))
+        else:  # actor tasks from this driver run in order: the pass's reads come after this
+            node.reader.open.remote(source, self.batch_size, index, count)
+        return node.reader
 
     # -- training ------------------------------------------------------------------------
 
@@ -198,10 +203,8 @@ class Pipeline:
         self._start()
         nodes = self._nodes
         n = len(nodes)
-        passes = len(nodes[0].readers)
         for node in nodes:
-            node.readers.append(self._reader(node, self.source, "Reader" if passes == 0 else f"Reader#{passes + 1}",
-                                             node.index, n))
+            self._open_reader(node, self.source, node.index, n)
         reads = [BoundedEdge(f"read→pull[node {i}]" if n > 1 else "read→pull", self.read_queue) for i in range(n)]
         write_backs = [BoundedEdge(f"train→write-back[node {i}]" if n > 1 else "train→write-back", 2)
                        for i in range(n)]
@@ -212,7 +215,7 @@ class Pipeline:
         def read(t: int) -> None:
             row = []
             for node, edge in zip(nodes, reads):
-                refs = node.readers[-1].read.options(num_returns=n + 2).remote(first + t)
+                refs = node.reader.read.options(num_returns=n + 2).remote(first + t)
                 edge.put(refs[-1])
                 row.append((refs[0], refs[1:-1], refs[-1]))
             pending.append(row)
@@ -317,8 +320,8 @@ class Pipeline:
         """
         nodes = self._nodes
         stats = ray.get([ref for node in nodes for ref in (
-            node.readers[-1].stats.remote(), node.mem.stats.remote(), node.ssd.stats.remote(),
-            node.trainer.stats.remote(), node.readers[-1].bad_input.remote())])
+            node.reader.stats.remote(), node.mem.stats.remote(), node.ssd.stats.remote(),
+            node.trainer.stats.remote(), node.reader.bad_input.remote())])
         per_node = [stats[5 * i : 5 * i + 5] for i in range(len(nodes))]
         mine = set(batches)
         node_busy, node_per_batch = [], []
@@ -377,19 +380,16 @@ class Pipeline:
         self._start()
         nodes = self._nodes
         n = len(nodes)
-        reader = self._reader(nodes[0], source, "EvalReader", 0, 1)
+        reader = self._open_reader(nodes[0], source, 0, 1)
         labels, probs = [], []
-        t = 0
         while True:
-            refs = reader.read.options(num_returns=n + 2).remote(t)
+            refs = reader.read.options(num_returns=n + 2).remote(None)  # no batch id: not a training batch
             if ray.get(refs[-1]) == 0:
                 break
             key_refs = refs[1:-1]
             row_refs = [node.mem.lookup.remote(k) for node, k in zip(nodes, key_refs)]
             probs.append(ray.get(nodes[0].trainer.predict.remote(refs[0], *key_refs, *row_refs)))
             labels.append(ray.get(refs[0]).labels)
-            t += 1
-        ray.kill(reader)
         if not labels:
             raise ValueError("the evaluation source produced no examples")
         y, p = np.concatenate(labels), np.concatenate(probs)
@@ -420,8 +420,8 @@ class Pipeline:
         for n in self._nodes:
             out.update({f"SSDPS[node {n.index}]": n.ssd, f"MemPS[node {n.index}]": n.mem,
                         f"Trainer[node {n.index}]": n.trainer})
-            for i, r in enumerate(n.readers):
-                out[f"Reader[node {n.index}]#{i}"] = r
+            if n.reader is not None:
+                out[f"Reader[node {n.index}]"] = n.reader
         return out
 
     def shutdown(self) -> None:
@@ -431,7 +431,7 @@ class Pipeline:
                 ray.get(n.ssd.close.remote())
             except Exception:
                 pass
-            for a in [n.mem, n.trainer, n.ssd, *n.readers]:
+            for a in [n.mem, n.trainer, n.ssd, *([n.reader] if n.reader is not None else [])]:
                 ray.kill(a)
         for a in self._aggregators or []:
             ray.kill(a)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.hashing import mix64_array
 
 FREE, LRU, LFU = -1, 0, 1
@@ -208,7 +209,7 @@ def belady_hit_rate(trace: list[np.ndarray], capacity: int) -> dict:
     """
     from hpsray.kernels.cpu import CpuHashTable
 
-    batches = [np.unique(np.asarray(b, dtype=np.uint64)) for b in trace]
+    batches = [distinct_sorted(np.asarray(b, dtype=np.uint64)) for b in trace]
     sizes = np.array([b.size for b in batches], dtype=np.int64)
     if sizes.size and sizes.max() > capacity:
         raise CapacityError(f"a batch has {sizes.max()} distinct keys, capacity is {capacity}")

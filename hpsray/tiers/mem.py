@@ -141,7 +141,10 @@ class MemPS:
         """
         keys = as_keys(keys)
         with self._lock:
-            uk, inv = np.unique(keys, return_inverse=True)
+            if keys.size < 2 or bool(np.all(keys[1:] > keys[:-1])):
+                uk, inv = keys, None  # already distinct and sorted (what readers send)
+            else:
+                uk, inv = np.unique(keys, return_inverse=True)
             slots = self._table.find(uk)
             hit = slots >= 0
             hit_slots = slots[hit]
@@ -185,7 +188,7 @@ class MemPS:
             hits = int(hit_slots.size)
             self._count(batch_id, hits=hits, misses=m, loaded=loaded, initialised=m - loaded)
             self._totals["pulls"] += 1
-            return self._table.gather(slots[inv])
+            return self._table.gather(slots if inv is None else slots[inv])
 
     def write_back(self, batch_id: Hashable, keys, rows) -> None:
         """Store the updated ``rows`` of ``keys`` (all pulled by ``batch_id`` and still pinned);

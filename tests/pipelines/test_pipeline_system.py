@@ -50,6 +50,33 @@ def test_pipeline_is_lossless_with_rows_travelling_to_ssd_and_back(ray_local, tm
         np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_later_passes_reuse_the_reader_and_stay_lossless(ray_local):
+    """fit, evaluate, fit again on more data: one reader actor serves every pass (a new actor
+    costs seconds of process start), and the result is the reference's over both passes."""
+    cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=200)
+    second = SyntheticSource(GEN, rows=3000, start_row=6000)
+    with Pipeline(SOURCE, TrainerStage(cfg), MemPSStage(capacity_rows=20000), batch_size=BATCH) as p:
+        first_report = p.fit(progress=False)
+        reader = p.actors()["Reader[node 0]"]
+        evaluated = p.evaluate(SyntheticSource(GEN, rows=2000, start_row=10**7))
+        p.source = second
+        report = p.fit(progress=False)
+        assert p.actors()["Reader[node 0]"]._actor_id == reader._actor_id
+        keys, rows = p.export_rows()
+        dense = p.dense_state()
+    assert first_report["examples"] == 6000 and evaluated["examples"] == 2000
+    assert report["examples"] == 3000 and report["batches"] == 3
+    assert set(report["per_batch_s"]["read"]) == {"6", "7", "8"}
+    ref = ReferenceTrainer(SOURCE.n_slots, SOURCE.n_dense, cfg)
+    ref.fit(SOURCE.open(BATCH))
+    ref.fit(second.open(BATCH))
+    ref_keys, ref_rows, ref_dense = ref.export()
+    np.testing.assert_array_equal(keys, ref_keys)
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
+    for name, value in ref_dense.items():
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 # Models defined here travel to Ray workers by value (workers cannot import test modules).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -73,7 +100,7 @@ def test_slow_trainer_stalls_the_reader(ray_local):
     with Pipeline(source, TrainerStage(cfg, model=SlowDNN(4, 4, 3, 0.15)), MemPSStage(capacity_rows=20000),
                   batch_size=500, read_queue=2) as p:
         report = p.fit(progress=False)
-        reader_events = ray.get(p.actors()["Reader[node 0]#0"].stats.remote())["events"]
+        reader_events = ray.get(p.actors()["Reader[node 0]"].stats.remote())["events"]
         trainer_events = ray.get(p.actors()["Trainer[node 0]"].stats.remote())["events"]
     assert report["batches"] == 16
     train_starts = sorted(start for start, _, _ in trainer_events)

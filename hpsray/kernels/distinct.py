@@ -1,0 +1,18 @@
+"""Distinct keys of a batch, ascending."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def distinct_sorted(keys: np.ndarray) -> np.ndarray:
+    """The distinct values of ``keys``, ascending: ``np.unique(keys)`` computed by a sort and a
+    neighbour comparison. numpy 2.x sends a plain ``np.unique`` of integers through a hash path
+    that is ~20x slower than this on a batch's million keys (measured: 0.18 s against 9 ms)."""
+    s = np.sort(np.asarray(keys).ravel())
+    if s.size < 2:
+        return s
+    keep = np.empty(s.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]

@@ -1,0 +1,24 @@
+"""``hpsray bench e2e``: a tiny run reports every figure, per repeat and as medians."""
+
+import argparse
+
+import numpy as np
+
+from hpsray.bench import e2e
+
+
+def test_bench_e2e_reports_medians_of_alternating_repeats(ray_local):
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    args = parser.parse_args(["--rows", "4000", "--warmup-rows", "1000", "--batch", "1000", "--minibatch", "250",
+                              "--slots", "4", "--keys", "500", "--hidden", "16", "--repeat", "3"])
+    out = e2e.run(args)
+    assert len(out["runs"]) == 3
+    for key in ("examples_per_s", "reference_examples_per_s", "ratio_vs_reference", "pipeline_efficiency"):
+        values = [run[key] for run in out["runs"]]
+        assert all(v > 0 for v in values), key
+        assert out[key] == float(np.median(values)), key
+    for run in out["runs"]:
+        assert np.isclose(run["ratio_vs_reference"], run["examples_per_s"] / run["reference_examples_per_s"])
+        assert 0 < run["pipeline_efficiency"] <= 1.0
+    assert set(out["stage_busy_s"]) >= {"read", "pull", "train"}
