@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 from numba.extending import register_jitable
 
 from hpsray.kernels.hashing import uniform_at
@@ -40,14 +41,17 @@ def init_row(row, key, dim, width, scale, seed, state_value):
 
 
 def initial_rows(keys: np.ndarray, width: int, init: RowInit) -> np.ndarray:
-    """Initial rows of ``keys`` (vectorised numpy; for references and tests)."""
-    from hpsray.kernels.hashing import _INIT_SALT, mix64_array
-
-    keys = np.asarray(keys, dtype=np.uint64)
-    out = np.full((keys.size, width), np.float32(init.state_value), dtype=np.float32)
-    if init.dim:
-        j = np.arange(init.dim, dtype=np.uint64)
-        h = mix64_array(mix64_array(keys ^ _INIT_SALT)[:, None] + j[None, :] + mix64_array(np.uint64(init.seed)))
-        u = ((h >> np.uint64(40)) * (1.0 / 16777216.0) * 2.0 - 1.0).astype(np.float32)
-        out[:, : init.dim] = u * np.float32(init.scale)
+    """Initial rows of ``keys`` (``float32[n, width]``), bit-equal to what the hash tables give
+    the keys they insert (the same :func:`init_row`, the same float32 arithmetic)."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    out = np.empty((keys.size, width), dtype=np.float32)
+    _fill_initial(out, keys, init.dim, np.float32(init.scale), np.uint64(init.seed), np.float32(init.state_value))
     return out
+
+
+@njit(cache=True, nogil=True)
+def _fill_initial(out, keys, dim, scale, seed, state_value):
+    # one thread: MEM-PS calls this beside the trainer's threads
+    width = out.shape[1]
+    for i in range(keys.size):
+        init_row(out[i], keys[i], dim, width, scale, seed, state_value)

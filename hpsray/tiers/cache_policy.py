@@ -21,7 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from hpsray.kernels.distinct import distinct_sorted
-from hpsray.kernels.hashing import mix64_array
+from numba import njit
+
+from hpsray.kernels.hashing import mix64
 
 FREE, LRU, LFU = -1, 0, 1
 
@@ -39,7 +41,6 @@ _EMPTY_SLOTS = np.empty(0, dtype=np.int64)
 _SKETCH_SALTS = np.array(
     [0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93], dtype=np.uint64
 )
-_COUNT_MAX = np.uint16(0xFFFF)
 
 
 class FrequencySketch:
@@ -57,19 +58,11 @@ class FrequencySketch:
         """Counters per sketch row: ``counters`` rounded up to a power of two."""
         return 1 << max(6, int(np.ceil(np.log2(max(2, counters)))))
 
-    def _index(self, keys: np.ndarray) -> np.ndarray:
-        return (mix64_array(keys[None, :] ^ _SKETCH_SALTS[:, None]) & self._mask).astype(np.int64)
-
     def add(self, keys: np.ndarray) -> np.ndarray:
         """Count one visit of each of ``keys`` (distinct); returns their new estimates."""
-        idx = self._index(keys)
-        est = np.full(keys.size, _COUNT_MAX, dtype=np.uint16)
-        for d in range(idx.shape[0]):
-            row = self.table[d]
-            np.add.at(row, idx[d], np.uint16(1))
-            row[idx[d][row[idx[d]] == 0]] = _COUNT_MAX  # saturate instead of wrapping
-            np.minimum(est, row[idx[d]], out=est)
-        return est.astype(np.int64)
+        est = np.empty(keys.size, dtype=np.int64)
+        _sketch_add(self.table, _SKETCH_SALTS, self._mask, np.ascontiguousarray(keys, dtype=np.uint64), est)
+        return est
 
     def halve(self) -> None:
         self.table >>= 1
@@ -77,6 +70,27 @@ class FrequencySketch:
     @property
     def nbytes(self) -> int:
         return self.table.nbytes
+
+
+@njit(cache=True, nogil=True)
+def _sketch_add(table, salts, mask, keys, est):
+    """Count each key once in every row of ``table`` (saturating at the counter's maximum), then
+    set ``est`` to each key's minimum over the rows (counting every key first, so that keys
+    sharing a counter in one call see each other's visits)."""
+    top = np.uint16(0xFFFF)
+    for d in range(salts.size):
+        row = table[d]
+        for i in range(keys.size):
+            c = mix64(keys[i] ^ salts[d]) & mask
+            if row[c] != top:
+                row[c] += 1
+    for i in range(keys.size):
+        m = 0xFFFF
+        for d in range(salts.size):
+            v = table[d, mix64(keys[i] ^ salts[d]) & mask]
+            if v < m:
+                m = v
+        est[i] = m
 
 
 class CapacityError(RuntimeError):
