@@ -223,7 +223,9 @@ class CpuHashTable(HashTable):
         _find(self._buckets, self._mask, keys, out)
         return out
 
-    def find_or_insert(self, keys) -> np.ndarray:
+    def find_or_insert(self, keys, initialise: bool = True) -> np.ndarray:
+        """Slots of ``keys``, inserting the absent ones with their initial rows (``initialise=False``:
+        rows left as they are, for a caller that overwrites them right away)."""
         keys = as_keys(keys)
         out = self.find(keys)
         miss = np.flatnonzero(out < 0)
@@ -242,6 +244,8 @@ class CpuHashTable(HashTable):
                 f"hash table full: capacity {self.capacity} rows, {self.size} used, "
                 f"this call needs {distinct} more; nothing was inserted"
             )
+        if not initialise:
+            return out
         init = self.init
         _init_rows(
             self._rows, self._row_keys, new_slots[:n_new], init.dim,
@@ -272,7 +276,7 @@ class CpuHashTable(HashTable):
     def assign(self, keys, values) -> None:
         keys = as_keys(keys)
         values = as_rows(values, keys.size, self.width, "assign values")
-        _scatter(self._rows, self.find_or_insert(keys), values, False, self._threads())
+        _scatter(self._rows, self.find_or_insert(keys, initialise=False), values, False, self._threads())
 
     def erase(self, keys) -> int:
         keys = as_keys(keys)

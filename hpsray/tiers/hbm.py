@@ -59,15 +59,15 @@ class HbmPS:
     def size(self) -> int:
         return sum(t.size for t in self.tables)
 
-    def _split(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if self.n_devices == 1:
-            return np.arange(keys.size), np.array([0, keys.size])
-        return group_by(device_of(keys, self.n_nodes, self.n_devices), self.n_devices)
-
     def _parts(self, keys: np.ndarray):
-        order, offsets = self._split(keys)
+        """``(device, table, positions of its keys)``; positions ``None``: all of them (one
+        device, so no gathers and scatters of whole batches of rows)."""
+        if self.n_devices == 1:
+            yield 0, self.tables[0], None
+            return
+        order, offsets = group_by(device_of(keys, self.n_nodes, self.n_devices), self.n_devices)
         for d, table in enumerate(self.tables):
-            yield table, order[offsets[d] : offsets[d + 1]]
+            yield d, table, order[offsets[d] : offsets[d + 1]]
 
     def insert(self, keys, rows) -> int:
         """Insert the working set; keys already resident keep their (fresher) rows.
@@ -76,14 +76,14 @@ class HbmPS:
         """
         keys = as_keys(keys)
         new_total = 0
-        for d, (table, pos) in enumerate(self._parts(keys)):
-            k = keys[pos]
-            new = table.find(k) < 0
-            if new.any():
-                if table.size + int(new.sum()) > table.capacity:
-                    self._grow(d, int(new.sum()))
-                self.tables[d].assign(k[new], rows[pos[new]])
-                new_total += int(new.sum())
+        for d, table, pos in self._parts(keys):
+            k = keys if pos is None else keys[pos]
+            new = np.flatnonzero(table.find(k) < 0)
+            if new.size:
+                if table.size + new.size > table.capacity:
+                    self._grow(d, new.size)
+                self.tables[d].assign(k[new], rows[new if pos is None else pos[new]])
+                new_total += new.size
         return new_total
 
     def retain(self, keys) -> int:
@@ -101,8 +101,10 @@ class HbmPS:
     def get(self, keys) -> np.ndarray:
         """Rows of resident ``keys`` (``float32[n, width]``)."""
         keys = as_keys(keys)
+        if self.n_devices == 1:
+            return self.tables[0].get(keys)
         out = np.empty((keys.size, self.width), dtype=np.float32)
-        for table, pos in self._parts(keys):
+        for _, table, pos in self._parts(keys):
             out[pos] = table.get(keys[pos])
         return out
 
@@ -113,20 +115,24 @@ class HbmPS:
         trainer receives every node's updates and applies those to the rows it has.
         """
         keys = as_keys(keys)
-        for table, pos in self._parts(keys):
-            if resident_only and pos.size:
-                pos = pos[table.find(keys[pos]) >= 0]
-            if pos.size:
-                table.apply_gradients(keys[pos], grads[pos], optimizer, step)
+        for _, table, pos in self._parts(keys):
+            k, g = (keys, grads) if pos is None else (keys[pos], grads[pos])
+            if resident_only and k.size:
+                held = table.find(k) >= 0
+                if not held.all():
+                    k, g = k[held], g[held]
+            if k.size:
+                table.apply_gradients(k, g, optimizer, step)
 
     def assign(self, keys, rows) -> None:
         """Overwrite (or insert) the rows of ``keys``: fresher copies re-read after a write-back."""
         keys = as_keys(keys)
-        for d, (table, pos) in enumerate(self._parts(keys)):
-            if pos.size:
-                if table.size + pos.size > table.capacity:
-                    self._grow(d, pos.size)
-                self.tables[d].assign(keys[pos], rows[pos])
+        for d, table, pos in self._parts(keys):
+            n = keys.size if pos is None else pos.size
+            if n:
+                if table.size + n > table.capacity:
+                    self._grow(d, n)
+                self.tables[d].assign(*((keys, rows) if pos is None else (keys[pos], rows[pos])))
 
     def export(self, keys) -> np.ndarray:
         """Rows of ``keys`` for write-back (same as :meth:`get`)."""

@@ -174,7 +174,7 @@ class MemPS:
                             rows = rows.copy()
                         absent = ~found
                         rows[absent] = initial_rows(miss_keys[absent], self.width, self.init)
-                    new_slots = self._table.find_or_insert(miss_keys)
+                    new_slots = self._table.find_or_insert(miss_keys, initialise=False)  # overwritten below
                     self._table.rows[new_slots] = rows
                     self._slot_key[new_slots] = miss_keys
                     self._dirty[new_slots] = False
