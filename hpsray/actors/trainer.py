@@ -127,7 +127,7 @@ class Trainer:
             return (*out, {"loss": self.losses[batch_id], "examples": len(batch) if batch is not None else 0})
 
     def _weights(self, keys: np.ndarray) -> np.ndarray:
-        return self.hbm.get(keys)[:, : self.config.dim]
+        return self.hbm.get(keys, columns=self.config.dim)
 
     def _train_local(self, batch) -> list[float]:
         self.dense.train(True)

@@ -26,6 +26,7 @@ from hpsray.kernels.table import (
     TableFullError,
     as_keys,
     as_rows,
+    check_columns,
     bucket_count,
     missing_key_error,
 )
@@ -130,7 +131,7 @@ def _erase(buckets, mask, row_keys, free, state, keys):
 
 @njit(parallel=True, cache=True)
 def _gather(rows, slots, out):
-    width = rows.shape[1]
+    width = out.shape[1]
     for i in prange(slots.size):
         s = slots[i]
         for j in range(width):
@@ -253,12 +254,12 @@ class CpuHashTable(HashTable):
         )
         return out
 
-    def gather(self, slots) -> np.ndarray:
+    def gather(self, slots, columns: int | None = None) -> np.ndarray:
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
             bad = slots[(slots < 0) | (slots >= self.capacity)][0]
             raise KeyError(f"gather: slot {bad} is not a row of this table (an absent key gives -1)")
-        out = np.empty((slots.size, self.width), dtype=np.float32)
+        out = np.empty((slots.size, check_columns(columns, self.width)), dtype=np.float32)
         _gather(self._rows, slots, out)
         return out
 

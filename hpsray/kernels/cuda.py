@@ -38,6 +38,7 @@ from hpsray.kernels.table import (
     TableFullError,
     as_keys,
     as_rows,
+    check_columns,
     bucket_count,
     missing_key_error,
 )
@@ -241,7 +242,7 @@ def _k_check_slots(slots, capacity, stat):
 def _k_gather(rows, slots, out):
     """One thread per element; consecutive threads read consecutive columns of a row."""
     t = cuda.grid(1)
-    width = rows.shape[1]
+    width = out.shape[1]
     if t < slots.size * width:
         i = t // width
         j = t - i * width
@@ -697,7 +698,7 @@ class CudaHashTable(HashTable):
         dkeys, on_device, host = self._keys(keys)
         return self._result(self._insert_dev(dkeys, host), on_device)
 
-    def gather(self, slots):
+    def gather(self, slots, columns: int | None = None):
         on_device = is_device_array(slots)
         if on_device:
             dslots = _as_device(slots)
@@ -716,14 +717,14 @@ class CudaHashTable(HashTable):
                 bad = host[(host < 0) | (host >= self.capacity)][0]
                 raise KeyError(f"gather: slot {bad} is not a row of this table (an absent key gives -1)")
             dslots = cuda.to_device(host)
-        out = self._gather_dev(dslots)
+        out = self._gather_dev(dslots, columns)
         return self._result(out, on_device)
 
-    def _gather_dev(self, dslots):
-        n = dslots.size
-        out = cuda.device_array((n, self.width), dtype=np.float32)
-        if n * self.width:
-            _k_gather[self._grid(n * self.width)](self._rows, dslots, out)
+    def _gather_dev(self, dslots, columns: int | None = None):
+        n, width = dslots.size, check_columns(columns, self.width)
+        out = cuda.device_array((n, width), dtype=np.float32)
+        if n * width:
+            _k_gather[self._grid(n * width)](self._rows, dslots, out)
         return out
 
     def _scatter(self, slots, values, add: bool, op: str, dkeys, host_keys) -> None:

@@ -124,8 +124,9 @@ class HashTable(ABC):
         """
 
     @abstractmethod
-    def gather(self, slots) -> np.ndarray:
-        """Rows at ``slots`` as ``float32[n, width]``; a negative slot raises ``KeyError``."""
+    def gather(self, slots, columns: int | None = None) -> np.ndarray:
+        """Rows at ``slots`` as ``float32[n, width]`` (only their first ``columns`` floats when
+        given: the weights without the optimizer state); a negative slot raises ``KeyError``."""
 
     @abstractmethod
     def scatter_add(self, keys, values) -> None:
@@ -152,9 +153,19 @@ class HashTable(ABC):
         """Apply ``optimizer`` at global ``step`` to the rows of ``keys`` with gradients
         ``grads`` (``float32[n, dim]``, ``dim = init.dim``); duplicates are summed first."""
 
-    def get(self, keys) -> np.ndarray:
-        """Rows of ``keys``, all of which must be present (``find`` then ``gather``)."""
-        return self.gather(self.find(keys))
+    def get(self, keys, columns: int | None = None) -> np.ndarray:
+        """Rows of ``keys`` (first ``columns`` floats), all of which must be present (``find``
+        then ``gather``)."""
+        return self.gather(self.find(keys), columns)
+
+
+def check_columns(columns: int | None, width: int) -> int:
+    """How many leading floats of each row a gather returns (all when ``None``)."""
+    if columns is None:
+        return width
+    if not 0 < columns <= width:
+        raise ValueError(f"gather: columns must be in 1..{width} (the row width), got {columns}")
+    return int(columns)
 
 
 def missing_key_error(keys: np.ndarray, slots: np.ndarray, op: str) -> KeyError:

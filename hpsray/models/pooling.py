@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import njit
 
 from hpsray.data.batch import Batch
 
@@ -43,9 +44,42 @@ class BagLayout:
 def pool_sum(rows: torch.Tensor, layout: BagLayout) -> torch.Tensor:
     """Sum-pooled embeddings ``[B, n_slots, dim]`` of ``rows`` (``[U, dim]``, one per distinct key).
 
-    Differentiable in ``rows``; an empty bag pools to zeros.
+    Differentiable in ``rows``; an empty bag pools to zeros. On CPU the gradient of ``rows``
+    comes from :func:`_bag_grad` (one pass over the bags) instead of torch's dense
+    embedding-bag backward, which sorts the indices first (~4x the time at 100 keys/example).
     """
-    pooled = F.embedding_bag(
-        torch.from_numpy(layout.inverse), rows, torch.from_numpy(layout.bag_offsets), mode="sum"
-    )
+    if rows.requires_grad and not rows.is_cuda:
+        pooled = _PoolSum.apply(rows, layout)
+    else:
+        pooled = F.embedding_bag(
+            torch.from_numpy(layout.inverse), rows, torch.from_numpy(layout.bag_offsets), mode="sum"
+        )
     return pooled.view(layout.n_examples, layout.n_slots, rows.shape[1])
+
+
+class _PoolSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, layout: BagLayout) -> torch.Tensor:
+        ctx.layout, ctx.n_rows = layout, rows.shape[0]
+        return F.embedding_bag(torch.from_numpy(layout.inverse), rows.detach(),
+                               torch.from_numpy(layout.bag_offsets), mode="sum")
+
+    @staticmethod
+    def backward(ctx, grad_pooled: torch.Tensor):
+        g = grad_pooled.detach().contiguous().numpy()
+        out = np.zeros((ctx.n_rows, g.shape[1]), dtype=g.dtype)
+        _bag_grad(ctx.layout.inverse, ctx.layout.bag_offsets, g, out)
+        return torch.from_numpy(out), None
+
+
+@njit(cache=True, nogil=True)
+def _bag_grad(inverse, offsets, grad_pooled, out):
+    """``out[inverse[i]] += grad_pooled[bag of i]`` for every key position ``i`` (bags in order)."""
+    n_bags, dim = grad_pooled.shape
+    nnz = inverse.size
+    for b in range(n_bags):
+        end = offsets[b + 1] if b + 1 < n_bags else nnz
+        for i in range(offsets[b], end):
+            u = inverse[i]
+            for j in range(dim):
+                out[u, j] += grad_pooled[b, j]

@@ -98,14 +98,15 @@ class HbmPS:
                 erased += table.erase(stale)
         return erased
 
-    def get(self, keys) -> np.ndarray:
-        """Rows of resident ``keys`` (``float32[n, width]``)."""
+    def get(self, keys, columns: int | None = None) -> np.ndarray:
+        """Rows of resident ``keys`` (``float32[n, width]``; only the first ``columns`` floats
+        when given, e.g. the weights for a forward pass)."""
         keys = as_keys(keys)
         if self.n_devices == 1:
-            return self.tables[0].get(keys)
-        out = np.empty((keys.size, self.width), dtype=np.float32)
+            return self.tables[0].get(keys, columns)
+        out = np.empty((keys.size, self.width if columns is None else columns), dtype=np.float32)
         for _, table, pos in self._parts(keys):
-            out[pos] = table.get(keys[pos])
+            out[pos] = table.get(keys[pos], columns)
         return out
 
     def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int, resident_only: bool = False) -> None:
