@@ -154,6 +154,14 @@ def _scatter(rows, slots, values, add, n_threads):
 
 
 @njit(parallel=True, cache=True)
+def _apply_distinct(rows, slots, grads, kind, hp):
+    """:func:`_apply_gradients` for slots known to be distinct: nothing to sum first."""
+    dim = grads.shape[1]
+    for i in prange(slots.size):
+        apply_row_update(kind, rows[slots[i]], grads[i], dim, hp)
+
+
+@njit(parallel=True, cache=True)
 def _apply_gradients(rows, slots, grads, kind, hp, first, n_threads):
     """``first`` (int64[capacity], all -1) maps a slot to the first input index holding it."""
     dim = grads.shape[1]
@@ -300,6 +308,9 @@ class CpuHashTable(HashTable):
             )
         grads = as_rows(grads, keys.size, dim, "apply_gradients grads")
         slots = self._present_slots(keys, "apply_gradients")
+        if keys.size < 2 or bool(np.all(keys[1:] > keys[:-1])):  # distinct (a mini-batch's sorted keys)
+            _apply_distinct(self._rows, slots, grads, optimizer.kind, optimizer.hyperparams(step))
+            return
         _apply_gradients(
             self._rows, slots, grads, optimizer.kind, optimizer.hyperparams(step), self._first, self._threads()
         )
