@@ -83,8 +83,9 @@ def test_bsp_two_nodes_equals_reference_through_ssd(two_nodes_cluster, dense):
 def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
     gen = PlantedCTR(n_slots=4, keys_per_slot=200, n_dense=2, seed=5)
     cfg = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=128, seed=5, sparse_lr=0.1)
-    train = SyntheticSource(gen, rows=12_000)
-    held_out = SyntheticSource(gen, rows=3_000, start_row=50_000)
+    # long enough for both to approach the planted model: early on, stale updates lag by ~0.01 AUC
+    train = SyntheticSource(gen, rows=36_000)
+    held_out = SyntheticSource(gen, rows=10_000, start_row=500_000)
     results = {}
     for mode, sync in [("bsp", SyncStage()),
                        ("ssp", SyncStage("ssp", staleness=2, straggler=(1, 0.02))),
@@ -100,7 +101,7 @@ def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
     assert bsp[0]["sync"]["max_staleness_observed"] == 0
     assert bsp[1]["auc"] > 0.65
     assert abs(ssp[1]["auc"] - bsp[1]["auc"]) <= 0.01
-    assert asp[0]["mode"] == "asp" and asp[0]["examples"] == 12_000 and asp[1]["auc"] > 0.6
+    assert asp[0]["mode"] == "asp" and asp[0]["examples"] == 36_000 and asp[1]["auc"] > 0.6
 
 
 def test_more_nodes_than_the_cluster_has_is_a_clear_error(two_nodes_cluster):
