@@ -139,8 +139,10 @@ def format_stage_table(report: Mapping[str, Any]) -> str:
         share = 100.0 * busy[name] / wall if wall else math.nan
         lines.append(f"{name:<8}{busy[name]:>10.2f}{share:>10.1f}%{mean:>14.3f}{peak:>13.3f}")
     ex = report.get("examples", 0)
+    startup = float(report.get("startup_s") or 0.0)
     lines.append(f"wall {wall:.2f} s, {report.get('batches', 0)} batches, {ex:,} examples, "
-                 f"{report.get('examples_per_s', 0.0):,.0f} examples/s")
+                 f"{report.get('examples_per_s', 0.0):,.0f} examples/s"
+                 + (f" (after {startup:.2f} s starting actors)" if startup >= 0.01 else ""))
     if busy:
         slowest = max(busy, key=busy.get)
         lines.append(f"pipeline efficiency {report.get('pipeline_efficiency', 0.0):.2f} "
