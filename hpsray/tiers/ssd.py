@@ -208,6 +208,18 @@ class _Map:
         self.dead = False
         self.table = None  # the file's block checksums, kept with the map: compaction may retire the file meanwhile
 
+    def release(self) -> None:
+        """One load is done with the map (call under the store's lock)."""
+        self.refs -= 1
+        if self.dead and self.refs == 0:
+            self.mm.close()
+
+    def retire(self) -> None:
+        """The file left the live set: unmap now, or when the last load releases it."""
+        self.dead = True
+        if self.refs == 0:
+            self.mm.close()
+
 
 def _will_need(fds: list[int]) -> None:
     """Start reading whole files into the page cache (it can block on a full device queue,
@@ -503,12 +515,8 @@ class SSDPS:
             for futures in pending:  # an error left reads running: they use the descriptors
                 wait(futures)
             wait(prefetch)  # before their descriptors close
-            for tasks, fds in opened:
-                for t, fd in zip(tasks, fds) if tasks else ((None, fd) for fd in fds):
-                    if isinstance(fd, _Map):
-                        self._release_map(t[2], fd)
-                    else:
-                        os.close(fd)
+            for _, fds in opened:
+                self._close_all(fds)
         with self._lock:
             st = self._stats
             st["loads"] += 1
@@ -529,19 +537,20 @@ class SSDPS:
         m.refs += 1
         return m
 
-    def _release_map(self, no: int, m: _Map) -> None:
+    def _close_all(self, fds: list) -> None:
+        """Close the descriptors of a round and release its kept maps."""
         with self._lock:
-            m.refs -= 1
-            if m.dead and m.refs == 0:
-                m.mm.close()
+            for fd in fds:
+                if isinstance(fd, _Map):
+                    fd.release()
+                else:
+                    os.close(fd)
 
     def _drop_map(self, no: int) -> None:
-        """File ``no`` leaves the live set: unmap it now, or when its last load is done."""
+        """File ``no`` leaves the live set (call under the lock)."""
         m = self._maps.pop(no, None)
         if m is not None:
-            m.dead = True
-            if m.refs == 0:
-                m.mm.close()
+            m.retire()
 
     def _open_round(self, keys, group_slots, starts, idx, pos, file_no, mapped: bool = False) -> tuple[list, list]:
         """Tasks ``(idx, pos, file number)`` for the file slots ``group_slots`` and, per task, an
@@ -568,13 +577,7 @@ class SSDPS:
                     else:
                         fds.append(os.open(self._path(t[2]), os.O_RDONLY))
             except BaseException:
-                for t, fd in zip(tasks, fds):
-                    if isinstance(fd, _Map):
-                        fd.refs -= 1
-                        if fd.dead and fd.refs == 0:
-                            fd.mm.close()
-                    else:
-                        os.close(fd)
+                self._close_all(fds)
                 raise
         return tasks, fds
 
