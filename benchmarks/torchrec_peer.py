@@ -27,9 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peak_rss_bytes, split, write_result
+from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peer_result, split, write_result
 from hpsray.models.dnn import DNN, make_dense_optimizer
-from hpsray.models.metrics import auc, logloss
 
 
 def _free_port() -> int:
@@ -177,14 +176,7 @@ def run_peer(spec: PeerSpec) -> dict:
         p = np.concatenate([torch.sigmoid(dmp(mb.kjt, mb.dense)).numpy() for mb in held_out])
     y = np.concatenate([mb.labels.numpy() for mb in held_out])
     result = {
-        "examples_per_s": examples / train_s,
-        "auc": auc(y, p),
-        "logloss": logloss(y, p),
-        "peak_rss_bytes": peak_rss_bytes(),
-        "examples": examples,
-        "train_s": train_s,
-        "prepare_s": prep_s,
-        "table_rows": len(vocab),
+        **peer_result(examples, train_s, y, p, prep_s, len(vocab)),
         "optimizer": f"fused FBGEMM {spec.torchrec_optimizer}",
         "sharding": "table_wise, fused kernel, DistributedModelParallel world size 1 (gloo)",
         "torch": torch.__version__,

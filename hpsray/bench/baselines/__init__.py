@@ -193,6 +193,24 @@ def ray_peak_rss(actors) -> dict:
     return {"peak_rss_bytes": int(sum(per.values())), "peak_rss_by_process": per}
 
 
+def peer_result(examples: int, train_s: float, labels: np.ndarray, probs: np.ndarray, prepare_s: float,
+                table_rows: int) -> dict:
+    """The figures every in-process peer reports: throughput of the measured rows, held-out
+    AUC and log-loss, and this process's peak RSS (each peer adds its own details)."""
+    from hpsray.models.metrics import auc, logloss
+
+    return {
+        "examples_per_s": examples / train_s,
+        "auc": auc(labels, probs),
+        "logloss": logloss(labels, probs),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "examples": examples,
+        "train_s": train_s,
+        "prepare_s": prepare_s,
+        "table_rows": table_rows,
+    }
+
+
 def write_result(spec: PeerSpec, result: dict) -> None:
     """Write ``result`` (one system's figures) where the orchestrator expects it."""
     if spec.result_path:

@@ -22,9 +22,8 @@ from torch import nn
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.models.dnn import DNN, make_dense_optimizer
-from hpsray.models.metrics import auc, logloss
 
-from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peak_rss_bytes, split, write_result
+from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peer_result, split, write_result
 
 
 @dataclass
@@ -165,14 +164,7 @@ def run_peer(spec: PeerSpec) -> dict:
     y = np.concatenate([mb.labels.numpy() for mb in held_out])
     p = np.concatenate([trainer.predict(mb) for mb in held_out])
     return {
-        "examples_per_s": examples / train_s,
-        "auc": auc(y, p),
-        "logloss": logloss(y, p),
-        "peak_rss_bytes": peak_rss_bytes(),
-        "examples": examples,
-        "train_s": train_s,
-        "prepare_s": prep_s,
-        "table_rows": len(vocab),
+        **peer_result(examples, train_s, y, p, prep_s, len(vocab)),
         "sparse_optimizer": type(trainer.sparse).__name__,
         "threads": torch.get_num_threads(),
     }
