@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from hpsray.kernels.distinct import distinct_sorted
+from hpsray.kernels.distinct import distinct_sorted, is_sorted_distinct
 from hpsray.kernels.hashing import EMPTY_KEY, bucket_hash
 from hpsray.kernels.init import RowInit, init_row
 from hpsray.kernels.optim import SparseOptimizer, apply_row_update
@@ -308,7 +308,7 @@ class CpuHashTable(HashTable):
             )
         grads = as_rows(grads, keys.size, dim, "apply_gradients grads")
         slots = self._present_slots(keys, "apply_gradients")
-        if keys.size < 2 or bool(np.all(keys[1:] > keys[:-1])):  # distinct (a mini-batch's sorted keys)
+        if is_sorted_distinct(keys):  # a mini-batch's keys: nothing to sum first
             _apply_distinct(self._rows, slots, grads, optimizer.kind, optimizer.hyperparams(step))
             return
         _apply_gradients(

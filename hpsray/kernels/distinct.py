@@ -1,4 +1,4 @@
-"""Distinct keys of a batch, ascending."""
+"""Distinct keys of a batch, ascending, and the check that keys already are."""
 
 from __future__ import annotations
 
@@ -16,3 +16,9 @@ def distinct_sorted(keys: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(s[1:], s[:-1], out=keep[1:])
     return s[keep]
+
+
+def is_sorted_distinct(keys: np.ndarray) -> bool:
+    """Whether ``keys`` are strictly ascending (so distinct): what readers send and what a
+    mini-batch's keys are; one pass, no sort."""
+    return keys.size < 2 or bool(np.all(keys[1:] > keys[:-1]))

@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from hpsray.kernels.cpu import CpuHashTable
+from hpsray.kernels.distinct import is_sorted_distinct
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.kernels.table import as_keys, as_rows, bucket_count
@@ -141,8 +142,8 @@ class MemPS:
         """
         keys = as_keys(keys)
         with self._lock:
-            if keys.size < 2 or bool(np.all(keys[1:] > keys[:-1])):
-                uk, inv = keys, None  # already distinct and sorted (what readers send)
+            if is_sorted_distinct(keys):
+                uk, inv = keys, None  # what readers send
             else:
                 uk, inv = np.unique(keys, return_inverse=True)
             slots = self._table.find(uk)
