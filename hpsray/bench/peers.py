@@ -13,6 +13,11 @@ Trained side by side in one run, for 26 and 100 keys per example (multi-hot slot
                        (``bash benchmarks/torchrec_env.sh`` makes it; skipped without it)
 ``sharded_ps``         K in-memory shard actors and a trainer actor that pulls rows per
                        mini-batch (:mod:`hpsray.bench.baselines.sharded_ps`)
+``mlp_alone``          not a peer but the bound they share: the dense model's step alone
+                       (forward, backward with the pooled inputs' gradient, optimizer) on
+                       the same mini-batches (:func:`~hpsray.bench.baselines.plain_torch.run_mlp_alone`);
+                       reported under ``ceiling``, and every system's rate over it as
+                       ``<system>_vs_mlp_alone`` (the share of its time the dense model takes)
 =====================  ===================================================================
 
 Every system trains the paper's DNN over sum-pooled slot embeddings, rows initialised with
@@ -48,6 +53,7 @@ from hpsray.bench.baselines import PeerSpec, peak_rss_bytes, write_result
 HELP = "hpsray vs plain PyTorch, TorchRec and an in-memory sharded PS (same model, data, optimizers)"
 
 SYSTEMS = ("hpsray_in_memory", "hpsray_ssd", "pytorch", "torchrec", "sharded_ps")
+CEILING = "mlp_alone"
 AUC_TOLERANCE = 0.002
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TORCHREC_VENV = REPO / "benchmarks" / ".torchrec-venv"
@@ -57,7 +63,8 @@ TORCHREC_RUNNER = REPO / "benchmarks" / "torchrec_peer.py"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys-per-example", default="26,100",
                         help="comma-separated sizes; each is one run of every system (default 26,100)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join((*SYSTEMS, CEILING)),
+                        help=f"subset of {','.join((*SYSTEMS, CEILING))} (default: all)")
     parser.add_argument("--size", type=float, default=1.0,
                         help="scale of --rows, --warmup-rows and --eval-rows (default 1.0: ~6 min on 2 idle cores)")
     parser.add_argument("--rows", type=int, default=131_072, help="timed training examples (times --size)")
@@ -99,11 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in str(args.keys_per_example).split(",") if s.strip()]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in (*SYSTEMS, CEILING)]
     if args.repeat < 1:
         raise SystemExit("hpsray bench peers: --repeat must be >= 1")
     if unknown or not systems:
-        raise SystemExit(f"hpsray bench peers: unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+        raise SystemExit(f"hpsray bench peers: unknown systems {unknown}; choose from {', '.join((*SYSTEMS, CEILING))}")
     scale = lambda n: max(int(n * args.size) // args.minibatch * args.minibatch, args.minibatch)  # noqa: E731
     base = PeerSpec(system="", data_dir="", n_slots=args.slots, keys_per_slot=args.keys, n_dense=args.dense,
                     dim=args.dim, hidden=tuple(int(h) for h in args.hidden.split(",")), minibatch=args.minibatch,
@@ -124,7 +131,9 @@ def run(args: argparse.Namespace) -> dict:
             data["generate_s"] = time.perf_counter() - t0
             results = _run_size(spec, data, systems, args, tmp, reports)
             shutil.rmtree(spec.data_dir, ignore_errors=True)
-            out["by_keys_per_example"][str(kpe)] = {"data": data, "systems": results, "ratios": ratios(results)}
+            ceiling = {CEILING: results.pop(CEILING)} if CEILING in results else {}
+            out["by_keys_per_example"][str(kpe)] = {"data": data, "systems": results, "ceiling": ceiling,
+                                                    "ratios": ratios(results, ceiling.get(CEILING))}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.report_dir:
@@ -174,8 +183,8 @@ def _log(msg: str) -> None:
 
 def _brief(r: dict) -> str:
     if "examples_per_s" in r:
-        return (f"{r['examples_per_s']:,.0f} examples/s, AUC {r.get('auc', float('nan')):.4f}, "
-                f"peak RSS {r.get('peak_rss_bytes', 0) / 2**20:,.0f} MiB")
+        auc = f", AUC {r['auc']:.4f}" if "auc" in r else ""
+        return f"{r['examples_per_s']:,.0f} examples/s{auc}, peak RSS {r.get('peak_rss_bytes', 0) / 2**20:,.0f} MiB"
     return json.dumps(r)[:300]
 
 
@@ -236,10 +245,13 @@ def _run_system(spec: PeerSpec, args: argparse.Namespace) -> dict:
     return result
 
 
-def ratios(results: dict) -> dict:
-    """Throughput ratios of the hpsray runs to each peer, AUC differences, and the issue's target."""
+def ratios(results: dict, ceiling: dict | None = None) -> dict:
+    """Throughput ratios of the hpsray runs to each peer, AUC differences, the issue's target,
+    and (given the ``mlp_alone`` run) every system's rate over that bound."""
     out: dict = {}
     ok = {k: v for k, v in results.items() if isinstance(v, dict) and "examples_per_s" in v}
+    if ceiling and "examples_per_s" in ceiling:
+        out.update({f"{name}_vs_{CEILING}": r["examples_per_s"] / ceiling["examples_per_s"] for name, r in ok.items()})
     for mine in ("hpsray_in_memory", "hpsray_ssd"):
         if mine not in ok:
             continue
@@ -276,6 +288,10 @@ def write_peer_report(out: dict, reports: dict, directory: str) -> list[str]:
                              f"{r['peak_rss_bytes'] / 2**20:,.0f} | |")
             else:
                 lines.append(f"| {name} | | | | {r.get('skipped') or r.get('error')} |")
+        for name, r in run_.get("ceiling", {}).items():
+            if "examples_per_s" in r:
+                lines.append(f"| {name} | {r['examples_per_s']:,.0f} | | {r['peak_rss_bytes'] / 2**20:,.0f} | "
+                             "bound: the dense model's step alone |")
         lines += ["", "| ratio | value |", "|---|---:|"]
         lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in run_["ratios"].items()]
         lines.append("")
@@ -304,7 +320,7 @@ def _plot_throughput(out: dict, path: Path) -> str | None:
     for i, system in enumerate(systems):
         xs, ys = [], []
         for j, r in enumerate(runs.values()):
-            v = r["systems"].get(system, {}).get("examples_per_s")
+            v = (r["systems"].get(system) or r.get("ceiling", {}).get(system) or {}).get("examples_per_s")
             if v:
                 xs.append(j + i * width)
                 ys.append(v)
@@ -449,6 +465,10 @@ def run_one(spec: PeerSpec) -> dict:
         return run_peer(spec)
     if spec.system == "sharded_ps":
         return run_sharded_ps(spec)
+    if spec.system == CEILING:
+        from hpsray.bench.baselines.plain_torch import run_mlp_alone
+
+        return run_mlp_alone(spec)
     raise ValueError(f"no in-process runner for system {spec.system!r}")
 
 

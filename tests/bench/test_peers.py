@@ -132,8 +132,12 @@ def test_ratios_and_the_issue_target():
     assert r["rss_hpsray_in_memory_vs_pytorch"] == pytest.approx(2.0)
     assert r["target_met"] is True and "hpsray_in_memory_vs_torchrec" not in r
     slower = peers.ratios({"hpsray_in_memory": {"examples_per_s": 90.0, "auc": 0.78, "peak_rss_bytes": 1},
-                           "pytorch": {"examples_per_s": 100.0, "auc": 0.78, "peak_rss_bytes": 1}})
+                           "pytorch": {"examples_per_s": 100.0, "auc": 0.78, "peak_rss_bytes": 1}},
+                          ceiling={"examples_per_s": 120.0, "peak_rss_bytes": 1})
     assert slower["target_met"] is False
+    # the dense model alone bounds every system: the share of its time spent there
+    assert slower["pytorch_vs_mlp_alone"] == pytest.approx(100 / 120)
+    assert slower["hpsray_in_memory_vs_mlp_alone"] == pytest.approx(90 / 120)
 
 
 def _bench(tmp_path, *extra) -> dict:
@@ -167,12 +171,17 @@ def test_bench_peers_json_has_every_figure_of_every_system(tmp_path):
     assert systems["hpsray_ssd"]["ssd_bytes_read"] > 0 and systems["hpsray_in_memory"]["ssd_bytes_read"] == 0
     assert systems["sharded_ps"]["peak_rss_by_process"].keys() >= {"PSShard[0]", "PSShard[1]", "PSTrainer", "driver"}
     assert {"hpsray_in_memory_vs_pytorch", "hpsray_ssd_vs_pytorch", "hpsray_in_memory_vs_sharded_ps",
-            "target_met"} <= run["ratios"].keys()
+            "target_met", "pytorch_vs_mlp_alone", "hpsray_in_memory_vs_mlp_alone"} <= run["ratios"].keys()
+    # the bound ran the same timed mini-batches as every system, through the same model
+    bound = run["ceiling"]["mlp_alone"]
+    assert bound["examples"] == systems["pytorch"]["examples"] == systems["hpsray_in_memory"]["examples"]
+    assert bound["examples_per_s"] > 0 and bound["peak_rss_bytes"] > 0
     files = {Path(f).name for f in got["report_files"]}
     assert {"peers.md", "peers.json", "peers.examples_per_s.png", "hpsray_in_memory.26keys.json",
             "hpsray_in_memory.26keys.stage_times.png", "hpsray_ssd.26keys.ssd_io.png"} <= files
     assert all((report_dir / f).stat().st_size > 0 for f in files)
     assert "pipeline stages" in (report_dir / "peers.md").read_text()
+    assert "| mlp_alone |" in (report_dir / "peers.md").read_text()
 
 
 def test_torchrec_is_skipped_with_a_reason_without_its_environment(tmp_path):

@@ -23,7 +23,8 @@ from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.models.dnn import DNN, make_dense_optimizer
 
-from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peer_result, split, write_result
+from hpsray.bench.baselines import (PeerSpec, Vocabulary, load_examples, peak_rss_bytes, peer_result, split,
+                                    write_result)
 
 
 @dataclass
@@ -168,6 +169,55 @@ def run_peer(spec: PeerSpec) -> dict:
         "sparse_optimizer": type(trainer.sparse).__name__,
         "threads": torch.get_num_threads(),
     }
+
+
+def run_mlp_alone(spec: PeerSpec) -> dict:
+    """The bound every system shares: the dense model alone on the same mini-batches.
+
+    Each timed step is what every peer's step contains besides its sparse work: the
+    :class:`DNN`'s forward, the loss, the backward *including* the gradient of the pooled
+    embeddings (every system needs it for its rows), and the dense optimizer step. The pooled
+    inputs are the initial table's sums, computed before the clock. No system can train faster
+    than this; ``examples_per_s`` of a system over this one is the share of its time spent on
+    the dense model.
+    """
+    import os
+
+    torch.set_num_threads(spec.threads or os.cpu_count() or 1)
+    t_prep = time.perf_counter()
+    vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
+    table = nn.EmbeddingBag.from_pretrained(
+        torch.from_numpy(np.ascontiguousarray(vocab.initial_weights(spec), dtype=np.float32)), mode="sum")
+    train = load_examples(spec, "train")
+    config = spec.train_config()
+    dnn = DNN(spec.n_slots, spec.dim, spec.n_dense, config.hidden, seed=config.seed)
+    opt = make_dense_optimizer(config.dense_optimizer, dnn.parameters(), config.dense_lr)
+
+    def inputs(start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        with torch.no_grad():
+            return [(table(mb.indices, mb.offsets).view(-1, spec.n_slots, spec.dim), mb.dense, mb.labels)
+                    for mb in minibatches(train, vocab, spec, start, stop)]
+
+    def fit(steps) -> int:
+        examples = 0
+        for pooled, dense, labels in steps:
+            pooled = pooled.detach().requires_grad_(True)
+            opt.zero_grad(set_to_none=True)
+            F.binary_cross_entropy_with_logits(dnn(pooled, dense), labels).backward()
+            opt.step()
+            examples += len(labels)
+        return examples
+
+    warmup = inputs(0, spec.warmup_rows)
+    measured = inputs(spec.warmup_rows, spec.warmup_rows + spec.rows)
+    del train, table
+    prep_s = time.perf_counter() - t_prep
+    fit(warmup)
+    t0 = time.perf_counter()
+    examples = fit(measured)
+    train_s = time.perf_counter() - t0
+    return {"examples_per_s": examples / train_s, "peak_rss_bytes": peak_rss_bytes(), "examples": examples,
+            "train_s": train_s, "prepare_s": prep_s, "threads": torch.get_num_threads()}
 
 
 def main(spec_json: str) -> None:
