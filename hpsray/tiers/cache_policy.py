@@ -44,9 +44,11 @@ _SKETCH_SALTS = np.array(
 
 
 class FrequencySketch:
-    """Count-min sketch of key visits (depth 4, ``uint16`` counters), so a row that comes back
-    from SSD-PS regains its frequency instead of restarting at 1 (the history TinyLFU keeps).
-    Estimates never undercount; :meth:`halve` ages every counter."""
+    """Count-min sketch (depth 4, ``uint16`` counters) of the frequencies of evicted rows, so a
+    row that comes back from SSD-PS regains its count instead of restarting at 1 (the history
+    TinyLFU keeps). Resident rows count in the policy's own array; the sketch is written when a
+    row leaves and read when it returns, so a cache that never evicts never touches it.
+    Estimates never undercount what was remembered; :meth:`halve` ages every counter."""
 
     def __init__(self, counters: int) -> None:
         width = self.width_for(counters)
@@ -58,10 +60,15 @@ class FrequencySketch:
         """Counters per sketch row: ``counters`` rounded up to a power of two."""
         return 1 << max(6, int(np.ceil(np.log2(max(2, counters)))))
 
-    def add(self, keys: np.ndarray) -> np.ndarray:
-        """Count one visit of each of ``keys`` (distinct); returns their new estimates."""
+    def remember(self, keys: np.ndarray, counts: np.ndarray) -> None:
+        """Raise each of ``keys``' counters to at least its count (saturating)."""
+        _sketch_remember(self.table, _SKETCH_SALTS, self._mask, np.ascontiguousarray(keys, dtype=np.uint64),
+                         np.ascontiguousarray(counts, dtype=np.int64))
+
+    def estimate(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's remembered count (0 for a key never remembered, up to collisions)."""
         est = np.empty(keys.size, dtype=np.int64)
-        _sketch_add(self.table, _SKETCH_SALTS, self._mask, np.ascontiguousarray(keys, dtype=np.uint64), est)
+        _sketch_estimate(self.table, _SKETCH_SALTS, self._mask, np.ascontiguousarray(keys, dtype=np.uint64), est)
         return est
 
     def halve(self) -> None:
@@ -73,17 +80,18 @@ class FrequencySketch:
 
 
 @njit(cache=True, nogil=True)
-def _sketch_add(table, salts, mask, keys, est):
-    """Count each key once in every row of ``table`` (saturating at the counter's maximum), then
-    set ``est`` to each key's minimum over the rows (counting every key first, so that keys
-    sharing a counter in one call see each other's visits)."""
-    top = np.uint16(0xFFFF)
+def _sketch_remember(table, salts, mask, keys, counts):
     for d in range(salts.size):
         row = table[d]
         for i in range(keys.size):
             c = mix64(keys[i] ^ salts[d]) & mask
-            if row[c] != top:
-                row[c] += 1
+            v = min(counts[i], 0xFFFF)
+            if row[c] < v:
+                row[c] = v
+
+
+@njit(cache=True, nogil=True)
+def _sketch_estimate(table, salts, mask, keys, est):
     for i in range(keys.size):
         m = 0xFFFF
         for d in range(salts.size):
@@ -134,6 +142,7 @@ class LruLfuPolicy:
         self.aging_window = 0 if aging is None else max(1, int(aging * capacity))
         self._visits = 0
         self.sketch = FrequencySketch(int(history * capacity)) if history else None
+        self._remembered = False  # nothing was written to the sketch yet
 
     @property
     def resident(self) -> int:
@@ -146,7 +155,8 @@ class LruLfuPolicy:
 
     def touch(self, slots: np.ndarray, keys: np.ndarray | None = None) -> None:
         """Record a visit of ``slots`` (distinct; resident or just admitted) holding ``keys``
-        (needed for the frequency history; without it counts start at 1 on admission)."""
+        (needed for the frequency history: an admitted row starts from the count it had when it
+        was evicted; without keys counts start at 1 on admission)."""
         if slots.size == 0:
             return
         self.clock += 1
@@ -155,10 +165,11 @@ class LruLfuPolicy:
         self.n_lru += int(np.count_nonzero(r != LRU))
         self.region[slots] = LRU
         self.tick[slots] = self.clock
-        if self.sketch is not None and keys is not None:
-            self.freq[slots] = self.sketch.add(keys)
-        else:
-            self.freq[slots] += 1
+        self.freq[slots] += 1  # a released slot's count is 0
+        if self._remembered and keys is not None:
+            admitted = r == FREE
+            if admitted.any():
+                self.freq[slots[admitted]] += self.sketch.estimate(keys[admitted])
         if self.aging_window:
             self._visits += slots.size
             if self._visits >= self.aging_window:
@@ -204,8 +215,12 @@ class LruLfuPolicy:
             victims = np.concatenate([victims, lru[_smallest(self.tick[lru], short)]])
         return victims
 
-    def release(self, slots: np.ndarray) -> None:
-        """Forget evicted ``slots`` (unpinned)."""
+    def release(self, slots: np.ndarray, keys: np.ndarray | None = None) -> None:
+        """Forget evicted ``slots`` (unpinned); the sketch remembers the counts of their
+        ``keys`` (when given) for their return."""
+        if self.sketch is not None and keys is not None and slots.size:
+            self.sketch.remember(keys, self.freq[slots])
+            self._remembered = True
         r = self.region[slots]
         self.n_lru -= int(np.count_nonzero(r == LRU))
         self.n_lfu -= int(np.count_nonzero(r == LFU))

@@ -232,7 +232,7 @@ class MemPS:
         if dirty.size:
             self.ssd.dump(self._slot_key[dirty], self._table.gather(dirty))  # before release
         self._table.erase(self._slot_key[victims])
-        self._policy.release(victims)
+        self._policy.release(victims, self._slot_key[victims])
         self._slot_key[victims] = EMPTY_KEY
         self._dirty[victims] = False
         self._totals["evicted"] += int(victims.size)

@@ -187,9 +187,12 @@ def test_frequency_history_survives_eviction():
     k = np.array([42], np.uint64)
     for _ in range(5):
         p.touch(np.array([0]), k)
-    p.release(np.array([0]))
+    p.release(np.array([0]), k)
     p.touch(np.array([3]), k)  # re-admitted: the sketch remembers its visits
     assert p.freq[3] >= 6
+    p.release(np.array([3]))  # without its key the count is forgotten
+    p.touch(np.array([5]), np.array([43], np.uint64))
+    assert p.freq[5] == 1  # a key never evicted starts at 1 (no sketch collision at this size)
 
 
 def test_write_back_and_unpin_errors_and_stats(tmp_path):
