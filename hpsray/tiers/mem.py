@@ -170,13 +170,15 @@ class MemPS:
                     self._evict(victims)
                     rows, found = self.ssd.load(miss_keys)
                     loaded = int(np.count_nonzero(found))
-                    if loaded < m:
+                    if loaded == 0:  # never stored (a first pass): nothing to merge
+                        rows = initial_rows(miss_keys, self.width, self.init)
+                    elif loaded < m:
                         if not rows.flags.writeable:  # e.g. an array from Ray's object store
                             rows = rows.copy()
                         absent = ~found
                         rows[absent] = initial_rows(miss_keys[absent], self.width, self.init)
                     new_slots = self._table.find_or_insert(miss_keys, initialise=False)  # overwritten below
-                    self._table.rows[new_slots] = rows
+                    self._table.put(new_slots, rows)
                     self._slot_key[new_slots] = miss_keys
                     self._dirty[new_slots] = False
                     policy.touch(new_slots, miss_keys)

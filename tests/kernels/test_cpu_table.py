@@ -48,6 +48,19 @@ def test_gather_of_absent_slot_is_an_error():
         t.gather(t.find(u64([1])))
 
 
+def test_put_writes_the_rows_gather_reads_and_refuses_absent_slots():
+    t = CpuHashTable(64, WIDTH, INIT)
+    keys = u64(range(1, 31))
+    slots = t.find_or_insert(keys, initialise=False)
+    values = np.arange(30 * WIDTH, dtype=np.float32).reshape(30, WIDTH)
+    t.put(slots, values)
+    np.testing.assert_array_equal(t.get(keys), values)
+    np.testing.assert_array_equal(t.gather(slots[::-1]), values[::-1])
+    with pytest.raises(KeyError, match="put: slot -1"):
+        t.put(np.concatenate([slots[:2], t.find(u64([99]))]), np.zeros((3, WIDTH), np.float32))
+    np.testing.assert_array_equal(t.get(keys), values)  # a refused call changed nothing
+
+
 def test_scatter_add_sums_duplicates_and_requires_present_keys():
     t = CpuHashTable(16, 2)
     t.find_or_insert(u64([1, 2]))
