@@ -18,8 +18,13 @@ class _RemoteStore:
         self.batch = None  # tags SSD time with the batch being pulled
 
     def load(self, keys):
-        rows, found = ray.get(self.actor.load.remote(keys, self.batch))
-        return np.array(rows), found  # object-store arrays are read-only; the engine fills misses in place
+        found_rows, found = ray.get(self.actor.load.remote(keys, self.batch))  # rows of found keys only
+        if found_rows.shape[0] == found.size:
+            return np.array(found_rows), found  # object-store arrays are read-only; the engine fills misses in place
+        rows = np.zeros((found.size, self.width), dtype=np.float32)  # untouched pages cost nothing
+        if found_rows.shape[0]:
+            rows[found] = found_rows
+        return rows, found
 
     def dump(self, keys, rows) -> None:
         ray.get(self.actor.dump.remote(keys, rows, self.batch))
