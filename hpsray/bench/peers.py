@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=",".join((*SYSTEMS, CEILING)),
                         help=f"subset of {','.join((*SYSTEMS, CEILING))} (default: all)")
     parser.add_argument("--size", type=float, default=1.0,
-                        help="scale of --rows, --warmup-rows and --eval-rows (default 1.0: ~6 min on 2 idle cores)")
+                        help="scale of --rows, --warmup-rows and --eval-rows (default 1.0: ~4 min a round on 2 cores)")
     parser.add_argument("--rows", type=int, default=131_072, help="timed training examples (times --size)")
     parser.add_argument("--warmup-rows", type=int, default=32_768, help="untimed examples first (times --size)")
     parser.add_argument("--eval-rows", type=int, default=32_768, help="held-out examples for AUC (times --size)")
