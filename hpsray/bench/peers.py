@@ -54,6 +54,7 @@ HELP = "hpsray vs plain PyTorch, TorchRec and an in-memory sharded PS (same mode
 
 SYSTEMS = ("hpsray_in_memory", "hpsray_ssd", "pytorch", "torchrec", "sharded_ps")
 CEILING = "mlp_alone"
+RUNNABLE = (*SYSTEMS, CEILING)  # what --systems accepts
 AUC_TOLERANCE = 0.002
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TORCHREC_VENV = REPO / "benchmarks" / ".torchrec-venv"
@@ -63,8 +64,8 @@ TORCHREC_RUNNER = REPO / "benchmarks" / "torchrec_peer.py"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys-per-example", default="26,100",
                         help="comma-separated sizes; each is one run of every system (default 26,100)")
-    parser.add_argument("--systems", default=",".join((*SYSTEMS, CEILING)),
-                        help=f"subset of {','.join((*SYSTEMS, CEILING))} (default: all)")
+    parser.add_argument("--systems", default=",".join(RUNNABLE),
+                        help=f"subset of {','.join(RUNNABLE)} (default: all)")
     parser.add_argument("--size", type=float, default=1.0,
                         help="scale of --rows, --warmup-rows and --eval-rows (default 1.0: ~4 min a round on 2 cores)")
     parser.add_argument("--rows", type=int, default=131_072, help="timed training examples (times --size)")
@@ -106,11 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in str(args.keys_per_example).split(",") if s.strip()]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in (*SYSTEMS, CEILING)]
+    unknown = [s for s in systems if s not in RUNNABLE]
     if args.repeat < 1:
         raise SystemExit("hpsray bench peers: --repeat must be >= 1")
     if unknown or not systems:
-        raise SystemExit(f"hpsray bench peers: unknown systems {unknown}; choose from {', '.join((*SYSTEMS, CEILING))}")
+        raise SystemExit(f"hpsray bench peers: unknown systems {unknown}; choose from {', '.join(RUNNABLE)}")
     scale = lambda n: max(int(n * args.size) // args.minibatch * args.minibatch, args.minibatch)  # noqa: E731
     base = PeerSpec(system="", data_dir="", n_slots=args.slots, keys_per_slot=args.keys, n_dense=args.dense,
                     dim=args.dim, hidden=tuple(int(h) for h in args.hidden.split(",")), minibatch=args.minibatch,
