@@ -142,11 +142,16 @@ def minibatches(batch: Batch, vocab: Vocabulary, spec: PeerSpec, start: int, sto
             for mb in big.minibatches(spec.minibatch)]
 
 
-def run_peer(spec: PeerSpec) -> dict:
-    """Train and evaluate the plain PyTorch peer on ``spec``'s stored examples; returns its figures."""
+def _use_threads(spec: PeerSpec) -> None:
+    """torch's intra-op threads for this run: ``spec.threads``, else every core."""
     import os
 
     torch.set_num_threads(spec.threads or os.cpu_count() or 1)
+
+
+def run_peer(spec: PeerSpec) -> dict:
+    """Train and evaluate the plain PyTorch peer on ``spec``'s stored examples; returns its figures."""
+    _use_threads(spec)
     t_prep = time.perf_counter()
     vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
     trainer = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config())
@@ -181,9 +186,7 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
     than this; ``examples_per_s`` of a system over this one is the share of its time spent on
     the dense model.
     """
-    import os
-
-    torch.set_num_threads(spec.threads or os.cpu_count() or 1)
+    _use_threads(spec)
     t_prep = time.perf_counter()
     vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
     table = nn.EmbeddingBag.from_pretrained(
