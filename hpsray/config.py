@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpsray.errors import ConfigError
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer, make_optimizer
 
@@ -77,14 +78,6 @@ SPARSE_OPTIMIZERS = ("sgd", "adagrad", "adagrad_row", "adam")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 DATA_FORMATS = ("criteo", "csv", "parquet")
 DEVICES = ("cpu", "cuda")
-
-
-class ConfigError(ValueError):
-    """A bad job file: ``str(e)`` is ``"FILE: dotted.key: reason"``."""
-
-    def __init__(self, where: str, key: str, reason: str) -> None:
-        self.where, self.key, self.reason = where, key, reason
-        super().__init__(f"{where}: {key}: {reason}" if key else f"{where}: {reason}")
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

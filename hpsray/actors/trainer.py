@@ -103,7 +103,8 @@ class Trainer:
         if n > 1 and self.group is not None:
             failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
             if error is None and float(failed[0]) > 0:
-                raise RuntimeError(f"batch {batch_id} failed on another node; see that trainer's error")
+                from hpsray.errors import PeerFailedError  # the one typed error the driver looks for
+                raise PeerFailedError(batch_id)  # "batch N failed on another node; see that trainer's error"
         if error is not None:
             raise error
         key_parts, row_parts = parts[:n], parts[n : 2 * n]

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from hpsray.errors import DataError, TooMuchBadInput
+
 log = logging.getLogger("hpsray.data")
 
 # Row-level reasons.
@@ -29,52 +31,6 @@ MISSING_COLUMN = "missing_column"
 
 ROW_REASONS = (WRONG_COLUMN_COUNT, NON_NUMERIC_DENSE, INVALID_LABEL, INVALID_CATEGORICAL, EMPTY_LINE)
 FILE_REASONS = (UNREADABLE_PATH, EMPTY_FILE, TRUNCATED_FILE, CORRUPT_FILE, MISSING_COLUMN)
-
-
-class DataError(ValueError):
-    """Bad input, naming where (``file``, ``line`` for text or ``row`` for Parquet) and why.
-
-    ``str(err)`` reads like ``data/part-0.tsv.gz line 17: wrong_column_count: expected 40
-    columns, got 39``.
-    """
-
-    def __init__(
-        self,
-        file: str | None,
-        reason: str,
-        detail: str = "",
-        *,
-        line: int | None = None,
-        row: int | None = None,
-    ) -> None:
-        self.file = file
-        self.reason = reason
-        self.detail = detail
-        self.line = line
-        self.row = row
-        super().__init__(self._message())
-
-    def location(self) -> str:
-        where = self.file or "<input>"
-        if self.line is not None:
-            where += f" line {self.line}"
-        elif self.row is not None:
-            where += f" row {self.row}"
-        return where
-
-    def _message(self) -> str:
-        return f"{self.location()}: {self.reason}" + (f": {self.detail}" if self.detail else "")
-
-    def __reduce__(self):  # keep the fields across pickling (Ray ships exceptions between actors)
-        return (_rebuild_data_error, (type(self), self.file, self.reason, self.detail, self.line, self.row))
-
-
-def _rebuild_data_error(cls, file, reason, detail, line, row):
-    return cls(file, reason, detail, line=line, row=row)
-
-
-class TooMuchBadInput(DataError):
-    """Lenient mode gave up: the fraction of bad rows or files passed ``max_bad_fraction``."""
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,10 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from hpsray.errors import TableFullError
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer
-
-
-class TableFullError(RuntimeError):
-    """Raised when an insert needs more rows than the table has free."""
 
 
 MAX_BUCKET_LOAD = 0.5

@@ -21,13 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from hpsray.errors import ExportError
+
 FORMAT = "hpsray-export"
 VERSION = 1
 DEFAULT_ROWS_PER_FILE = 1_000_000
-
-
-class ExportError(ValueError):
-    """An export directory that cannot be read back: names the file and the reason."""
 
 
 def _fixed_list(values: np.ndarray, width: int):

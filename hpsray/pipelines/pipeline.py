@@ -36,26 +36,10 @@ from hpsray.actors.ssdps import SSDPSShard
 from hpsray.actors.trainer import Trainer
 from hpsray.cluster.runtime import connect, on_node, training_nodes
 from hpsray.data.batch import Batch
+from hpsray.errors import PeerFailedError, TrainingStopped, caused_by
 from hpsray.models.metrics import auc, logloss
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
-
-
-class TrainingStopped(RuntimeError):
-    """A stage failed during ``fit()``; what trained before it was kept (DESIGN invariant 7).
-
-    ``cause`` is the failure as raised (e.g. a ``RayTaskError`` wrapping a ``DataError``);
-    ``saved_batches`` counts the batches whose rows were written back and flushed to SSD-PS.
-    """
-
-    def __init__(self, cause: BaseException, saved_batches: int) -> None:
-        self.cause = cause
-        self.saved_batches = saved_batches
-        root = cause
-        while getattr(root, "cause", None) is not None and root.cause is not root:
-            root = root.cause
-        super().__init__(f"{type(root).__name__}: {root}\n(the rows of the {saved_batches} batches trained "
-                         f"before the failure were written back and flushed to SSD-PS)")
 
 
 @dataclass
@@ -282,14 +266,14 @@ class Pipeline:
     def _first_failure(error: BaseException, outcomes: list) -> BaseException:
         """The error that stopped training: when trainers of other nodes failed only because
         one of them did (see :meth:`Trainer.train`), that one's error."""
-        if "failed on another node" not in str(error):
+        if not caused_by(error, PeerFailedError):
             return error
         done, _ = ray.wait(outcomes, num_returns=len(outcomes), timeout=0)
         for ref in [r for r in outcomes if r in set(done)]:
             try:
                 ray.get(ref)
             except Exception as e:  # noqa: BLE001 - looking for the root cause
-                if "failed on another node" not in str(e):
+                if not caused_by(e, PeerFailedError):
                     return e
         return error
 

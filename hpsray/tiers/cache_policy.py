@@ -23,6 +23,7 @@ import numpy as np
 from hpsray.kernels.distinct import distinct_sorted
 from numba import njit
 
+from hpsray.errors import CapacityError
 from hpsray.kernels.hashing import mix64
 
 FREE, LRU, LFU = -1, 0, 1
@@ -99,10 +100,6 @@ def _sketch_estimate(table, salts, mask, keys, est):
             if v < m:
                 m = v
         est[i] = m
-
-
-class CapacityError(RuntimeError):
-    """The pinned working set does not fit: the message names capacity, pins and demand."""
 
 
 def _smallest(values: np.ndarray, k: int) -> np.ndarray:

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from hpsray.errors import CorruptFileError, SSDError, SSDFullError
+
 MAGIC = b"HPSPARAM"
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -55,19 +57,6 @@ TMP_SUFFIX = ".tmp"
 
 _HEADER = struct.Struct("<8sIIQQIIIII8s")  # 60 bytes, followed by the header crc
 assert _HEADER.size == 60
-
-
-class SSDError(Exception):
-    """Base class of SSD-PS errors."""
-
-
-class CorruptFileError(SSDError):
-    """A parameter file (or the manifest) fails its checks; the message names file and cause."""
-
-
-class SSDFullError(SSDError, OSError):
-    """The disk (or a file-size limit) refused a write; nothing of the failed operation was
-    recorded and the store stays readable."""
 
 
 def file_name(file_no: int) -> str:

@@ -1,0 +1,172 @@
+"""The one family of hpsray errors: every error hpsray raises on purpose derives from :class:`HpsrayError`.
+
+::
+
+    HpsrayError
+    ├── ConfigError        (also ValueError)    a bad job file: "FILE: dotted.key: reason"
+    ├── DataError          (also ValueError)    bad input: "FILE line N: reason: detail"
+    │   └── TooMuchBadInput                     lenient mode gave up
+    ├── CapacityError      (also RuntimeError)  the pinned working set does not fit MEM-PS
+    │   └── TableFullError                      a hash table has no free row for an insert
+    ├── SSDError                                SSD-PS storage (closed store, ...)
+    │   ├── CorruptFileError                    a parameter file or the manifest fails its checks
+    │   └── SSDFullError   (also OSError)       the disk refused a write; nothing was recorded
+    ├── ExportError        (also ValueError)    an export directory that cannot be read back
+    ├── TrainingStopped    (also RuntimeError)  a stage failed in ``fit()``; what trained was kept
+    └── PeerFailedError    (also RuntimeError)  this trainer is fine, another node's failed the batch
+
+The second bases are kept for callers that catch the builtin kind (``except ValueError``). The
+classes stay importable from where they were defined before (``hpsray.config``,
+``hpsray.data.errors``, ``hpsray.kernels.table``, ``hpsray.tiers``, ``hpsray.pipelines``). This
+module imports nothing of hpsray, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "ConfigError",
+    "CorruptFileError",
+    "DataError",
+    "ExportError",
+    "HpsrayError",
+    "PeerFailedError",
+    "SSDError",
+    "SSDFullError",
+    "TableFullError",
+    "TooMuchBadInput",
+    "TrainingStopped",
+    "caused_by",
+]
+
+
+class HpsrayError(Exception):
+    """Root of every error hpsray raises on purpose."""
+
+
+class ConfigError(HpsrayError, ValueError):
+    """A bad job file: ``str(e)`` is ``"FILE: dotted.key: reason"``."""
+
+    def __init__(self, where: str, key: str, reason: str) -> None:
+        self.where, self.key, self.reason = where, key, reason
+        super().__init__(f"{where}: {key}: {reason}" if key else f"{where}: {reason}")
+
+    def __reduce__(self):  # keep the fields across pickling
+        return (type(self), (self.where, self.key, self.reason))
+
+
+class DataError(HpsrayError, ValueError):
+    """Bad input, naming where (``file``, ``line`` for text or ``row`` for Parquet) and why.
+
+    ``str(err)`` reads like ``data/part-0.tsv.gz line 17: wrong_column_count: expected 40
+    columns, got 39``.
+    """
+
+    def __init__(
+        self,
+        file: str | None,
+        reason: str,
+        detail: str = "",
+        *,
+        line: int | None = None,
+        row: int | None = None,
+    ) -> None:
+        self.file = file
+        self.reason = reason
+        self.detail = detail
+        self.line = line
+        self.row = row
+        super().__init__(self._message())
+
+    def location(self) -> str:
+        where = self.file or "<input>"
+        if self.line is not None:
+            where += f" line {self.line}"
+        elif self.row is not None:
+            where += f" row {self.row}"
+        return where
+
+    def _message(self) -> str:
+        return f"{self.location()}: {self.reason}" + (f": {self.detail}" if self.detail else "")
+
+    def __reduce__(self):  # keep the fields across pickling (Ray ships exceptions between actors)
+        return (_rebuild_data_error, (type(self), self.file, self.reason, self.detail, self.line, self.row))
+
+
+def _rebuild_data_error(cls, file, reason, detail, line, row):
+    return cls(file, reason, detail, line=line, row=row)
+
+
+class TooMuchBadInput(DataError):
+    """Lenient mode gave up: the fraction of bad rows or files passed ``max_bad_fraction``."""
+
+
+class CapacityError(HpsrayError, RuntimeError):
+    """The pinned working set does not fit: the message names capacity, pins and demand."""
+
+
+class TableFullError(CapacityError):
+    """Raised when an insert needs more rows than the table has free."""
+
+
+class SSDError(HpsrayError):
+    """Base class of SSD-PS (storage) errors."""
+
+
+class CorruptFileError(SSDError):
+    """A parameter file (or the manifest) fails its checks; the message names file and cause."""
+
+
+class SSDFullError(SSDError, OSError):
+    """The disk (or a file-size limit) refused a write; nothing of the failed operation was
+    recorded and the store stays readable."""
+
+
+class ExportError(HpsrayError, ValueError):
+    """An export directory that cannot be read back: names the file and the reason."""
+
+
+class TrainingStopped(HpsrayError, RuntimeError):
+    """A stage failed during ``fit()``; what trained before it was kept (see "Failures" in
+    docs/architecture.md).
+
+    ``cause`` is the failure as raised (e.g. a ``RayTaskError`` wrapping a ``DataError``);
+    ``saved_batches`` counts the batches whose rows were written back and flushed to SSD-PS.
+    """
+
+    def __init__(self, cause: BaseException, saved_batches: int) -> None:
+        self.cause = cause
+        self.saved_batches = saved_batches
+        root = cause
+        while getattr(root, "cause", None) is not None and root.cause is not root:
+            root = root.cause
+        super().__init__(f"{type(root).__name__}: {root}\n(the rows of the {saved_batches} batches trained "
+                         f"before the failure were written back and flushed to SSD-PS)")
+
+    def __reduce__(self):
+        return (type(self), (self.cause, self.saved_batches))
+
+
+class PeerFailedError(HpsrayError, RuntimeError):
+    """This trainer had its inputs, but another node's trainer failed the batch (the trainers
+    agree on that before each batch, so none waits in the collective): the root cause is the
+    other trainer's error."""
+
+    def __init__(self, batch_id: object) -> None:
+        self.batch_id = batch_id
+        super().__init__(f"batch {batch_id} failed on another node; see that trainer's error")
+
+    def __reduce__(self):  # keep batch_id across pickling (the message is built from it)
+        return (type(self), (self.batch_id,))
+
+
+def caused_by(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``error``, or an error it wraps (Ray's ``RayTaskError.cause``, ``__cause__``), is a ``kind``."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return True
+        seen.add(id(e))
+        e = getattr(e, "cause", None) or e.__cause__
+    return False
