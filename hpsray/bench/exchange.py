@@ -87,7 +87,9 @@ class Exchanger:
         import ray.util.collective as col
 
         from hpsray.cluster.aggregation import AllReduceDense
+        from hpsray.cluster.netaddr import bind_collectives
 
+        bind_collectives("gloo")  # the node's address, not the hostname's (issue 20)
         col.init_collective_group(self.world, self.rank, backend="gloo", group_name=group_name)
         self.reducers["allreduce"] = AllReduceDense(group_name)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hpsray.cluster.netaddr import bind_collectives
+
 _WORDS_PER_KEY = 2  # a uint64 key viewed as two float32 words
 
 
@@ -34,6 +36,8 @@ class CollectiveGroup:
         self.col, self.world, self.rank, self.name, self.backend = col, world, rank, name, backend
         # NCCL moves device memory only: payloads go to the GPU and back
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+        # the node's own address, never the hostname's (which may resolve to loopback): issue 20
+        self.binding = bind_collectives(backend)
         col.init_collective_group(world, rank, backend=backend, group_name=name)
         self.bytes_sent = 0
         self.exchanges = 0
