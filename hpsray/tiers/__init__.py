@@ -14,7 +14,7 @@ Formats, protocols and measurements: ``docs/tiers.md``.
 
 from hpsray.tiers.cache_policy import CapacityError, LruLfuPolicy, belady_hit_rate
 from hpsray.tiers.mem import MemPS, rows_for_bytes
-from hpsray.tiers.paramfile import CorruptFileError, SSDError, SSDFullError
+from hpsray.errors import CorruptFileError, SSDError, SSDFullError
 from hpsray.tiers.partition import Partitioner, device_of, group_by, owner_of, place
 from hpsray.tiers.ssd import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
 

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from hpsray.tiers.manifest import NAME as MANIFEST
-from hpsray.tiers.paramfile import (
+from hpsray.tiers.ssd.manifest import NAME as MANIFEST
+from hpsray.tiers.ssd.paramfile import (
     HEADER_BYTES,
     block_rows_for,
     file_bytes,
@@ -473,7 +473,7 @@ def test_format_1_files_are_still_read(tmp_path):
     """Files written before block tables existed (format 1) load whole, reopen and compact."""
     import zlib
 
-    from hpsray.tiers import paramfile as pfmod
+    from hpsray.tiers.ssd import paramfile as pfmod
 
     d = tmp_path / "s"
     with SSDPS(d, W, rows_per_file=50) as s:
@@ -504,7 +504,7 @@ def test_format_2_files_are_read_whole_until_compaction_rewrites_them(tmp_path):
     verified) and compact; the compacted copies are format 3 and serve partial loads."""
     import zlib
 
-    from hpsray.tiers import paramfile as pfmod
+    from hpsray.tiers.ssd import paramfile as pfmod
 
     d = tmp_path / "s"
     n = 40 * block_rows_for(W)
@@ -541,7 +541,7 @@ def test_scan_sees_every_row_while_background_compaction_runs(tmp_path):
             seen = []
             for keys, rows in s.scan():
                 seen.append(keys)
-                s._wake.set()  # nudge the compaction thread between files
+                s._compaction.wake.set()  # nudge the compaction thread between files
                 time_slice = threading.Event()
                 time_slice.wait(0.002)
             got = np.sort(np.concatenate(seen))

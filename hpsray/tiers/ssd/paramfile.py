@@ -4,7 +4,7 @@ Layout (little-endian)::
 
     offset  size         field
     0       8            magic  b"HPSPARAM"
-    8       4            format version (1)
+    8       4            format version (3; 1 and 2 are still read)
     12      4            width  (floats per row)
     16      8            n      (rows)
     24      8            file number (unique, increasing; also the file name)
@@ -16,7 +16,7 @@ Layout (little-endian)::
     64      8 n          keys      uint64[n]
     64+8n   8 n          versions  uint64[n]  (number of the dump file that produced the value)
     64+16n  4 n width    rows      float32[n, width]
-    ...     4 ceil(n/B)  blocks    uint32 checksum of each block of B rows (format 2)
+    ...     4 ceil(n/B)  blocks    uint32 checksum of each block of B rows (formats 2 and 3)
 
 Formats 2 and 3 store the block size ``B`` (``block_rows``) and the crc32 of the block table in
 the first 8 of the 16 header bytes that format 1 left zero. Block ``b``'s checksum covers the
@@ -45,6 +45,42 @@ from numba import njit
 
 from hpsray.errors import CorruptFileError, SSDError, SSDFullError
 
+__all__ = [
+    "BLOCK_BYTES",
+    "FLAG_COMPACTED",
+    "FORMAT_VERSION",
+    "FULL_ERRNOS",
+    "HEADER_BYTES",
+    "MAGIC",
+    "PARTIAL_VERSIONS",
+    "READABLE_VERSIONS",
+    "SUFFIX",
+    "TMP_SUFFIX",
+    "CorruptFileError",
+    "Header",
+    "ParamFile",
+    "SSDError",
+    "SSDFullError",
+    "Writer",
+    "block_rows_for",
+    "block_sums",
+    "decode_header",
+    "encode_header",
+    "file_bytes",
+    "file_name",
+    "fsync_dir",
+    "fsync_path",
+    "n_blocks",
+    "parse_file_name",
+    "pick_blocks",
+    "read_file",
+    "read_index",
+    "record_bytes",
+    "touched_blocks",
+    "unlink_quiet",
+    "write_tmp",
+]
+
 MAGIC = b"HPSPARAM"
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -54,6 +90,7 @@ HEADER_BYTES = 64
 FLAG_COMPACTED = 1
 SUFFIX = ".hps"
 TMP_SUFFIX = ".tmp"
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space
 
 _HEADER = struct.Struct("<8sIIQQIIIII8s")  # 60 bytes, followed by the header crc
 assert _HEADER.size == 60
@@ -299,7 +336,7 @@ def _preallocate(fd: int, size: int) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if e.errno in FULL_ERRNOS:
             raise
         # EOPNOTSUPP / EINVAL (file systems without fallocate): plain writes still work
 
@@ -341,8 +378,8 @@ def write_tmp(
         if fd is not None:
             os.close(fd)
             fd = None
-        _unlink_quiet(tmp)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        unlink_quiet(tmp)
+        if e.errno in FULL_ERRNOS:
             raise SSDFullError(
                 e.errno,
                 f"SSD-PS: no space left writing {tmp} ({file_bytes(n, width)} bytes): {e.strerror}; "
@@ -355,7 +392,8 @@ def write_tmp(
     return tmp, file_bytes(n, width), table
 
 
-def _unlink_quiet(path: str) -> None:
+def unlink_quiet(path: str) -> None:
+    """Remove ``path`` if it exists."""
     try:
         os.unlink(path)
     except FileNotFoundError:

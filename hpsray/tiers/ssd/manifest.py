@@ -16,21 +16,16 @@ silently dropping acknowledged edits. When the log grows long it is rewritten as
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
 import threading
 import zlib
 from collections.abc import Iterable
 
-from hpsray.tiers.paramfile import (
-    CorruptFileError,
-    SSDError,
-    SSDFullError,
-    Writer,
-    _write_all,
-    fsync_dir,
-)
+from hpsray.errors import CorruptFileError, SSDError, SSDFullError
+from hpsray.tiers.ssd.paramfile import FULL_ERRNOS, Writer, _write_all, fsync_dir
+
+__all__ = ["FORMAT_VERSION", "NAME", "Manifest"]
 
 NAME = "MANIFEST"
 FORMAT_VERSION = 1
@@ -153,7 +148,7 @@ class Manifest:
         except OSError as e:
             os.close(fd)
             os.unlink(tmp)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            if e.errno in FULL_ERRNOS:
                 raise SSDFullError(e.errno, f"SSD-PS: no space left rewriting {path}: {e.strerror}") from e
             raise
         os.close(fd)
@@ -188,7 +183,7 @@ class Manifest:
                     f"{self.path}: append failed ({e}) and the torn record could not be removed ({e2}); "
                     "reopen the store to recover"
                 ) from e
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            if e.errno in FULL_ERRNOS:
                 raise SSDFullError(
                     e.errno, f"SSD-PS: no space left appending to {self.path}: {e.strerror}; the edit was not recorded"
                 ) from e

@@ -1,0 +1,391 @@
+"""SSD-PS: a node's shard of rows in append-only parameter files (paper §6, App. E).
+
+* **Mapping.** key → (file, position) lives in memory: a width-0
+  :class:`~hpsray.kernels.cpu.CpuHashTable` as the key → slot index plus two ``int32``
+  arrays indexed by that slot (the file's dense *file slot* and the row's position in it).
+  Live files sit in dense file slots of numpy arrays (number, rows, live rows, bytes), so
+  stale counting and victim selection are vectorised. Reopening rebuilds all of it from the
+  manifest and the files' key/version indexes.
+* **load(keys)** reads every file that holds a requested key whole (one I/O per file, several
+  files in flight), verifies its checksums and picks the rows out; a file whose requested rows
+  lie in few checksummed blocks is read partially instead, through a memory map kept across
+  loads. Keys never stored come back flagged absent so that the caller initialises them.
+* **dump(keys, rows)** writes the rows as *new* files, sequentially, each under a temporary
+  name; fsyncs them, renames them, fsyncs the directory; appends one manifest record adding
+  them and fsyncs it; only then updates the mapping and returns (the acknowledgement). The
+  old copies become stale: every file keeps a count of its live rows.
+* **Compaction.** A background thread (or :meth:`SSDPS.compact`) rewrites the live rows of
+  files whose stale share exceeds ``stale_threshold`` (0.5) into new files and deletes the old
+  ones, all in one manifest record. It runs once disk bytes pass ``compact_trigger`` × live
+  bytes; a dump that leaves more than ``max_space_ratio`` (2.0) waits for it (backpressure).
+  When no file is more than half stale, disk bytes ≤ 2 × live bytes holds exactly.
+* **Versions.** Every row in a file carries the number of the dump file that produced its
+  value; compaction copies it unchanged. On reopen the highest version of a key wins, so a
+  compacted copy never shadows a newer dump written while the compaction ran.
+
+The parts, one idea per module (like LevelDB's version set, table cache and compaction):
+``store`` (this facade: dump, the public API, lifecycle), ``keymap`` (key → file and position;
+recovery), ``files`` (the file table, victim choice, writing files), ``reads`` (load planning
+and I/O), ``compaction`` (passes, thread, backpressure), and the on-disk format in ``paramfile``
+and ``manifest``. See ``docs/tiers.md`` for the formats, the durability protocol and measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from hpsray.errors import CorruptFileError, SSDError, SSDFullError
+from hpsray.kernels.table import as_keys, as_rows
+from hpsray.tiers.ssd.compaction import Compaction, space_ratio
+from hpsray.tiers.ssd.files import FileTable, remove_files, write_files
+from hpsray.tiers.ssd.keymap import KeyMap, recover
+from hpsray.tiers.ssd.manifest import Manifest
+from hpsray.tiers.ssd.paramfile import (
+    FLAG_COMPACTED,
+    HEADER_BYTES,
+    Writer,
+    block_rows_for,
+    file_name,
+    fsync_path,
+    read_file,
+    record_bytes,
+)
+from hpsray.tiers.ssd.reads import MAX_OPEN_FILES, ROUND_BYTES, Reads
+
+__all__ = ["DEFAULT_FILE_BYTES", "SSDPS", "CorruptFileError", "SSDError", "SSDFullError", "default_rows_per_file"]
+
+DEFAULT_FILE_BYTES = 16 << 20
+"""Target size of a parameter file when ``rows_per_file`` is not given. Measured with
+``hpsray bench ssd --sweep`` (docs/tiers.md): a whole-file read costs about one device request
+plus a fixed latency, so small files waste bandwidth; beyond a few MiB the gain flattens while
+sparse batches read ever more unneeded rows."""
+
+
+def default_rows_per_file(width: int, file_bytes: int = DEFAULT_FILE_BYTES) -> int:
+    """Rows per file so that a file of rows of ``width`` floats is about ``file_bytes``."""
+    return max(1, (file_bytes - HEADER_BYTES) // record_bytes(width))
+
+
+class SSDPS:
+    """A directory of parameter files holding rows ``float32[width]`` by ``uint64`` key.
+
+    Args:
+        directory: store directory (created if needed).
+        width: floats per row; ``None`` reopens an existing store with its recorded width.
+        rows_per_file: rows per parameter file written by dumps and compaction (default:
+            files of about :data:`DEFAULT_FILE_BYTES`).
+        stale_threshold: compaction rewrites files whose stale share (by bytes, header
+            included) exceeds this; 0.5 bounds disk usage by 2 × live bytes.
+        compact_trigger: the background thread compacts once disk bytes exceed this × live bytes.
+        max_space_ratio: a dump that leaves disk bytes above this × live bytes waits for a
+            compaction pass before it returns (``None``: never wait).
+        background: run compaction in a background thread (else only inline, see above).
+        io_threads: files read (and fsynced) concurrently.
+        partial_read_share: a load reads only the checksummed blocks holding the requested
+            rows of a file (through a memory map, see :func:`~hpsray.tiers.ssd.paramfile.pick_blocks`)
+            when those blocks are at most this share of the file; else the whole file.
+        compact_pass_bytes: most input bytes one compaction pass rewrites (the most stale
+            files first), so a pass, and a dump waiting on it, stays short.
+        merge_small_files: once this many files hold fewer than ``rows_per_file / 2`` rows
+            (small dumps write them), compaction merges them into full-size files, so that
+            loads keep reading files of a good size.
+        write: ``os.write``-compatible function used for all writes (fault injection in tests).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        width: int | None = None,
+        *,
+        rows_per_file: int | None = None,
+        stale_threshold: float = 0.5,
+        compact_trigger: float = 1.5,
+        max_space_ratio: float | None = 2.0,
+        background: bool = True,
+        io_threads: int = 4,
+        compact_pass_bytes: int = 256 << 20,
+        merge_small_files: int = 16,
+        partial_read_share: float = 0.25,
+        write: Writer = os.write,
+    ) -> None:
+        if rows_per_file is not None and rows_per_file < 1:
+            raise ValueError(f"rows_per_file must be >= 1, got {rows_per_file}")
+        if not 0.0 < stale_threshold < 1.0:
+            raise ValueError(f"stale_threshold must be in (0, 1), got {stale_threshold}")
+        if compact_trigger < 1.0:
+            raise ValueError(f"compact_trigger must be >= 1, got {compact_trigger}")
+        if width is not None and width < 0:
+            raise ValueError(f"width must be >= 0, got {width}")
+        self.directory = os.fspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.stale_threshold = float(stale_threshold)
+        self.compact_trigger = float(compact_trigger)
+        self.max_space_ratio = max_space_ratio
+        self.compact_pass_bytes = int(compact_pass_bytes)
+        if merge_small_files < 2:
+            raise ValueError(f"merge_small_files must be >= 2, got {merge_small_files}")
+        self.merge_small_files = int(merge_small_files)
+        self.partial_read_share = float(partial_read_share)
+        self._write = write
+
+        self._lock = threading.RLock()  # key map, file table, counters; held briefly
+        self._dump_lock = threading.Lock()  # dumps are sequential
+        self._closed = False
+        self._stats = {
+            "dumps": 0, "rows_dumped": 0, "bytes_written": 0, "files_written": 0, "dump_seconds": 0.0,
+            "loads": 0, "rows_loaded": 0, "rows_absent": 0, "bytes_read": 0, "files_read": 0, "load_seconds": 0.0,
+            "files_read_partially": 0,
+            "compactions": 0, "files_compacted": 0, "compaction_bytes_read": 0, "compaction_bytes_written": 0,
+            "compaction_seconds": 0.0, "backpressure_waits": 0, "garbage_files_removed": 0,
+        }
+
+        self._manifest = Manifest.open(self.directory, width, write)
+        self.width = self._manifest.width
+        self._rec = record_bytes(self.width)
+        self._block_rows = block_rows_for(self.width)
+        self.rows_per_file = int(rows_per_file or default_rows_per_file(self.width))
+        self._round_files = int(min(MAX_OPEN_FILES, max(2, ROUND_BYTES // (self._rec * self.rows_per_file))))
+        self._files = FileTable()
+        self._keys = KeyMap()
+        self._next_file_no, self._stats["garbage_files_removed"] = recover(
+            self.directory, self._manifest, self.width, self._block_rows, self._files, self._keys)
+        self._manifest.maybe_rewrite()
+
+        self._reads = Reads(self)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="ssdps-io")
+        self._compaction = Compaction(self, background)
+        self._compaction.start()
+
+    # -- shared by the parts -------------------------------------------------------------
+
+    def _path(self, file_no: int) -> str:
+        return os.path.join(self.directory, file_name(file_no))
+
+    def _live_bytes(self) -> int:
+        return self._keys.size * self._rec
+
+    def _allocate_file_numbers(self, n: int) -> range:
+        """``n`` fresh file numbers (dumps and compaction draw from one counter)."""
+        with self._lock:
+            first = self._next_file_no
+            self._next_file_no += n
+        return range(first, first + n)
+
+    def _write_files(self, nos: list[int], keys: np.ndarray, versions: np.ndarray, rows: np.ndarray,
+                     flags: int) -> tuple[list[int], dict[int, np.ndarray]]:
+        """Write (and fsync) the files ``nos``, ``rows_per_file`` rows each: see :func:`write_files`."""
+        return write_files(self.directory, nos, keys, versions, rows, self.rows_per_file, flags, self._write,
+                           lambda paths: list(self._pool.map(fsync_path, paths)))
+
+    def _hook(self, point: str) -> None:
+        """Test seam: called at named points of the write protocol (see the crash tests)."""
+
+    @property
+    def _maps(self) -> dict:
+        """The memory maps kept for partial reads, by file number."""
+        return self._reads.maps
+
+    # -- public API ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._keys.size
+
+    def contains(self, keys) -> np.ndarray:
+        """Whether each key has a stored row."""
+        keys = as_keys(keys)
+        with self._lock:
+            return self._keys.find(keys) >= 0
+
+    def load(self, keys) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` and a mask of which keys were found.
+
+        Returns ``(rows float32[n, width], found bool[n])``; rows of absent keys are zero (the
+        caller initialises them). Each file holding a requested key is read once: whole, or only
+        the checksummed blocks holding the requested rows (``partial_read_share``).
+        Raises :class:`CorruptFileError` when a file fails its checks.
+        """
+        keys = as_keys(keys)
+        self._check_open()
+        t0 = time.perf_counter()
+        out, found, counts = self._reads.load(keys)
+        with self._lock:
+            st = self._stats
+            st["loads"] += 1
+            for k, v in counts.items():
+                st[k] += v
+            st["load_seconds"] += time.perf_counter() - t0
+        return out, found
+
+    def dump(self, keys, rows) -> None:
+        """Durably store ``rows`` (``float32[n, width]``) for ``keys``; the last duplicate wins.
+
+        When this returns the rows survive a crash (``kill -9``, power loss with an honest
+        disk). On failure (e.g. :class:`SSDFullError`) nothing of this call was recorded and
+        the store stays readable with its previous contents.
+        """
+        keys = as_keys(keys)
+        rows = as_rows(rows, keys.size, self.width, "dump rows")
+        if keys.size == 0:
+            return
+        rev = np.unique(keys[::-1], return_index=True)[1]
+        pick = keys.size - 1 - rev  # last occurrence of each distinct key, in key order
+        keys, rows = keys[pick], rows[pick]
+        t0 = time.perf_counter()
+        rpf = self.rows_per_file
+        with self._dump_lock:
+            self._check_open()
+            self._compaction.raise_fatal()
+            n_files = -(-keys.size // rpf)
+            nos = self._allocate_file_numbers(n_files)
+            versions = np.repeat(np.asarray(nos, dtype=np.uint64), rpf)[: keys.size]
+            sizes, tables = self._write_files(list(nos), keys, versions, rows, 0)
+            self._hook("dump:written")
+            try:
+                self._manifest.append(add=list(nos), next_file_no=nos.stop)
+            except BaseException:
+                remove_files(self.directory, nos)
+                raise
+            self._hook("dump:recorded")
+            with self._lock:
+                kmap = self._keys
+                kmap.grow(keys.size)
+                slots = kmap.find(keys)
+                self._files.kill(kmap.file_slot[slots[slots >= 0]])
+                fslots = self._files.add_written(nos, sizes, tables, int(keys.size), rpf, None, 0)
+                pos = np.arange(keys.size, dtype=np.int64)
+                kmap.place(keys, fslots[pos // rpf], pos % rpf)
+                st = self._stats
+                st["dumps"] += 1
+                st["rows_dumped"] += int(keys.size)
+                st["bytes_written"] += sum(sizes)
+                st["files_written"] += n_files
+                st["dump_seconds"] += time.perf_counter() - t0
+                ratio = space_ratio(self._files.disk_bytes, self._live_bytes())
+            self._manifest.maybe_rewrite()
+        self._compaction.wake.set()  # the thread checks needs_compaction(): space ratio, small files
+        if self.max_space_ratio is not None and ratio > self.max_space_ratio:
+            self._compaction.backpressure()
+
+    # -- compaction (compaction.py) ------------------------------------------------------
+
+    def needs_compaction(self) -> bool:
+        """Disk bytes exceed ``compact_trigger`` × live bytes and some file is over the
+        stale threshold, or ``merge_small_files`` small files have accumulated."""
+        return self._compaction.needed()
+
+    def compact(self, full: bool = False) -> int:
+        """Run compaction passes now, in this thread, until no file exceeds the stale
+        threshold (``full=True``: until no file has a stale row). Returns files rewritten."""
+        self._check_open()
+        done = 0
+        while True:
+            n = self._compact_pass(full)
+            if n == 0:
+                return done
+            done += n
+
+    def _compact_pass(self, full: bool = False) -> int:
+        return self._compaction.run_pass(full)
+
+    def wait_compaction(self, timeout: float | None = None) -> bool:
+        """Block until compaction has nothing left to do (per ``compact_trigger``); compacts
+        inline without a background thread. Returns False on timeout."""
+        return self._compaction.wait(timeout)
+
+    # -- inspection ----------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        """Counters and sizes: files, disk/live bytes, space ratio, I/O and compaction totals."""
+        with self._lock:
+            f = self._files
+            live = self._live_bytes()
+            return dict(
+                self._stats,
+                files=len(f),
+                live_rows=self._keys.size,
+                live_bytes=live,
+                disk_bytes=f.disk_bytes,
+                space_ratio=space_ratio(f.disk_bytes, live),
+                stale_rows=f.stale_rows(),
+                compaction_errors=self._compaction.errors,
+                last_compaction_error=self._compaction.last_error,
+            )
+
+    def file_stats(self) -> list[dict]:
+        """Per file: number, rows, live rows, stale rows, bytes, whether compaction wrote it."""
+        with self._lock:
+            f = self._files
+            return [
+                {"file_no": int(f.no[s]), "rows": int(f.n[s]), "live": int(f.live[s]),
+                 "stale": int(f.n[s] - f.live[s]), "bytes": int(f.size[s]),
+                 "compacted": bool(f.flags[s] & FLAG_COMPACTED)}
+                for s in sorted(f.slot_of.values(), key=lambda s: f.no[s])
+            ]
+
+    def scan(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys, rows)`` of the live rows, file by file (checksums verified).
+
+        Compaction is paused until the scan ends (a pass that moved rows from a file not yet
+        scanned into a new one would hide them from it); every live row is yielded once as long
+        as no dump runs concurrently.
+        """
+        with self._compaction.lock:
+            yield from self._scan()
+
+    def _scan(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        with self._lock:
+            nos = sorted(self._files.slot_of)
+        for no in nos:
+            with self._lock:
+                s = self._files.slot_of.get(no)
+                if s is None:
+                    continue
+                fd = os.open(self._path(no), os.O_RDONLY)
+            try:
+                pf = read_file(self._path(no), fd, self.width)
+            finally:
+                os.close(fd)
+            with self._lock:
+                ok, _ = self._keys.lives_at(pf.keys, s, np.arange(pf.keys.size))
+            yield pf.keys[ok].copy(), pf.rows[ok].copy()
+
+    def verify(self) -> int:
+        """Read every file and check its checksums; returns the number of files checked."""
+        return sum(1 for _ in self.scan())
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SSDError(f"SSD-PS {self.directory} is closed")
+
+    def close(self) -> None:
+        """Stop the compaction thread (after its current pass), release files. Idempotent."""
+        if self._closed:
+            return
+        with self._dump_lock:
+            self._closed = True
+            self._compaction.stop()
+            with self._compaction.lock:
+                self._pool.shutdown(wait=True)
+                self._manifest.close()
+                with self._lock:
+                    for no in list(self._reads.maps):
+                        self._reads.drop_map(no)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SSDPS({self.directory!r}, width={self.width}, rows={len(self)}, files={len(self._files)})"
