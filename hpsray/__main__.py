@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "demo": "hpsray.cli.demo",
     "gen-data": "hpsray.cli.gen_data",
     "reference": "hpsray.cli.reference",
+    "serve": "hpsray.cli.serve",
     "train": "hpsray.cli.train",
 }
 

@@ -2,7 +2,8 @@
 
 The format is documented in ``docs/export.md``. In short, a directory holding::
 
-    manifest.json          format, version, dim, state width, optimizer, model shape, files
+    manifest.json          format, version, dim, state width, optimizer, model shape, files,
+                           the data schema and serving inputs (raw values -> keys)
     rows-00000.parquet     key: uint64, weights: fixed_size_list<float32>[dim],
     rows-00001.parquet       state: fixed_size_list<float32>[state_width] (absent when 0)
     dense.pt               torch.save(state_dict) of the dense model
@@ -35,9 +36,50 @@ def _fixed_list(values: np.ndarray, width: int):
     return pa.FixedSizeListArray.from_arrays(flat, width)
 
 
+def schema_of_source(source: Any):
+    """The :class:`~hpsray.data.Schema` under which ``source``'s raw values become its keys.
+
+    A :class:`~hpsray.pipelines.FileSource` has its declared schema; a
+    :class:`~hpsray.pipelines.SyntheticSource` the Parquet layout ``hpsray gen-data`` writes for it
+    (integer columns ``C1..Cn`` holding a key's Zipf rank, dense ``I1..Im``). ``None`` otherwise.
+    """
+    schema = getattr(source, "schema", None)
+    if schema is not None:
+        return schema
+    generator = getattr(source, "generator", None)
+    if generator is not None:
+        from hpsray.data.generate import dataset_schema
+
+        return dataset_schema(generator, "parquet")
+    return None
+
+
+def input_spec(schema) -> dict:
+    """What serving needs to turn one example's raw values into a model input.
+
+    ``{"dense": [names], "categorical": [names], "encoding", "multi_hot_separator",
+    "dense_transform"}``: categorical slot ``i`` is ``categorical[i]``; columns given by position
+    in a headerless file are named as :meth:`~hpsray.data.Schema.column_names` names them.
+    """
+    names = schema.column_names() if schema.is_text and not schema.header else None
+
+    def name(c) -> str:
+        if isinstance(c, str):
+            return c
+        return names[c] if names is not None and c < len(names) else f"c{c}"
+
+    return {
+        "dense": [name(c) for c in schema.dense],
+        "categorical": [name(c) for c in schema.categorical],
+        "encoding": schema.encoding,
+        "multi_hot_separator": schema.multi_hot_separator,
+        "dense_transform": schema.dense_transform,
+    }
+
+
 def export(pipeline_or_rows: Any, directory: str | os.PathLike, config, *, n_slots: int | None = None,
            n_dense: int | None = None, rows_per_file: int = DEFAULT_ROWS_PER_FILE,
-           extra: Mapping[str, Any] | None = None) -> dict:
+           extra: Mapping[str, Any] | None = None, schema: Any = None) -> dict:
     """Write a trained model to ``directory``; returns the manifest.
 
     Args:
@@ -52,6 +94,9 @@ def export(pipeline_or_rows: Any, directory: str | os.PathLike, config, *, n_slo
             pipeline's source when not given).
         rows_per_file: rows per Parquet file.
         extra: more JSON-able entries for the manifest (e.g. ``{"trainer": "reference"}``).
+        schema: the :class:`~hpsray.data.Schema` of the training data (taken from the pipeline's
+            source when not given); recorded as ``schema`` and ``input`` so that the model can be
+            served from raw values (docs/serving.md). Without one the manifest has neither.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -67,6 +112,7 @@ def export(pipeline_or_rows: Any, directory: str | os.PathLike, config, *, n_slo
         source = getattr(pipeline_or_rows, "source", None)
         n_slots = n_slots if n_slots is not None else getattr(source, "n_slots", None)
         n_dense = n_dense if n_dense is not None else getattr(source, "n_dense", None)
+        schema = schema if schema is not None else schema_of_source(source)
     keys = np.asarray(keys, dtype=np.uint64)
     rows = np.asarray(rows, dtype=np.float32)
     dim, width = config.dim, config.row_width
@@ -119,6 +165,7 @@ def export(pipeline_or_rows: Any, directory: str | os.PathLike, config, *, n_slo
         "init_scale": config.init_scale,
         "seed": config.seed,
         "minibatch_size": config.minibatch_size,
+        **({"schema": schema.to_dict(), "input": input_spec(schema)} if schema is not None else {}),
         **dict(extra or {}),
     }
     tmp = manifest_path + ".tmp"

@@ -1,0 +1,58 @@
+"""``hpsray serve MODEL_DIR``: serve an exported model over HTTP on Ray Serve (docs/serving.md).
+
+    hpsray serve out/model --port 8000 --replicas 2 --mem-fraction 0.05
+    curl -s -d '{"examples": [{"I1": 0.5, "C1": 17, ...}]}' http://127.0.0.1:8000/predict
+
+MODEL_DIR is an export (``hpsray train JOB.toml --export DIR``) or a directory of exports, of
+which the newest is served; a newer export appearing there is swapped in without downtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+HELP = "serve an exported model on Ray Serve: POST /predict with raw feature values (docs/serving.md)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="an export directory, or a directory of exports")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--replicas", type=int, default=1, help="model replicas (default 1)")
+    mem = parser.add_mutually_exclusive_group()
+    mem.add_argument("--mem-rows", type=int, default=None, metavar="R",
+                     help="rows held in memory per replica; the rest is read from SSD (default: all)")
+    mem.add_argument("--mem-fraction", type=float, default=None, metavar="F",
+                     help="fraction of the rows held in memory, e.g. 0.05")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    parser.add_argument("--max-examples", type=int, default=1024, help="most examples per request (default 1024)")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="requests per dynamic batch (default 16)")
+    parser.add_argument("--watch", type=float, default=2.0, metavar="S",
+                        help="seconds between looks for a newer export (0: never; default 2)")
+    parser.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpsray.serving import Limits, ServeOptions, ServingError, start
+
+    try:
+        options = ServeOptions(host=args.host, port=args.port, replicas=args.replicas, mem_rows=args.mem_rows,
+                               mem_fraction=args.mem_fraction, device=args.device,
+                               limits=Limits(args.max_body_bytes, args.max_examples),
+                               max_batch_size=args.max_batch_size, watch_s=args.watch)
+        start(args.model_dir, options, address=args.address)
+    except (ServingError, ValueError) as e:
+        print(f"hpsray serve: {e}", file=sys.stderr)
+        return 2
+    print(f"serving {args.model_dir} at http://{args.host}:{args.port}/predict (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from hpsray.serving import stop
+
+        stop()
+    return 0

@@ -1,0 +1,31 @@
+"""Serving trained models on Ray Serve (docs/serving.md).
+
+One concept per module: :mod:`~hpsray.serving.layout` (the point-read layout on SSD and its
+alignment rule), :mod:`~hpsray.serving.pointstore` (CPU positioned reads),
+:mod:`~hpsray.serving.cache` (the hot-row cache), :mod:`~hpsray.serving.lookup` (a batch's rows
+through the tiers), :mod:`~hpsray.serving.request` (JSON → Batch, with 400 reasons),
+:mod:`~hpsray.serving.model` (a loaded export), :mod:`~hpsray.serving.deployment` (the Ray Serve
+deployment), :mod:`~hpsray.serving.server` (starting it), :mod:`~hpsray.serving.uva` and
+:mod:`~hpsray.serving.gds` (the GPU path: zero-copy gathers, SSD reads to device memory).
+Ray is imported only by ``deployment`` and ``server``.
+"""
+
+from hpsray.serving.errors import BadRequest, ServingError
+from hpsray.serving.model import LoadOptions, ServableModel, resolve_export
+from hpsray.serving.request import InputSpec, Limits, RequestParser
+from hpsray.serving.server import ServeOptions, build_app, start, stop
+
+__all__ = [
+    "BadRequest",
+    "InputSpec",
+    "Limits",
+    "LoadOptions",
+    "RequestParser",
+    "ServableModel",
+    "ServeOptions",
+    "ServingError",
+    "build_app",
+    "resolve_export",
+    "start",
+    "stop",
+]

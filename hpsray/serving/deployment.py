@@ -1,0 +1,158 @@
+"""The Ray Serve deployment: ``POST /predict`` over HTTP and ``predict(Batch)`` for Python callers.
+
+Each replica holds one :class:`~hpsray.serving.model.ServableModel`. Requests (HTTP ones after
+parsing, handle calls as they come) meet in one ``@serve.batch`` method, which concatenates them
+into one :class:`Batch` (so keys are deduplicated across the requests of a batch), predicts in a
+worker thread (one batch at a time) and splits the result.
+
+Hot swap: a background task polls the model directory every ``watch_s`` seconds; a newer export
+is loaded beside the serving one and swapped in by one reference assignment; batches in flight
+finish on the model they started with, so no request fails during a swap. ``reload()`` forces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from dataclasses import asdict
+
+import numpy as np
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from hpsray.data.batch import Batch
+from hpsray.serving.errors import BadRequest, ServingError
+from hpsray.serving.model import LoadOptions, ServableModel, export_version, resolve_export
+from hpsray.serving.request import Limits
+
+__all__ = ["Predictor"]
+
+log = logging.getLogger("ray.serve")
+
+
+def _options(d: dict) -> LoadOptions:
+    d = dict(d)
+    limits = Limits(**d.pop("limits", {}))
+    return LoadOptions(limits=limits, **d)
+
+
+@serve.deployment(name="hpsray-predictor", max_ongoing_requests=256)
+class Predictor:
+    """One replica; see the module docstring.
+
+    Args:
+        model_dir: an export directory, or a directory of exports (the newest is served).
+        load: :class:`LoadOptions` as a dict (``limits`` as a dict of :class:`Limits`).
+        max_batch_size: requests per dynamic batch; batch_wait_s: how long a batch waits to fill.
+        watch_s: how often to look for a newer export (0: never; ``reload()`` still works).
+    """
+
+    def __init__(self, model_dir: str, load: dict | None = None, max_batch_size: int = 16,
+                 batch_wait_s: float = 0.002, watch_s: float = 2.0) -> None:
+        self._root = os.fspath(model_dir)
+        self._load = _options(load or {})
+        self._model = ServableModel.load(self._root, self._load)
+        self._swap_lock = asyncio.Lock()
+        self.swaps = 0
+        self._batched.set_max_batch_size(max_batch_size)
+        self._batched.set_batch_wait_timeout_s(batch_wait_s)
+        self._watch_s = watch_s
+        self._watcher: asyncio.Task | None = None
+        try:
+            asyncio.get_running_loop()
+            self._ensure_watcher()
+        except RuntimeError:  # constructed off the replica's loop: started by the first call
+            pass
+
+    # -- hot swap -----------------------------------------------------------------------------
+
+    def _ensure_watcher(self) -> None:
+        if self._watcher is None and self._watch_s > 0:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self._watch_s)
+            try:
+                await self.reload()
+            except Exception as e:  # a half-written or bad export must not stop serving
+                log.warning("hpsray serve: not swapping to the newer export: %s", e)
+
+    async def reload(self, path: str | None = None) -> str:
+        """Load the newest export under ``path`` (default: the served directory) if it differs from
+        the serving one, and swap it in; returns the directory now served."""
+        self._ensure_watcher()
+        async with self._swap_lock:
+            root = path or self._root
+            directory = resolve_export(root)
+            if export_version(directory) != self._model.version:
+                model = await asyncio.to_thread(ServableModel.load, directory, self._load)
+                self._model = model  # batches in flight keep the model they started with
+                self._root = root
+                self.swaps += 1
+                log.info("hpsray serve: now serving %s", directory)
+            return self._model.directory
+
+    # -- predictions --------------------------------------------------------------------------
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def _batched(self, batches: list[Batch]) -> list[np.ndarray]:
+        model = self._model
+        merged = Batch.concat(batches) if len(batches) > 1 else batches[0]
+        probs = await asyncio.to_thread(model.predict, merged)
+        out, start = [], 0
+        for b in batches:
+            out.append(probs[start : start + len(b)])
+            start += len(b)
+        return out
+
+    async def predict(self, batch: Batch) -> np.ndarray:
+        """Click probabilities (``float32[B]``) of a :class:`Batch` of already-encoded examples."""
+        self._ensure_watcher()
+        return await self._batched(batch)
+
+    async def predict_examples(self, examples: list[dict]) -> np.ndarray:
+        """Click probabilities of raw examples (as in the HTTP body's ``examples``)."""
+        return await self._batched(self._model.parser.parse_examples(examples))
+
+    async def __call__(self, request: Request) -> Response:
+        self._ensure_watcher()
+        path = request.url.path.rstrip("/")
+        if path.endswith("/healthz") or path == "/healthz":
+            return PlainTextResponse("ok")
+        if not path.endswith("/predict"):
+            return PlainTextResponse(f"no such endpoint {request.url.path!r}; POST /predict", status_code=404)
+        if request.method != "POST":
+            return PlainTextResponse("POST /predict only", status_code=405)
+        parser = self._model.parser
+        limit = parser.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return JSONResponse({"error": f"body of {declared} bytes exceeds the limit of {limit}"}, status_code=400)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return JSONResponse({"error": f"body exceeds the limit of {limit} bytes"}, status_code=400)
+        try:
+            batch = parser.parse_body(bytes(body))
+        except BadRequest as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        try:
+            probs = await self._batched(batch)
+        except ServingError as e:
+            return JSONResponse({"error": str(e)}, status_code=500)
+        return Response(json.dumps({"probabilities": probs.tolist()}), media_type="application/json")
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {**self._model.stats(), "swaps": self.swaps, "pid": os.getpid(), "load": asdict(self._load)}
+
+    async def check_health(self) -> None:
+        self._ensure_watcher()
+        if self._watcher is not None and self._watcher.done() and self._watcher.exception() is not None:
+            raise RuntimeError(f"model watcher died: {self._watcher.exception()}")

@@ -1,0 +1,82 @@
+"""SSD rows straight into device memory: kvikio (GPUDirect Storage) where present, else pread.
+
+:class:`DeviceRowReader` reads rows of a :class:`~hpsray.serving.pointstore.PointStore` into rows
+of a device array. With kvikio, each row is one ``CuFile.pread`` into its device row (GDS DMA
+where the file system and driver allow it; kvikio's own POSIX fallback, through its bounce
+buffers, where they do not). Without kvikio, the rows are ``pread`` into a pinned host buffer and
+scattered to their device rows by one copy and one kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from numba import cuda
+
+from hpsray.serving.pointstore import PointStore
+
+__all__ = ["DeviceRowReader", "kvikio_available"]
+
+
+def kvikio_available() -> bool:
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@cuda.jit
+def _scatter_kernel(src, dst_rows, out, dim):
+    i = cuda.grid(1)
+    if i < dst_rows.size * dim:
+        r = i // dim
+        out[dst_rows[r], i % dim] = src[r, i % dim]
+
+
+def scatter_rows(src, dst_rows, out, dim: int) -> None:
+    """``out[dst_rows[i]] = src[i]`` on the device (``src``: device float32[m, dim])."""
+    m = int(dst_rows.shape[0])
+    if m:
+        threads = m * dim
+        _scatter_kernel[-(-threads // 256), 256](src, dst_rows, out, dim)
+
+
+class DeviceRowReader:
+    """Reads point-store rows into device rows (see the module docstring)."""
+
+    def __init__(self, store: PointStore, use_kvikio: bool | None = None) -> None:
+        self.store = store
+        self.use_kvikio = kvikio_available() if use_kvikio is None else use_kvikio
+        self._file = None
+        if self.use_kvikio:
+            import kvikio
+
+            self._file = kvikio.CuFile(os.path.join(store.directory, "rows.f32"), "r")
+
+    @property
+    def path(self) -> str:
+        return "kvikio" if self.use_kvikio else "pread"
+
+    def read(self, file_rows: np.ndarray, out, out_rows: np.ndarray) -> None:
+        """``out[out_rows[i]] = row file_rows[i]`` with ``out`` a device float32[m, dim]."""
+        if not file_rows.size:
+            return
+        dim, nbytes = self.store.dim, 4 * self.store.dim
+        if self._file is not None:
+            order = np.argsort(file_rows, kind="stable")
+            futures = [self._file.pread(out[int(d)], nbytes, int(f) * self.store.stride)
+                       for f, d in zip(file_rows[order], out_rows[order])]
+            for fut in futures:
+                if fut.get() != nbytes:
+                    raise OSError(f"{self.store.directory}/rows.f32: short read through kvikio")
+            return
+        staging = cuda.pinned_array((file_rows.size, dim), np.float32)
+        self.store.read_into(file_rows, staging, np.arange(file_rows.size, dtype=np.int64))
+        scatter_rows(cuda.to_device(staging), cuda.to_device(np.ascontiguousarray(out_rows, np.int64)), out, dim)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

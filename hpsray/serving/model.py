@@ -1,0 +1,141 @@
+"""A servable model: an export's dense network, its row lookup and its request parser.
+
+:meth:`ServableModel.load` opens an export directory (or the newest export under a directory of
+exports, :func:`resolve_export`), builds its point store if needed (:mod:`hpsray.serving.layout`),
+and holds ``mem_rows`` rows in memory: all of them by default (:class:`MemoryLookup`), otherwise a
+hot-row cache in front of SSD point reads (:class:`TieredLookup`). :meth:`predict` computes what
+:meth:`hpsray.reference.ReferenceTrainer.predict` computes for the same rows: sum-pooled
+embeddings of the batch's distinct keys through the dense model, then a sigmoid.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hpsray.data.batch import Batch
+from hpsray.kernels.init import RowInit
+from hpsray.models import DNN
+from hpsray.models.pooling import BagLayout, pool_sum
+from hpsray.pipelines.export import read_manifest
+from hpsray.serving.errors import ServingError
+from hpsray.serving.layout import build_point_store
+from hpsray.serving.lookup import MemoryLookup, TieredLookup, mem_rows_for
+from hpsray.serving.pointstore import PointStore
+from hpsray.serving.request import InputSpec, Limits, RequestParser
+
+__all__ = ["LoadOptions", "ServableModel", "export_version", "resolve_export"]
+
+
+def export_version(directory: str) -> tuple[str, int]:
+    """``(path, mtime_ns of manifest.json)``: changes whenever an export lands there."""
+    return directory, os.stat(os.path.join(directory, "manifest.json")).st_mtime_ns
+
+
+def resolve_export(path: str | os.PathLike) -> str:
+    """``path`` itself when it is an export; else its newest sub-directory that is one.
+
+    "Newest" is the latest ``manifest.json`` (written last by an export), so a directory of
+    versioned exports (``models/v1``, ``models/v2`` ...) serves the latest complete one.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return path
+    best, best_t = None, -1
+    try:
+        entries = list(os.scandir(path))
+    except OSError as e:
+        raise ServingError(f"{path}: cannot list: {e}") from None
+    for entry in entries:
+        m = os.path.join(entry.path, "manifest.json")
+        if entry.is_dir() and os.path.isfile(m):
+            t = os.stat(m).st_mtime_ns
+            if t > best_t:
+                best, best_t = entry.path, t
+    if best is None:
+        raise ServingError(f"{path}: no export here (no manifest.json in it or in a sub-directory)")
+    return best
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a replica holds a model: rows in memory (``mem_rows`` or ``mem_fraction``; all when
+    neither), device, request limits."""
+
+    mem_rows: int | None = None
+    mem_fraction: float | None = None
+    device: str = "cpu"
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        mem_rows_for(0, self.mem_rows, self.mem_fraction)  # checks the pair
+
+
+class ServableModel:
+    """One loaded export; :meth:`predict` is safe to call from one thread at a time."""
+
+    def __init__(self, directory: str, manifest: dict, dense: torch.nn.Module, lookup, parser: RequestParser,
+                 device: str = "cpu") -> None:
+        self.directory, self.manifest = directory, manifest
+        self.dense, self.lookup, self.parser, self.device = dense, lookup, parser, device
+        self.version = export_version(directory)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, options: LoadOptions = LoadOptions()) -> "ServableModel":
+        directory = resolve_export(path)
+        m = read_manifest(directory)
+        where = os.path.join(directory, "manifest.json")
+        spec = InputSpec.from_manifest(m, where)
+        shape = m.get("model") or {}
+        n_slots, n_dense = shape.get("n_slots"), shape.get("n_dense")
+        if n_slots != len(spec.categorical) or n_dense != len(spec.dense):
+            raise ServingError(f"{where}: model shape ({n_slots} slots, {n_dense} dense) disagrees with the input "
+                               f"schema ({len(spec.categorical)} categorical, {len(spec.dense)} dense columns)")
+        dim = int(m["dim"])
+        state = torch.load(os.path.join(directory, m["dense"]), map_location="cpu", weights_only=True)
+        dense = DNN(n_slots, dim, n_dense, tuple(shape.get("hidden", ())))
+        dense.load_state_dict(state)
+        dense.eval()
+        init = RowInit(dim=dim, scale=float(m["init_scale"]), seed=int(m["seed"]))
+        store = PointStore(build_point_store(directory))
+        mem = mem_rows_for(len(store), options.mem_rows, options.mem_fraction)
+        if options.device == "cuda":
+            from hpsray.serving.cuda_lookup import CudaTieredLookup
+
+            lookup = CudaTieredLookup(store, mem, init)
+            dense = dense.to("cuda")
+        elif mem >= len(store):
+            lookup = MemoryLookup(np.array(store.keys), store.read_all(), init)
+            store.close()
+        else:
+            lookup = TieredLookup(store, mem, init)
+        return cls(directory, m, dense, lookup, RequestParser(spec, options.limits), options.device)
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> np.ndarray:
+        """``float32[B]`` click probabilities of ``batch``'s examples."""
+        if batch.n_slots != self.dense.n_slots or batch.n_dense != self.dense.n_dense:
+            raise ServingError(f"batch has {batch.n_slots} slots and {batch.n_dense} dense features; the model "
+                               f"takes {self.dense.n_slots} and {self.dense.n_dense}")
+        if not len(batch):
+            return np.empty(0, np.float32)
+        layout = BagLayout.of(batch)
+        rows = self.lookup.rows(layout.unique_keys)
+        emb = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(rows)
+        dense = torch.from_numpy(batch.dense).to(emb.device)
+        if emb.is_cuda:
+            pooled = torch.nn.functional.embedding_bag(
+                torch.from_numpy(layout.inverse).to(emb.device), emb,
+                torch.from_numpy(layout.bag_offsets).to(emb.device), mode="sum",
+            ).view(layout.n_examples, layout.n_slots, emb.shape[1])
+        else:
+            pooled = pool_sum(emb, layout)
+        return torch.sigmoid(self.dense(pooled, dense)).cpu().numpy()
+
+    def stats(self) -> dict:
+        return {"directory": self.directory, "rows": int(self.manifest["rows"]), **self.lookup.stats()}

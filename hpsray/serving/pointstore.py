@@ -1,0 +1,94 @@
+"""Reading rows by key from a point store (see :mod:`hpsray.serving.layout`) on CPU.
+
+Keys are found by a binary search of the memory-mapped ``keys.u64``; rows are read by one
+positioned read (``pread``) each, issued from a numba loop straight into the caller's output
+buffer (no intermediate copy), in file order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numba as nb
+import numpy as np
+
+from hpsray.serving.errors import ServingError
+from hpsray.serving.layout import read_meta
+
+__all__ = ["PointStore"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_pread = _libc.pread
+_pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
+_pread.restype = ctypes.c_ssize_t
+
+
+@nb.njit(nogil=True)  # not cached: it calls libc's pread through a ctypes pointer
+def _pread_rows(fd, out_addr, out_stride, file_rows, out_rows, stride, nbytes):
+    """``pread`` row ``file_rows[i]`` into output row ``out_rows[i]``; returns the failures."""
+    failed = 0
+    for i in range(file_rows.size):
+        got = _pread(fd, out_addr + out_rows[i] * out_stride, nbytes, file_rows[i] * stride)
+        if got != nbytes:
+            failed += 1
+    return failed
+
+
+class PointStore:
+    """Rows by key from a point store directory; one instance per process (holds a descriptor)."""
+
+    def __init__(self, directory: str) -> None:
+        meta = read_meta(directory)
+        self.directory = directory
+        self.dim, self.rows, self.stride = int(meta["dim"]), int(meta["rows"]), int(meta["stride"])
+        keys_path = os.path.join(directory, "keys.u64")
+        if self.rows:
+            self.keys = np.memmap(keys_path, dtype=np.uint64, mode="r", shape=(self.rows,))
+        else:
+            self.keys = np.empty(0, np.uint64)
+        self._fd = os.open(os.path.join(directory, "rows.f32"), os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """``int64[n]``: each key's row number in the store, ``-1`` where the store lacks it."""
+        keys = np.asarray(keys, np.uint64)
+        if not self.rows:
+            return np.full(keys.size, -1, np.int64)
+        pos = np.searchsorted(self.keys, keys)
+        pos[pos == self.rows] = 0
+        return np.where(self.keys[pos] == keys, pos, -1).astype(np.int64)
+
+    def read_into(self, file_rows: np.ndarray, out: np.ndarray, out_rows: np.ndarray) -> None:
+        """``out[out_rows[i]] = row file_rows[i]`` (``out``: C-contiguous float32[m, dim]).
+
+        Reads go in file order (sorted positions) for locality; each lands in its output row.
+        """
+        if out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != self.dim or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous float32[m, {self.dim}], got {out.dtype} {out.shape}")
+        order = np.argsort(file_rows, kind="stable")
+        failed = _pread_rows(self._fd, out.ctypes.data, out.strides[0], np.ascontiguousarray(file_rows[order], np.int64),
+                             np.ascontiguousarray(out_rows[order], np.int64), self.stride, 4 * self.dim)
+        if failed:
+            raise ServingError(f"{self.directory}/rows.f32: {failed} short reads (file truncated?)")
+
+    def read_all(self) -> np.ndarray:
+        """Every row (``float32[rows, dim]``), for a model held all in memory."""
+        if not self.rows:
+            return np.empty((0, self.dim), np.float32)
+        raw = np.fromfile(os.path.join(self.directory, "rows.f32"), dtype=np.float32,
+                          count=self.rows * self.stride // 4)
+        return np.ascontiguousarray(raw.reshape(self.rows, self.stride // 4)[:, : self.dim])
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,180 @@
+"""A prediction request: JSON ``{"examples": [{"<column>": value, ...}, ...]}`` → a :class:`Batch`.
+
+The columns are those of the training schema (the export's ``input``): every dense and every
+categorical column must be present in every example, and no other. Values:
+
+- dense: a number, or ``null`` (missing: 0, as in training); then the schema's dense transform;
+- categorical: an integer (used as the integer itself, like a Parquet integer column), a string
+  (encoded as the schema says, like a text file: ``string`` hashes it, ``hex``/``int`` parse it),
+  a list of those (multi-hot), or ``null``/``[]`` (no key). A string holding the schema's
+  ``multi_hot_separator`` is split as in training.
+
+Raw values become keys through the readers' own :class:`~hpsray.data.convert.Converter`, so a
+request gives exactly the keys training gave the same raw values. Anything else raises
+:class:`BadRequest` naming the example, column and reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from hpsray.data.batch import Batch
+from hpsray.data.convert import Converter
+from hpsray.data.schema import Schema
+from hpsray.serving.errors import BadRequest, ServingError
+
+__all__ = ["InputSpec", "Limits", "RequestParser"]
+
+_LABEL = "__hpsray_label__"
+_DENSE_TYPES = (pa.int64(), pa.float64(), pa.null())
+_CAT_SCALARS = (pa.int64(), pa.uint64(), pa.string(), pa.null())
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on one request: body bytes and examples."""
+
+    max_body_bytes: int = 1 << 20
+    max_examples: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.max_examples < 1:
+            raise ValueError(f"limits must be >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The raw inputs of a model: the export manifest's ``input`` entry."""
+
+    dense: tuple[str, ...]
+    categorical: tuple[str, ...]
+    encoding: str = "string"
+    multi_hot_separator: str = ""
+    dense_transform: str = "none"
+
+    @staticmethod
+    def from_manifest(manifest: dict, where: str = "manifest.json") -> "InputSpec":
+        spec = manifest.get("input")
+        if not isinstance(spec, dict):
+            raise ServingError(f"{where}: no 'input' entry (exported before serving existed, or without a schema); "
+                               "re-export with the data schema (hpsray.pipelines.export.export(schema=...))")
+        return InputSpec(tuple(spec["dense"]), tuple(spec["categorical"]), spec.get("encoding", "string"),
+                         spec.get("multi_hot_separator", ""), spec.get("dense_transform", "none"))
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return (*self.dense, *self.categorical)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _kind(v) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+class RequestParser:
+    """Checks and converts request bodies for one model (see the module docstring)."""
+
+    def __init__(self, spec: InputSpec, limits: Limits = Limits()) -> None:
+        self.spec, self.limits = spec, limits
+        self._columns = frozenset(spec.columns)
+        schema = Schema(format="parquet", label=_LABEL, dense=spec.dense, categorical=spec.categorical,
+                        encoding=spec.encoding, multi_hot_separator=spec.multi_hot_separator,
+                        dense_transform=spec.dense_transform,
+                        delimiter="\t" if spec.multi_hot_separator != "\t" else ",")  # unused: no text here
+        self._converter = Converter(schema, [_LABEL, *spec.columns])
+
+    def parse_body(self, body: bytes) -> Batch:
+        """The batch of a JSON body; :class:`BadRequest` with the reason otherwise."""
+        if len(body) > self.limits.max_body_bytes:
+            raise BadRequest(f"body of {len(body)} bytes exceeds the limit of {self.limits.max_body_bytes}")
+        try:
+            doc = json.loads(body, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"body is not JSON: {e}") from None
+        if not isinstance(doc, dict) or "examples" not in doc:
+            raise BadRequest('body must be a JSON object {"examples": [...]}')
+        extra = set(doc) - {"examples"}
+        if extra:
+            raise BadRequest(f"unknown top-level field(s) {sorted(extra)}; only 'examples' is accepted")
+        return self.parse_examples(doc["examples"])
+
+    def parse_examples(self, examples) -> Batch:
+        """The batch of a list of examples (dicts of column → raw value)."""
+        if not isinstance(examples, list):
+            raise BadRequest(f"'examples' must be a list, got {_kind(examples)}")
+        if len(examples) > self.limits.max_examples:
+            raise BadRequest(f"{len(examples)} examples exceed the limit of {self.limits.max_examples} per request")
+        cols = self._columns
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, dict):
+                raise BadRequest(f"examples[{i}] must be an object of column: value, got {_kind(ex)}")
+            if ex.keys() != cols:
+                missing = sorted(cols - ex.keys())
+                if missing:
+                    raise BadRequest(f"examples[{i}]: missing column(s) {missing}")
+                raise BadRequest(f"examples[{i}]: unknown column(s) {sorted(ex.keys() - cols)} "
+                                 f"(the model's columns: {list(self.spec.columns)})")
+        n = len(examples)
+        arrays = {_LABEL: pa.array(np.zeros(n, np.float32))}
+        for name in self.spec.dense:
+            arrays[name] = self._dense_column(name, [ex[name] for ex in examples])
+        for name in self.spec.categorical:
+            arrays[name] = self._categorical_column(name, [ex[name] for ex in examples])
+        table = pa.table(arrays)
+        converted = self._converter.convert(table)
+        if converted.bad_index.size:
+            row = int(converted.bad_index[0])
+            why = self._converter.describe(table, row, converted.bad_reason[0])
+            raise BadRequest(f"examples[{row}]: {why}")
+        return converted.batch
+
+    @staticmethod
+    def _first_wrong(values: list, ok) -> str:
+        for i, v in enumerate(values):
+            if not ok(v):
+                return f"examples[{i}] has {v!r} ({_kind(v)})"
+        return "mixed value types"
+
+    def _dense_column(self, name: str, values: list) -> pa.Array:
+        def ok(v) -> bool:
+            return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+        try:
+            arr = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            arr = None
+        if arr is None or arr.type not in _DENSE_TYPES:
+            raise BadRequest(f"dense column {name!r} takes numbers (or null): {self._first_wrong(values, ok)}")
+        return arr
+
+    def _categorical_column(self, name: str, values: list) -> pa.Array:
+        def scalar_ok(v) -> bool:
+            return v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
+
+        def ok(v) -> bool:
+            return scalar_ok(v) or (isinstance(v, list) and all(x is not None and scalar_ok(x) for x in v))
+
+        try:
+            arr = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            try:  # integers past int64: the uint64 range
+                arr = pa.array(values, type=pa.uint64())
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                arr = None
+        t = None if arr is None else arr.type
+        if t is not None and (pa.types.is_list(t) or pa.types.is_large_list(t)):
+            if arr.values.null_count or t.value_type not in _CAT_SCALARS:
+                t = None
+        elif t not in _CAT_SCALARS:
+            t = None
+        if t is None:
+            raise BadRequest(f"categorical column {name!r} takes a string, an integer or a list of them (or null): "
+                             f"{self._first_wrong(values, ok)}")
+        return arr

@@ -1,0 +1,83 @@
+"""Starting a model on Ray Serve from Python (what ``hpsray serve`` runs).
+
+    from hpsray.serving import ServeOptions, start
+    handle = start("models/ctr", ServeOptions(port=8000, replicas=2, mem_fraction=0.05))
+    probs = handle.predict.remote(batch).result()        # a Batch, from Python
+    # or: curl -d '{"examples": [...]}' http://127.0.0.1:8000/predict
+
+The HTTP proxy listens on ``host`` (``127.0.0.1`` unless told otherwise). Ray is started locally
+when this process is not connected to a cluster yet.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from hpsray.serving.request import Limits
+
+__all__ = ["ServeOptions", "build_app", "start", "stop"]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Where and how to serve: address, replicas, rows in memory, device, batching, limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: int = 1
+    mem_rows: int | None = None
+    mem_fraction: float | None = None
+    device: str = "cpu"
+    limits: Limits = field(default_factory=Limits)
+    max_batch_size: int = 16
+    batch_wait_s: float = 0.002
+    watch_s: float = 2.0
+    replica_cpus: float = 1.0
+    name: str = "hpsray"
+    route_prefix: str = "/"
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must lie in 1..65535, got {self.port}")
+        if self.max_batch_size < 1 or self.batch_wait_s < 0 or self.watch_s < 0:
+            raise ValueError("max_batch_size must be >= 1, batch_wait_s and watch_s >= 0")
+
+
+def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions()):
+    """The Ray Serve application of a model directory (not yet running)."""
+    from hpsray.serving.deployment import Predictor
+    from hpsray.serving.model import LoadOptions, resolve_export
+
+    load = LoadOptions(options.mem_rows, options.mem_fraction, options.device, options.limits)
+    resolve_export(model_dir)  # a missing export fails here, not in the replicas
+    actor = {"num_cpus": options.replica_cpus}
+    if options.device == "cuda":
+        actor["num_gpus"] = 1
+    dep = Predictor.options(num_replicas=options.replicas, ray_actor_options=actor)
+    load_d = asdict(load)
+    return dep.bind(os.path.abspath(os.fspath(model_dir)), load_d, options.max_batch_size, options.batch_wait_s,
+                    options.watch_s)
+
+
+def start(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, address: str | None = None):
+    """Deploy ``model_dir`` and return its deployment handle (Ray and Serve started if needed)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": options.host, "port": options.port})
+    return serve.run(build_app(model_dir, options), name=options.name, route_prefix=options.route_prefix)
+
+
+def stop(name: str | None = None) -> None:
+    """Remove one application (``name``) or shut Serve down (``None``)."""
+    from ray import serve
+
+    if name is None:
+        serve.shutdown()
+    else:
+        serve.delete(name)

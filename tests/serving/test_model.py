@@ -1,0 +1,190 @@
+"""The servable model without Ray: layout, point reads, cache, lookups, request parsing, predictions."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import numpy as np
+import pytest
+from conftest import N_DENSE, N_SLOTS, close, raw_examples
+
+from hpsray.kernels.init import RowInit, initial_rows
+from hpsray.serving import BadRequest, Limits, LoadOptions, ServableModel, ServingError, resolve_export
+from hpsray.serving.cache import HotCache
+from hpsray.serving.layout import BLOCK_BYTES, SEGMENT_BYTES, build_point_store, read_meta, row_stride
+from hpsray.serving.lookup import MemoryLookup, TieredLookup, mem_rows_for
+from hpsray.serving.pointstore import PointStore
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3, 4, 8, 12, 16, 24, 32, 33, 48, 64, 100, 128, 1000])
+def test_row_stride_keeps_rows_inside_aligned_segments_and_blocks(dim):
+    s = row_stride(dim)
+    assert s >= 4 * dim and s % 16 == 0
+    if s <= SEGMENT_BYTES:
+        assert s & (s - 1) == 0 and SEGMENT_BYTES % s == 0  # whole rows per 128-byte segment
+    else:
+        assert s % SEGMENT_BYTES == 0  # a row spans whole segments
+    starts = np.arange(0, 4 * BLOCK_BYTES, s)
+    ends = starts + 4 * dim - 1
+    assert np.all(starts // BLOCK_BYTES == ends // BLOCK_BYTES) or s > BLOCK_BYTES
+
+
+def test_export_records_the_schema(exports):
+    with open(os.path.join(exports["criteo"], "manifest.json")) as f:
+        m = json.load(f)
+    assert m["schema"]["format"] == "criteo"
+    assert m["input"]["categorical"] == [f"c{i}" for i in range(1 + N_DENSE, 1 + N_DENSE + N_SLOTS)]
+    assert m["input"]["encoding"] == "hex" and m["input"]["multi_hot_separator"] == ","
+    with open(os.path.join(exports["parquet"], "manifest.json")) as f:
+        m = json.load(f)
+    assert m["input"]["dense"] == ["I1", "I2", "I3"] and m["input"]["categorical"][0] == "C1"
+
+
+def test_point_store_reads_what_the_export_holds(exports, tmp_path):
+    from hpsray.pipelines.export import load_export
+
+    d = str(tmp_path / "exp")
+    shutil.copytree(exports["parquet"], d)
+    keys, rows, _ = load_export(d)
+    path = build_point_store(d)
+    assert build_point_store(d) == path  # kept, not rebuilt
+    meta = read_meta(path)
+    assert meta["rows"] == keys.size and os.path.getsize(os.path.join(path, "rows.f32")) % BLOCK_BYTES == 0
+    store = PointStore(path)
+    rng = np.random.default_rng(0)
+    want = rng.choice(keys.size, 500)
+    q = np.concatenate([keys[want], np.array([1, 2**63 + 5], np.uint64)])
+    pos = store.find(q)
+    assert np.array_equal(pos[:-2], want) and np.all(pos[-2:] == -1)
+    out = np.full((500, 8), np.nan, np.float32)
+    dst = rng.permutation(500)
+    store.read_into(pos[:-2], out, dst)
+    assert np.array_equal(out[dst], rows[want, :8])
+    assert np.array_equal(store.read_all(), rows[:, :8])
+
+
+def test_hot_cache_keeps_hot_rows_and_admits_by_frequency():
+    c = HotCache(8, 2)
+    keys = np.arange(100, 108, dtype=np.uint64)
+    assert np.all(c.probe(keys) == -1)
+    rows = np.arange(16, dtype=np.float32).reshape(8, 2)
+    c.admit(keys, rows)
+    slots = c.probe(keys)
+    hit = slots >= 0
+    out = np.zeros((8, 2), np.float32)
+    c.gather(slots, out)
+    assert np.array_equal(out[hit], rows[hit]) and hit.sum() >= 2
+    for _ in range(5):
+        c.probe(keys[hit])  # hot
+    cold = np.arange(1000, 1008, dtype=np.uint64)
+    assert c.admit(cold, np.ones((8, 2), np.float32)) == 0  # misses age the hot rows, do not evict them
+    assert np.all(c.probe(keys[hit]) >= 0)
+    taken = sum(c.admit(cold, np.ones((8, 2), np.float32)) for _ in range(8))  # a key that keeps coming gets in
+    assert taken > 0
+    assert HotCache(0, 2).probe(keys).tolist() == [-1] * 8
+
+
+def test_tiered_lookup_equals_memory_lookup_with_initial_rows_for_unseen(exports):
+    path = build_point_store(exports["parquet"])
+    store = PointStore(path)
+    init = RowInit(dim=8, scale=0.02, seed=3)
+    mem = MemoryLookup(np.array(store.keys), store.read_all(), init)
+    tiered = TieredLookup(PointStore(path), mem_rows_for(len(store), None, 0.05), init)
+    rng = np.random.default_rng(1)
+    unseen = np.array([7, 8, 9], np.uint64)
+    for _ in range(6):
+        q = np.unique(np.concatenate([rng.choice(np.asarray(store.keys), 800), unseen]))
+        a, b = mem.rows(q), tiered.rows(q)
+        assert np.array_equal(a, b)
+    assert np.array_equal(mem.rows(unseen), initial_rows(unseen, 8, init))
+    s = tiered.stats()
+    assert s["hits"] > 0 and s["ssd_reads"] > 0 and s["unseen"] >= 3
+
+
+@pytest.mark.parametrize("fmt,mem", [("parquet", None), ("parquet", 0.05), ("criteo", None), ("criteo", 0.05)])
+def test_predictions_equal_the_reference_trainer(planted, trained, exports, fmt, mem):
+    batch, examples = raw_examples(planted, 300, fmt=fmt)
+    model = ServableModel.load(exports[fmt], LoadOptions(mem_fraction=mem))
+    parsed = model.parser.parse_body(json.dumps({"examples": examples}).encode())
+    assert np.array_equal(parsed.keys, batch.keys) and np.array_equal(parsed.offsets, batch.offsets)
+    want = trained.predict(batch)
+    for _ in range(2):  # cold, then warm cache
+        assert close(model.predict(parsed), want)
+
+
+def _parser(exports, **limits):
+    return ServableModel.load(exports["criteo"], LoadOptions(limits=Limits(**limits))).parser
+
+
+@pytest.mark.parametrize("body,reason", [
+    (b"{not json", "not JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"examples": [], "x": 1}', "unknown top-level"),
+    (b'{"examples": {}}', "must be a list"),
+    (b'{"examples": [3]}', "examples[0] must be an object"),
+    (b'{"examples": [{"c1": NaN}]}', "not JSON"),
+])
+def test_bad_bodies_are_refused_with_their_reason(exports, body, reason):
+    with pytest.raises(BadRequest, match=re.escape(reason)):
+        _parser(exports).parse_body(body)
+
+
+def test_bad_examples_are_refused_with_their_reason(planted, exports):
+    _, examples = raw_examples(planted, 3, fmt="criteo")
+    p = _parser(exports, max_examples=2, max_body_bytes=10_000)
+
+    def refuse(exs, reason):
+        with pytest.raises(BadRequest, match=reason):
+            p.parse_examples(exs)
+
+    refuse(examples, "3 examples exceed the limit of 2")
+    with pytest.raises(BadRequest, match="exceeds the limit of 10000"):
+        p.parse_body(b" " * 10_001)
+    ex = dict(examples[0])
+    refuse([{k: v for k, v in ex.items() if k != "c5"}], r"examples\[0\]: missing column\(s\) \['c5'\]")
+    refuse([{**ex, "zz": 1}], r"unknown column\(s\) \['zz'\]")
+    refuse([ex, {**ex, "c1": "abc"}], r"dense column 'c1' takes numbers.*examples\[1\] has 'abc'")
+    refuse([{**ex, "c1": True}], "dense column 'c1' takes numbers")
+    refuse([{**ex, "c4": 1.5}], "categorical column 'c4' takes a string, an integer or a list")
+    refuse([{**ex, "c4": {"a": 1}}], "categorical column 'c4'")
+    refuse([{**ex, "c4": "xyz"}], "categorical column 'c4' value 'xyz' is not a valid hex value")
+    assert len(p.parse_examples([{**ex, "c1": None, "c5": None, "c6": ["1a", "7"], "c7": []}])) == 1
+    refuse([{**ex, "c6": ["1a", 7]}], "mixed value types")
+
+
+def test_nulls_lists_and_unseen_values_are_served(planted, trained, exports):
+    """A null dense value is 0, a null/empty categorical has no key, any value never trained
+    gets the trainer's initial row: the same as the reference trainer on the same keys."""
+    model = ServableModel.load(exports["parquet"], LoadOptions(mem_rows=10))
+    _, examples = raw_examples(planted, 2)
+    ex = {**examples[0], "I2": None, "C1": None, "C3": [], "C5": [10**9, 2**62, 4], "C6": 2**64 - 1}
+    batch = model.parser.parse_examples([ex, examples[1]])
+    assert close(model.predict(batch), trained.predict(batch))
+    assert batch.dense[0, 1] == 0.0 and not np.any(batch.slots[: batch.offsets[1]] == 0)
+
+
+def test_resolve_export_picks_the_newest_complete_one(exports, tmp_path):
+    root = tmp_path / "models"
+    shutil.copytree(exports["parquet"], root / "v1")
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ServingError, match="no export here"):
+        resolve_export(tmp_path / "empty")
+    time.sleep(0.01)
+    shutil.copytree(exports["criteo"], root / "v2")
+    os.utime(root / "v2" / "manifest.json")
+    os.makedirs(root / "v3")  # an interrupted export: no manifest
+    assert resolve_export(root) == str(root / "v2")
+    assert resolve_export(root / "v1") == str(root / "v1")
+
+
+def test_an_export_without_input_schema_is_a_clear_error(trained, tmp_path):
+    from hpsray.pipelines.export import export
+
+    d = str(tmp_path / "noschema")
+    export(trained.export(), d, trained.config, n_slots=N_SLOTS, n_dense=N_DENSE)
+    with pytest.raises(ServingError, match="no 'input' entry"):
+        ServableModel.load(d)
