@@ -73,7 +73,7 @@ def demo_job(workdir: str, rows: int, quiet: bool = True) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from hpsray.cli.train import summary, train_pipeline
-    from hpsray.config import ConfigError, JobConfig
+    from hpsray.job import ConfigError, JobConfig
 
     if args.rows < BATCHES:
         print(f"hpsray demo: error: --rows must be >= {BATCHES}, got {args.rows}", file=sys.stderr)

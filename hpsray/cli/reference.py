@@ -14,6 +14,8 @@ HELP = "train the in-memory reference trainer (the oracle) on planted synthetic 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hpsray.config import SPARSE_OPTIMIZERS
+
     parser.add_argument("--rows", type=int, default=200_000, help="training examples (default 200k)")
     parser.add_argument("--eval-rows", type=int, default=50_000, help="held-out examples (default 50k)")
     parser.add_argument("--slots", type=int, default=26, help="categorical slots per example")
@@ -24,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", default="512,256,128", help="MLP widths")
     parser.add_argument("--batch", type=int, default=50_000, help="examples per batch")
     parser.add_argument("--minibatch", type=int, default=1024, help="examples per gradient step")
-    parser.add_argument("--optimizer", default="adagrad", choices=["sgd", "adagrad", "adagrad_row", "adam"])
+    parser.add_argument("--optimizer", default="adagrad", choices=SPARSE_OPTIMIZERS)
     parser.add_argument("--lr", type=float, default=0.05, help="sparse learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

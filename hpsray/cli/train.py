@@ -1,6 +1,6 @@
 """``hpsray train JOB.toml``: train a job file on the hierarchical parameter server (or the reference).
 
-The job file (``examples/train.toml``; schema in :class:`hpsray.config.JobConfig`) names the
+The job file (``examples/train.toml``; schema in :class:`hpsray.job.JobConfig`) names the
 data, model, optimizers, tier budgets and pipeline sizes. The command prints held-out AUC,
 throughput and the stage table; ``--report`` writes the run report (JSON plus per-batch PNG
 plots), ``--export`` the trained rows (Parquet) and dense weights (``docs/export.md``).
@@ -83,13 +83,14 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
     import ray
 
     from hpsray.cluster.runtime import connect
+    from hpsray.job import build
     from hpsray.pipelines.export import export
 
     started = connect(address or job.cluster.address, logging_level=logging.WARNING if quiet else logging.INFO,
                       log_to_driver=not quiet)
     model = None
     try:
-        with job.build_pipeline(address=address) as pipe:
+        with build.pipeline(job, address=address) as pipe:
             report = dict(pipe.fit(progress=not quiet))
             report["trainer"] = "hpsray"
             _evaluate(report, job, pipe.evaluate)
@@ -109,9 +110,10 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
 
 def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
+    from hpsray.job import build
     from hpsray.reference import ReferenceTrainer, global_batches
 
-    source = job.source()
+    source = build.source(job)
     bs = job.pipeline.batch_size
     n_nodes = job.cluster.nodes
     if n_nodes == 0:
@@ -179,7 +181,9 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
 
 
 def _evaluate(report: dict, job, evaluate) -> None:
-    eval_source = job.eval_source()
+    from hpsray.job import build
+
+    eval_source = build.eval_source(job)
     if eval_source is None:
         report.update(auc=None, logloss=None, eval_examples=0)
         return
@@ -208,8 +212,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ray.exceptions import RayError
 
-    from hpsray.config import ConfigError, JobConfig
     from hpsray.data import DataError
+    from hpsray.job import ConfigError, JobConfig, build
     from hpsray.pipelines import TrainingStopped
 
     if args.compare and not os.path.isfile(os.path.join(args.compare, "manifest.json")):
@@ -218,10 +222,10 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     try:
         job = JobConfig.load(args.config)
-        job.source()  # resolves the schema: configuration errors surface before Ray starts
-        job.eval_source()
+        build.source(job)  # resolves the schema: configuration errors surface before Ray starts
+        build.eval_source(job)
         if not args.reference:
-            job.cluster_kwargs()
+            build.cluster_kwargs(job)
             check_fresh_ssd(job.tiers.ssd_path)
     except (ConfigError, DataError) as e:
         return error(str(e))
@@ -234,8 +238,8 @@ def run(args: argparse.Namespace) -> int:
             if args.export:
                 from hpsray.pipelines.export import export
 
-                report["export"] = export(model, args.export, job.train_config(), n_slots=job.source().n_slots,
-                                          n_dense=job.source().n_dense, extra={"trainer": "reference"})
+                report["export"] = export(model, args.export, job.train_config(), n_slots=build.source(job).n_slots,
+                                          n_dense=build.source(job).n_dense, extra={"trainer": "reference"})
         else:
             export_dir = args.export
             if args.compare and not export_dir:

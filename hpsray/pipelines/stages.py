@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpsray.config import TrainConfig
+from hpsray.config import CONSISTENCY_MODES, DENSE_SYNC, DEVICES, TrainConfig
 
 
 @dataclass
@@ -42,14 +42,10 @@ class TrainerStage:
     hbm_capacity: int | None = None  # rows; estimated from the batch when None
 
     def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ValueError(f"TrainerStage.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.n_devices < 1:
             raise ValueError(f"TrainerStage.n_devices must be >= 1, got {self.n_devices}")
-
-
-CONSISTENCY = ("bsp", "ssp", "asp")
-DENSE_SYNC = ("allreduce", "chunked")
 
 
 @dataclass
@@ -70,8 +66,8 @@ class SyncStage:
     straggler: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
-        if self.consistency not in CONSISTENCY:
-            raise ValueError(f"SyncStage.consistency must be one of {CONSISTENCY}, got {self.consistency!r}")
+        if self.consistency not in CONSISTENCY_MODES:
+            raise ValueError(f"SyncStage.consistency must be one of {CONSISTENCY_MODES}, got {self.consistency!r}")
         if self.dense not in DENSE_SYNC:
             raise ValueError(f"SyncStage.dense must be one of {DENSE_SYNC}, got {self.dense!r}")
         if self.staleness < 0:

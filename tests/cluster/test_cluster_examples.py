@@ -7,7 +7,7 @@ import pytest
 import tomllib
 import yaml
 
-from hpsray.config import ConfigError, JobConfig
+from hpsray.job import ConfigError, JobConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cluster"
 NEW_CLUSTER_KEYS = ("consistency", "staleness", "dense_sync", "chunk_bytes")
@@ -19,7 +19,7 @@ def load_job(text: str, where: str) -> JobConfig:
         return JobConfig.from_dict(tomllib.loads(text), where=where, base_dir=str(EXAMPLES))
     except ConfigError as e:
         if any(e.key == f"cluster.{k}" for k in NEW_CLUSTER_KEYS) and "unknown key" in e.reason:
-            pytest.skip(f"hpsray.config does not know [cluster] {e.key} yet (issue 6): {e}")
+            pytest.skip(f"hpsray.job does not know [cluster] {e.key} yet (issue 6): {e}")
         raise
 
 

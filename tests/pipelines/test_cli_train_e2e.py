@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpsray.config import JobConfig
+from hpsray.job import JobConfig, build
 from hpsray.data import PlantedCTR, write_synthetic
 from hpsray.data.generate import to_toml
 from hpsray.pipelines.export import compare_exports, export, load_export
@@ -104,7 +104,7 @@ def test_reference_run_matches_the_pipeline_export(trained, job_file):
 def test_export_round_trip_equals_pipeline_export_rows(trained, job_file, tmp_path, ray_local):
     _, hps_dir, _ = trained
     job = JobConfig.load(job_file)
-    with job.build_pipeline() as pipe:
+    with build.pipeline(job) as pipe:
         pipe.fit(progress=False)
         keys, rows = pipe.export_rows()
         manifest = export(pipe, tmp_path / "exp", job.train_config())

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from hpsray.config import ConfigError, JobConfig, TrainConfig
+from hpsray.config import TrainConfig
+from hpsray.job import ConfigError, JobConfig, build
 from hpsray.data import PlantedCTR, Schema, write_synthetic
 from hpsray.pipelines import FileSource, SyntheticSource
 
@@ -113,7 +114,7 @@ def test_relative_paths_resolve_against_the_job_files_directory(tmp_path, monkey
     assert job.data.paths == (str(sub / "data" / "train"), "/abs/x.tsv", "s3://bucket/day=1/*.parquet")
     assert job.data.eval_paths == (str(tmp_path / "held-out"),)
     assert job.tiers.ssd_path == str(sub / "ssd")
-    assert job.stages(n_slots=26)[2].path == str(sub / "ssd")
+    assert build.stages(job, n_slots=26)[2].path == str(sub / "ssd")
 
 
 def test_defaults_and_the_pieces_it_builds():
@@ -127,10 +128,10 @@ def test_defaults_and_the_pieces_it_builds():
     cfg = job.train_config()
     assert cfg == TrainConfig(dim=4, hidden=(8,), sparse_optimizer="adam", sparse_lr=0.01, dense_optimizer="sgd",
                               dense_lr=1e-3, minibatch_size=100, seed=3, sparse_params={"beta1": 0.8})
-    src, ev = job.source(), job.eval_source()
+    src, ev = build.source(job), build.eval_source(job)
     assert isinstance(src, SyntheticSource) and src.rows == 5000 and src.n_slots == 3 and src.n_dense == 2
     assert ev.rows == 500 and ev.start_row == 5000 and repr(ev.generator) == repr(src.generator)
-    trainer, mem, ssd = job.stages()
+    trainer, mem, ssd = build.stages(job)
     assert trainer.n_devices == 2 and trainer.config == cfg
     assert mem.capacity_bytes == 2**20 and mem.capacity_rows is None
     assert ssd.path is None and ssd.options == {"rows_per_file": 64, "max_space_ratio": None}
@@ -138,8 +139,8 @@ def test_defaults_and_the_pieces_it_builds():
     # default MEM-PS budget: 4 batches' worth of slots, like Pipeline's own default
     job = JobConfig.from_dict({"data": {"synthetic": {"rows": 10, "slots": 5}}, "pipeline": {"batch_size": 7,
                                                                                           "minibatch_size": 7}})
-    assert job.stages()[1].capacity_rows == 4 * 7 * 5
-    assert job.eval_source() is None
+    assert build.stages(job)[1].capacity_rows == 4 * 7 * 5
+    assert build.eval_source(job) is None
 
 
 def test_schema_comes_from_the_table_the_data_directory_or_the_criteo_preset(tmp_path):
@@ -147,35 +148,35 @@ def test_schema_comes_from_the_table_the_data_directory_or_the_criteo_preset(tmp
     write_synthetic(str(tmp_path / "data"), gen, 100, "parquet", shard_rows=50)
     job = JobConfig.from_dict({"data": {"paths": ["data/part-0000[0].parquet"], "eval_paths": ["data/part-00001.parquet"]}},
                               where="j.toml", base_dir=str(tmp_path))
-    src = job.source()
+    src = build.source(job)
     assert isinstance(src, FileSource) and src.schema.format == "parquet" and src.n_slots == 3 and src.n_dense == 2
-    assert job.eval_source().schema == src.schema
+    assert build.eval_source(job).schema == src.schema
     # the directory itself works too
     job = JobConfig.from_dict({"data": {"paths": "data"}}, where="j.toml", base_dir=str(tmp_path))
-    assert job.source().n_slots == 3
+    assert build.source(job).n_slots == 3
     # a format that contradicts _schema.toml is refused
     job = JobConfig.from_dict({"data": {"paths": "data", "format": "csv"}}, where="j.toml", base_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"j\.toml: data\.format: 'csv' contradicts .*_schema\.toml"):
-        job.source()
+        build.source(job)
     # no _schema.toml: criteo preset, or an error naming data.schema
     (tmp_path / "raw").mkdir()
     job = JobConfig.from_dict({"data": {"paths": "raw", "format": "criteo"}}, where="j.toml", base_dir=str(tmp_path))
-    assert job.source().schema == Schema.criteo()
+    assert build.source(job).schema == Schema.criteo()
     job = JobConfig.from_dict({"data": {"paths": "raw"}}, where="j.toml", base_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"j\.toml: data\.schema: missing: no \[data\.schema\] table and no _schema"):
-        job.source()
+        build.source(job)
     # an explicit table wins
     job = JobConfig.from_dict({"data": {"paths": "raw", "schema": {"format": "csv", "label": 0, "dense": [1],
                                                                    "categorical": [2, 3]}}},
                               where="j.toml", base_dir=str(tmp_path))
-    assert job.source().n_slots == 2
+    assert build.source(job).n_slots == 2
 
 
 def test_the_example_job_file_is_valid():
     here = os.path.dirname(os.path.abspath(__file__))
     job = JobConfig.load(os.path.join(here, "..", "..", "examples", "train.toml"))
-    assert job.data.synthetic.rows > 0 and job.eval_source() is not None
-    mem = job.stages()[1]
+    assert job.data.synthetic.rows > 0 and build.eval_source(job) is not None
+    mem = build.stages(job)[1]
     assert mem.capacity_rows == job.tiers.mem_rows
 
 
@@ -188,6 +189,6 @@ def test_more_nodes_than_the_pipeline_supports_is_a_config_error():
 
     job = JobConfig.from_dict(with_("cluster", nodes=3, consistency="ssp", staleness=1, dense_sync="chunked",
                                     chunk_bytes="64KiB"), where="j.toml")
-    assert job.cluster_kwargs() == {"nodes": 3, "sync": SyncStage("ssp", 1, "chunked", 65536)}
+    assert build.cluster_kwargs(job) == {"nodes": 3, "sync": SyncStage("ssp", 1, "chunked", 65536)}
     assert set(inspect.signature(Pipeline).parameters) >= {"nodes", "sync"}
-    assert JobConfig.from_dict(with_("cluster", nodes=0)).cluster_kwargs()["nodes"] is None  # every node
+    assert build.cluster_kwargs(JobConfig.from_dict(with_("cluster", nodes=0)))["nodes"] is None  # every node

@@ -1,0 +1,72 @@
+"""Building what a job describes: its sources, stages and :class:`~hpsray.pipelines.Pipeline`.
+
+The only module of :mod:`hpsray.job` that imports :mod:`hpsray.pipelines` (and so Ray): reading
+and validating a job file (:class:`~hpsray.job.JobConfig`) needs neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hpsray.errors import ConfigError
+from hpsray.job.jobconfig import JobConfig
+from hpsray.pipelines.pipeline import Pipeline
+from hpsray.pipelines.sources import FileSource, SyntheticSource
+from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
+
+__all__ = ["cluster_kwargs", "eval_source", "pipeline", "source", "stages"]
+
+
+def source(job: JobConfig) -> SyntheticSource | FileSource:
+    """The training source: :class:`~hpsray.pipelines.SyntheticSource` or :class:`~hpsray.pipelines.FileSource`."""
+    syn = job.data.synthetic
+    if syn is not None:
+        return SyntheticSource(syn.generator(), syn.rows)
+    return FileSource(list(job.data.paths), job.schema(), job.data.bad_input)
+
+
+def eval_source(job: JobConfig) -> SyntheticSource | FileSource | None:
+    """The held-out source, or ``None`` when the job names no evaluation data."""
+    syn = job.data.synthetic
+    if syn is not None:
+        return SyntheticSource(syn.generator(), syn.eval_rows, start_row=syn.rows) if syn.eval_rows else None
+    if not job.data.eval_paths:
+        return None
+    return FileSource(list(job.data.eval_paths), job.schema(), job.data.bad_input)
+
+
+def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerStage, MemPSStage, SSDPSStage]:
+    """``(TrainerStage, MemPSStage, SSDPSStage)`` of ``job``. ``n_slots`` sizes the default
+    MEM-PS budget (read from the schema when not given)."""
+    t, p = job.tiers, job.pipeline
+    trainer = TrainerStage(config=job.train_config(), n_devices=p.n_devices, device=p.device,
+                           threads=p.threads, hbm_capacity=p.hbm_rows)
+    if t.mem_bytes is not None:
+        mem = MemPSStage(capacity_bytes=t.mem_bytes, options=dict(t.mem))
+    else:
+        if t.mem_rows is None and n_slots is None:
+            n_slots = source(job).n_slots
+        rows = t.mem_rows if t.mem_rows is not None else 4 * p.batch_size * max(n_slots or 1, 1)
+        mem = MemPSStage(capacity_rows=rows, options=dict(t.mem))
+    return trainer, mem, SSDPSStage(path=t.ssd_path, options=dict(t.ssd))
+
+
+def cluster_kwargs(job: JobConfig) -> dict:
+    """Extra :class:`~hpsray.pipelines.Pipeline` arguments of ``[cluster]``."""
+    c = job.cluster
+    if c.chunk_bytes < 4:
+        raise ConfigError(job.where, "cluster.chunk_bytes", f"must be at least 4 bytes, got {c.chunk_bytes}")
+    return {"nodes": c.nodes or None,
+            "sync": SyncStage(consistency=c.consistency, staleness=c.staleness, dense=c.dense_sync,
+                              chunk_bytes=c.chunk_bytes)}
+
+
+def pipeline(job: JobConfig, address: str | None = None, name: str | None = None,
+             transforms: Sequence[Callable] = ()) -> Pipeline:
+    """A :class:`~hpsray.pipelines.Pipeline` for ``job`` (``address`` overrides ``cluster.address``)."""
+    kwargs = cluster_kwargs(job)
+    src = source(job)
+    trainer, mem, ssd = stages(job, src.n_slots)
+    return Pipeline(src, trainer, mem, ssd, transforms=transforms, batch_size=job.pipeline.batch_size,
+                    read_queue=job.pipeline.read_queue, address=address or job.cluster.address, name=name,
+                    **kwargs)
