@@ -135,7 +135,7 @@ class ReferenceTrainer:
         apply_to_rows(fetched["rows"], grads, self.optimizer, self.step)
         self.store.write(fetched["pos"], fetched["rows"])
         self.examples += len(mb)
-        return loss
+        return float(loss)
 
     def train_batch(self, batch: Batch) -> float:
         """Train on every mini-batch of ``batch`` in order; returns the mean loss."""

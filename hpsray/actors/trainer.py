@@ -10,6 +10,7 @@ import torch
 
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
+from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
@@ -26,7 +27,10 @@ class Trainer:
         n_slots, n_dense: input shape.
         capacity: rows the working set of two consecutive batches may hold.
         n_devices: ``D`` device tables and dense replicas ("virtual devices" on CPU).
-        device: ``"cpu"`` or ``"cuda"`` kernels.
+        device: where the whole step runs: ``"cpu"`` (numba tables, torch on CPU) or ``"cuda"``
+            (numba.cuda tables, CuPy key work and torch on this process's GPU; Ray gives the
+            actor its own GPU with ``num_gpus=1``). Per mini-batch only the keys, dense
+            features and labels go to the GPU; the loss is read once per batch.
         model: a module ``(pooled [B, n_slots, dim], dense) -> logits``; the DNN when ``None``.
         threads: torch intra-op threads (default: all cores).
     """
@@ -37,9 +41,10 @@ class Trainer:
         self.node, self.config = node, config  # first, so repr() works if the rest fails
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.optimizer = config.optimizer()
+        self.device = StepDevice(device)
         self.hbm = HbmPS(capacity, config.row_width, config.row_init(), n_devices, n_nodes, device)
         model = model if model is not None else DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
-        self.dense = DenseReplicas(model, n_devices, config.dense_optimizer, config.dense_lr)
+        self.dense = DenseReplicas(model, n_devices, config.dense_optimizer, config.dense_lr, self.device)
         self.n_nodes = n_nodes
         self.group = None  # the collective group, when n_nodes > 1 (see join)
         self.dense_reducer = None
@@ -123,14 +128,15 @@ class Trainer:
             else:
                 losses = self._train_stale(batch, plan["sizes"])
             self.examples += len(batch) if batch is not None else 0
-            self.losses[batch_id] = float(np.sum(losses) / max(len(losses), 1)) if losses else float("nan")
+            # the losses stay on the device until here: one read per batch
+            self.losses[batch_id] = float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
             out = [{"borrower": self.node, "keys": k, "rows": self.hbm.export(k)} for k in key_parts]
             return (*out, {"loss": self.losses[batch_id], "examples": len(batch) if batch is not None else 0})
 
-    def _weights(self, keys: np.ndarray) -> np.ndarray:
+    def _weights(self, keys):
         return self.hbm.get(keys, columns=self.config.dim)
 
-    def _train_local(self, batch) -> list[float]:
+    def _train_local(self, batch) -> list[torch.Tensor]:
         self.dense.train(True)
         losses = []
         for mb in batch.minibatches(self.config.minibatch_size):
@@ -140,7 +146,7 @@ class Trainer:
             losses.append(loss)
         return losses
 
-    def _train_steps(self, batch, sizes: list[int]) -> list[float]:
+    def _train_steps(self, batch, sizes: list[int]) -> list[torch.Tensor]:
         """BSP across nodes: after every global mini-batch, all trainers combine their sparse
         updates (each applies every node's to the rows it holds) and sum their dense gradients."""
         self.dense.train(True)
@@ -166,7 +172,7 @@ class Trainer:
             total = sum(min(max(s - k * m, 0), m) for s in sizes)
             yield (batch.slice(k * m, min((k + 1) * m, n)) if k * m < n else self._empty), total
 
-    def _train_stale(self, batch, sizes: list[int]) -> list[float]:
+    def _train_stale(self, batch, sizes: list[int]) -> list[torch.Tensor]:
         """SSP / ASP across nodes (:mod:`hpsray.cluster.consistency`): publish each mini-batch's
         update, apply the others' as they arrive, wait only when beyond the staleness bound."""
         import ray
@@ -184,11 +190,12 @@ class Trainer:
                 time.sleep(straggler[1])
             own = {}
 
-            def reduce(flat: torch.Tensor) -> torch.Tensor:
-                own["dense"] = flat.numpy().copy()
-                return flat + torch.from_numpy(others["dense"]) if others["dense"] is not None else flat
+            def reduce(flat: torch.Tensor) -> torch.Tensor:  # updates travel through the host here
+                own["dense"] = flat.detach().cpu().numpy().copy()
+                return flat + self.device.tensor(others["dense"]) if others["dense"] is not None else flat
 
             loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=reduce)
+            gkeys, grads = StepDevice.host(gkeys), StepDevice.host(grads)
             self.step += 1
             self.board.publish.remote(self.node, clock, [ray.put((gkeys, grads, own["dense"]))])
             self.exchanged_bytes.append(gkeys.nbytes + grads.nbytes + own["dense"].nbytes)
@@ -231,16 +238,16 @@ class Trainer:
         model = self.dense.models[0]
         model.eval()
         out = []
-        dim = self.config.dim
+        dim, dev = self.config.dim, self.device
         for mb in batch.minibatches(self.config.minibatch_size):
             layout = BagLayout.of(mb)
-            emb = torch.from_numpy(np.ascontiguousarray(rows[np.searchsorted(keys, layout.unique_keys), :dim]))
-            out.append(torch.sigmoid(model(pool_sum(emb, layout), torch.tensor(mb.dense))).numpy())
+            emb = dev.tensor(np.ascontiguousarray(rows[np.searchsorted(keys, layout.unique_keys), :dim]))
+            out.append(torch.sigmoid(model(pool_sum(emb, layout), dev.tensor(mb.dense))).cpu().numpy())
         return np.concatenate(out) if out else np.empty(0, np.float32)
 
     def dense_state(self) -> dict:
         """The dense model's parameters (replica 0; all replicas are equal)."""
-        return {k: v.detach().clone() for k, v in self.dense.models[0].state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.dense.models[0].state_dict().items()}
 
     def replicas_equal(self) -> bool:
         ref = self.dense.models[0].state_dict()

@@ -2,10 +2,15 @@
 
 For each table size (default 1M and 10M keys, dim 16) it measures, in keys per second:
 ``find_or_insert`` into an empty table, ``find`` of random present keys, ``find`` followed by
-``gather`` of the found rows, and ``scatter_add``; and in the same run two baselines: lookups in
+``gather`` of the found rows, ``scatter_add``, and ``assign`` (HierarchicalKV's ``insert_or_assign``)
+of distinct present keys; and in the same run two baselines: lookups in
 a Python ``dict`` holding the same keys, and the *gather bound*, numpy ``take`` of random rows
 from an array as large as the table's arena (one random memory access per key: the memory
 latency limit of this machine). Top-level keys carry the largest size's figures.
+
+With ``--device cuda`` the timed keys and values are on the device already (as a trainer's are),
+so the figures are the kernels' and not the PCIe copies'; the table is sized for its keys, so it
+ends at bucket load 0.5 (HierarchicalKV's published "load 0.5" point).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
     warm.find_or_insert(keys[:8])
     warm.gather(warm.find(keys[:8]))
     warm.scatter_add(keys[:8], values[:8])
+    warm.assign(keys[:8], values[:8])
 
     table = make_table(n, dim, device=device)
     t0 = time.perf_counter()
@@ -68,9 +74,17 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
     _sync(device)
     insert_s = time.perf_counter() - t0
 
-    find_s = _best(lambda: (table.find(q), _sync(device)), repeat)
-    find_gather_s = _best(lambda: (table.gather(table.find(q)), _sync(device)), repeat)
-    scatter_s = _best(lambda: (table.scatter_add(q, values), _sync(device)), repeat)
+    distinct = keys[rng.permutation(n)[: min(queries, n)]]
+    assign_values = values[: distinct.size]
+    tq, tvalues, tdistinct, tassign = q, values, distinct, assign_values
+    if device == "cuda":  # keys already on the device, as the trainer's are
+        from numba import cuda
+
+        tq, tvalues, tdistinct, tassign = (cuda.to_device(a) for a in (q, values, distinct, assign_values))
+    find_s = _best(lambda: (table.find(tq), _sync(device)), repeat)
+    find_gather_s = _best(lambda: (table.gather(table.find(tq)), _sync(device)), repeat)
+    scatter_s = _best(lambda: (table.scatter_add(tq, tvalues), _sync(device)), repeat)
+    assign_s = _best(lambda: (table.assign(tdistinct, tassign), _sync(device)), repeat)
 
     # baselines, same run
     # A written array: an untouched np.zeros arena maps every page to the kernel's shared zero
@@ -92,6 +106,7 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
         "find_keys_per_s": queries / find_s,
         "find_gather_keys_per_s": queries / find_gather_s,
         "scatter_add_keys_per_s": queries / scatter_s,
+        "insert_or_assign_keys_per_s": distinct.size / assign_s,
         "dict_find_keys_per_s": len(dq) / dict_s,
         "gather_bound_keys_per_s": queries / gather_s,
     }

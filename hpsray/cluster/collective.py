@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hpsray.cluster.netaddr import bind_collectives
+from hpsray.kernels.arrays import array_module, is_device_array
 
 _WORDS_PER_KEY = 2  # a uint64 key viewed as two float32 words
 
@@ -49,9 +50,13 @@ class CollectiveGroup:
         self.bytes_sent += out.numel() * out.element_size()
         return out.to(flat.device)
 
-    def allgather_varlen(self, payload: np.ndarray) -> list[np.ndarray]:
-        """Every rank's float32 ``payload`` (lengths may differ), in rank order."""
-        payload = np.ascontiguousarray(payload, dtype=np.float32).reshape(-1)
+    def allgather_varlen(self, payload):
+        """Every rank's float32 ``payload`` (lengths may differ), in rank order, as arrays of the
+        payload's kind: numpy for numpy, CuPy for device arrays (which NCCL gathers in place on
+        the device, with no host staging)."""
+        on_device = is_device_array(payload)
+        xp = array_module("cuda" if on_device else "cpu")
+        payload = xp.ascontiguousarray(payload, dtype=xp.float32).reshape(-1)
         dev = self.device
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world)]
         self.col.allgather(sizes, torch.tensor([payload.size], dtype=torch.int64, device=dev), group_name=self.name)
@@ -60,24 +65,29 @@ class CollectiveGroup:
         if longest == 0:
             return [payload[:0] for _ in lengths]
         padded = torch.zeros(longest, dtype=torch.float32, device=dev)
-        padded[: payload.size] = torch.from_numpy(payload).to(dev)
+        if payload.size:
+            padded[: payload.size] = torch.as_tensor(payload).to(dev)
         parts = [torch.empty(longest, dtype=torch.float32, device=dev) for _ in range(self.world)]
         self.col.allgather(parts, padded, group_name=self.name)
         self.bytes_sent += 8 + longest * 4
         self.exchanges += 1
+        if on_device:
+            return [xp.asarray(p[:n]) for p, n in zip(parts, lengths)]
         return [p[:n].cpu().numpy() for p, n in zip(parts, lengths)]
 
-    def allgather_sparse(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's ``(keys, grads)`` concatenated in rank order (duplicates kept)."""
+    def allgather_sparse(self, keys, grads):
+        """Every rank's ``(keys, grads)`` concatenated in rank order (duplicates kept); numpy
+        in, numpy out; device arrays in, CuPy out."""
+        xp = array_module("cuda" if is_device_array(keys) else "cpu")
         dim = grads.shape[1]
-        keys = np.ascontiguousarray(keys, dtype=np.uint64)
-        payload = np.concatenate([keys.view(np.float32), np.ascontiguousarray(grads, np.float32).reshape(-1)])
+        keys = xp.ascontiguousarray(keys, dtype=xp.uint64)
+        payload = xp.concatenate([keys.view(xp.float32), xp.ascontiguousarray(grads, dtype=xp.float32).reshape(-1)])
         all_keys, all_grads = [], []
         for part in self.allgather_varlen(payload):
             n = part.size // (_WORDS_PER_KEY + dim)
-            all_keys.append(part[: n * _WORDS_PER_KEY].view(np.uint64))
+            all_keys.append(part[: n * _WORDS_PER_KEY].view(xp.uint64))
             all_grads.append(part[n * _WORDS_PER_KEY :].reshape(n, dim))
-        return np.concatenate(all_keys), np.concatenate(all_grads)
+        return xp.concatenate(all_keys), xp.concatenate(all_grads)
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""

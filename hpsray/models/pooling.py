@@ -1,8 +1,10 @@
-"""Sum-pooling of embedding rows per (example, slot) bag, in PyTorch."""
+"""Sum-pooling of embedding rows per (example, slot) bag, in PyTorch, on the rows' device."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from numba import njit
 
 from hpsray.data.batch import Batch
+from hpsray.kernels.arrays import distinct_inverse
 
 
 @dataclass(frozen=True)
@@ -18,27 +21,29 @@ class BagLayout:
 
     ``unique_keys[inverse[i]]`` is key ``i`` (after sorting keys by bag); ``bag_offsets`` are
     the start of each of the ``B * n_slots`` bags in that order, as ``F.embedding_bag`` wants.
+    The three arrays live in the array module ``xp`` the layout was made with: numpy, or CuPy
+    on a GPU, where the keys are deduplicated on the device (the keys and offsets go in once).
     """
 
-    unique_keys: np.ndarray  # uint64[U]
-    inverse: np.ndarray  # int64[nnz], into unique_keys, keys in bag order
-    bag_offsets: np.ndarray  # int64[B * n_slots]
+    unique_keys: Any  # uint64[U], sorted
+    inverse: Any  # int64[nnz], into unique_keys, keys in bag order
+    bag_offsets: Any  # int64[B * n_slots]
     n_examples: int
     n_slots: int
 
     @staticmethod
-    def of(batch: Batch) -> "BagLayout":
+    def of(batch: Batch, xp: ModuleType = np) -> "BagLayout":
         bag = batch.bag_index()
         keys = batch.keys
         if bag.size > 1 and np.any(bag[1:] < bag[:-1]):  # keys of an example not in slot order
             order = np.argsort(bag, kind="stable")
             bag, keys = bag[order], keys[order]
-        unique_keys, inverse = np.unique(keys, return_inverse=True)
+        unique_keys, inverse = distinct_inverse(xp, xp.asarray(keys))
         n_bags = len(batch) * batch.n_slots
         counts = np.bincount(bag, minlength=n_bags)
         offsets = np.zeros(n_bags, dtype=np.int64)
         np.cumsum(counts[:-1], out=offsets[1:])
-        return BagLayout(unique_keys, inverse.astype(np.int64), offsets, len(batch), batch.n_slots)
+        return BagLayout(unique_keys, inverse, xp.asarray(offsets), len(batch), batch.n_slots)
 
 
 def pool_sum(rows: torch.Tensor, layout: BagLayout) -> torch.Tensor:
@@ -46,15 +51,21 @@ def pool_sum(rows: torch.Tensor, layout: BagLayout) -> torch.Tensor:
 
     Differentiable in ``rows``; an empty bag pools to zeros. On CPU the gradient of ``rows``
     comes from :func:`_bag_grad` (one pass over the bags) instead of torch's dense
-    embedding-bag backward, which sorts the indices first (~4x the time at 100 keys/example).
+    embedding-bag backward, which sorts the indices first (~4x the time at 100 keys/example);
+    on CUDA torch's own embedding-bag forward and backward run on the device.
     """
     if rows.requires_grad and not rows.is_cuda:
         pooled = _PoolSum.apply(rows, layout)
     else:
         pooled = F.embedding_bag(
-            torch.from_numpy(layout.inverse), rows, torch.from_numpy(layout.bag_offsets), mode="sum"
+            _index(layout.inverse, rows.device), rows, _index(layout.bag_offsets, rows.device), mode="sum"
         )
     return pooled.view(layout.n_examples, layout.n_slots, rows.shape[1])
+
+
+def _index(a: Any, device: torch.device) -> torch.Tensor:
+    """An index array (numpy or CuPy) as a tensor on ``device``, without a copy where it lives there."""
+    return torch.as_tensor(a, device=device)
 
 
 class _PoolSum(torch.autograd.Function):

@@ -5,6 +5,12 @@ from HBM-PS tables) and applies the returned sparse gradients with the shared op
 this module does the part in between, identically for every trainer: pool, forward, loss,
 backward, dense optimizer step.
 
+The step runs on a :class:`~hpsray.models.device.StepDevice`: on CUDA the keys are
+deduplicated on the device (CuPy), the rows come from the tables as device arrays, pooling, the
+model, the loss and the backward pass run there, and the sparse gradients go back to the tables
+as device arrays; only the mini-batch's keys, dense features and labels go in, and the loss
+stays a device tensor until the caller reads it.
+
 With ``D`` dense replicas (one per device, paper App. C.4) each replica takes a contiguous
 slice of the mini-batch and its loss is scaled by the whole mini-batch's size, so the summed
 replica gradients equal the single-replica gradient; every replica then steps with that sum and
@@ -14,22 +20,27 @@ the replicas stay identical.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from hpsray.data.batch import Batch
+from hpsray.models.device import StepDevice
 from hpsray.models.dnn import make_dense_optimizer
 from hpsray.models.pooling import BagLayout, pool_sum
 
 
 class DenseReplicas:
-    """``n`` identical copies of a model, each with its own dense optimizer, kept in lockstep."""
+    """``n`` identical copies of a model, each with its own dense optimizer, kept in lockstep,
+    on ``device`` (the CPU when ``None``; the model is moved there)."""
 
-    def __init__(self, model: torch.nn.Module, n: int, optimizer: str, lr: float) -> None:
+    def __init__(self, model: torch.nn.Module, n: int, optimizer: str, lr: float,
+                 device: StepDevice | None = None) -> None:
         if n < 1:
             raise ValueError(f"need at least one dense replica, got {n}")
+        self.device = device or StepDevice("cpu")
+        model.to(self.device.torch)
         self.models = [model] + [copy.deepcopy(model) for _ in range(n - 1)]
         self.optimizers = [make_dense_optimizer(optimizer, m.parameters(), lr) for m in self.models]
 
@@ -41,23 +52,27 @@ class DenseReplicas:
             m.train(mode)
 
     def step(
-        self, mb: Batch, weights_of: Callable[[np.ndarray], np.ndarray], total: int | None = None,
+        self, mb: Batch, weights_of: Callable[[Any], Any], total: int | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> tuple[float, np.ndarray, np.ndarray]:
+    ) -> tuple[torch.Tensor, Any, Any]:
         """Forward/backward over ``mb`` and one dense optimizer step.
 
-        ``weights_of(unique_keys)`` returns ``float32[U, dim]`` embedding weights. Returns the
-        mini-batch's loss (its share of the mean over ``total`` examples, default ``len(mb)``)
-        and ``(keys, grads)`` of the sparse gradient; keys may repeat across replicas, whose
+        ``weights_of(unique_keys)`` returns ``float32[U, dim]`` embedding weights for sorted
+        distinct keys given in the device's array module (numpy or CuPy; any array torch can
+        take without a copy on that device). Returns the mini-batch's loss as a 0-d tensor on
+        the device (its share of the mean over ``total`` examples, default ``len(mb)``; read it
+        with ``float()`` when needed, which waits for the device) and ``(keys, grads)`` of the
+        sparse gradient in the device's array module; keys may repeat across replicas, whose
         gradients the tables sum before they apply them.
 
         Across nodes, ``mb`` is this node's part of a global mini-batch of ``total`` examples
         (possibly empty) and ``reduce(flat)`` sums the flattened dense gradient over the nodes
         before every replica steps with it.
         """
+        dev, xp = self.device, self.device.xp
         n_total = total if total is not None else len(mb)
         bounds = np.linspace(0, len(mb), len(self.models) + 1).astype(int)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=dev.torch)
         keys_out, grads_out = [], []
         for model in self.models:  # a replica whose slice is empty must not keep old gradients
             model.zero_grad(set_to_none=True)
@@ -65,22 +80,24 @@ class DenseReplicas:
             if hi <= lo:
                 continue
             part = mb.slice(lo, hi)
-            layout = BagLayout.of(part)
-            emb = torch.from_numpy(np.ascontiguousarray(weights_of(layout.unique_keys))).requires_grad_(True)
-            # torch.tensor copies: batches from the object store are read-only views
-            logits = model(pool_sum(emb, layout), torch.tensor(part.dense))
+            layout = BagLayout.of(part, xp)
+            emb = dev.tensor(weights_of(layout.unique_keys)).requires_grad_(True)
+            logits = model(pool_sum(emb, layout), dev.tensor(part.dense))
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, torch.tensor(part.labels), reduction="sum"
+                logits, dev.tensor(part.labels), reduction="sum"
             ) / n_total
             loss.backward()
-            loss_sum += float(loss.detach())
+            loss_sum = loss_sum + loss.detach()
             keys_out.append(layout.unique_keys)
-            grads_out.append(emb.grad.numpy())
+            grads_out.append(dev.from_tensor(emb.grad))
         self._allreduce_and_step(reduce)
         if not keys_out:  # this node's part of the global mini-batch is empty
-            no_keys = np.empty(0, np.uint64)
-            return loss_sum, no_keys, np.zeros_like(weights_of(no_keys))
-        return loss_sum, np.concatenate(keys_out), np.concatenate(grads_out)
+            no_keys = xp.empty(0, dtype=xp.uint64)
+            dim = weights_of(no_keys).shape[1]
+            return loss_sum, no_keys, xp.zeros((0, dim), dtype=xp.float32)
+        if len(keys_out) == 1:
+            return loss_sum, keys_out[0], grads_out[0]
+        return loss_sum, xp.concatenate(keys_out), xp.concatenate(grads_out)
 
     def _allreduce_and_step(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         if reduce is not None:

@@ -36,7 +36,7 @@ from hpsray.actors.ssdps import SSDPSShard
 from hpsray.actors.trainer import Trainer
 from hpsray.cluster.runtime import connect, on_node, training_nodes
 from hpsray.data.batch import Batch
-from hpsray.errors import PeerFailedError, TrainingStopped, caused_by
+from hpsray.errors import ConfigError, PeerFailedError, TrainingStopped, caused_by
 from hpsray.models.metrics import auc, logloss
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
@@ -135,7 +135,8 @@ class Pipeline:
             mem = ray.remote(MemPSShard).options(name=f"{self.name}:MemPS[node {i}]", **opts).remote(
                 i, ssd, width, self.config.row_init(), self.mem_stage.capacity_rows, self.mem_stage.capacity_bytes,
                 **self.mem_stage.options)
-            trainer = ray.remote(Trainer).options(name=f"{self.name}:Trainer[node {i}]", **opts).remote(
+            trainer = ray.remote(Trainer).options(name=f"{self.name}:Trainer[node {i}]",
+                                                  **_trainer_resources(opts, t.device, node)).remote(
                 i, n_nodes, self.config, self.source.n_slots, self.source.n_dense, capacity, t.n_devices, t.device,
                 t.model, threads)
             self._nodes.append(_Node(i, node["NodeID"], ssd, mem, trainer))
@@ -437,3 +438,18 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _trainer_resources(opts: dict, device: str, node: dict) -> dict:
+    """The trainer actor's options: on CUDA it asks Ray for one GPU of its node, so Ray sets
+    ``CUDA_VISIBLE_DEVICES`` and two trainers on one host never share a GPU."""
+    if device != "cuda":
+        return opts
+    gpus = node.get("Resources", {}).get("GPU", 0)
+    if gpus < 1:
+        raise ConfigError(
+            f"Ray node {node.get('NodeManagerAddress', node['NodeID'])}", "pipeline.device",
+            f"'cuda' but the node offers no GPU (its resources: {', '.join(sorted(node.get('Resources', {})))}); "
+            "start it with GPUs visible (ray start --num-gpus=N) or train with device = 'cpu'",
+        )
+    return {**opts, "num_gpus": 1}

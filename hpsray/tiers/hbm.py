@@ -9,6 +9,10 @@ Rows already resident from the previous batch are fresher than any copy pulled w
 trained (the pull of batch ``t+1`` overlaps the training of ``t``), so :meth:`insert` keeps
 them and only fills keys that are new; :meth:`retain` then drops what the new batch no longer
 needs. This is how the pipeline stays BSP-exact across batch boundaries (DESIGN invariant 2).
+
+Per mini-batch, :meth:`get` and :meth:`apply_gradients` also take device arrays (CuPy, numba,
+torch CUDA) and then answer with device arrays, so a trainer on a GPU reads and updates its rows
+without leaving the device. Batch-level calls (insert, retain, assign, export) take numpy.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpsray.kernels import make_table
+from hpsray.kernels.arrays import array_module, is_device_array, to_host
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer
 from hpsray.kernels.table import as_keys
@@ -98,10 +103,24 @@ class HbmPS:
                 erased += table.erase(stale)
         return erased
 
-    def get(self, keys, columns: int | None = None) -> np.ndarray:
+    @property
+    def xp(self):
+        """The array module of device keys (CuPy; imported only once device keys arrive)."""
+        return array_module(self.device)
+
+    def _on_device(self, keys) -> bool:
+        """Whether ``keys`` are device arrays this node's tables take as they are (one table;
+        with several, device keys are grouped on the host)."""
+        return is_device_array(keys) and self.n_devices == 1
+
+    def get(self, keys, columns: int | None = None):
         """Rows of resident ``keys`` (``float32[n, width]``; only the first ``columns`` floats
-        when given, e.g. the weights for a forward pass)."""
-        keys = as_keys(keys)
+        when given, e.g. the weights for a forward pass). Device keys give device rows."""
+        if self._on_device(keys):
+            if keys.shape[0] == 0:
+                return self.xp.zeros((0, self.width if columns is None else columns), dtype=self.xp.float32)
+            return self.tables[0].get(keys, columns)
+        keys = as_keys(to_host(keys))
         if self.n_devices == 1:
             return self.tables[0].get(keys, columns)
         out = np.empty((keys.size, self.width if columns is None else columns), dtype=np.float32)
@@ -113,9 +132,21 @@ class HbmPS:
         """Accumulate ``grads`` into the rows of ``keys`` through ``optimizer`` (duplicates summed).
 
         With ``resident_only``, keys this node does not hold are skipped: across nodes every
-        trainer receives every node's updates and applies those to the rows it has.
+        trainer receives every node's updates and applies those to the rows it has. Device
+        keys and gradients are applied on the device.
         """
-        keys = as_keys(keys)
+        if self._on_device(keys):
+            if keys.shape[0] == 0:
+                return
+            k, g = keys, grads
+            if resident_only:
+                held = self.xp.asarray(self.tables[0].find(k)) >= 0
+                if not bool(held.all()):
+                    k, g = k[held], g[held]
+            if k.shape[0]:
+                self.tables[0].apply_gradients(k, g, optimizer, step)
+            return
+        keys, grads = as_keys(to_host(keys)), to_host(grads)
         for _, table, pos in self._parts(keys):
             k, g = (keys, grads) if pos is None else (keys[pos], grads[pos])
             if resident_only and k.size:

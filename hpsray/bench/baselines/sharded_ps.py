@@ -132,7 +132,7 @@ class PSTrainer:
             loss, keys, grads = self.dense.step(mb, self._pull)
             self.step += 1
             self._push(keys, grads)
-            losses.append(loss)
+            losses.append(float(loss))
         ray.get(self._pushes)  # surface a shard's error; bounds the refs held
         self._pushes = []
         self.examples += len(batch)
