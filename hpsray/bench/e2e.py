@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--hidden", default="512,256,128")
     parser.add_argument("--devices", type=int, default=1, help="virtual devices per trainer")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the trainer's step runs (the reference stays on the CPU)")
     parser.add_argument("--trainer-threads", type=int, default=None,
                         help="torch threads of the pipeline's trainer (default: all cores)")
     parser.add_argument("--repeat", type=int, default=3,
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> dict:
     started = connect(include_dashboard=False, log_to_driver=False)
     runs = []
     try:
-        with Pipeline(warmup, TrainerStage(cfg, n_devices=args.devices, threads=args.trainer_threads),
+        with Pipeline(warmup, TrainerStage(cfg, n_devices=args.devices, device=args.device,
+                                                  threads=args.trainer_threads),
                       MemPSStage(capacity_rows=all_rows + 1024), batch_size=args.batch) as p:
             p.fit(progress=False)
             p.source = measured
@@ -101,5 +104,6 @@ def run(args: argparse.Namespace) -> dict:
         "dim": args.dim,
         "hidden": list(hidden),
         "devices": args.devices,
+        "device": args.device,
         "trainer_threads": args.trainer_threads,
     }
