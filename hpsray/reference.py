@@ -4,7 +4,7 @@ Single process, every row in host memory, plain PyTorch for the model. It uses t
 initialiser (:func:`~hpsray.kernels.init.initial_rows`), the same sparse-optimizer math
 (:func:`~hpsray.kernels.optim.apply_to_rows`) and the same model as the distributed system, but
 none of its tables, tiers or actors: rows live in a sorted key array with a growable row
-array. Tiering, pipelining, devices and nodes must not change what it computes (DESIGN §3).
+array. Tiering, pipelining, devices and nodes must not change what it computes (docs/architecture.md: invariant 1).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def global_batches(source, batch_size: int, n_nodes: int, minibatch_size: int) -
     batch ``t`` every node steps through the same number of mini-batches, and global mini-batch
     ``k`` is the concatenation, in node order, of each node's ``k``-th mini-batch (a node whose
     batch is shorter, or whose share has ended, contributes nothing). Training the reference
-    on these gives what the distributed system must reproduce (DESIGN invariant 1).
+    on these gives what the distributed system must reproduce (docs/architecture.md: invariant 1).
     """
     streams = [iter(source.open(batch_size, i, n_nodes)) for i in range(n_nodes)]
     m = minibatch_size

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-# Tests run on a 2-core machine: keep numba/torch from oversubscribing inside Ray workers.
+# Ray shows repeated log lines of its workers once, with a count; the tests want every line.
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 

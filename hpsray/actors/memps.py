@@ -37,7 +37,7 @@ class MemPSShard:
     ``batch`` (its own trainer, or another node's) until that trainer returns them at batch
     end. Every borrower returns every row it borrowed, updated: under BSP all copies applied
     the same combined updates, so the owner ends each batch with the reference value of each
-    row it owns even when only another node's batch touched it (DESIGN invariant 4).
+    row it owns even when only another node's batch touched it (docs/architecture.md: invariant 4).
     """
 
     def __init__(self, node: int, ssd_actor, width: int, init: RowInit, capacity_rows: int | None = None,
@@ -87,7 +87,7 @@ class MemPSShard:
     def refresh(self, batch_id, borrower: int) -> dict:
         """Current rows of the keys lent to ``borrower`` for ``batch_id`` that other borrowers
         held in batch ``batch_id - 1``: ``pull(batch_id)`` served them before that batch's
-        write-back (it overlapped the training), so they were stale (DESIGN invariant 2). The
+        write-back (it overlapped the training), so they were stale (docs/architecture.md: invariant 2). The
         borrower's own rows of the previous batch are still in its HBM-PS, and fresh."""
         keys = self.lent[(batch_id, borrower)]
         others = [k for (b, n), k in self.lent.items() if b == batch_id - 1 and n != borrower]

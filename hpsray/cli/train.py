@@ -5,7 +5,7 @@ data, model, optimizers, tier budgets and pipeline sizes. The command prints hel
 throughput and the stage table; ``--report`` writes the run report (JSON plus per-batch PNG
 plots), ``--export`` the trained rows (Parquet) and dense weights (``docs/export.md``).
 
-Checking losslessness (DESIGN §3, invariant 1) takes two runs of the same job::
+Checking losslessness (docs/architecture.md: invariant 1) takes two runs of the same job::
 
     hpsray train job.toml --export out/hps
     hpsray train job.toml --reference --compare out/hps

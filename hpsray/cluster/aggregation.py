@@ -33,9 +33,8 @@ DEFAULT_CHUNK_BYTES = 32 * 1024
 
 DEFAULT_MESSAGE_BYTES: int | None = None
 """Most gradient bytes a trainer sends an aggregator in one call; ``None``: all its chunks in one
-call. Measured (``hpsray bench exchange``, 2 simulated nodes, 1.5 MB gradient): one call per
-aggregator 35 ms/step, 64 KiB calls (inlined in the RPC, no object store) 58 ms/step — Ray's
-per-call cost outweighs the object-store hop."""
+call, because Ray's per-call cost outweighs the object-store hop (docs/benchmarks.md, "Notes from
+the code")."""
 
 ELEMENT_BYTES = 4  # float32
 

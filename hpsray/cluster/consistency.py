@@ -1,6 +1,6 @@
 """SSP and ASP between trainers: a clock board through which mini-batch updates propagate.
 
-DESIGN §8, after Lapser. Under ``bsp`` the trainers combine updates in the collective group
+docs/architecture.md: Consistency, after Lapser. Under ``bsp`` the trainers combine updates in the collective group
 after every mini-batch (:mod:`hpsray.cluster.collective`). Under ``ssp(s)`` and ``asp`` each
 trainer instead *publishes* its update of mini-batch ``c`` (keys, sparse gradients, flat dense
 gradient; one object in the object store) under its clock ``c``, and before computing mini-batch

@@ -1,4 +1,4 @@
-"""The ``Batch``: one chunk of training examples as arrays (DESIGN §5)."""
+"""The ``Batch``: one chunk of training examples as arrays."""
 
 from __future__ import annotations
 

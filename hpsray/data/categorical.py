@@ -1,6 +1,6 @@
 """Categorical columns (Arrow arrays) → ``uint64`` keys and the CSR layout of a ``Batch``.
 
-A raw value becomes a key in two steps (DESIGN §5): the value is turned into a ``uint64``
+A raw value becomes a key in two steps: the value is turned into a ``uint64``
 (``"string"``: a 64-bit hash of its bytes; ``"hex"`` / ``"int"``: the parsed number; Arrow
 integer columns: the integer itself), then mixed with its slot by the same arithmetic as
 :func:`hpsray.data.keys.hash_keys`. Both steps run in one numba pass over the Arrow buffers.

@@ -1,4 +1,4 @@
-"""Bad input: the error type, the strict/lenient policy and the per-reason report (DESIGN §3.7).
+"""Bad input: the error type, the strict/lenient policy and the per-reason report (docs/architecture.md: invariant 8).
 
 Strict mode raises a :class:`DataError` naming the file, the line (text) or row (Parquet) and
 the reason at the first bad row or file. Lenient mode skips the bad row or file, counts it

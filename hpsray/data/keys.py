@@ -1,4 +1,4 @@
-"""Turning raw categorical values into ``uint64`` keys (DESIGN §5).
+"""Turning raw categorical values into ``uint64`` keys (docs/architecture.md: Keys and partitioning).
 
 A key is a 64-bit mix of (slot id, value), so equal raw values in different slots give
 different keys. The reserved empty marker never comes out.

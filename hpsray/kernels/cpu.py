@@ -278,8 +278,8 @@ class CpuHashTable(HashTable):
 
     def put(self, slots, values) -> None:
         """Overwrite the rows at ``slots`` (from :meth:`find` / :meth:`find_or_insert`) with
-        ``values``: the write that mirrors :meth:`gather` (a numpy fancy assignment of 120k
-        rows took 40 ms, this kernel 2 ms)."""
+        ``values``: the write that mirrors :meth:`gather` (a numba kernel, much faster than a numpy
+        fancy assignment: docs/benchmarks.md, "Notes from the code")."""
         slots = self._checked_slots(slots, "put")
         values = as_rows(values, slots.size, self.width, "put values")
         _scatter(self._rows, slots, values, False, self._threads())

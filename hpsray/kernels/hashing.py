@@ -12,7 +12,7 @@ import numpy as np
 from numba.extending import register_jitable
 
 EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
-"""The one key value that is reserved as the empty-bucket marker (DESIGN §5)."""
+"""The one key value that is reserved as the empty-bucket marker (docs/architecture.md: Keys and partitioning)."""
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -3,8 +3,9 @@
 This is Ray Core's "limit pending tasks" pattern: the producer keeps the refs of the items it
 has submitted and, once the edge holds ``capacity`` of them, blocks in ``ray.wait`` until the
 oldest is done. A slow consumer therefore stalls its producer instead of letting results pile
-up in the object store (DESIGN invariant 6). Measured (DESIGN §6): about twice the throughput of
-``ray.util.queue.Queue``, which adds an actor hop per item and copies values.
+up in the object store (docs/architecture.md: invariant 6). It is preferred to
+``ray.util.queue.Queue``, which adds an actor hop per item and copies values (docs/benchmarks.md,
+"Notes from the code").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The pipeline: read → pull → load → train over Ray actors (DESIGN §2, paper Algorithm 1).
+"""The pipeline: read → pull → load → train over Ray actors (docs/architecture.md: The pipeline; paper Algorithm 1).
 
-Ordering on the MEM-PS actor is what keeps training BSP-exact (DESIGN invariant 2). The
+Ordering on the MEM-PS actor is what keeps training BSP-exact (docs/architecture.md: invariant 2). The
 driver submits, per batch ``t``::
 
     train(t) ; pull(t+1) ; write_back(t)
@@ -280,7 +280,7 @@ class Pipeline:
 
     def _salvage(self, write_backs: list[BoundedEdge], in_training) -> int:
         """After a failure: finish the write-backs of every batch that trained, flush MEM-PS to
-        SSD-PS, and return how many batches were saved (DESIGN invariant 7)."""
+        SSD-PS, and return how many batches were saved (docs/architecture.md: invariant 7)."""
         nodes = self._nodes
         refs = [ref for edge in write_backs for ref in edge.in_flight()]
         if in_training is not None:

@@ -1,7 +1,7 @@
 """Where a pipeline's examples come from: generated (planted synthetic) or files.
 
 A source is a small picklable description; each ``Reader`` actor calls :meth:`open` with its
-index to stream its own share (DESIGN §2: different nodes receive different training data).
+index to stream its own share (docs/architecture.md: The pipeline: different nodes receive different training data).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class TrainerStage:
 
 @dataclass
 class SyncStage:
-    """How the trainers of several nodes stay consistent (DESIGN §8) and combine dense gradients.
+    """How the trainers of several nodes stay consistent (docs/architecture.md: Consistency) and combine dense gradients.
 
     ``consistency``: ``"bsp"`` (lossless: every mini-batch synchronised), ``"ssp"`` (a trainer
     runs at most ``staleness`` mini-batches ahead of the slowest), ``"asp"`` (no waiting).

@@ -1,4 +1,4 @@
-"""Storage engines of one node, with no Ray inside (DESIGN §1, §4).
+"""Storage engines of one node, with no Ray inside (docs/architecture.md: Tiers).
 
 * :class:`SSDPS` (:mod:`~hpsray.tiers.ssd`) — every row of the node's shard in append-only,
   checksummed parameter files with a manifest, stale counters and background compaction;

@@ -1,6 +1,6 @@
 """HBM-PS: the trainer's working set, partitioned over the node's ``D`` device hash tables.
 
-Paper §4 / Algorithm 2. A key lives on device ``(h(key) // N) % D`` of its node (DESIGN §5).
+Paper §4 / Algorithm 2. A key lives on device ``(h(key) // N) % D`` of its node (docs/architecture.md: Keys and partitioning).
 Per batch the trainer *inserts* the working set pulled from MEM-PS, then, per mini-batch,
 *gets* rows and *accumulates* gradients through the sparse optimizer inside the tables. At batch
 end it *exports* the batch's rows for write-back.
@@ -8,7 +8,7 @@ end it *exports* the batch's rows for write-back.
 Rows already resident from the previous batch are fresher than any copy pulled while that batch
 trained (the pull of batch ``t+1`` overlaps the training of ``t``), so :meth:`insert` keeps
 them and only fills keys that are new; :meth:`retain` then drops what the new batch no longer
-needs. This is how the pipeline stays BSP-exact across batch boundaries (DESIGN invariant 2).
+needs. This is how the pipeline stays BSP-exact across batch boundaries (docs/architecture.md: invariant 2).
 
 Per mini-batch, :meth:`get` and :meth:`apply_gradients` also take device arrays (CuPy, numba,
 torch CUDA) and then answer with device arrays, so a trainer on a GPU reads and updates its rows

@@ -7,7 +7,7 @@ leaving the LRU enter the LFU region, rows leaving the LFU region are written to
 *before* their memory is released.
 
 A batch's rows are pinned under its batch id from :meth:`MemPS.pull` until
-:meth:`MemPS.unpin`; pinned rows are never evicted (DESIGN invariant 3). Only *dirty* rows
+:meth:`MemPS.unpin`; pinned rows are never evicted (docs/architecture.md: invariant 3). Only *dirty* rows
 (changed by :meth:`MemPS.write_back` since they were last stored) are written on eviction: a
 clean row is already on SSD-PS with the same value, or was never stored and is re-created
 bit for bit by the deterministic initializer.

@@ -1,4 +1,4 @@
-"""Which node owns a key and which of the node's devices holds it (DESIGN §5).
+"""Which node owns a key and which of the node's devices holds it (docs/architecture.md: Keys and partitioning).
 
 ``h = mix64(key)``; owner node ``= h % N``; device ``= (h // N) % D``. The device uses the
 quotient, not the same low bits again: with ``key % 2`` for both, node 0 would only ever

@@ -1,4 +1,4 @@
-"""Bad input (DESIGN §3.7): every kind, strict (error naming file, line, reason) and lenient (counted)."""
+"""Bad input (docs/architecture.md: invariant 8): every kind, strict (error naming file, line, reason) and lenient (counted)."""
 
 from __future__ import annotations
 

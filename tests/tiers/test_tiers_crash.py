@@ -1,4 +1,4 @@
-"""SSD-PS durability under ``kill -9`` (DESIGN invariant 5).
+"""SSD-PS durability under ``kill -9`` (docs/architecture.md: invariant 5).
 
 A driver process (fresh interpreter, numba's fork-safe ``workqueue`` threading layer) forks a
 writer per trial. The writer opens the store (recovering from the previous crash), then dumps
