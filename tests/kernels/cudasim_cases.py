@@ -425,9 +425,10 @@ def device_array_inputs():
         if torch.cuda.is_available():
             tk = torch.as_tensor(keys.astype(np.int64), device="cuda")
             eq(np.asarray(c.find(tk).copy_to_host()), p.find(keys), "torch keys")
-            tv = torch.as_tensor(v, device="cuda")
-            c.scatter_add(tk, tv)
-            p.scatter_add(keys, v)
+            live = p.find(keys) >= 0  # scatter_add needs present keys: the erased ones are gone
+            tv = torch.as_tensor(v[live], device="cuda")
+            c.scatter_add(tk[torch.as_tensor(live, device="cuda")], tv)
+            p.scatter_add(keys[live], v[live])
             same_table(c, p, "torch values")
 
 
