@@ -14,4 +14,5 @@ BENCHMARKS = {
     "peers": "hpsray.bench.peers",
     "exchange": "hpsray.bench.exchange",
     "scale": "hpsray.bench.scale",
+    "serve": "hpsray.bench.serve",
 }

@@ -32,6 +32,16 @@ __all__ = ["Predictor"]
 
 log = logging.getLogger("ray.serve")
 
+try:
+    import orjson
+
+    def _dumps(doc: dict) -> bytes:
+        return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+except ImportError:  # pragma: no cover - orjson comes with the serve extra
+
+    def _dumps(doc: dict) -> bytes:
+        return json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in doc.items()}).encode()
+
 
 def _options(d: dict) -> LoadOptions:
     d = dict(d)
@@ -48,10 +58,14 @@ class Predictor:
         load: :class:`LoadOptions` as a dict (``limits`` as a dict of :class:`Limits`).
         max_batch_size: requests per dynamic batch; batch_wait_s: how long a batch waits to fill.
         watch_s: how often to look for a newer export (0: never; ``reload()`` still works).
+        torch_threads: torch's intra-op threads in the replica.
     """
 
     def __init__(self, model_dir: str, load: dict | None = None, max_batch_size: int = 16,
-                 batch_wait_s: float = 0.002, watch_s: float = 2.0) -> None:
+                 batch_wait_s: float = 0.002, watch_s: float = 2.0, torch_threads: int = 1) -> None:
+        import torch
+
+        torch.set_num_threads(torch_threads)  # one batch at a time; more threads only contend
         self._root = os.fspath(model_dir)
         self._load = _options(load or {})
         self._model = ServableModel.load(self._root, self._load)
@@ -145,7 +159,7 @@ class Predictor:
             probs = await self._batched(batch)
         except ServingError as e:
             return JSONResponse({"error": str(e)}, status_code=500)
-        return Response(json.dumps({"probabilities": probs.tolist()}), media_type="application/json")
+        return Response(_dumps({"probabilities": probs}), media_type="application/json")
 
     # -- introspection ------------------------------------------------------------------------
 

@@ -63,16 +63,22 @@ def resolve_export(path: str | os.PathLike) -> str:
 @dataclass(frozen=True)
 class LoadOptions:
     """How a replica holds a model: rows in memory (``mem_rows`` or ``mem_fraction``; all when
-    neither), device, request limits."""
+    neither), device, request limits; ``backend`` other than ``hpsray`` picks a benchmark baseline
+    (:mod:`hpsray.serving.baselines`)."""
 
     mem_rows: int | None = None
     mem_fraction: float | None = None
     device: str = "cpu"
     limits: Limits = Limits()
+    backend: str = "hpsray"
 
     def __post_init__(self) -> None:
+        from hpsray.serving.baselines import BACKENDS
+
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         mem_rows_for(0, self.mem_rows, self.mem_fraction)  # checks the pair
 
 
@@ -104,7 +110,11 @@ class ServableModel:
         init = RowInit(dim=dim, scale=float(m["init_scale"]), seed=int(m["seed"]))
         store = PointStore(build_point_store(directory))
         mem = mem_rows_for(len(store), options.mem_rows, options.mem_fraction)
-        if options.device == "cuda":
+        if options.backend != "hpsray":
+            from hpsray.serving.baselines import EmbeddingBagLookup, RocksDBLookup
+
+            lookup = (RocksDBLookup(store, mem, init) if options.backend == "rocksdb" else EmbeddingBagLookup(store))
+        elif options.device == "cuda":
             from hpsray.serving.cuda_lookup import CudaTieredLookup
 
             lookup = CudaTieredLookup(store, mem, init)
@@ -124,6 +134,8 @@ class ServableModel:
                                f"takes {self.dense.n_slots} and {self.dense.n_dense}")
         if not len(batch):
             return np.empty(0, np.float32)
+        if hasattr(self.lookup, "pooled"):  # the embedding-bag bound pools by itself
+            return torch.sigmoid(self.dense(self.lookup.pooled(batch), torch.from_numpy(batch.dense))).numpy()
         layout = BagLayout.of(batch)
         rows = self.lookup.rows(layout.unique_keys)
         emb = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(rows)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,16 @@ from hpsray.data.schema import Schema
 from hpsray.serving.errors import BadRequest, ServingError
 
 __all__ = ["InputSpec", "Limits", "RequestParser"]
+
+try:  # 5-10x faster than the json module on request bodies; refuses NaN/Infinity as JSON does
+    import orjson
+
+    _loads: Callable[[bytes], Any] = orjson.loads
+except ImportError:  # pragma: no cover - orjson comes with the serve extra
+    orjson = None
+
+    def _loads(body: bytes) -> Any:
+        return json.loads(body, parse_constant=_reject_constant)
 
 _LABEL = "__hpsray_label__"
 _DENSE_TYPES = (pa.int64(), pa.float64(), pa.null())
@@ -95,7 +106,7 @@ class RequestParser:
         if len(body) > self.limits.max_body_bytes:
             raise BadRequest(f"body of {len(body)} bytes exceeds the limit of {self.limits.max_body_bytes}")
         try:
-            doc = json.loads(body, parse_constant=_reject_constant)
+            doc = _loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"body is not JSON: {e}") from None
         if not isinstance(doc, dict) or "examples" not in doc:
@@ -127,7 +138,7 @@ class RequestParser:
             arrays[name] = self._dense_column(name, [ex[name] for ex in examples])
         for name in self.spec.categorical:
             arrays[name] = self._categorical_column(name, [ex[name] for ex in examples])
-        table = pa.table(arrays)
+        table = pa.RecordBatch.from_pydict(arrays)
         converted = self._converter.convert(table)
         if converted.bad_index.size:
             row = int(converted.bad_index[0])

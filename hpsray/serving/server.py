@@ -34,6 +34,7 @@ class ServeOptions:
     batch_wait_s: float = 0.002
     watch_s: float = 2.0
     replica_cpus: float = 1.0
+    torch_threads: int = 1
     name: str = "hpsray"
     route_prefix: str = "/"
 
@@ -46,12 +47,14 @@ class ServeOptions:
             raise ValueError("max_batch_size must be >= 1, batch_wait_s and watch_s >= 0")
 
 
-def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions()):
-    """The Ray Serve application of a model directory (not yet running)."""
+def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, load=None):
+    """The Ray Serve application of a model directory (not yet running); ``load`` (a
+    :class:`~hpsray.serving.model.LoadOptions`) overrides what ``options`` says about the rows."""
     from hpsray.serving.deployment import Predictor
     from hpsray.serving.model import LoadOptions, resolve_export
 
-    load = LoadOptions(options.mem_rows, options.mem_fraction, options.device, options.limits)
+    if load is None:
+        load = LoadOptions(options.mem_rows, options.mem_fraction, options.device, options.limits)
     resolve_export(model_dir)  # a missing export fails here, not in the replicas
     actor = {"num_cpus": options.replica_cpus}
     if options.device == "cuda":
@@ -59,7 +62,7 @@ def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions
     dep = Predictor.options(num_replicas=options.replicas, ray_actor_options=actor)
     load_d = asdict(load)
     return dep.bind(os.path.abspath(os.fspath(model_dir)), load_d, options.max_batch_size, options.batch_wait_s,
-                    options.watch_s)
+                    options.watch_s, options.torch_threads)
 
 
 def start(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, address: str | None = None):

@@ -1,0 +1,251 @@
+"""``hpsray bench serve``: the latency–throughput curve of ``POST /predict`` against its baselines.
+
+One run, one Ray Serve instance on loopback, one replica per system, deployed one at a time:
+
+* ``tiered``: hpsray with ``--mem-fraction`` (default 5 %) of the rows in the hot-row cache and
+  the rest read from the point store on disk (GDRec's default split);
+* ``memory``: hpsray with every row in memory;
+* ``rocksdb``: the same rows in a RocksDB store (``rocksdict``; block cache sized like the hot-row
+  cache) behind the same endpoint: the HugeCTR-inference / GDRec baseline;
+* ``bound``: every row in a ``torch.nn.EmbeddingBag`` behind the same endpoint: the in-memory bound.
+
+The model is synthetic (``--rows`` rows over 26 slots, 13 dense features, ``--dim``); requests
+carry raw Zipf-distributed values (the planted generator's), so keys repeat as in CTR traffic.
+For each system and each (examples per request, concurrent clients) point, an aiohttp client
+sends requests for ``--seconds`` after a warm-up and reports examples/s, p50 and p99 latency.
+The headline (``examples_per_s``, ``p50_ms``, ``p99_ms`` and the baselines' rates) is the point of
+the largest batch and concurrency. The client runs on the same machine as the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+HELP = "serving: examples/s, p50, p99 of POST /predict at 5 % of rows in memory vs RocksDB and all in memory"
+
+SYSTEMS = ("tiered", "memory", "rocksdb", "bound")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=int, default=1_000_000, help="embedding rows of the model (default 1M)")
+    parser.add_argument("--dim", type=int, default=16, help="embedding width (default 16)")
+    parser.add_argument("--mem-fraction", type=float, default=0.05, help="rows in memory for 'tiered' (default 0.05)")
+    parser.add_argument("--batch-sizes", default="1,32,256", help="examples per request (default 1,32,256)")
+    parser.add_argument("--concurrency", default="1,16", help="concurrent clients (default 1,16)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per point (default 3)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--port", type=int, default=8777)
+    parser.add_argument("--dir", default=None, help="directory for the model (default: a temporary one)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+# -- the model and its traffic ----------------------------------------------------------------
+
+def make_model(directory: str, rows: int, dim: int = 16, n_slots: int = 26, n_dense: int = 13,
+               hidden: tuple[int, ...] = (256, 128), seed: int = 0):
+    """Export a synthetic model of ``rows`` rows (every rank of every slot) into ``directory``;
+    returns the planted generator whose raw values address it."""
+    import torch
+
+    from hpsray.config import TrainConfig
+    from hpsray.data import PlantedCTR
+    from hpsray.data.generate import dataset_schema
+    from hpsray.data.keys import hash_keys
+    from hpsray.models import DNN
+    from hpsray.pipelines.export import export
+
+    per_slot = max(1, rows // n_slots)
+    gen = PlantedCTR(n_slots=n_slots, keys_per_slot=per_slot, n_dense=n_dense, seed=seed)
+    slots = np.repeat(np.arange(n_slots, dtype=np.int64), per_slot)
+    ranks = np.tile(np.arange(per_slot, dtype=np.uint64), n_slots)
+    keys = hash_keys(slots, ranks)
+    rng = np.random.default_rng(seed)
+    weights = (rng.standard_normal((keys.size, dim)) * 0.05).astype(np.float32)
+    config = TrainConfig(dim=dim, hidden=hidden, sparse_optimizer="sgd", seed=seed)
+    dense = DNN(n_slots, dim, n_dense, hidden, seed=seed).state_dict()
+    with torch.no_grad():
+        export((keys, weights, dense), directory, config, n_slots=n_slots, n_dense=n_dense,
+               schema=dataset_schema(gen, "parquet"), extra={"trainer": "bench-serve"})
+    return gen
+
+
+def request_bodies(gen, batch_size: int, n: int, start_block: int = 10_000) -> list[bytes]:
+    """``n`` JSON bodies of ``batch_size`` raw examples each (Zipf values, as clients would send)."""
+    from hpsray.data.generate import _table
+
+    out: list[bytes] = []
+    block = start_block
+    pending: list[dict] = []
+    while len(out) < n:
+        batch, ranks = gen.raw_block(block)
+        block += 1
+        pending += _table(gen, batch, ranks, "parquet").drop(["label"]).to_pylist()
+        while len(pending) >= batch_size and len(out) < n:
+            out.append(json.dumps({"examples": pending[:batch_size]}).encode())
+            pending = pending[batch_size:]
+    return out
+
+
+# -- the client ---------------------------------------------------------------------------------
+
+async def _drive(url: str, bodies: list[bytes], concurrency: int, seconds: float | None,
+                 n_requests: int | None, examples_per_body: list[int]) -> dict:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    examples = 0
+    sent = 0
+    deadline = time.perf_counter() + seconds if seconds is not None else None
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def worker(w: int) -> None:
+            nonlocal examples, sent
+            i = w
+            while True:
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return
+                if n_requests is not None:
+                    if sent >= n_requests:
+                        return
+                    sent += 1
+                body = bodies[i % len(bodies)]
+                i += concurrency
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers={"content-type": "application/json"}) as r:
+                        text = await r.read()
+                        if r.status != 200:
+                            errors.append(f"HTTP {r.status}: {text[:200]!r}")
+                            continue
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    continue
+                latencies.append(time.perf_counter() - t0)
+                examples += examples_per_body[(i - concurrency) % len(bodies)]
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        wall = time.perf_counter() - t0
+    lat = np.asarray(latencies) * 1e3
+    return {
+        "requests": len(latencies),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "examples_per_s": examples / wall if wall else 0.0,
+        "requests_per_s": len(latencies) / wall if wall else 0.0,
+        "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
+        "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
+        "wall_s": wall,
+    }
+
+
+def drive(url: str, bodies: list[bytes], concurrency: int, *, seconds: float | None = None,
+          n_requests: int | None = None) -> dict:
+    """Send ``bodies`` round-robin from ``concurrency`` clients for ``seconds`` or ``n_requests``;
+    returns examples/s, requests/s, p50/p99 latency (ms), errors (with a few samples)."""
+    if (seconds is None) == (n_requests is None):
+        raise ValueError("give seconds or n_requests")
+    counts = [len(json.loads(b)["examples"]) for b in bodies]
+    return asyncio.run(_drive(url, bodies, concurrency, seconds, n_requests, counts))
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
+    from ray import serve
+
+    from hpsray.serving import LoadOptions, ServeOptions, build_app
+
+    backend = {"tiered": "hpsray", "memory": "hpsray", "rocksdb": "rocksdb", "bound": "embedding-bag"}[system]
+    frac = mem_fraction if system in ("tiered", "rocksdb") else None
+    opts = ServeOptions(port=port, mem_fraction=frac, replica_cpus=0, watch_s=0, max_batch_size=32,
+                        name=f"bench-{system}", route_prefix=f"/{system}")
+    app = build_app(model_dir, opts, load=LoadOptions(mem_fraction=frac, backend=backend,
+                                                      limits=opts.limits))
+    return serve.run(app, name=opts.name, route_prefix=opts.route_prefix)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import ray
+    from ray import serve
+
+    systems = [s for s in args.systems.split(",") if s]
+    bad = set(systems) - set(SYSTEMS)
+    if bad:
+        raise SystemExit(f"--systems: unknown {sorted(bad)} (known: {', '.join(SYSTEMS)})")
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    concurrency = [int(x) for x in args.concurrency.split(",")]
+    work = args.dir or tempfile.mkdtemp(prefix="hpsray-bench-serve-")
+    model_dir = os.path.join(work, "model")
+    t0 = time.perf_counter()
+    gen = make_model(model_dir, args.rows, args.dim, seed=args.seed)
+    from hpsray.serving.layout import build_point_store
+
+    build_point_store(model_dir)
+    build_s = time.perf_counter() - t0
+    bodies = {b: request_bodies(gen, b, max(8, min(400, 20_000 // b))) for b in batch_sizes}
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    curves: dict[str, list[dict]] = {}
+    stats: dict[str, dict] = {}
+    try:
+        for system in systems:
+            handle = _deploy(model_dir, system, args.mem_fraction, args.port)
+            url = f"http://127.0.0.1:{args.port}/{system}/predict"
+            drive(url, bodies[batch_sizes[-1]], max(concurrency), seconds=min(3.0, args.seconds))  # warm-up
+            curves[system] = []
+            for b in batch_sizes:
+                for c in concurrency:
+                    point = drive(url, bodies[b], c, seconds=args.seconds)
+                    curves[system].append({"batch": b, "concurrency": c, **point})
+            stats[system] = handle.stats.remote().result()
+            serve.delete(f"bench-{system}")
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def head(system: str) -> dict:
+        pts = curves.get(system) or [{}]
+        return pts[-1]
+
+    report: dict = {
+        "rows": int(args.rows), "dim": args.dim, "mem_fraction": args.mem_fraction,
+        "headline_point": {"batch": batch_sizes[-1], "concurrency": max(concurrency)},
+        "model_build_s": build_s,
+    }
+    t, r, m, bnd = head("tiered"), head("rocksdb"), head("memory"), head("bound")
+    report["examples_per_s"] = t.get("examples_per_s")
+    report["p50_ms"] = t.get("p50_ms")
+    report["p99_ms"] = t.get("p99_ms")
+    report["memory_examples_per_s"] = m.get("examples_per_s")
+    report["rocksdb_examples_per_s"] = r.get("examples_per_s")
+    report["rocksdb_p50_ms"] = r.get("p50_ms")
+    report["in_memory_bound_examples_per_s"] = bnd.get("examples_per_s")
+    if t and r:
+        report["vs_rocksdb"] = t["examples_per_s"] / r["examples_per_s"]
+        report["target_2x_rocksdb_at_equal_or_lower_p50"] = bool(report["vs_rocksdb"] >= 2 and t["p50_ms"] <= r["p50_ms"])
+    if t and bnd:
+        report["vs_bound"] = t["examples_per_s"] / bnd["examples_per_s"]
+        report["target_half_of_bound"] = bool(report["vs_bound"] >= 0.5)
+    report["errors"] = sum(p["errors"] for pts in curves.values() for p in pts)
+    report["curves"] = {s: [{k: v for k, v in p.items() if k != "error_samples"} for p in pts]
+                        for s, pts in curves.items()}
+    report["replica_stats"] = {s: {k: v for k, v in st.items() if k not in ("load", "pid", "directory")}
+                               for s, st in stats.items()}
+    return report
