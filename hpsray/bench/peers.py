@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=2, help="shard actors of the sharded_ps peer")
     parser.add_argument("--sparse-lr", type=float, default=0.05)
     parser.add_argument("--threads", type=int, default=None, help="torch threads of every trainer (default: all cores)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where hpsray's trainer, plain PyTorch and the MLP bound train (TorchRec and the "
+                             "sharded PS stay on the CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torchrec-venv", default=os.environ.get("HPSRAY_TORCHREC_VENV", str(DEFAULT_TORCHREC_VENV)),
                         help="virtual environment with TorchRec (made by benchmarks/torchrec_env.sh)")
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
                     dim=args.dim, hidden=tuple(int(h) for h in args.hidden.split(",")), minibatch=args.minibatch,
                     batch=args.batch, warmup_rows=scale(args.warmup_rows), rows=scale(args.rows),
                     eval_rows=scale(args.eval_rows), sparse_lr=args.sparse_lr, seed=args.seed,
-                    threads=args.threads, shards=args.shards, torchrec_optimizer=args.torchrec_optimizer,
+                    threads=args.threads, device=args.device, shards=args.shards, torchrec_optimizer=args.torchrec_optimizer,
                     extra={"ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness})
     base.train_config()  # validates
     out: dict = {"config": _config(base, args, systems), "by_keys_per_example": {}}
@@ -394,7 +397,7 @@ def run_hpsray(spec: PeerSpec) -> dict:
         del train
         src = lambda refs: PreparedSource(refs, spec.batch, spec.n_slots, spec.n_dense)  # noqa: E731
         capacity = spec.mem_capacity_rows or spec.vocabulary_rows + 1024
-        with Pipeline(src(warm), TrainerStage(cfg, threads=spec.threads), MemPSStage(capacity_rows=capacity),
+        with Pipeline(src(warm), TrainerStage(cfg, threads=spec.threads, device=spec.device), MemPSStage(capacity_rows=capacity),
                       batch_size=spec.batch) as p:
             p.fit(progress=False)
             p.source = src(measured)

@@ -60,6 +60,7 @@ class PeerSpec:
     dense_lr: float = 1e-3
     seed: int = 0
     threads: int | None = None
+    device: str = "cpu"  # where hpsray's trainer, plain PyTorch and the MLP bound train ("cuda": one GPU)
     mem_capacity_rows: int | None = None  # hpsray MEM-PS budget; every row fits when None
     shards: int = 2  # sharded PS
     torchrec_optimizer: str = "exact_adagrad"

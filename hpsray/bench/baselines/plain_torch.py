@@ -5,7 +5,8 @@ computed once as preprocessing, like any integer-encoded CTR data set); sparse g
 ``torch.optim.Adagrad`` (or ``SparseAdam`` / ``SGD`` for hpsray's ``adam`` / ``sgd``), whose
 update is hpsray's row update (``a += g*g; w -= lr * g / (sqrt(a) + eps)``). Rows start from
 hpsray's per-key initial values and the MLP is the same seeded :class:`~hpsray.models.DNN`, so
-with the same mini-batches it trains the same parameters as the reference trainer.
+with the same mini-batches it trains the same parameters as the reference trainer. With
+``spec.device = "cuda"`` the table, the model and the prepared mini-batches live on the GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class IndexedBatch:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    def to(self, device: torch.device) -> "IndexedBatch":
+        return IndexedBatch(self.indices.to(device), self.offsets.to(device), self.dense.to(device),
+                            self.labels.to(device))
 
 
 def index_batch(batch: Batch, vocab: Vocabulary) -> IndexedBatch:
@@ -94,16 +99,18 @@ class PlainTorchTrainer:
             caller hands over :class:`IndexedBatch` mini-batches).
     """
 
-    def __init__(self, weights: np.ndarray, n_slots: int, n_dense: int, config: TrainConfig) -> None:
+    def __init__(self, weights: np.ndarray, n_slots: int, n_dense: int, config: TrainConfig,
+                 device: str = "cpu") -> None:
         self.config = config
         self.model = PlainTorchCTR(torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)),
-                                   n_slots, n_dense, config.hidden, seed=config.seed)
+                                   n_slots, n_dense, config.hidden, seed=config.seed).to(device)
         self.sparse = sparse_optimizer(config, [self.model.embedding.weight])
         self.dense = make_dense_optimizer(config.dense_optimizer, self.model.dnn.parameters(), config.dense_lr)
         self.steps = 0
 
-    def train_minibatch(self, mb: IndexedBatch) -> float:
-        """One gradient step; returns the mini-batch's mean loss before it."""
+    def train_minibatch(self, mb: IndexedBatch) -> torch.Tensor:
+        """One gradient step; returns the mini-batch's mean loss before it (a 0-d tensor on the
+        model's device: reading it waits for the device)."""
         self.model.train()
         logits = self.model(mb.indices, mb.offsets, mb.dense)
         loss = F.binary_cross_entropy_with_logits(logits, mb.labels)
@@ -113,7 +120,7 @@ class PlainTorchTrainer:
         self.sparse.step()
         self.dense.step()
         self.steps += 1
-        return float(loss.detach())
+        return loss.detach()
 
     def fit(self, minibatches: Iterable[IndexedBatch]) -> int:
         """Train on each mini-batch in order; returns the number of examples."""
@@ -127,19 +134,26 @@ class PlainTorchTrainer:
     def predict(self, mb: IndexedBatch) -> np.ndarray:
         """Click probabilities of ``mb``'s examples."""
         self.model.eval()
-        return torch.sigmoid(self.model(mb.indices, mb.offsets, mb.dense)).numpy()
+        return torch.sigmoid(self.model(mb.indices, mb.offsets, mb.dense)).cpu().numpy()
 
     def export(self) -> tuple[np.ndarray, dict]:
         """``(table float32[rows, dim], dense state_dict)``."""
-        return (self.model.embedding.weight.detach().numpy().copy(),
-                {k: v.detach().clone() for k, v in self.model.dnn.state_dict().items()})
+        return (self.model.embedding.weight.detach().cpu().numpy().copy(),
+                {k: v.detach().cpu().clone() for k, v in self.model.dnn.state_dict().items()})
 
 
 def minibatches(batch: Batch, vocab: Vocabulary, spec: PeerSpec, start: int, stop: int) -> list[IndexedBatch]:
     """Indexed mini-batches of ``batch[start:stop]`` in hpsray's order (batches of ``spec.batch``
     examples, each cut into mini-batches of ``spec.minibatch``)."""
-    return [index_batch(mb, vocab) for big in split(batch, spec.batch, start, stop)
+    device = torch.device(spec.device)
+    return [index_batch(mb, vocab).to(device) for big in split(batch, spec.batch, start, stop)
             for mb in big.minibatches(spec.minibatch)]
+
+
+def _synchronize(spec: PeerSpec) -> None:
+    """Wait for the device's queued work (a timing on CUDA ends when the work does)."""
+    if spec.device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _use_threads(spec: PeerSpec) -> None:
@@ -154,20 +168,24 @@ def run_peer(spec: PeerSpec) -> dict:
     _use_threads(spec)
     t_prep = time.perf_counter()
     vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
-    trainer = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config())
+    trainer = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config(),
+                                spec.device)
     train = load_examples(spec, "train")
     warmup = minibatches(train, vocab, spec, 0, spec.warmup_rows)
     measured = minibatches(train, vocab, spec, spec.warmup_rows, spec.warmup_rows + spec.rows)
-    held_out = [index_batch(mb, vocab) for mb in load_examples(spec, "eval").minibatches(spec.minibatch)]
+    held_out = [index_batch(mb, vocab).to(torch.device(spec.device))
+                for mb in load_examples(spec, "eval").minibatches(spec.minibatch)]
     del train
     prep_s = time.perf_counter() - t_prep
 
     trainer.fit(warmup)
+    _synchronize(spec)
     t0 = time.perf_counter()
     examples = trainer.fit(measured)
+    _synchronize(spec)
     train_s = time.perf_counter() - t0
 
-    y = np.concatenate([mb.labels.numpy() for mb in held_out])
+    y = np.concatenate([mb.labels.cpu().numpy() for mb in held_out])
     p = np.concatenate([trainer.predict(mb) for mb in held_out])
     return {
         **peer_result(examples, train_s, y, p, prep_s, len(vocab)),
@@ -190,10 +208,11 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
     t_prep = time.perf_counter()
     vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
     table = nn.EmbeddingBag.from_pretrained(
-        torch.from_numpy(np.ascontiguousarray(vocab.initial_weights(spec), dtype=np.float32)), mode="sum")
+        torch.from_numpy(np.ascontiguousarray(vocab.initial_weights(spec), dtype=np.float32)), mode="sum"
+    ).to(spec.device)
     train = load_examples(spec, "train")
     config = spec.train_config()
-    dnn = DNN(spec.n_slots, spec.dim, spec.n_dense, config.hidden, seed=config.seed)
+    dnn = DNN(spec.n_slots, spec.dim, spec.n_dense, config.hidden, seed=config.seed).to(spec.device)
     opt = make_dense_optimizer(config.dense_optimizer, dnn.parameters(), config.dense_lr)
 
     def inputs(start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -216,8 +235,10 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
     del train, table
     prep_s = time.perf_counter() - t_prep
     fit(warmup)
+    _synchronize(spec)
     t0 = time.perf_counter()
     examples = fit(measured)
+    _synchronize(spec)
     train_s = time.perf_counter() - t0
     return {"examples_per_s": examples / train_s, "peak_rss_bytes": peak_rss_bytes(), "examples": examples,
             "train_s": train_s, "prepare_s": prep_s, "threads": torch.get_num_threads()}
