@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import torch
@@ -179,15 +178,15 @@ class Trainer:
 
         self.dense.train(True)
         bound = self.sync.staleness if self.sync.consistency == "ssp" else None
-        straggler = self.sync.straggler
+        hook = self.sync.before_minibatch  # an injection point for tests (a straggler); None otherwise
         losses = []
         for mb, total in self._global_minibatches(batch, sizes):
             clock = self.step + 1
             # ssp: every other trainer must have published clock - 1 - s; asp: take what is there
             others = self._fetch(clock - 1 - bound if bound is not None else -1)
             self.max_staleness = max(self.max_staleness, clock - 1 - min(self._seen.values()))
-            if straggler is not None and straggler[0] == self.node:
-                time.sleep(straggler[1])
+            if hook is not None:
+                hook(self.node, clock)
             own = {}
 
             def reduce(flat: torch.Tensor) -> torch.Tensor:  # updates travel through the host here

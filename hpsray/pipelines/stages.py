@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,20 +51,25 @@ class TrainerStage:
 
 @dataclass
 class SyncStage:
-    """How the trainers of several nodes stay consistent (docs/architecture.md: Consistency) and combine dense gradients.
+    """How the trainers of several nodes stay consistent and combine dense gradients
+    (docs/architecture.md: Consistency).
 
     ``consistency``: ``"bsp"`` (lossless: every mini-batch synchronised), ``"ssp"`` (a trainer
     runs at most ``staleness`` mini-batches ahead of the slowest), ``"asp"`` (no waiting).
     ``dense``: ``"allreduce"`` (the collective group) or ``"chunked"`` (PHub-style: fixed
-    ``chunk_bytes`` chunks, each summed by one aggregator actor). ``straggler``: for
-    experiments, ``(node, seconds)`` makes that node's trainer sleep per mini-batch.
+    ``chunk_bytes`` chunks, each summed by one aggregator actor).
+
+    ``before_minibatch``: an injection point for tests and experiments, ``None`` in production:
+    under ``ssp``/``asp`` every trainer calls ``before_minibatch(node, clock)`` before computing
+    each mini-batch (e.g. a straggler that sleeps on one node). It travels to the trainers'
+    processes, so it must pickle (a closure or lambda does).
     """
 
     consistency: str = "bsp"
     staleness: int = 2
     dense: str = "allreduce"
     chunk_bytes: int = 32768
-    straggler: tuple[int, float] | None = None
+    before_minibatch: Callable[[int, int], None] | None = None
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCY_MODES:

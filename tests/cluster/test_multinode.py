@@ -16,6 +16,8 @@ from hpsray.pipelines import MemPSStage, Pipeline, SyncStage, SyntheticSource, T
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.partition import owner_of
 
+from hooks import straggler  # tests/cluster/hooks.py (pytest puts this directory on sys.path)
+
 pytestmark = pytest.mark.slow
 
 CFG = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=64, seed=3)
@@ -88,7 +90,7 @@ def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
     held_out = SyntheticSource(gen, rows=10_000, start_row=500_000)
     results = {}
     for mode, sync in [("bsp", SyncStage()),
-                       ("ssp", SyncStage("ssp", staleness=2, straggler=(1, 0.02))),
+                       ("ssp", SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.02))),
                        ("asp", SyncStage("asp"))]:
         with Pipeline(train, TrainerStage(cfg), MemPSStage(capacity_rows=2000), batch_size=1500, nodes=2,
                       sync=sync) as p:
