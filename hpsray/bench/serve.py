@@ -15,6 +15,10 @@ For each system and each (examples per request, concurrent clients) point, an ai
 sends requests for ``--seconds`` after a warm-up and reports examples/s, p50 and p99 latency.
 The headline (``examples_per_s``, ``p50_ms``, ``p99_ms`` and the baselines' rates) is the point of
 the largest batch and concurrency. The client runs on the same machine as the server.
+
+``in_process`` repeats the comparison without HTTP: each system's :meth:`ServableModel.predict`
+(dedupe, lookup, pooling, dense model) on the same pre-parsed batches of the largest size, in this
+process, with one torch thread: what the store costs apart from Ray Serve and JSON.
 """
 
 from __future__ import annotations
@@ -161,6 +165,33 @@ def drive(url: str, bodies: list[bytes], concurrency: int, *, seconds: float | N
 
 # -- the run ------------------------------------------------------------------------------------
 
+def in_process(model_dir: str, bodies: list[bytes], mem_fraction: float, systems: list[str],
+               repeat: int = 3) -> dict:
+    """Examples/s of each system's predict() on the same parsed batches (no HTTP, no JSON)."""
+    import torch
+
+    from hpsray.serving import LoadOptions, ServableModel
+
+    torch.set_num_threads(1)
+    out = {}
+    for system in systems:
+        backend = {"tiered": "hpsray", "memory": "hpsray", "rocksdb": "rocksdb", "bound": "embedding-bag"}[system]
+        frac = mem_fraction if system in ("tiered", "rocksdb") else None
+        model = ServableModel.load(model_dir, LoadOptions(mem_fraction=frac, backend=backend))
+        batches = [model.parser.parse_body(b) for b in bodies]
+        for b in batches:  # warm the cache, as the HTTP runs do
+            model.predict(b)
+        best = 0.0
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for b in batches:
+                model.predict(b)
+            best = max(best, sum(len(b) for b in batches) / (time.perf_counter() - t0))
+        out[system] = {"examples_per_s": best, **{k: v for k, v in model.stats().items()
+                                                   if k in ("hit_rate", "ssd_reads", "rows_in_memory")}}
+    return out
+
+
 def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
     from ray import serve
 
@@ -195,6 +226,7 @@ def run(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     bodies = {b: request_bodies(gen, b, max(8, min(400, 20_000 // b))) for b in batch_sizes}
 
+    local = in_process(model_dir, bodies[batch_sizes[-1]], args.mem_fraction, systems)
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -243,6 +275,11 @@ def run(args: argparse.Namespace) -> dict:
     if t and bnd:
         report["vs_bound"] = t["examples_per_s"] / bnd["examples_per_s"]
         report["target_half_of_bound"] = bool(report["vs_bound"] >= 0.5)
+    report["in_process"] = local
+    if "tiered" in local and "rocksdb" in local:
+        report["in_process_vs_rocksdb"] = local["tiered"]["examples_per_s"] / local["rocksdb"]["examples_per_s"]
+    if "tiered" in local and "bound" in local:
+        report["in_process_vs_bound"] = local["tiered"]["examples_per_s"] / local["bound"]["examples_per_s"]
     report["errors"] = sum(p["errors"] for pts in curves.values() for p in pts)
     report["curves"] = {s: [{k: v for k, v in p.items() if k != "error_samples"} for p in pts]
                         for s, pts in curves.items()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -131,6 +132,7 @@ def export(pipeline_or_rows: Any, directory: str | os.PathLike, config, *, n_slo
         os.remove(manifest_path)  # the directory is not a valid export until the new manifest lands
     for old in glob.glob(os.path.join(directory, "rows-*.parquet")):
         os.remove(old)
+    shutil.rmtree(os.path.join(directory, "point"), ignore_errors=True)  # serving's layout of the old rows
 
     state_width = width - dim
     files = []

@@ -3,7 +3,8 @@
 A *point store* is a directory built once from an export (:func:`build_point_store`)::
 
     point/
-      meta.json   {"format": "hpsray-point-store", "version": 1, "dim", "rows", "stride"}
+      meta.json   {"format": "hpsray-point-store", "version": 1, "dim", "rows", "stride",
+                   "manifest_mtime_ns": the export it was built from}
       keys.u64    uint64[rows], sorted: row i of rows.f32 belongs to keys[i]
       rows.f32    rows at offset i * stride; each holds the dim float32 weights, zero-padded
 
@@ -66,8 +67,8 @@ def build_point_store(export_dir: str | os.PathLike, *, rebuild: bool = False) -
     """Lay the rows of an export out for point reads; returns the store's directory.
 
     Streams the export's Parquet files (already sorted by key) one at a time, so memory stays at
-    one file's rows. Idempotent: an existing store for the same export is kept (unless
-    ``rebuild``); concurrent builders (several replicas) race harmlessly, the first rename wins.
+    one file's rows. Idempotent: an existing store of the same export (same ``manifest.json``) is
+    kept (unless ``rebuild``), one of an earlier export in the same directory is replaced; concurrent builders (several replicas) race harmlessly, the first rename wins.
     """
     import pyarrow.parquet as pq
 
@@ -75,10 +76,11 @@ def build_point_store(export_dir: str | os.PathLike, *, rebuild: bool = False) -
 
     export_dir = os.fspath(export_dir)
     manifest = read_manifest(export_dir)
+    stamp = os.stat(os.path.join(export_dir, "manifest.json")).st_mtime_ns  # which export the store is of
     target = point_store_dir(export_dir)
     if os.path.exists(os.path.join(target, "meta.json")) and not rebuild:
         meta = read_meta(target)
-        if meta["rows"] == manifest["rows"] and meta["dim"] == manifest["dim"]:
+        if meta.get("manifest_mtime_ns") == stamp and meta["rows"] == manifest["rows"] and meta["dim"] == manifest["dim"]:
             return target
     dim, n = int(manifest["dim"]), int(manifest["rows"])
     stride = row_stride(dim)
@@ -106,7 +108,8 @@ def build_point_store(export_dir: str | os.PathLike, *, rebuild: bool = False) -
     if written != n:
         raise ServingError(f"{export_dir}: {written} rows in the files, the manifest says {n}")
     with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump({"format": FORMAT, "version": VERSION, "dim": dim, "rows": n, "stride": stride}, f)
+        json.dump({"format": FORMAT, "version": VERSION, "dim": dim, "rows": n, "stride": stride,
+                   "manifest_mtime_ns": stamp}, f)
     if os.path.exists(target):
         shutil.rmtree(target, ignore_errors=True)
     try:

@@ -20,7 +20,6 @@ from hpsray.data.batch import Batch
 from hpsray.kernels.init import RowInit
 from hpsray.models import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
-from hpsray.pipelines.export import read_manifest
 from hpsray.serving.errors import ServingError
 from hpsray.serving.layout import build_point_store
 from hpsray.serving.lookup import MemoryLookup, TieredLookup, mem_rows_for
@@ -93,6 +92,8 @@ class ServableModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike, options: LoadOptions = LoadOptions()) -> "ServableModel":
+        from hpsray.pipelines.export import read_manifest  # here: hpsray.pipelines imports Ray
+
         directory = resolve_export(path)
         m = read_manifest(directory)
         where = os.path.join(directory, "manifest.json")

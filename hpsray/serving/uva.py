@@ -35,7 +35,7 @@ def mapped_rows(n: int, dim: int) -> np.ndarray:
 
 @cuda.jit
 def _gather_kernel(src, stride, src_rows, dst_rows, out, dim):
-    # src: float32[n_src * stride] (flat); out: float32[m, dim]
+    # src: float32[n_src, stride] (row-major: row r's words are contiguous); out: float32[m, dim]
     tid = cuda.grid(1)
     n_threads = cuda.gridsize(1)
     warp = tid // WARP
@@ -48,23 +48,23 @@ def _gather_kernel(src, stride, src_rows, dst_rows, out, dim):
         word = lane % stride
         r = warp * per_warp + sub
         while r < m:
-            v = src[src_rows[r] * stride + word]  # one aligned segment per warp step
+            v = src[src_rows[r], word]  # one aligned 128-byte segment per warp step
             if word < dim:
                 out[dst_rows[r], word] = v
             r += n_warps * per_warp
     else:
         r = warp
         while r < m:
-            base = src_rows[r] * stride
+            row = src_rows[r]
             for seg in range(stride // WARP):
                 word = seg * WARP + lane
-                v = src[base + word]
+                v = src[row, word]
                 if word < dim:
                     out[dst_rows[r], word] = v
             r += n_warps
 
 
-def gather_rows(src, src_rows, dst_rows, out, dim: int, stream=0) -> None:
+def gather_rows(src, src_rows, dst_rows, out, dim: int, stream=None) -> None:
     """``out[dst_rows[i], :dim] = src[src_rows[i], :dim]`` on the device.
 
     ``src``: float32[n, stride_words(dim)] (mapped host rows or a device array; C-contiguous);
@@ -77,8 +77,8 @@ def gather_rows(src, src_rows, dst_rows, out, dim: int, stream=0) -> None:
     stride = int(src.shape[1])
     if stride != stride_words(dim):
         raise ValueError(f"src rows have {stride} words; dim {dim} needs the aligned stride {stride_words(dim)}")
-    flat = src.reshape(src.shape[0] * stride)
     per_warp = WARP // stride if stride <= WARP else 1
     warps = -(-m // per_warp)
     blocks = max(1, min(-(-warps * WARP // TPB), 4096))
-    _gather_kernel[blocks, TPB, stream](flat, stride, src_rows, dst_rows, out, dim)
+    launch = _gather_kernel[blocks, TPB] if stream is None else _gather_kernel[blocks, TPB, stream]
+    launch(src, stride, src_rows, dst_rows, out, dim)  # a mapped src is read in place (zero-copy)

@@ -49,7 +49,8 @@ def test_point_store_reads_what_the_export_holds(exports, tmp_path):
 
     d = str(tmp_path / "exp")
     shutil.copytree(exports["parquet"], d)
-    keys, rows, _ = load_export(d)
+    keys, rows, dense = load_export(d)
+    _ = dense
     path = build_point_store(d)
     assert build_point_store(d) == path  # kept, not rebuilt
     meta = read_meta(path)
@@ -65,6 +66,24 @@ def test_point_store_reads_what_the_export_holds(exports, tmp_path):
     store.read_into(pos[:-2], out, dst)
     assert np.array_equal(out[dst], rows[want, :8])
     assert np.array_equal(store.read_all(), rows[:, :8])
+    store.close()
+    # a new export into the same directory replaces the store of the old one
+    from hpsray.pipelines.export import export, read_manifest
+
+    m = read_manifest(d)
+    trained_rows = rows.copy()
+    trained_rows[:, :8] += 1.0
+    export((keys, trained_rows, _), d, _config_of(m), n_slots=N_SLOTS, n_dense=N_DENSE)
+    assert not os.path.exists(path)
+    assert np.array_equal(PointStore(build_point_store(d)).read_all(), trained_rows[:, :8])
+
+
+def _config_of(manifest: dict):
+    from hpsray.config import TrainConfig
+
+    o = manifest["optimizer"]
+    return TrainConfig(dim=manifest["dim"], hidden=tuple(manifest["model"]["hidden"]), sparse_optimizer=o["sparse"],
+                       sparse_lr=o["sparse_lr"], seed=manifest["seed"], init_scale=manifest["init_scale"])
 
 
 def test_hot_cache_keeps_hot_rows_and_admits_by_frequency():
