@@ -167,6 +167,8 @@ def test_the_nccl_group_gathers_sparse_updates_on_the_device(ray_local):
     gradients are gathered as device arrays, in rank order, and each trainer has its own GPU."""
     import ray
 
+    # the workers cannot import this test module: ship the actor's code by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     world = min(2, torch.cuda.device_count())
 
     @ray.remote(num_gpus=1, num_cpus=0)
@@ -191,7 +193,7 @@ def test_hpsray_train_with_device_cuda(tmp_path):
     from hpsray.data.generate import to_toml
 
     job = {
-        "data": {"synthetic": {"rows": 8000, "eval_rows": 2000, "slots": 4, "keys": 3000, "dense": 3, "seed": 5}},
+        "data.synthetic": {"rows": 8000, "eval_rows": 2000, "slots": 4, "keys": 3000, "dense": 3, "seed": 5},
         "model": {"dim": 8, "hidden": [32]},
         "tiers": {"mem_rows": 6000},
         "pipeline": {"batch_size": 2000, "minibatch_size": 500, "device": "cuda"},
