@@ -36,9 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpsray.serving import Limits, ServeOptions, ServingError, start
+    from hpsray.serving import Limits, ServeOptions, ServingError, resolve_export, start
 
     try:
+        resolve_export(args.model_dir)  # before Ray starts: a wrong directory fails in a second
         options = ServeOptions(host=args.host, port=args.port, replicas=args.replicas, mem_rows=args.mem_rows,
                                mem_fraction=args.mem_fraction, device=args.device,
                                limits=Limits(args.max_body_bytes, args.max_examples),

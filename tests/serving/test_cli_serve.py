@@ -1,0 +1,69 @@
+"""``hpsray serve`` as a user runs it: a subprocess, its own local Ray, a real HTTP client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from conftest import close, raw_examples
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_refuses_a_directory_without_an_export(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hpsray", "serve", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "no export here" in proc.stderr
+
+
+def test_serve_rejects_both_memory_options(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hpsray", "serve", str(tmp_path), "--mem-rows", "5",
+                           "--mem-fraction", "0.1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+@pytest.mark.slow
+def test_hpsray_serve_answers_on_localhost(exports, planted, trained, tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "hpsray", "serve", exports["parquet"], "--port", str(port),
+                             "--mem-fraction", "0.05", "--watch", "0"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    try:
+        batch, examples = raw_examples(planted, 40, start_block=100_020)
+        url = f"http://127.0.0.1:{port}/predict"
+        deadline, r = time.time() + 180, None
+        while time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                r = requests.post(url, json={"examples": examples}, timeout=30)
+                if r.status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        assert r is not None and r.status_code == 200, (tmp_path / "serve.log").read_text()[-3000:]
+        assert close(r.json()["probabilities"], trained.predict(batch))
+        # listens on 127.0.0.1 only: the machine's other addresses are refused
+        other = socket.gethostbyname(socket.gethostname())
+        if not other.startswith("127."):
+            with pytest.raises(requests.ConnectionError):
+                requests.post(f"http://{other}:{port}/predict", json={"examples": examples}, timeout=10)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
