@@ -5,9 +5,11 @@ alignment rule), :mod:`~hpsray.serving.pointstore` (CPU positioned reads),
 :mod:`~hpsray.serving.cache` (the hot-row cache), :mod:`~hpsray.serving.lookup` (a batch's rows
 through the tiers), :mod:`~hpsray.serving.request` (JSON → Batch, with 400 reasons),
 :mod:`~hpsray.serving.model` (a loaded export), :mod:`~hpsray.serving.deployment` (the Ray Serve
-deployment), :mod:`~hpsray.serving.server` (starting it), :mod:`~hpsray.serving.uva` and
-:mod:`~hpsray.serving.gds` (the GPU path: zero-copy gathers, SSD reads to device memory).
-Ray is imported only by ``deployment`` and ``server``.
+deployment), :mod:`~hpsray.serving.server` (starting it), :mod:`~hpsray.serving.uva`,
+:mod:`~hpsray.serving.gds` and :mod:`~hpsray.serving.cuda_lookup` (the GPU path: zero-copy
+gathers from mapped host memory, SSD reads to device memory), :mod:`~hpsray.serving.baselines`
+(RocksDB and EmbeddingBag backends for ``hpsray bench serve``). Ray is imported only by
+``deployment`` and inside ``server``'s functions.
 """
 
 from hpsray.serving.errors import BadRequest, ServingError

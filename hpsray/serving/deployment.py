@@ -135,7 +135,7 @@ class Predictor:
     async def __call__(self, request: Request) -> Response:
         self._ensure_watcher()
         path = request.url.path.rstrip("/")
-        if path.endswith("/healthz") or path == "/healthz":
+        if path.endswith("/healthz"):
             return PlainTextResponse("ok")
         if not path.endswith("/predict"):
             return PlainTextResponse(f"no such endpoint {request.url.path!r}; POST /predict", status_code=404)

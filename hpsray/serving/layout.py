@@ -68,7 +68,8 @@ def build_point_store(export_dir: str | os.PathLike, *, rebuild: bool = False) -
 
     Streams the export's Parquet files (already sorted by key) one at a time, so memory stays at
     one file's rows. Idempotent: an existing store of the same export (same ``manifest.json``) is
-    kept (unless ``rebuild``), one of an earlier export in the same directory is replaced; concurrent builders (several replicas) race harmlessly, the first rename wins.
+    kept (unless ``rebuild``), one of an earlier export in the same directory is replaced;
+    concurrent builders (several replicas) race harmlessly, the first rename wins.
     """
     import pyarrow.parquet as pq
 
@@ -80,7 +81,8 @@ def build_point_store(export_dir: str | os.PathLike, *, rebuild: bool = False) -
     target = point_store_dir(export_dir)
     if os.path.exists(os.path.join(target, "meta.json")) and not rebuild:
         meta = read_meta(target)
-        if meta.get("manifest_mtime_ns") == stamp and meta["rows"] == manifest["rows"] and meta["dim"] == manifest["dim"]:
+        same = meta["rows"] == manifest["rows"] and meta["dim"] == manifest["dim"]
+        if same and meta.get("manifest_mtime_ns") == stamp:
             return target
     dim, n = int(manifest["dim"]), int(manifest["rows"])
     stride = row_stride(dim)

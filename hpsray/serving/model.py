@@ -91,7 +91,7 @@ class ServableModel:
         self.version = export_version(directory)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, options: LoadOptions = LoadOptions()) -> "ServableModel":
+    def load(cls, path: str | os.PathLike, options: LoadOptions = LoadOptions()) -> ServableModel:
         from hpsray.pipelines.export import read_manifest  # here: hpsray.pipelines imports Ray
 
         directory = resolve_export(path)

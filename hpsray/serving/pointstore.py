@@ -69,8 +69,9 @@ class PointStore:
         if out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != self.dim or not out.flags.c_contiguous:
             raise ValueError(f"out must be C-contiguous float32[m, {self.dim}], got {out.dtype} {out.shape}")
         order = np.argsort(file_rows, kind="stable")
-        failed = _pread_rows(self._fd, out.ctypes.data, out.strides[0], np.ascontiguousarray(file_rows[order], np.int64),
-                             np.ascontiguousarray(out_rows[order], np.int64), self.stride, 4 * self.dim)
+        src = np.ascontiguousarray(file_rows[order], np.int64)
+        dst = np.ascontiguousarray(out_rows[order], np.int64)
+        failed = _pread_rows(self._fd, out.ctypes.data, out.strides[0], src, dst, self.stride, 4 * self.dim)
         if failed:
             raise ServingError(f"{self.directory}/rows.f32: {failed} short reads (file truncated?)")
 

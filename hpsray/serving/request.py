@@ -17,8 +17,9 @@ request gives exactly the keys training gave the same raw values. Anything else 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -68,7 +69,7 @@ class InputSpec:
     dense_transform: str = "none"
 
     @staticmethod
-    def from_manifest(manifest: dict, where: str = "manifest.json") -> "InputSpec":
+    def from_manifest(manifest: dict, where: str = "manifest.json") -> InputSpec:
         spec = manifest.get("input")
         if not isinstance(spec, dict):
             raise ServingError(f"{where}: no 'input' entry (exported before serving existed, or without a schema); "
