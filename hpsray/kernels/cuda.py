@@ -43,6 +43,10 @@ from hpsray.kernels.table import (
     missing_key_error,
 )
 
+# A mini-batch's tables are small next to a GPU: numba's "grid size N will likely result in GPU
+# under-utilization" warning would fire on most launches and say nothing a caller can act on.
+numba.config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+
 _EMPTY = EMPTY_KEY
 _BIG = np.int64(1 << 62)  # pending bucket slots hold (first input index - _BIG) < -1
 _MAXI = np.int64(np.iinfo(np.int64).max)
