@@ -1,6 +1,6 @@
 """``hpsray bench serve``: the latency–throughput curve of ``POST /predict`` against its baselines.
 
-One run, one Ray Serve instance on loopback, one replica per system, deployed one at a time:
+One run, one Ray Serve instance on loopback, one replica per system, all deployed at once:
 
 * ``tiered``: hpsray with ``--mem-fraction`` (default 5 %) of the rows in the hot-row cache and
   the rest read from the point store on disk (GDRec's default split);
@@ -11,14 +11,17 @@ One run, one Ray Serve instance on loopback, one replica per system, deployed on
 
 The model is synthetic (``--rows`` rows over 26 slots, 13 dense features, ``--dim``); requests
 carry raw Zipf-distributed values (the planted generator's), so keys repeat as in CTR traffic.
-For each system and each (examples per request, concurrent clients) point, an aiohttp client
-sends requests for ``--seconds`` after a warm-up and reports examples/s, p50 and p99 latency.
+For each (examples per request, concurrent clients) point, an aiohttp client drives each system
+in turn for ``--seconds`` (after one warm-up pass over all), ``--repeat`` rounds; a point's
+figures are the medians over the rounds. Taking the systems round-robin within a point means a
+busy shared machine slows all of them alike, instead of whichever ran at the wrong minute.
 The headline (``examples_per_s``, ``p50_ms``, ``p99_ms`` and the baselines' rates) is the point of
 the largest batch and concurrency. The client runs on the same machine as the server.
 
 ``in_process`` repeats the comparison without HTTP: each system's :meth:`ServableModel.predict`
 (dedupe, lookup, pooling, dense model) on the same pre-parsed batches of the largest size, in this
-process, with one torch thread: what the store costs apart from Ray Serve and JSON.
+process, with one torch thread, the systems round-robin, best of ``--repeat`` rounds: what the
+store costs apart from Ray Serve and JSON.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 HELP = "serving: examples/s, p50, p99 of POST /predict at 5 % of rows in memory vs RocksDB and all in memory"
 
 SYSTEMS = ("tiered", "memory", "rocksdb", "bound")
+BACKEND = {"tiered": "hpsray", "memory": "hpsray", "rocksdb": "rocksdb", "bound": "embedding-bag"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mem-fraction", type=float, default=0.05, help="rows in memory for 'tiered' (default 0.05)")
     parser.add_argument("--batch-sizes", default="1,32,256", help="examples per request (default 1,32,256)")
     parser.add_argument("--concurrency", default="1,16", help="concurrent clients (default 1,16)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per point (default 3)")
+    parser.add_argument("--seconds", type=float, default=2.0,
+                        help="measured seconds per system, point and round (default 2)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--repeat", type=int, default=3, help="round-robin rounds per point; medians (default 3)")
     parser.add_argument("--port", type=int, default=8777)
     parser.add_argument("--dir", default=None, help="directory for the model (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
@@ -173,23 +179,24 @@ def in_process(model_dir: str, bodies: list[bytes], mem_fraction: float, systems
     from hpsray.serving import LoadOptions, ServableModel
 
     torch.set_num_threads(1)
-    out = {}
+    models, best = {}, {}
     for system in systems:
-        backend = {"tiered": "hpsray", "memory": "hpsray", "rocksdb": "rocksdb", "bound": "embedding-bag"}[system]
         frac = mem_fraction if system in ("tiered", "rocksdb") else None
-        model = ServableModel.load(model_dir, LoadOptions(mem_fraction=frac, backend=backend))
-        batches = [model.parser.parse_body(b) for b in bodies]
+        models[system] = ServableModel.load(model_dir, LoadOptions(mem_fraction=frac, backend=BACKEND[system]))
+    batches = [models[systems[0]].parser.parse_body(b) for b in bodies]
+    for model in models.values():
         for b in batches:  # warm the cache, as the HTTP runs do
             model.predict(b)
-        best = 0.0
-        for _ in range(repeat):
+    n = sum(len(b) for b in batches)
+    for _ in range(repeat):
+        for system, model in models.items():
             t0 = time.perf_counter()
             for b in batches:
                 model.predict(b)
-            best = max(best, sum(len(b) for b in batches) / (time.perf_counter() - t0))
-        out[system] = {"examples_per_s": best, **{k: v for k, v in model.stats().items()
-                                                   if k in ("hit_rate", "ssd_reads", "rows_in_memory")}}
-    return out
+            best[system] = max(best.get(system, 0.0), n / (time.perf_counter() - t0))
+    return {s: {"examples_per_s": best[s], **{k: v for k, v in models[s].stats().items()
+                                              if k in ("hit_rate", "ssd_reads", "rows_in_memory")}}
+            for s in systems}
 
 
 def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
@@ -197,13 +204,24 @@ def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
 
     from hpsray.serving import LoadOptions, ServeOptions, build_app
 
-    backend = {"tiered": "hpsray", "memory": "hpsray", "rocksdb": "rocksdb", "bound": "embedding-bag"}[system]
+    backend = BACKEND[system]
     frac = mem_fraction if system in ("tiered", "rocksdb") else None
     opts = ServeOptions(port=port, mem_fraction=frac, replica_cpus=0, watch_s=0, max_batch_size=32,
                         name=f"bench-{system}", route_prefix=f"/{system}")
     app = build_app(model_dir, opts, load=LoadOptions(mem_fraction=frac, backend=backend,
                                                       limits=opts.limits))
     return serve.run(app, name=opts.name, route_prefix=opts.route_prefix)
+
+
+def _median(points: list[dict]) -> dict:
+    """Per-key medians of a point's rounds (errors summed, one sample kept)."""
+    out = {k: float(np.median([p[k] for p in points])) for k in ("examples_per_s", "requests_per_s", "p50_ms",
+                                                                   "p99_ms")}
+    out["requests"] = int(sum(p["requests"] for p in points))
+    out["errors"] = int(sum(p["errors"] for p in points))
+    out["error_samples"] = [e for p in points for e in p["error_samples"]][:3]
+    out["rounds"] = len(points)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -226,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     bodies = {b: request_bodies(gen, b, max(8, min(400, 20_000 // b))) for b in batch_sizes}
 
-    local = in_process(model_dir, bodies[batch_sizes[-1]], args.mem_fraction, systems)
+    local = in_process(model_dir, bodies[batch_sizes[-1]], args.mem_fraction, systems, args.repeat)
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
@@ -234,17 +252,20 @@ def run(args: argparse.Namespace) -> dict:
     curves: dict[str, list[dict]] = {}
     stats: dict[str, dict] = {}
     try:
-        for system in systems:
-            handle = _deploy(model_dir, system, args.mem_fraction, args.port)
-            url = f"http://127.0.0.1:{args.port}/{system}/predict"
-            drive(url, bodies[batch_sizes[-1]], max(concurrency), seconds=min(3.0, args.seconds))  # warm-up
-            curves[system] = []
-            for b in batch_sizes:
-                for c in concurrency:
-                    point = drive(url, bodies[b], c, seconds=args.seconds)
-                    curves[system].append({"batch": b, "concurrency": c, **point})
-            stats[system] = handle.stats.remote().result()
-            serve.delete(f"bench-{system}")
+        handles = {system: _deploy(model_dir, system, args.mem_fraction, args.port) for system in systems}
+        urls = {system: f"http://127.0.0.1:{args.port}/{system}/predict" for system in systems}
+        for system in systems:  # warm-up: caches filled, code paths compiled
+            drive(urls[system], bodies[batch_sizes[-1]], max(concurrency), seconds=min(3.0, args.seconds))
+        curves = {system: [] for system in systems}
+        for b in batch_sizes:
+            for c in concurrency:
+                rounds: dict[str, list[dict]] = {system: [] for system in systems}
+                for _ in range(args.repeat):
+                    for system in systems:
+                        rounds[system].append(drive(urls[system], bodies[b], c, seconds=args.seconds))
+                for system in systems:
+                    curves[system].append({"batch": b, "concurrency": c, **_median(rounds[system])})
+        stats = {system: handles[system].stats.remote().result() for system in systems}
     finally:
         serve.shutdown()
         if started:
