@@ -84,7 +84,7 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
 
     from hpsray.cluster.runtime import connect
     from hpsray.job import build
-    from hpsray.pipelines.export import export
+    from hpsray.pipelines.export import export, schema_of_source
 
     started = connect(address or job.cluster.address, logging_level=logging.WARNING if quiet else logging.INFO,
                       log_to_driver=not quiet)
@@ -100,7 +100,8 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
                 model = (keys, rows, dense)
                 source = pipe.source
                 report["export"] = export(model, export_dir, job.train_config(), n_slots=source.n_slots,
-                                          n_dense=source.n_dense, extra={"trainer": "hpsray"})
+                                          n_dense=source.n_dense, extra={"trainer": "hpsray"},
+                                          schema=schema_of_source(source))
                 report["rows"] = int(keys.size)
     finally:
         if started:
@@ -236,10 +237,11 @@ def run(args: argparse.Namespace) -> int:
         if args.reference:
             report, model = train_reference(job, args.quiet)
             if args.export:
-                from hpsray.pipelines.export import export
+                from hpsray.pipelines.export import export, schema_of_source
 
                 report["export"] = export(model, args.export, job.train_config(), n_slots=build.source(job).n_slots,
-                                          n_dense=build.source(job).n_dense, extra={"trainer": "reference"})
+                                          n_dense=build.source(job).n_dense, extra={"trainer": "reference"},
+                                          schema=schema_of_source(build.source(job)))
         else:
             export_dir = args.export
             if args.compare and not export_dir:
