@@ -67,3 +67,38 @@ def test_hpsray_serve_answers_on_localhost(exports, planted, trained, tmp_path):
             proc.kill()
             proc.wait(timeout=30)
         log.close()
+
+
+def test_hpsray_train_export_serves_raw_criteo_text(tmp_path):
+    """``hpsray train JOB --reference --export DIR`` records the Criteo schema; raw TSV fields sent
+    as JSON (hex strings, numbers) give the keys and predictions of the file read by the readers."""
+    import numpy as np
+
+    from hpsray.data import DataReader, PlantedCTR, write_synthetic
+    from hpsray.data.generate import dataset_schema, to_toml
+    from hpsray.serving import ServableModel
+
+    gen = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=2, seed=7)
+    files = write_synthetic(str(tmp_path / "data"), gen, 3000, "criteo", shard_rows=1000)
+    job = {"data": {"paths": ["data/part-0000[0-1].tsv"]}, "model": {"dim": 4, "hidden": [16]},
+           "pipeline": {"batch_size": 1000, "minibatch_size": 250}}
+    (tmp_path / "job.toml").write_text(to_toml(job))
+    proc = subprocess.run([sys.executable, "-m", "hpsray", "train", str(tmp_path / "job.toml"), "--reference",
+                           "--export", str(tmp_path / "export"), "--quiet"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = ServableModel.load(tmp_path / "export")
+    assert model.parser.spec.encoding == "hex"
+
+    held_out = files[2]
+    batch = next(iter(DataReader([held_out], dataset_schema(gen, "criteo"), batch_size=200)))
+    lines = open(held_out).read().splitlines()[:200]
+    examples = []
+    for line in lines:
+        f = line.split("\t")
+        ex = {f"c{i}": (float(f[i]) if f[i] else None) for i in (1, 2)}
+        ex.update({f"c{i}": (f[i] or None) for i in range(3, 7)})
+        examples.append(ex)
+    parsed = model.parser.parse_examples(examples)
+    assert np.array_equal(parsed.keys, batch.keys) and np.array_equal(parsed.dense, batch.dense)
+    assert np.array_equal(model.predict(parsed), model.predict(batch))
