@@ -20,16 +20,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_refuses_a_directory_without_an_export(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hpsray", "serve", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "no export here" in proc.stderr
+def test_serve_refuses_a_directory_without_an_export(tmp_path, capsys):
+    from hpsray.__main__ import main
+
+    assert main(["serve", str(tmp_path)]) == 2  # before any Ray starts
+    assert "no export here" in capsys.readouterr().err
 
 
-def test_serve_rejects_both_memory_options(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hpsray", "serve", str(tmp_path), "--mem-rows", "5",
-                           "--mem-fraction", "0.1"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+def test_serve_rejects_both_memory_options(tmp_path, capsys):
+    from hpsray.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path), "--mem-rows", "5", "--mem-fraction", "0.1"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 @pytest.mark.slow
