@@ -17,6 +17,7 @@ request gives exactly the keys training gave the same raw values. Anything else 
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,9 @@ import pyarrow as pa
 
 from hpsray.data.batch import Batch
 from hpsray.data.convert import Converter
+from hpsray.data.keys import slot_salt
 from hpsray.data.schema import Schema
+from hpsray.kernels.hashing import EMPTY_KEY, mix64_array
 from hpsray.serving.errors import BadRequest, ServingError
 
 __all__ = ["InputSpec", "Limits", "RequestParser"]
@@ -101,6 +104,38 @@ class RequestParser:
                         dense_transform=spec.dense_transform,
                         delimiter="\t" if spec.multi_hot_separator != "\t" else ",")  # unused: no text here
         self._converter = Converter(schema, [_LABEL, *spec.columns])
+        names = spec.columns
+        self._row = operator.itemgetter(*names) if len(names) > 1 else (lambda ex: (ex[names[0]],))
+        self._salts = slot_salt(np.arange(len(spec.categorical)))
+        self.fast = True  # the integer fast path (tests switch it off to compare with the converter)
+
+    def _integer_batch(self, dense: list[pa.Array], cats: list[pa.Array], n: int) -> Batch | None:
+        """The batch, without the converter, when every categorical value is one integer and every
+        dense value a finite number (the common case of Parquet-trained models); ``None`` otherwise.
+
+        Same arithmetic as the converter's integer path: key = mix64(value ^ slot salt), the empty
+        marker moved down by one; dense values cast to float32, then the dense transform.
+        """
+        if not cats or any(a.type not in (pa.int64(), pa.uint64()) or a.null_count for a in cats):
+            return None
+        if any(a.type not in (pa.int64(), pa.float64()) or a.null_count for a in dense):
+            return None
+        n_slots = len(cats)
+        values = np.empty((n, n_slots), np.uint64)
+        for j, a in enumerate(cats):
+            values[:, j] = a.to_numpy().view(np.uint64)
+        keys = mix64_array(values ^ self._salts).reshape(-1)
+        keys[keys == EMPTY_KEY] = EMPTY_KEY - np.uint64(1)
+        x = np.empty((n, len(dense)), np.float32)
+        for j, a in enumerate(dense):
+            x[:, j] = a.to_numpy()
+        if not np.isfinite(x).all():
+            return None  # the converter names the bad value
+        if self.spec.dense_transform == "log1p" and x.size:
+            np.log1p(np.maximum(x, 0, out=x), out=x)
+        offsets = np.arange(0, n * n_slots + 1, n_slots, dtype=np.int64)
+        slots = np.tile(np.arange(n_slots, dtype=np.int32), n)
+        return Batch(np.zeros(n, np.float32), x, keys, offsets, slots, n_slots)
 
     def parse_body(self, body: bytes) -> Batch:
         """The batch of a JSON body; :class:`BadRequest` with the reason otherwise."""
@@ -134,11 +169,17 @@ class RequestParser:
                 raise BadRequest(f"examples[{i}]: unknown column(s) {sorted(ex.keys() - cols)} "
                                  f"(the model's columns: {list(self.spec.columns)})")
         n = len(examples)
+        columns = list(zip(*map(self._row, examples))) if n else [() for _ in self.spec.columns]
+        n_dense = len(self.spec.dense)
+        dense = [self._dense_column(name, list(v)) for name, v in zip(self.spec.dense, columns[:n_dense])]
+        cats = [self._categorical_column(name, list(v)) for name, v in zip(self.spec.categorical, columns[n_dense:])]
+        if self.fast:
+            batch = self._integer_batch(dense, cats, n)
+            if batch is not None:
+                return batch
         arrays = {_LABEL: pa.array(np.zeros(n, np.float32))}
-        for name in self.spec.dense:
-            arrays[name] = self._dense_column(name, [ex[name] for ex in examples])
-        for name in self.spec.categorical:
-            arrays[name] = self._categorical_column(name, [ex[name] for ex in examples])
+        arrays.update(zip(self.spec.dense, dense))
+        arrays.update(zip(self.spec.categorical, cats))
         table = pa.RecordBatch.from_pydict(arrays)
         converted = self._converter.convert(table)
         if converted.bad_index.size:
