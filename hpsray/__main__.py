@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "bench": "hpsray.cli.bench",
     "demo": "hpsray.cli.demo",
     "gen-data": "hpsray.cli.gen_data",
+    "plan": "hpsray.cli.plan",
     "reference": "hpsray.cli.reference",
     "serve": "hpsray.cli.serve",
     "train": "hpsray.cli.train",

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest absolute difference --compare accepts (default 1e-5)")
     parser.add_argument("--json", action="store_true", help="print the run report as JSON on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    parser.add_argument("--no-plan", action="store_true",
+                        help="skip the capacity check (hpsray plan) that refuses a job which cannot fit")
 
 
 def error(msg: str, code: int = EXIT_CONFIG) -> int:
@@ -61,6 +63,19 @@ def check_fresh_ssd(path: str | None) -> None:
     if leftovers:
         raise ValueError(f"tiers.ssd_path: {path} already holds parameter files of an earlier run "
                          f"({', '.join(sorted(leftovers))}); remove them or choose another directory")
+
+
+def check_capacity(job, quiet: bool) -> None:
+    """``hpsray plan``'s check (its sample, no calibration): raise the
+    :class:`~hpsray.errors.CapacityError` the run would hit, with the fix; print warnings."""
+    from hpsray.plan import check_plan, make_plan
+
+    plan = make_plan(job, calibrate_stages=False)
+    if job.cluster.nodes:  # with nodes = 0 the node count is the cluster's: the plan's 1 node is a guess
+        check_plan(plan)
+    if not quiet:
+        for p in plan.problems:
+            print(f"hpsray train: warning: {p.setting}: {p.message}; {p.fix}", file=sys.stderr)
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -214,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     from ray.exceptions import RayError
 
     from hpsray.data import DataError
+    from hpsray.errors import CapacityError
     from hpsray.job import ConfigError, JobConfig, build
     from hpsray.pipelines import TrainingStopped
 
@@ -228,7 +244,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.reference:
             build.cluster_kwargs(job)
             check_fresh_ssd(job.tiers.ssd_path)
-    except (ConfigError, DataError) as e:
+            if not args.no_plan:  # before any actor starts: refuse a job that cannot fit, naming the fix
+                check_capacity(job, args.quiet)
+    except (ConfigError, DataError, CapacityError) as e:
         return error(str(e))
     except ValueError as e:
         return error(f"{args.config}: {e}")

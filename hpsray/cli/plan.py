@@ -1,0 +1,51 @@
+"""``hpsray plan JOB.toml``: what a job needs per node, how fast it will run, and what to change.
+
+Reads a sample of the job's data with the job's own readers, estimates distinct keys per batch
+and in all, and prints per node the MEM-PS rows and bytes needed, the trainer's memory, SSD-PS
+bytes with compaction headroom, object-store bytes in flight and a predicted examples/s from a
+short calibration of each stage on this machine. No Ray is started. Exit status 1 when the job
+cannot fit (each problem names the setting and the number), 2 for a bad job file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hpsray.plan.plan import DEFAULT_SAMPLE_ROWS
+
+HELP = ("size a TOML job before training: MEM-PS rows, trainer and SSD bytes, predicted examples/s, "
+        "the fix if it cannot fit")
+
+EXIT_CONFIG = 2
+EXIT_WONT_FIT = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="JOB.toml", help="the job file (see examples/train.toml)")
+    parser.add_argument("--sample-rows", type=int, default=DEFAULT_SAMPLE_ROWS, metavar="N",
+                        help=f"examples to sample (at least three global batches; default {DEFAULT_SAMPLE_ROWS:,})")
+    parser.add_argument("--no-calibrate", action="store_true", help="skip timing the stages (no predicted rate)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpsray.data import DataError
+    from hpsray.job import ConfigError, JobConfig
+    from hpsray.plan import make_plan, render
+
+    if args.sample_rows < 1:
+        print(f"hpsray plan: error: --sample-rows must be >= 1, got {args.sample_rows}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        job = JobConfig.load(args.config)
+        plan = make_plan(job, args.sample_rows, calibrate_stages=not args.no_calibrate)
+    except (ConfigError, DataError) as e:
+        print(f"hpsray plan: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ValueError as e:
+        print(f"hpsray plan: error: {args.config}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else render(plan))
+    return EXIT_WONT_FIT if plan.errors else 0

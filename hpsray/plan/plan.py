@@ -1,0 +1,211 @@
+"""The plan of a job: what each node needs, what it will run at, and what to change if it cannot fit.
+
+:func:`make_plan` reads a sample (:mod:`~hpsray.plan.sample`), estimates its keys
+(:mod:`~hpsray.plan.estimate`), sizes every tier (:mod:`~hpsray.plan.sizing`) and, unless told not
+to, times the stages (:mod:`~hpsray.plan.calibrate`). :func:`check_plan` raises the
+:class:`~hpsray.errors.CapacityError` the run would hit, naming the setting and the number to set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from hpsray.errors import CapacityError
+from hpsray.plan.calibrate import Calibration, calibrate, predict_rate
+from hpsray.plan.estimate import KeyEstimate, estimate_keys
+from hpsray.plan.sample import InputSize, read_sample
+from hpsray.plan.sizing import (
+    batch_bytes,
+    hbm_capacity,
+    hbm_table_bytes,
+    mem_bytes_for_rows,
+    mem_capacity_rows,
+    ssd_live_bytes,
+)
+
+__all__ = ["DEFAULT_SAMPLE_ROWS", "Plan", "Problem", "check_plan", "make_plan"]
+
+DEFAULT_SAMPLE_ROWS = 100_000
+NEAR = 0.95  # a pinned working set above this share of the budget is worth a warning
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A reason the job fails (``error``) or runs worse than it could (``warning``), and its fix."""
+
+    severity: str  # "error" | "warning"
+    setting: str  # the dotted job key to change, e.g. "tiers.mem_rows"
+    message: str
+    fix: str  # e.g. "set [tiers] mem_rows >= 13,448"
+
+
+@dataclass
+class Plan:
+    """Everything ``hpsray plan`` prints; :meth:`to_dict` is its ``--json``."""
+
+    job: str
+    nodes: int
+    batch_size: int
+    row_width: int
+    input: InputSize
+    keys: KeyEstimate
+    per_node: dict
+    calibration: Calibration | None
+    predicted_examples_per_s: float | None
+    stage_s_per_batch: dict | None
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["keys"]["per_node_distinct"] = self.keys.per_node_distinct
+        return d
+
+
+def _fmt(n: float) -> str:
+    return f"{int(round(n)):,}"
+
+
+def _free_bytes(path: str | None) -> tuple[str, int]:
+    path = path or tempfile.gettempdir()
+    probe = path
+    while probe and not os.path.isdir(probe):
+        parent = os.path.dirname(probe)
+        probe = parent if parent != probe else ""
+    probe = probe or "."
+    return probe, shutil.disk_usage(probe).free
+
+
+def make_plan(job, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: bool = True) -> Plan:
+    """Plan ``job`` (a :class:`~hpsray.job.JobConfig`) from its first ``sample_rows`` examples
+    (at least three global batches). ``calibrate_stages=False`` skips timing (no rate predicted)."""
+    nodes = job.cluster.nodes or 1
+    notes = [] if job.cluster.nodes else ["cluster.nodes = 0 (every node of the cluster): planned for 1 node"]
+    bs, p, cfg = job.pipeline.batch_size, job.pipeline, job.train_config()
+    width = cfg.row_width
+    sample = read_sample(job, max(int(sample_rows), 3 * bs * nodes))
+    syn = job.data.synthetic
+    key_space = syn.slots * syn.keys if syn is not None else None
+    keys = estimate_keys(sample, nodes, key_space)
+    if keys.pairs == 0 and not sample.complete:
+        notes.append("the sample holds a single global batch: the pinned working set of two is not measured")
+    if not sample.size.exact:
+        notes.append(f"input size estimated ({sample.size.how})")
+
+    capacity = mem_capacity_rows(job, sample.n_slots)
+    history = dict(job.tiers.mem).get("history", 4.0)
+    shard = keys.per_node_distinct
+    hbm_cap = hbm_capacity(job, sample.n_slots)
+    hbm_bytes, hbm_rows = hbm_table_bytes(hbm_cap, width, p.n_devices, keys.hbm_working_set_max)
+    space_ratio = dict(job.tiers.ssd).get("max_space_ratio", 2.0) or 2.0
+    live = ssd_live_bytes(shard, width)
+    ssd_dir, free = _free_bytes(job.tiers.ssd_path)
+    examples_per_node_batch = bs
+    batch_obj = batch_bytes(examples_per_node_batch, sample.keys_per_example, sample.n_dense)
+    lent = keys.batch_distinct_mean / nodes
+    in_flight = ((p.read_queue + 2) * (batch_obj + 8 * lent)
+                 + 4 * keys.batch_distinct_mean / max(nodes, 1) * 4 * width)
+    hit_share = min(1.0, capacity / shard) if shard else 1.0
+    ssd_rows_per_batch = lent * (1.0 - hit_share)
+
+    cal = rate = stages = None
+    dense_bytes = 0
+    if calibrate_stages:
+        cal = calibrate(job, sample)
+        rate, stages = predict_rate(cal, examples_per_node_batch, keys.batch_distinct_mean, ssd_rows_per_batch)
+        rate *= nodes
+        dense_state = {"adam": 2, "adagrad": 1}.get(cfg.dense_optimizer, 0)
+        dense_bytes = cal.dense_params * 4 * (2 + dense_state)  # weights, gradient, optimizer state
+
+    per_node = {
+        "mem_ps": {
+            "capacity_rows": capacity,
+            "capacity_bytes": mem_bytes_for_rows(capacity, width, history),
+            "pinned_rows_max": keys.pinned_max,
+            "pinned_rows_max_per_node": keys.pinned_max_per_node,
+            "min_bytes": mem_bytes_for_rows(keys.pinned_max, width, history),
+            "shard_rows": shard,
+            "shard_bytes": mem_bytes_for_rows(int(shard), width, history),
+            "resident_rows": min(float(capacity), shard),
+            "hit_share": hit_share,
+        },
+        "trainer": {
+            "hbm_capacity_rows": hbm_cap,
+            "hbm_working_set_rows": keys.hbm_working_set_max,
+            "hbm_table_rows": hbm_rows,
+            "hbm_bytes": hbm_bytes,
+            "dense_bytes": dense_bytes,
+            "device_bytes": hbm_bytes + dense_bytes,
+            "device": p.device,
+        },
+        "ssd_ps": {
+            "live_bytes": live,
+            "disk_bytes_max": int(live * space_ratio),
+            "max_space_ratio": space_ratio,
+            "path": ssd_dir,
+            "free_bytes": free,
+            "rows_per_batch": ssd_rows_per_batch,
+        },
+        "object_store_bytes": int(in_flight),
+        "host_bytes": int(mem_bytes_for_rows(capacity, width, history) + in_flight
+                          + (hbm_bytes + dense_bytes if p.device == "cpu" else 0)),
+    }
+    plan = Plan(job.where, nodes, bs, width, sample.size, keys, per_node, cal, rate, stages, notes=notes)
+    plan.problems = _problems(job, plan, history)
+    return plan
+
+
+def _problems(job, plan: Plan, history: float) -> list[Problem]:
+    out = []
+    mem, keys, bs = plan.per_node["mem_ps"], plan.keys, plan.batch_size
+    need, cap = keys.pinned_max, mem["capacity_rows"]
+    setting = "tiers.mem_bytes" if job.tiers.mem_bytes is not None else "tiers.mem_rows"
+    def budget(rows: int) -> str:
+        if setting == "tiers.mem_rows":
+            return f"set [tiers] mem_rows >= {rows:,}"
+        return f"set [tiers] mem_bytes >= {mem_bytes_for_rows(rows, plan.row_width, history):,}"
+
+    if need > cap:
+        smaller = max(1, int(bs * cap / need * 0.9))
+        out.append(Problem(
+            "error", setting,
+            f"MEM-PS capacity {cap:,} rows per node: two consecutive batches of {bs:,} examples pin up to "
+            f"{need:,} distinct rows at once (batch t trains while t+1 is pulled), so the run would stop with "
+            "CapacityError",
+            f"{budget(need)} (or lower [pipeline] batch_size to about {smaller:,})"))
+    elif need > NEAR * cap:
+        out.append(Problem(
+            "warning", setting,
+            f"MEM-PS capacity {cap:,} rows per node holds the {need:,} rows two consecutive sampled batches "
+            f"pin with less than {100 - NEAR * 100:.0f} % to spare; batches outside the sample may not fit",
+            f"{budget(int(need / NEAR) + 1)} for headroom"))
+    tr = plan.per_node["trainer"]
+    if tr["hbm_working_set_rows"] > tr["hbm_capacity_rows"]:
+        out.append(Problem(
+            "warning", "pipeline.hbm_rows",
+            f"the trainer's working set ({tr['hbm_working_set_rows']:,} rows) outgrows its HBM-PS tables "
+            f"({tr['hbm_capacity_rows']:,} rows); they will double while training",
+            f"set [pipeline] hbm_rows >= {int(tr['hbm_working_set_rows'] * 1.1):,}"))
+    ssd = plan.per_node["ssd_ps"]
+    if ssd["disk_bytes_max"] > ssd["free_bytes"]:
+        out.append(Problem(
+            "error", "tiers.ssd_path",
+            f"SSD-PS needs up to {ssd['disk_bytes_max']:,} bytes per node (live rows × {ssd['max_space_ratio']:g} "
+            f"compaction headroom) but {ssd['path']} has {ssd['free_bytes']:,} free",
+            f"set [tiers] ssd_path to a disk with >= {ssd['disk_bytes_max']:,} bytes free, or raise cluster.nodes"))
+    return out
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise :class:`~hpsray.errors.CapacityError` naming every fix when the plan has errors."""
+    errors = plan.errors
+    if errors:
+        raise CapacityError(f"{plan.job}: the job cannot fit: "
+                            + "; ".join(f"{e.setting}: {e.message}; fix: {e.fix}" for e in errors))
