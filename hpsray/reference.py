@@ -10,8 +10,8 @@ array. Tiering, pipelining, devices and nodes must not change what it computes (
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -103,7 +103,8 @@ class ReferenceTrainer:
             the paper's :class:`~hpsray.models.DNN` when ``None``.
     """
 
-    def __init__(self, n_slots: int, n_dense: int, config: TrainConfig | None = None, model: torch.nn.Module | None = None):
+    def __init__(self, n_slots: int, n_dense: int, config: TrainConfig | None = None,
+                 model: torch.nn.Module | None = None):
         self.config = config or TrainConfig()
         self.n_slots, self.n_dense = n_slots, n_dense
         self.optimizer = self.config.optimizer()

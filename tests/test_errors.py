@@ -39,7 +39,10 @@ def test_old_import_paths_still_give_the_same_classes():
     from hpsray.data import DataError as D
     from hpsray.kernels import TableFullError as T
     from hpsray.pipelines import TrainingStopped as S
-    from hpsray.tiers import CapacityError as Cap, CorruptFileError as Cor, SSDError as E, SSDFullError as F
+    from hpsray.tiers import CapacityError as Cap
+    from hpsray.tiers import CorruptFileError as Cor
+    from hpsray.tiers import SSDError as E
+    from hpsray.tiers import SSDFullError as F
 
     assert (C, D, T, S, Cap, Cor, E, F) == (ConfigError, DataError, TableFullError, TrainingStopped,
                                             CapacityError, CorruptFileError, SSDError, SSDFullError)

@@ -18,7 +18,8 @@ def test_auc_matches_pairwise_definition_with_ties():
     y = rng.integers(0, 2, 300)
     s = rng.integers(0, 20, 300).astype(float)  # many ties
     pos, neg = s[y == 1], s[y == 0]
-    pairwise = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (pos.size * neg.size)
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    pairwise = wins / (pos.size * neg.size)
     assert auc(y, s) == pytest.approx(pairwise)
     assert np.isnan(auc(np.ones(5), np.arange(5)))
 

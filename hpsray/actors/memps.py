@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import ray
 
-from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.actors.timing import StageClock
+from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.tiers.mem import MemPS
+from hpsray.tiers.warmup import warm_mem_ps
 
 
 class _RemoteStore:
@@ -46,6 +47,7 @@ class MemPSShard:
         self.init = init
         self.store = _RemoteStore(ssd_actor, width)
         self.mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)
+        warm_mem_ps(width, init, **options)  # numba compiles here, before the pipeline's clock
         self.clock = StageClock("pull", node)
         self.hit_rate: dict = {}
         self._hits: dict = {}  # batch -> [hits, misses] over its leases
@@ -95,7 +97,8 @@ class MemPSShard:
         stale = keys[np.isin(keys, np.concatenate(others))] if others and keys.size else keys[:0]
         if mine is not None and stale.size:
             stale = stale[~np.isin(stale, mine)]
-        return {"keys": stale, "rows": self.mem.peek(stale) if stale.size else np.empty((0, self.mem.width), np.float32)}
+        rows = self.mem.peek(stale) if stale.size else np.empty((0, self.mem.width), np.float32)
+        return {"keys": stale, "rows": rows}
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Current rows of ``keys`` for evaluation: resident, else stored, else initial; no pinning."""

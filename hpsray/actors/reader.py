@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import ray
 
+from hpsray.actors.timing import StageClock
 from hpsray.data.batch import Batch
 from hpsray.kernels.distinct import distinct_sorted
-from hpsray.actors.timing import StageClock
 from hpsray.tiers.partition import owner_of
 
 Transform = Callable[[Batch], Batch]
@@ -19,7 +19,8 @@ class Reader:
     """Reader ``index`` of ``count`` on node ``node``; :meth:`read` returns the next batch.
 
     ``transforms`` (e.g. feature engineering) run here, on the reader's CPU, in order. With
-    ``n_nodes`` > 1 the batch's distinct keys come split by owner node (docs/architecture.md: Keys and partitioning), so each
+    ``n_nodes`` > 1 the batch's distinct keys come split by owner node (docs/architecture.md: Keys and
+    partitioning), so each
     owner's MEM-PS gets exactly the keys it serves. :meth:`open` starts another pass (the next
     epoch, an evaluation) in the same actor: a new actor costs seconds of process start.
     """

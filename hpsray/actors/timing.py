@@ -9,7 +9,8 @@ from contextlib import contextmanager
 class StageClock:
     """Busy time of one stage of one node, per batch and in total.
 
-    Also exports ``ray.util.metrics`` (docs/architecture.md: Observability) when running inside Ray: a counter of batches,
+    Also exports ``ray.util.metrics`` (docs/architecture.md: Observability) when running inside Ray:
+    a counter of batches,
     a histogram of seconds per batch, and a counter of busy seconds, tagged ``{stage, node}``.
     """
 

@@ -77,7 +77,8 @@ def zipf_ranks(rng: np.random.Generator, n: int, universe: int, a: float) -> np.
     return np.minimum(np.searchsorted(cdf, rng.random(n)), universe - 1)
 
 
-def make_trace(kind: str, *, universe: int, batch: int, batches: int, a: float, drift: float, seed: int) -> list[np.ndarray]:
+def make_trace(kind: str, *, universe: int, batch: int, batches: int, a: float, drift: float,
+               seed: int) -> list[np.ndarray]:
     """A list of ``batches`` key arrays (``uint64``) of the given trace kind."""
     rng = np.random.default_rng(seed)
     cdf = np.cumsum(np.arange(1, universe + 1, dtype=np.float64) ** -a)

@@ -102,7 +102,8 @@ class Exchanger:
         """Use chunked aggregation; returns the pushes per step."""
         from hpsray.cluster.aggregation import ChunkedAggregator
 
-        reducer = self.reducers["chunked"] = ChunkedAggregator(handles, self.world, self.rank, chunk_bytes, message_bytes)
+        reducer = ChunkedAggregator(handles, self.world, self.rank, chunk_bytes, message_bytes)
+        self.reducers["chunked"] = reducer
         return len(reducer.messages(self.grad.shape[0]))
 
     def reduce_once(self, mode: str, flat: np.ndarray, step: int) -> np.ndarray:

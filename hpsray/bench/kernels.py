@@ -24,7 +24,6 @@ import numpy as np
 
 from hpsray.kernels import make_table
 
-
 HELP = "hash-table kernels (find, find_or_insert, scatter_add) vs a Python dict and the random-gather bound"
 
 
@@ -92,11 +91,11 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
     arena = np.full((n, dim), 1.0, dtype=np.float32)
     rows = rng.integers(0, n, queries)
     gather_s = _best(lambda: np.take(arena, rows, axis=0), repeat)
-    del arena
+    arena = None  # free it (the lambda above is done with it)
     d = dict(zip(keys.tolist(), range(n)))
     dq = q[:dict_queries].tolist()
     dict_s = _best(lambda: [d[k] for k in dq], repeat)
-    del d
+    d = None  # free it
 
     out = {
         "keys": n,

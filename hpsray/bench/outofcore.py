@@ -31,7 +31,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -119,7 +118,8 @@ def _summary(report: dict, extra: dict, batches: int) -> dict:
         "rows_evicted": int(cache.get("evicted", 0)),
         "rows_evicted_dirty": int(cache.get("evicted_dirty", 0)),
         "ssd": {k: store.get(k) for k in (
-            "loads", "bytes_read", "files_read", "files_read_partially", "load_seconds", "dumps", "bytes_written", "dump_seconds",
+            "loads", "bytes_read", "files_read", "files_read_partially", "load_seconds",
+            "dumps", "bytes_written", "dump_seconds",
             "compactions", "files_compacted", "compaction_bytes_read", "compaction_bytes_written",
             "compaction_seconds", "backpressure_waits", "files", "live_rows", "disk_bytes", "space_ratio")},
     }

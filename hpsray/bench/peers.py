@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> dict:
                     dim=args.dim, hidden=tuple(int(h) for h in args.hidden.split(",")), minibatch=args.minibatch,
                     batch=args.batch, warmup_rows=scale(args.warmup_rows), rows=scale(args.rows),
                     eval_rows=scale(args.eval_rows), sparse_lr=args.sparse_lr, seed=args.seed,
-                    threads=args.threads, device=args.device, shards=args.shards, torchrec_optimizer=args.torchrec_optimizer,
+                    threads=args.threads, device=args.device, shards=args.shards,
+                    torchrec_optimizer=args.torchrec_optimizer,
                     extra={"ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness})
     base.train_config()  # validates
     out: dict = {"config": _config(base, args, systems), "by_keys_per_example": {}}
@@ -223,7 +224,8 @@ def _run_system(spec: PeerSpec, args: argparse.Namespace) -> dict:
     if spec.system == "torchrec":
         python = Path(args.torchrec_venv) / "bin" / "python"
         if not python.exists():
-            return {"skipped": f"no TorchRec environment at {args.torchrec_venv}: run `bash benchmarks/torchrec_env.sh`"}
+            return {"skipped": f"no TorchRec environment at {args.torchrec_venv}: "
+                               "run `bash benchmarks/torchrec_env.sh`"}
         if not TORCHREC_RUNNER.exists():
             return {"skipped": f"{TORCHREC_RUNNER} not found (hpsray installed without its benchmarks/ folder)"}
         cmd = [str(python), str(TORCHREC_RUNNER), spec_path]
@@ -265,7 +267,8 @@ def ratios(results: dict, ceiling: dict | None = None) -> dict:
                 out[f"auc_{mine}_minus_{peer}"] = ok[mine]["auc"] - ok[peer]["auc"]
                 out[f"rss_{mine}_vs_{peer}"] = ok[mine]["peak_rss_bytes"] / ok[peer]["peak_rss_bytes"]
     if "hpsray_ssd" in ok and "hpsray_in_memory" in ok:
-        out["hpsray_ssd_vs_hpsray_in_memory"] = ok["hpsray_ssd"]["examples_per_s"] / ok["hpsray_in_memory"]["examples_per_s"]
+        out["hpsray_ssd_vs_hpsray_in_memory"] = (ok["hpsray_ssd"]["examples_per_s"]
+                                                 / ok["hpsray_in_memory"]["examples_per_s"])
     if "hpsray_in_memory_vs_pytorch" in out:
         out["target_met"] = bool(out["hpsray_in_memory_vs_pytorch"] >= 1.0
                                  and abs(out["auc_hpsray_in_memory_minus_pytorch"]) <= AUC_TOLERANCE)
@@ -397,7 +400,8 @@ def run_hpsray(spec: PeerSpec) -> dict:
         del train
         src = lambda refs: PreparedSource(refs, spec.batch, spec.n_slots, spec.n_dense)  # noqa: E731
         capacity = spec.mem_capacity_rows or spec.vocabulary_rows + 1024
-        with Pipeline(src(warm), TrainerStage(cfg, threads=spec.threads, device=spec.device), MemPSStage(capacity_rows=capacity),
+        with Pipeline(src(warm), TrainerStage(cfg, threads=spec.threads, device=spec.device),
+                      MemPSStage(capacity_rows=capacity),
                       batch_size=spec.batch) as p:
             p.fit(progress=False)
             p.source = src(measured)

@@ -34,8 +34,8 @@ import time
 
 import numpy as np
 
-from hpsray.tiers.ssd.paramfile import SUFFIX, file_bytes, record_bytes
 from hpsray.tiers.ssd import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
+from hpsray.tiers.ssd.paramfile import SUFFIX, file_bytes, record_bytes
 
 HELP = "SSD-PS cold load vs sequential read bandwidth, dump throughput, space ratio after compaction"
 

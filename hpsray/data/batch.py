@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,7 @@ class Batch:
         """``int64[nnz]``: the pooling bag ``example * n_slots + slot`` of each key."""
         return self.example_of_key() * self.n_slots + self.slots
 
-    def slice(self, start: int, stop: int) -> "Batch":
+    def slice(self, start: int, stop: int) -> Batch:
         """Examples ``start..stop-1`` as a new batch (views where possible): a mini-batch."""
         stop = min(stop, len(self))
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
@@ -82,7 +83,7 @@ class Batch:
             n_slots=self.n_slots,
         )
 
-    def minibatches(self, size: int):
+    def minibatches(self, size: int) -> Iterator[Batch]:
         """Consecutive mini-batches of ``size`` examples (the last may be shorter)."""
         if size <= 0:
             raise ValueError(f"mini-batch size must be positive, got {size}")
@@ -90,14 +91,14 @@ class Batch:
             yield self.slice(start, start + size)
 
     @staticmethod
-    def empty(n_slots: int, n_dense: int) -> "Batch":
+    def empty(n_slots: int, n_dense: int) -> Batch:
         """A batch of no examples (an exhausted node's part of a global mini-batch)."""
         return Batch(labels=np.empty(0, np.float32), dense=np.empty((0, n_dense), np.float32),
                      keys=np.empty(0, np.uint64), offsets=np.zeros(1, np.int64), slots=np.empty(0, np.int32),
                      n_slots=n_slots)
 
     @staticmethod
-    def concat(batches: "list[Batch]") -> "Batch":
+    def concat(batches: list[Batch]) -> Batch:
         """One batch holding the examples of ``batches`` in order."""
         if not batches:
             raise ValueError("Batch.concat needs at least one batch")

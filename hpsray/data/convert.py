@@ -9,6 +9,7 @@ individual bad values runs only for blocks that hold one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -130,7 +131,7 @@ class Converter:
     def describe(self, rb: pa.RecordBatch | pa.Table, row: int, reason: str) -> str:
         """A human-readable reason for one bad row of ``rb`` (error path only)."""
 
-        def value(name: str):
+        def value(name: str) -> Any:
             return rb.column(name)[row].as_py()
 
         if reason == EMPTY_LINE:

@@ -9,8 +9,9 @@ under its reason in a :class:`BadInputReport` and raises only once the bad fract
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from hpsray.errors import DataError, TooMuchBadInput
 
@@ -65,10 +66,11 @@ class BadInputPolicy:
         return self.mode == "strict"
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "bad_input") -> "BadInputPolicy":
+    def from_dict(cls, d: Mapping[str, Any], where: str = "bad_input") -> BadInputPolicy:
         """Build from a TOML table; unknown keys and wrong types raise ``ValueError`` naming the key."""
-        known = {"mode": str, "max_bad_fraction": (int, float), "min_rows": int, "max_examples": int}
-        kwargs = {}
+        known: dict[str, type | tuple[type, ...]] = {"mode": str, "max_bad_fraction": (int, float), "min_rows": int,
+                                                    "max_examples": int}
+        kwargs: dict[str, Any] = {}
         for key, value in d.items():
             if key not in known:
                 raise ValueError(f"{where}.{key}: unknown key (known: {', '.join(known)})")
@@ -145,7 +147,7 @@ class BadInputReport:
                 f"{policy.max_bad_fraction:.2%}); {self.summary()}",
             )
 
-    def merge(self, other: "BadInputReport", max_examples: int = 20) -> "BadInputReport":
+    def merge(self, other: BadInputReport, max_examples: int = 20) -> BadInputReport:
         """A new report adding ``self`` and ``other`` (e.g. over the readers of a run)."""
         counts = dict(self.counts)
         for k, v in other.counts.items():

@@ -10,7 +10,8 @@ text is written in its shortest round-trip form) and the same labels.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numba as nb
 import numpy as np
@@ -88,7 +89,7 @@ def dataset_schema(gen: PlantedCTR, format: str) -> Schema:
     raise ValueError(f"format must be 'criteo' or 'parquet', got {format!r}")
 
 
-def _table(gen: PlantedCTR, batch, ranks: np.ndarray, format: str) -> pa.Table:
+def _table(gen: PlantedCTR, batch: Any, ranks: np.ndarray, format: str) -> pa.Table:
     n = len(batch)
     m = gen.slot_nnz
     per_example = int(m.sum())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -10,7 +12,7 @@ import pyarrow.compute as pc
 _NUMBER = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
 
 
-def _python_float(v) -> float | None:
+def _python_float(v: Any) -> float | None:
     try:
         return float(v)
     except (TypeError, ValueError):

@@ -17,8 +17,9 @@ sparse input layer over the ``2k``-dimensional vector).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numba as nb
 import numpy as np
@@ -86,7 +87,7 @@ class OPOSRP:
             raise ValueError(f"osrp.out_slots: must be an integer in [1, k={self.k}], got {self.out_slots!r}")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "osrp") -> "OPOSRP":
+    def from_dict(cls, d: Mapping[str, Any], where: str = "osrp") -> OPOSRP:
         known = {"k", "out_slots", "seed"}
         for key, value in d.items():
             if key not in known:

@@ -8,7 +8,7 @@ groups whose first byte lies inside it. Bad rows are named by their 1-based row 
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq

@@ -13,7 +13,8 @@ or, the same in one object, ``DataReader(sources, schema, reader_index=i, num_re
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from hpsray.data.batch import Batch
 from hpsray.data.errors import LENIENT, BadInputPolicy, BadInputReport, log

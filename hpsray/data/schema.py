@@ -19,10 +19,11 @@ hex categorical columns, no header. Categorical slot ``i`` is ``categorical[i]``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping, Union
+from typing import Any
 
-Column = Union[str, int]
+Column = str | int
 """A column by header/Parquet name or by 0-based position."""
 
 FORMATS = ("criteo", "csv", "parquet")
@@ -85,7 +86,7 @@ class Schema:
         dense_transform: str = "log1p",
         multi_hot_separator: str = "",
         compression: str = "auto",
-    ) -> "Schema":
+    ) -> Schema:
         """Criteo TSV: label, ``n_dense`` integer and ``n_categorical`` hex columns, no header."""
         for name, v in (("n_dense", n_dense), ("n_categorical", n_categorical)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -106,7 +107,7 @@ class Schema:
         )
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "schema") -> "Schema":
+    def from_dict(cls, d: Mapping[str, Any], where: str = "schema") -> Schema:
         """Build from a TOML table. Errors are ``ValueError`` naming ``where.key`` and the reason."""
         if not isinstance(d, Mapping):
             raise ValueError(f"{where}: must be a table, got {type(d).__name__}")

@@ -19,8 +19,9 @@ import io
 import os
 import posixpath
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -173,7 +174,7 @@ def list_files(sources: str | Sequence[str], filesystem: Any = None) -> list[Spl
         src = os.fspath(src)
         fs, path, prefix = resolve_filesystem(src, filesystem)
 
-        def name(p: str) -> str:
+        def name(p: str, prefix: str = prefix) -> str:  # this source's prefix
             return prefix + p if prefix else p
 
         m = _GLOB_CHARS.search(path)
@@ -288,7 +289,7 @@ class _NativeFileStream(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: Any) -> int:  # a writable buffer
         data = self.read(len(b))
         b[: len(data)] = data
         return len(data)

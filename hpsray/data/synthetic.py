@@ -18,8 +18,8 @@ categorical value (hex text in Criteo TSV, an integer in Parquet; see
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence, Union
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class PlantedCTR:
 
     n_slots: int = 26
     keys_per_slot: int = 10_000
-    nnz_per_slot: Union[int, Sequence[int]] = 1
+    nnz_per_slot: int | Sequence[int] = 1
     n_dense: int = 13
     zipf_a: float = 1.05
     key_scale: float = 3.0
@@ -58,7 +58,8 @@ class PlantedCTR:
             self.nnz_per_slot = tuple(int(m) for m in self.nnz_per_slot)
             if len(self.nnz_per_slot) != self.n_slots or min(self.nnz_per_slot) < 1:
                 raise ValueError(
-                    f"PlantedCTR.nnz_per_slot must be one integer >= 1 or {self.n_slots} of them, got {self.nnz_per_slot}"
+                    f"PlantedCTR.nnz_per_slot must be one integer >= 1 or {self.n_slots} of them, "
+                    f"got {self.nnz_per_slot}"
                 )
         if self.n_dense < 0:
             raise ValueError(f"PlantedCTR.n_dense must be >= 0, got {self.n_dense}")
@@ -78,7 +79,7 @@ class PlantedCTR:
         return int(self.slot_nnz.sum())
 
     @staticmethod
-    def spread_nnz(n_slots: int, nnz: int) -> "int | tuple[int, ...]":
+    def spread_nnz(n_slots: int, nnz: int) -> int | tuple[int, ...]:
         """``nnz_per_slot`` for ``nnz`` keys per example over ``n_slots`` slots, as even as possible."""
         if nnz < n_slots:
             raise ValueError(f"need at least one key per slot: nnz={nnz} < slots={n_slots}")

@@ -10,7 +10,8 @@ and invalid lines seen so far, because with ``newlines_in_values`` off each reco
 from __future__ import annotations
 
 import bisect
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -141,7 +142,7 @@ class _TextSplitReader:
             names = None  # pyarrow reads the header
             self.cursor = 2
 
-        def on_invalid(row) -> str:
+        def on_invalid(row: Any) -> str:
             self.pending.append((row.number, f"expected {row.expected_columns} columns, got {row.actual_columns}"))
             return "skip"
 

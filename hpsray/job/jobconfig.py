@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import tomllib
 
 from hpsray.config import TrainConfig
 from hpsray.data import Schema, load_dataset
@@ -79,7 +80,8 @@ class JobConfig:
         top = chk.Table(d, "", where)
         data_t = top.sub("data")
         if data_t is None:
-            raise ConfigError(where, "data", "missing section: give [data] with paths = [...] or a [data.synthetic] table")
+            raise ConfigError(where, "data",
+                              "missing section: give [data] with paths = [...] or a [data.synthetic] table")
         pipeline = parse_pipeline(top.sub("pipeline") or chk.Table({}, "pipeline", where))
         job = cls(
             data=parse_data(data_t, base_dir),
@@ -94,7 +96,8 @@ class JobConfig:
         top.done()
         if job.pipeline.minibatch_size > job.pipeline.batch_size:
             raise ConfigError(where, "pipeline.minibatch_size",
-                              f"must not exceed pipeline.batch_size ({job.pipeline.batch_size}), got {job.pipeline.minibatch_size}")
+                              f"must not exceed pipeline.batch_size ({job.pipeline.batch_size}), "
+                              f"got {job.pipeline.minibatch_size}")
         try:
             job.train_config()
         except (ValueError, TypeError) as e:

@@ -56,7 +56,8 @@ class SyntheticSection:
     def generator(self):
         """The :class:`~hpsray.data.PlantedCTR` this table describes."""
         nnz = self.slots if self.nnz is None else self.nnz
-        return PlantedCTR(n_slots=self.slots, keys_per_slot=self.keys, nnz_per_slot=PlantedCTR.spread_nnz(self.slots, nnz),
+        return PlantedCTR(n_slots=self.slots, keys_per_slot=self.keys,
+                          nnz_per_slot=PlantedCTR.spread_nnz(self.slots, nnz),
                           n_dense=self.dense, zipf_a=self.zipf, seed=self.seed)
 
 
@@ -150,7 +151,6 @@ class ClusterSection:
 # -- reading each section's table ---------------------------------------------------------
 
 def parse_data(t: chk.Table, base: str) -> DataSection:
-    from hpsray.data import LENIENT, BadInputPolicy, Schema
 
     paths = t.take("paths", chk.paths, ())
     eval_paths = t.take("eval_paths", chk.paths, ())

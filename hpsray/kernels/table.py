@@ -24,11 +24,10 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from hpsray.errors import TableFullError
+from hpsray.errors import TableFullError  # noqa: F401 - re-exported: cpu.py and cuda.py raise it from here
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer
-
 
 MAX_BUCKET_LOAD = 0.5
 

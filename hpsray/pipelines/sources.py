@@ -6,8 +6,9 @@ index to stream its own share (docs/architecture.md: The pipeline: different nod
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from hpsray.data.batch import Batch
 from hpsray.data.synthetic import PlantedCTR

@@ -19,11 +19,10 @@ over the same batch-granular trace model, for the cache benchmark.
 from __future__ import annotations
 
 import numpy as np
-
-from hpsray.kernels.distinct import distinct_sorted
 from numba import njit
 
 from hpsray.errors import CapacityError
+from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.hashing import mix64
 
 FREE, LRU, LFU = -1, 0, 1
@@ -163,7 +162,7 @@ class LruLfuPolicy:
         self.region[slots] = LRU
         self.tick[slots] = self.clock
         self.freq[slots] += 1  # a released slot's count is 0
-        if self._remembered and keys is not None:
+        if self._remembered and keys is not None and self.sketch is not None:
             admitted = r == FREE
             if admitted.any():
                 self.freq[slots[admitted]] += self.sketch.estimate(keys[admitted])
@@ -251,7 +250,7 @@ def belady_hit_rate(trace: list[np.ndarray], capacity: int) -> dict:
     in_batch = np.zeros(capacity, dtype=bool)
     hits = 0
     start = 0
-    for t, b in enumerate(batches):
+    for b in batches:
         nb = nxt[start : start + b.size]
         start += b.size
         slots = index.find(b)

@@ -23,6 +23,7 @@ from collections.abc import Hashable
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from hpsray.kernels.cpu import CpuHashTable
 from hpsray.kernels.distinct import is_sorted_distinct
@@ -108,6 +109,7 @@ class MemPS:
         if (capacity_rows is None) == (capacity_bytes is None):
             raise ValueError("give exactly one of capacity_rows and capacity_bytes")
         if capacity_rows is None:
+            assert capacity_bytes is not None
             capacity_rows = rows_for_bytes(int(capacity_bytes), width, history)
         if capacity_rows < 1:
             raise ValueError(f"capacity_rows must be >= 1, got {capacity_rows}")
@@ -132,7 +134,7 @@ class MemPS:
 
     # -- the batch cycle -----------------------------------------------------------------
 
-    def pull(self, batch_id: Hashable, keys) -> np.ndarray:
+    def pull(self, batch_id: Hashable, keys: ArrayLike) -> np.ndarray:
         """Rows of ``keys`` (``float32[n, width]``, duplicates allowed), pinned for ``batch_id``.
 
         Resident rows are hits; misses are loaded from SSD-PS or, if never stored,
@@ -193,7 +195,7 @@ class MemPS:
             self._totals["pulls"] += 1
             return self._table.gather(slots if inv is None else slots[inv])
 
-    def write_back(self, batch_id: Hashable, keys, rows) -> None:
+    def write_back(self, batch_id: Hashable, keys: ArrayLike, rows: ArrayLike) -> None:
         """Store the updated ``rows`` of ``keys`` (all pulled by ``batch_id`` and still pinned);
         the last duplicate wins. The rows become dirty: eviction will write them to SSD-PS."""
         keys = as_keys(keys)
@@ -254,7 +256,7 @@ class MemPS:
 
     # -- inspection ----------------------------------------------------------------------
 
-    def peek(self, keys) -> np.ndarray:
+    def peek(self, keys: ArrayLike) -> np.ndarray:
         """Current rows of resident ``keys`` without touching replacement state (e.g. to
         re-read a prefetched batch's rows after the previous batch's write-back)."""
         keys = as_keys(keys)
@@ -265,13 +267,13 @@ class MemPS:
                                f"(first: {int(keys[np.argmax(slots < 0)])})")
             return self._table.gather(slots)
 
-    def contains(self, keys) -> np.ndarray:
+    def contains(self, keys: ArrayLike) -> np.ndarray:
         """Whether each key is resident."""
         keys = as_keys(keys)
         with self._lock:
             return self._table.find(keys) >= 0
 
-    def pinned(self, keys) -> np.ndarray:
+    def pinned(self, keys: ArrayLike) -> np.ndarray:
         """Whether each key is resident and pinned by some in-flight batch."""
         keys = as_keys(keys)
         with self._lock:
@@ -317,7 +319,7 @@ class MemPS:
     def stats(self) -> dict:
         """Totals since creation plus current occupancy (rows, pinned rows, LRU/LFU split)."""
         with self._lock:
-            t = dict(self._totals)
+            t: dict = dict(self._totals)
             total = t["hits"] + t["misses"]
             p = self._policy
             t.update(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from hpsray.kernels.hashing import mix64_array
 from hpsray.kernels.table import as_keys
@@ -21,25 +22,25 @@ def _check(n: int, name: str) -> int:
     return int(n)
 
 
-def key_hash(keys) -> np.ndarray:
+def key_hash(keys: ArrayLike) -> np.ndarray:
     """The partitioning hash ``mix64(key)`` of each key (``uint64``)."""
     return mix64_array(as_keys(keys))
 
 
-def owner_of(keys, n_nodes: int) -> np.ndarray:
+def owner_of(keys: ArrayLike, n_nodes: int) -> np.ndarray:
     """Owner node of each key, ``int64`` in ``[0, n_nodes)``."""
     n = np.uint64(_check(n_nodes, "n_nodes"))
     return (key_hash(keys) % n).astype(np.int64)
 
 
-def device_of(keys, n_nodes: int, n_devices: int) -> np.ndarray:
+def device_of(keys: ArrayLike, n_nodes: int, n_devices: int) -> np.ndarray:
     """Device (within its owner node) of each key, ``int64`` in ``[0, n_devices)``."""
     n = np.uint64(_check(n_nodes, "n_nodes"))
     d = np.uint64(_check(n_devices, "n_devices"))
     return ((key_hash(keys) // n) % d).astype(np.int64)
 
 
-def place(keys, n_nodes: int, n_devices: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def place(keys: ArrayLike, n_nodes: int, n_devices: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """``(owner node, device)`` of each key, hashing once."""
     n = np.uint64(_check(n_nodes, "n_nodes"))
     d = np.uint64(_check(n_devices, "n_devices"))
@@ -68,25 +69,25 @@ class Partitioner:
         _check(self.n_nodes, "n_nodes")
         _check(self.n_devices, "n_devices")
 
-    def owner(self, keys) -> np.ndarray:
+    def owner(self, keys: ArrayLike) -> np.ndarray:
         """Owner node of each key."""
         return owner_of(keys, self.n_nodes)
 
-    def device(self, keys) -> np.ndarray:
+    def device(self, keys: ArrayLike) -> np.ndarray:
         """Device of each key within its owner node."""
         return device_of(keys, self.n_nodes, self.n_devices)
 
-    def place(self, keys) -> tuple[np.ndarray, np.ndarray]:
+    def place(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """``(owner, device)`` of each key."""
         return place(keys, self.n_nodes, self.n_devices)
 
-    def split_by_owner(self, keys) -> list[np.ndarray]:
+    def split_by_owner(self, keys: ArrayLike) -> list[np.ndarray]:
         """The keys owned by each node, in input order (a list of ``n_nodes`` arrays)."""
         keys = as_keys(keys)
         order, offsets = group_by(self.owner(keys), self.n_nodes)
         return [keys[order[offsets[i] : offsets[i + 1]]] for i in range(self.n_nodes)]
 
-    def split_by_device(self, keys) -> list[np.ndarray]:
+    def split_by_device(self, keys: ArrayLike) -> list[np.ndarray]:
         """Keys of one node split over its devices (a list of ``n_devices`` arrays)."""
         keys = as_keys(keys)
         order, offsets = group_by(self.device(keys), self.n_devices)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hpsray.bench import BENCHMARKS
-from hpsray.bench import outofcore
+from hpsray.bench import BENCHMARKS, outofcore
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -19,7 +18,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def test_outofcore_bench_is_lossless_at_40x(tmp_path):
     assert BENCHMARKS["outofcore"] == "hpsray.bench.outofcore"
     report = outofcore.run(_args([
-        "--rows", "48000", "--batch", "256", "--minibatch", "256", "--warmup-batches", "2", "--slots", "4", "--zipf", "0.8",
+        "--rows", "48000", "--batch", "256", "--minibatch", "256", "--warmup-batches", "2", "--slots", "4",
+        "--zipf", "0.8",
         "--keys", "400000", "--dense", "2", "--hidden", "8", "--dir", str(tmp_path),
         "--report-dir", str(tmp_path / "report"),
     ]))

@@ -17,7 +17,8 @@ from hpsray.models.metrics import auc
 from hpsray.reference import ReferenceTrainer
 
 REPO = Path(__file__).resolve().parents[2]
-TORCHREC_PYTHON = Path(os.environ.get("HPSRAY_TORCHREC_VENV", REPO / "benchmarks" / ".torchrec-venv")) / "bin" / "python"
+TORCHREC_VENV = Path(os.environ.get("HPSRAY_TORCHREC_VENV", REPO / "benchmarks" / ".torchrec-venv"))
+TORCHREC_PYTHON = TORCHREC_VENV / "bin" / "python"
 
 
 def tiny_spec(tmp_path, optimizer="adagrad", lr=0.05, **kw) -> PeerSpec:
@@ -196,7 +197,8 @@ def test_torchrec_peer_trains_the_plain_torch_parameters(tmp_path):
     save_examples(spec)
     (tmp_path / "spec.json").write_text(spec.to_json())
     env = {**os.environ, "HPSRAY_TORCHREC_EXPORT": str(tmp_path / "table.npy")}
-    out = subprocess.run([str(TORCHREC_PYTHON), str(REPO / "benchmarks" / "torchrec_peer.py"), str(tmp_path / "spec.json")],
+    out = subprocess.run([str(TORCHREC_PYTHON), str(REPO / "benchmarks" / "torchrec_peer.py"),
+                          str(tmp_path / "spec.json")],
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(Path(spec.result_path).read_text())

@@ -143,7 +143,8 @@ def test_aggregator_refuses_duplicates_mismatches_and_times_out():
 
 @pytest.mark.slow
 def test_bench_exchange_json_emits_both_modes():
-    out = subprocess.run([sys.executable, "-m", "hpsray", "bench", "exchange", "--json", "--steps", "5", "--warmup", "1",
+    out = subprocess.run([sys.executable, "-m", "hpsray", "bench", "exchange", "--json", "--steps", "5",
+                          "--warmup", "1",
                           "--rounds", "1", "--dense-bytes", "40004", "--chunk-bytes", "4096"],
                          capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,6 +1,7 @@
 """Many nodes on a real multi-node Ray cluster (simulated on this machine): issue 6's checks.
 
-BSP across 2 nodes (3: test_three_nodes.py) must end with the reference trainer's parameters (docs/architecture.md: invariant 1)
+BSP across 2 nodes (3: test_three_nodes.py) must end with the reference trainer's parameters
+(docs/architecture.md: invariant 1)
 while budgets force rows through SSD-PS; every row ends at its owner with its final value
 (invariant 4); each node's reader reads only its share; SSP respects its bound and still
 learns; ASP runs.

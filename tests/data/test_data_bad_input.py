@@ -1,4 +1,5 @@
-"""Bad input (docs/architecture.md: invariant 8): every kind, strict (error naming file, line, reason) and lenient (counted)."""
+"""Bad input (docs/architecture.md: invariant 8): every kind, strict (error naming file, line,
+reason) and lenient (counted)."""
 
 from __future__ import annotations
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import math
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-import argparse
-import importlib
 
 from hpsray.__main__ import SUBCOMMANDS
 from hpsray.bench import BENCHMARKS

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import tomllib
-
 import numpy as np
 import pyarrow as pa
 import pytest
+import tomllib
 
 from hpsray.data import OPOSRP, Batch, PlantedCTR, Schema, hash_keys, hash_strings
 from hpsray.data.categorical import encode_column, encode_single_columns

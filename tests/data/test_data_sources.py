@@ -196,7 +196,7 @@ def test_header_csv_split_among_readers(tmp_path):
     report_lines, got = [], []
     for i in range(4):
         share = open_source(str(f), i, 4, split_bytes=4000)
-        from hpsray.data import BadInputReport, BadInputPolicy
+        from hpsray.data import BadInputPolicy, BadInputReport
 
         rep = BadInputReport()
         got += ids(read_batches(share, schema, 300, BadInputPolicy(max_bad_fraction=0.01), rep))

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from hpsray.job import JobConfig, build
 from hpsray.data import PlantedCTR, write_synthetic
 from hpsray.data.generate import to_toml
+from hpsray.job import JobConfig, build
 from hpsray.pipelines.export import compare_exports, export, load_export
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from hpsray.config import TrainConfig
-from hpsray.job import ConfigError, JobConfig, build
 from hpsray.data import PlantedCTR, Schema, write_synthetic
+from hpsray.job import ConfigError, JobConfig, build
 from hpsray.pipelines import FileSource, SyntheticSource
 
 SYN = {"data": {"synthetic": {"rows": 1000}}}
@@ -31,7 +31,8 @@ def with_(section, **kv):
 
 
 def test_the_message_names_file_key_and_reason():
-    assert error_of(with_("pipeline", batch_size=-5)) == "job.toml: pipeline.batch_size: must be a positive integer, got -5"
+    assert error_of(with_("pipeline", batch_size=-5)) == (
+        "job.toml: pipeline.batch_size: must be a positive integer, got -5")
 
 
 @pytest.mark.parametrize("d, key, reason", [
@@ -40,7 +41,8 @@ def test_the_message_names_file_key_and_reason():
     (with_("pipeline", batch=5), "pipeline.batch", "unknown key"),
     (with_("tiers", ssd={"rows_per_fil": 4}), "tiers.ssd.rows_per_fil", "unknown key"),
     ({"data": {"synthetic": {"rows": 10, "slot": 3}}}, "data.synthetic.slot", "unknown key"),
-    (with_("optimizer", sparse_params={"beta1": 0.9}), "optimizer.sparse_params.beta1", "not a parameter of the adagrad"),
+    (with_("optimizer", sparse_params={"beta1": 0.9}), "optimizer.sparse_params.beta1",
+     "not a parameter of the adagrad"),
     # wrong types
     (with_("pipeline", batch_size="big"), "pipeline.batch_size", "must be a positive integer, got 'big'"),
     (with_("pipeline", batch_size=True), "pipeline.batch_size", "must be a positive integer"),
@@ -146,7 +148,8 @@ def test_defaults_and_the_pieces_it_builds():
 def test_schema_comes_from_the_table_the_data_directory_or_the_criteo_preset(tmp_path):
     gen = PlantedCTR(n_slots=3, keys_per_slot=20, n_dense=2, seed=1)
     write_synthetic(str(tmp_path / "data"), gen, 100, "parquet", shard_rows=50)
-    job = JobConfig.from_dict({"data": {"paths": ["data/part-0000[0].parquet"], "eval_paths": ["data/part-00001.parquet"]}},
+    job = JobConfig.from_dict({"data": {"paths": ["data/part-0000[0].parquet"],
+                                        "eval_paths": ["data/part-00001.parquet"]}},
                               where="j.toml", base_dir=str(tmp_path))
     src = build.source(job)
     assert isinstance(src, FileSource) and src.schema.format == "parquet" and src.n_slots == 3 and src.n_dense == 2
@@ -183,9 +186,7 @@ def test_the_example_job_file_is_valid():
 def test_more_nodes_than_the_pipeline_supports_is_a_config_error():
     import inspect
 
-    from hpsray.pipelines import Pipeline
-
-    from hpsray.pipelines import SyncStage
+    from hpsray.pipelines import Pipeline, SyncStage
 
     job = JobConfig.from_dict(with_("cluster", nodes=3, consistency="ssp", staleness=1, dense_sync="chunked",
                                     chunk_bytes="64KiB"), where="j.toml")

@@ -3,11 +3,11 @@
 import sys
 import time
 
-from ray import cloudpickle
 import numpy as np
 import pytest
 import ray
 import torch
+from ray import cloudpickle
 
 from hpsray.actors.trainer import Trainer
 from hpsray.config import TrainConfig
@@ -170,7 +170,7 @@ def test_bad_input_in_strict_mode_stops_training_but_keeps_what_was_trained(ray_
     rng = np.random.default_rng(0)
     n = 3000
     lines = ["click,price,user,ad"]
-    for i in range(n):
+    for _ in range(n):
         lines.append(f"{rng.integers(0, 2)},{rng.random():.3f},u{rng.integers(0, 300)},a{rng.integers(0, 50)}")
     lines[2501] = "1,not-a-number,u1,a1"  # inside the third batch of 1000
     path = tmp_path / "clicks.csv"

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from hpsray.tiers.ssd import SSDPS, CorruptFileError, SSDError, SSDFullError
 from hpsray.tiers.ssd.manifest import NAME as MANIFEST
 from hpsray.tiers.ssd.paramfile import (
     HEADER_BYTES,
@@ -16,7 +17,6 @@ from hpsray.tiers.ssd.paramfile import (
     file_name,
     record_bytes,
 )
-from hpsray.tiers.ssd import SSDPS, CorruptFileError, SSDError, SSDFullError
 
 W = 6
 
@@ -357,7 +357,8 @@ def _mount_tmpfs(path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0:
         return False
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, check=False)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       check=False)
     return r.returncode == 0
 
 
@@ -539,7 +540,7 @@ def test_scan_sees_every_row_while_background_compaction_runs(tmp_path):
             s.dump(k[i : i + 10], rows_for(k[i : i + 10], 1))
         for _ in range(3):
             seen = []
-            for keys, rows in s.scan():
+            for keys, _rows in s.scan():
                 seen.append(keys)
                 s._compaction.wake.set()  # nudge the compaction thread between files
                 time_slice = threading.Event()

@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import os
 import resource
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -73,7 +73,7 @@ class PeerSpec:
         return json.dumps(d)
 
     @staticmethod
-    def from_json(text: str) -> "PeerSpec":
+    def from_json(text: str) -> PeerSpec:
         d = json.loads(text)
         d["hidden"] = tuple(d["hidden"])
         return PeerSpec(**d)

@@ -12,20 +12,18 @@ with the same mini-batches it trains the same parameters as the reference traine
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peak_rss_bytes, peer_result, split, write_result
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.models.dnn import DNN, make_dense_optimizer
-
-from hpsray.bench.baselines import (PeerSpec, Vocabulary, load_examples, peak_rss_bytes, peer_result, split,
-                                    write_result)
 
 
 @dataclass
@@ -40,7 +38,7 @@ class IndexedBatch:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    def to(self, device: torch.device) -> "IndexedBatch":
+    def to(self, device: torch.device) -> IndexedBatch:
         return IndexedBatch(self.indices.to(device), self.offsets.to(device), self.dense.to(device),
                             self.labels.to(device))
 
@@ -232,7 +230,7 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
 
     warmup = inputs(0, spec.warmup_rows)
     measured = inputs(spec.warmup_rows, spec.warmup_rows + spec.rows)
-    del train, table
+    train = table = None  # free them (the closures above are done with them)
     prep_s = time.perf_counter() - t_prep
     fit(warmup)
     _synchronize(spec)

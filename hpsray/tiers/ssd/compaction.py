@@ -66,9 +66,13 @@ class Compaction:
             return st._files.stale_slots(st._rec, st.stale_threshold).size > 0
 
     def over_hard_limit(self) -> bool:
+        """Disk bytes above ``max_space_ratio`` × live bytes (set: backpressure only runs then)
+        with a file over the stale threshold."""
         st = self.store
+        limit = st.max_space_ratio
+        assert limit is not None
         with st._lock:
-            over = st._files.disk_bytes > st.max_space_ratio * st._live_bytes()
+            over = st._files.disk_bytes > limit * st._live_bytes()
             return over and st._files.stale_slots(st._rec, st.stale_threshold).size > 0
 
     def run_pass(self, full: bool = False) -> int:
@@ -86,6 +90,7 @@ class Compaction:
             parts, bytes_read = [], 0
             for s, no in zip(victims.tolist(), victim_nos):
                 pf = read_file(st._path(no), None, st.width)
+                assert pf.rows is not None  # a whole read has rows
                 bytes_read += pf.header.size
                 with st._lock:
                     ok, _ = kmap.lives_at(pf.keys, s, np.arange(pf.keys.size))

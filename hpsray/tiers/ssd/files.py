@@ -8,7 +8,7 @@ for partial reads) are kept beside them by file number. Callers hold the store's
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class FileTable:
         return s
 
     def add_written(self, nos: Sequence[int], sizes: Sequence[int], tables: dict[int, np.ndarray], n_rows: int,
-                    rows_per_file: int, live: Sequence[int] | None, flags: int) -> np.ndarray:
+                    rows_per_file: int, live: Sequence[int] | np.ndarray | None, flags: int) -> np.ndarray:
         """Register the files :func:`write_files` wrote for ``n_rows`` rows (``rows_per_file``
         each, the last one the rest); ``live`` rows per file (default: all). Returns their slots."""
         return np.asarray(
@@ -155,7 +155,7 @@ def write_files(directory: str, nos: list[int], keys: np.ndarray, versions: np.n
     return sizes, dict(zip(nos, tables))
 
 
-def remove_files(directory: str, nos) -> None:
+def remove_files(directory: str, nos: Iterable[int]) -> None:
     """Unlink parameter files ``nos`` (those that exist)."""
     for no in nos:
         unlink_quiet(os.path.join(directory, file_name(no)))

@@ -63,7 +63,8 @@ class KeyMap:
         self.pos[slots] = positions
         return slots
 
-    def lives_at(self, keys: np.ndarray, file_slot: int | np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def lives_at(self, keys: np.ndarray, file_slot: int | np.ndarray,
+                 positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Whether each key's mapped row is still at ``(file_slot, position)`` — no dump (or
         compaction) superseded it since it was written there. ``file_slot`` is one slot or one
         per key. Returns ``(mask, index slots)``."""
@@ -75,7 +76,8 @@ class KeyMap:
         return ok, slots
 
 
-def recover(directory: str, manifest: Manifest, width: int, block_rows: int, files: FileTable, keys_map: KeyMap) -> tuple[int, int]:
+def recover(directory: str, manifest: Manifest, width: int, block_rows: int, files: FileTable,
+            keys_map: KeyMap) -> tuple[int, int]:
     """Rebuild ``files`` and ``keys_map`` (both empty) from the manifest's live files.
 
     Removes files a crash left behind (never acknowledged: not in the manifest, or temporary).

@@ -66,7 +66,7 @@ class Manifest:
         self.next_file_no = next_file_no
         self.records = records
         self.torn_bytes_dropped = 0
-        self._fd = fd
+        self._fd: int | None = fd  # None once closed
         self._write = write
         self._lock = threading.Lock()  # appends come from dumps and from the compaction thread
 
@@ -99,7 +99,8 @@ class Manifest:
 
     @staticmethod
     def _replay(data: bytes, path: str) -> tuple[int, set[int], int, int, int]:
-        pos, width, live, next_no, records = 0, None, set(), 1, 0
+        live: set[int] = set()
+        pos, width, next_no, records = 0, None, 1, 0
         while pos < len(data):
             if pos + 8 > len(data):
                 break  # torn frame header at the tail
@@ -169,15 +170,17 @@ class Manifest:
         if next_file_no is not None:
             self.next_file_no = max(self.next_file_no, next_file_no)
         record = _edit(self.next_file_no, add, delete)
-        start = os.lseek(self._fd, 0, os.SEEK_CUR)
+        fd = self._fd
+        assert fd is not None, f"{self.path}: append to a closed manifest"
+        start = os.lseek(fd, 0, os.SEEK_CUR)
         try:
-            _write_all(self._fd, (record,), self._write)
-            os.fsync(self._fd)
+            _write_all(fd, (record,), self._write)
+            os.fsync(fd)
         except OSError as e:
             try:
-                os.ftruncate(self._fd, start)
-                os.fsync(self._fd)
-                os.lseek(self._fd, start, os.SEEK_SET)
+                os.ftruncate(fd, start)
+                os.fsync(fd)
+                os.lseek(fd, start, os.SEEK_SET)
             except OSError as e2:
                 raise SSDError(
                     f"{self.path}: append failed ({e}) and the torn record could not be removed ({e2}); "
@@ -208,8 +211,8 @@ class Manifest:
         except OSError:
             return False
         os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY)
-        os.lseek(self._fd, 0, os.SEEK_END)
+        fd = self._fd = os.open(self.path, os.O_WRONLY)
+        os.lseek(fd, 0, os.SEEK_END)
         self.records = 2
         return True
 

@@ -37,8 +37,9 @@ import errno
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -257,7 +258,8 @@ def touched_blocks(pos, starts, groups, block_rows):
     return out
 
 
-def _crc(*parts) -> int:
+# ``Any`` below: numpy arrays or bytes (numpy declares its buffer protocol to typing on Python >= 3.12 only)
+def _crc(*parts: Any) -> int:
     c = 0
     for p in parts:
         c = zlib.crc32(p, c)
@@ -297,7 +299,7 @@ class Header:
         return file_bytes(self.n, self.width, self.block_rows)
 
 
-def decode_header(buf, path: str) -> Header:
+def decode_header(buf: np.ndarray | bytes, path: str) -> Header:
     if len(buf) < HEADER_BYTES:
         raise CorruptFileError(f"{path}: truncated header ({len(buf)} of {HEADER_BYTES} bytes)")
     head = bytes(buf[:60])
@@ -317,7 +319,7 @@ def decode_header(buf, path: str) -> Header:
 Writer = Callable[[int, memoryview], int]
 
 
-def _write_all(fd: int, parts, write: Writer) -> None:
+def _write_all(fd: int, parts: Iterable[Any], write: Writer) -> None:  # numpy arrays or bytes
     for part in parts:
         if isinstance(part, np.ndarray):
             part = part.reshape(-1).view(np.uint8)  # also fine for zero-width rows
@@ -350,7 +352,7 @@ def write_tmp(
     flags: int = 0,
     write: Writer = os.write,
     fsync: bool = True,
-) -> tuple[str, int]:
+) -> tuple[str, int, np.ndarray]:
     """Write a parameter file under its temporary name and (unless ``fsync=False``, when the
     caller fsyncs it before the rename) fsync it.
 
@@ -414,7 +416,7 @@ def fsync_dir(directory: str) -> None:
 
 
 def _read_exact(fd: int, buf: np.ndarray, offset: int, path: str) -> None:
-    mv = memoryview(buf)
+    mv = buf.data  # a memoryview of the array's bytes
     done = 0
     while done < buf.nbytes:
         k = os.preadv(fd, [mv[done:]], offset + done)
@@ -447,32 +449,32 @@ def _split(buf: np.ndarray, h: Header, with_rows: bool, blocks: np.ndarray | Non
 
 
 def _check_table(table: np.ndarray, h: Header, path: str) -> None:
-    if zlib.crc32(table) != h.table_crc:
+    if zlib.crc32(table.data) != h.table_crc:
         raise CorruptFileError(f"{path}: block table checksum mismatch")
 
 
-def read_file(path: str, fd: int | None = None, expect_width: int | None = None, buf: np.ndarray | None = None) -> ParamFile:
+def read_file(path: str, fd: int | None = None, expect_width: int | None = None,
+              buf: np.ndarray | None = None) -> ParamFile:
     """Read a whole parameter file with one read and verify all its checksums.
 
     ``buf`` (``uint8``, at least the file's size) is used instead of a new buffer; the
     returned arrays are then views into it.
     """
     own = fd is None
-    if own:
-        fd = os.open(path, os.O_RDONLY)
+    f = os.open(path, os.O_RDONLY) if fd is None else fd
     try:
-        size = os.fstat(fd).st_size
+        size = os.fstat(f).st_size
         buf = np.empty(size, dtype=np.uint8) if buf is None or buf.size < size else buf[:size]
-        _read_exact(fd, buf, 0, path)
+        _read_exact(f, buf, 0, path)
     finally:
         if own:
-            os.close(fd)
+            os.close(f)
     h = decode_header(buf, path)
     _check_shape(h, size, path, expect_width)
     n = h.n
-    if zlib.crc32(buf[HEADER_BYTES : HEADER_BYTES + 16 * n]) != h.index_crc:
+    if zlib.crc32(buf[HEADER_BYTES : HEADER_BYTES + 16 * n].data) != h.index_crc:
         raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged)")
-    if zlib.crc32(buf[HEADER_BYTES + 16 * n : h.table_offset]) != h.rows_crc:
+    if zlib.crc32(buf[HEADER_BYTES + 16 * n : h.table_offset].data) != h.rows_crc:
         raise CorruptFileError(f"{path}: rows checksum mismatch (row data damaged)")
     if h.block_rows:
         _check_table(buf[h.table_offset : h.size], h, path)
@@ -497,7 +499,7 @@ def read_index(path: str, expect_width: int | None = None) -> ParamFile:
             _read_exact(fd, table.view(np.uint8), h.table_offset, path)
     finally:
         os.close(fd)
-    if zlib.crc32(buf[HEADER_BYTES:]) != h.index_crc:
+    if zlib.crc32(buf[HEADER_BYTES:].data) != h.index_crc:
         raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged)")
     if table is not None:
         _check_table(table, h, path)

@@ -21,7 +21,14 @@ import numpy as np
 from numba import njit
 
 from hpsray.errors import CorruptFileError
-from hpsray.tiers.ssd.paramfile import HEADER_BYTES, PARTIAL_VERSIONS, decode_header, pick_blocks, read_file, touched_blocks
+from hpsray.tiers.ssd.paramfile import (
+    HEADER_BYTES,
+    PARTIAL_VERSIONS,
+    decode_header,
+    pick_blocks,
+    read_file,
+    touched_blocks,
+)
 
 if TYPE_CHECKING:
     from hpsray.tiers.ssd.store import SSDPS
@@ -101,7 +108,8 @@ class FileMap:
         self.mm.madvise(mmap.MADV_RANDOM)  # no read-around: only the touched pages
         self.refs = 0
         self.dead = False
-        self.table: np.ndarray | None = None  # the file's block checksums, kept with the map: compaction may retire the file meanwhile
+        # the file's block checksums, kept with the map: compaction may retire the file meanwhile
+        self.table: np.ndarray | None = None
 
     def release(self) -> None:
         """One load is done with the map (call under the store's lock)."""
@@ -244,11 +252,14 @@ class Reads:
         if m is not None:
             m.retire()
 
-    def _open_round(self, keys, group_slots, starts, idx, pos, file_no, mapped: bool = False) -> tuple[list, list]:
+    def _open_round(self, keys: np.ndarray, group_slots: np.ndarray, starts: np.ndarray, idx: np.ndarray,
+                    pos: np.ndarray, file_no: np.ndarray, mapped: bool = False) -> tuple[list, list]:
         """Tasks ``(idx, pos, file number)`` for the file slots ``group_slots`` and, per task, an
         open descriptor (``mapped``: the file's kept memory map where it has a block table)."""
         st = self.store
-        tasks, fds, moved = [], [], []
+        tasks: list[tuple[np.ndarray, np.ndarray, int]] = []
+        fds: list[int | FileMap] = []
+        moved: list[np.ndarray] = []
         with st._lock:
             files, kmap = st._files, st._keys
             for s in group_slots.tolist():
@@ -289,7 +300,8 @@ class Reads:
             )
         return pf.header.size, False
 
-    def _partial_groups(self, groups: np.ndarray, starts: np.ndarray, pos: np.ndarray, file_no: np.ndarray) -> np.ndarray:
+    def _partial_groups(self, groups: np.ndarray, starts: np.ndarray, pos: np.ndarray,
+                        file_no: np.ndarray) -> np.ndarray:
         """Which of the file slots ``groups`` to read partially: files with a block table
         (format 3) whose requested rows lie in at most ``partial_read_share`` of their blocks."""
         st = self.store
@@ -322,7 +334,7 @@ class Reads:
                     or h.version not in PARTIAL_VERSIONS):
                 raise CorruptFileError(f"{path}: size {size} bytes, header says {h.size} "
                                        f"({h.n} rows of width {h.width}, blocks of {h.block_rows})")
-            if table.size != h.n_blocks or zlib.crc32(table) != h.table_crc:
+            if table.size != h.n_blocks or zlib.crc32(table.data) != h.table_crc:
                 raise CorruptFileError(f"{path}: block table checksum mismatch")
             r, touched = pick_blocks(data, h, table, out, idx, pos, keys)
         finally:

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from hpsray.errors import CorruptFileError, SSDError, SSDFullError
 from hpsray.kernels.table import as_keys, as_rows
@@ -197,13 +198,13 @@ class SSDPS:
         with self._lock:
             return self._keys.size
 
-    def contains(self, keys) -> np.ndarray:
+    def contains(self, keys: ArrayLike) -> np.ndarray:
         """Whether each key has a stored row."""
         keys = as_keys(keys)
         with self._lock:
             return self._keys.find(keys) >= 0
 
-    def load(self, keys) -> tuple[np.ndarray, np.ndarray]:
+    def load(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``keys`` and a mask of which keys were found.
 
         Returns ``(rows float32[n, width], found bool[n])``; rows of absent keys are zero (the
@@ -223,7 +224,7 @@ class SSDPS:
             st["load_seconds"] += time.perf_counter() - t0
         return out, found
 
-    def dump(self, keys, rows) -> None:
+    def dump(self, keys: ArrayLike, rows: ArrayLike) -> None:
         """Durably store ``rows`` (``float32[n, width]``) for ``keys``; the last duplicate wins.
 
         When this returns the rows survive a crash (``kill -9``, power loss with an honest
@@ -353,6 +354,7 @@ class SSDPS:
                 pf = read_file(self._path(no), fd, self.width)
             finally:
                 os.close(fd)
+            assert pf.rows is not None  # a whole read has rows
             with self._lock:
                 ok, _ = self._keys.lives_at(pf.keys, s, np.arange(pf.keys.size))
             yield pf.keys[ok].copy(), pf.rows[ok].copy()
@@ -384,7 +386,7 @@ class SSDPS:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
