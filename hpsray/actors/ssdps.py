@@ -6,6 +6,7 @@ import numpy as np
 
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.ssd import SSDPS
+from hpsray.tiers.warmup import warm_ssd_ps
 
 
 class SSDPSShard:
@@ -14,6 +15,7 @@ class SSDPSShard:
     def __init__(self, node: int, directory: str, width: int, **options) -> None:
         self.node = node
         self.store = SSDPS(directory, width, **options)
+        warm_ssd_ps(width, **options)  # numba compiles here, before the pipeline's clock
         self.clock = StageClock("load", node)
 
     def __repr__(self) -> str:

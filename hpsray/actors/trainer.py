@@ -15,6 +15,7 @@ from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.hbm import HbmPS
+from hpsray.tiers.warmup import warm_trainer_step
 
 
 class Trainer:
@@ -58,6 +59,9 @@ class Trainer:
         self.examples = 0
         self.losses: dict = {}
         self.clock = StageClock("train", node)
+        # numba (and on CUDA, CuPy and torch's kernels) compile here, before the pipeline's clock
+        warm_trainer_step(HbmPS(256, config.row_width, config.row_init(), n_devices, n_nodes, device), self.dense,
+                          self.optimizer, config.dim, config.row_init(), config.row_width, n_slots, n_dense)
 
     def __repr__(self) -> str:
         return f"Trainer[node {self.node}]"

@@ -36,6 +36,12 @@ class StepDevice:
     def __repr__(self) -> str:
         return f"StepDevice({self.name!r})"
 
+    def __deepcopy__(self, memo: dict) -> "StepDevice":  # a device is not copied with what runs on it
+        return self
+
+    def __reduce__(self):  # pickles as its name (the array module is not picklable)
+        return (StepDevice, (self.name,))
+
     @property
     def is_cuda(self) -> bool:
         return self.name == "cuda"

@@ -1,0 +1,126 @@
+"""Compile the engines' numba kernels before the clock starts.
+
+numba compiles a kernel on its first call (and caches the machine code on disk for the next
+process). On a fresh install that first call used to fall inside the first timed batch: a
+pull of 5 s where 0.1 s is the real cost. Each stage actor therefore runs a throwaway copy of
+its engine through every path a batch takes, on a few rows, while the pipeline waits for the
+actors to come up (the report's ``startup_s``), so a new user's first figure is the real one.
+
+The throwaway engines share nothing with the real ones: no file, row or counter of a run is
+touched, so warming up cannot change what is trained.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from hpsray.data.batch import Batch
+from hpsray.kernels.init import RowInit, initial_rows
+
+__all__ = ["warm_mem_ps", "warm_ssd_ps", "warm_trainer_step", "tiny_batch"]
+
+_KEYS = 96  # enough rows to evict, group duplicates and split over devices
+
+
+def _keys(n: int = _KEYS, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.unique(rng.integers(1, 2**62, size=n, dtype=np.int64).astype(np.uint64))
+
+
+class _DictStore:
+    """An in-memory backing store for a throwaway MEM-PS."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.rows: dict[int, np.ndarray] = {}
+
+    def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        found = np.array([int(k) in self.rows for k in keys.tolist()], dtype=bool)
+        rows = np.zeros((keys.size, self.width), dtype=np.float32)
+        for i in np.flatnonzero(found):
+            rows[i] = self.rows[int(keys[i])]
+        return rows, found
+
+    def dump(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        for k, r in zip(keys.tolist(), rows):
+            self.rows[k] = np.array(r)
+
+
+def warm_mem_ps(width: int, init: RowInit, **options: Any) -> None:
+    """Pull, write back, evict and flush through a throwaway :class:`~hpsray.tiers.mem.MemPS`
+    built with the real one's options."""
+    from hpsray.tiers.mem import MemPS
+
+    options = {k: v for k, v in options.items() if k != "capacity_bytes"}
+    keys = _keys()
+    half = keys.size // 2
+    mem = MemPS(half + 8, width, _DictStore(width), init, **options)
+    for batch_id, part in enumerate((keys[:half], keys[half:], keys[:half])):  # the third pull loads back
+        rows = mem.pull(batch_id, part)
+        mem.write_back(batch_id, part, rows + 1.0)
+        mem.unpin(batch_id)
+    mem.pull(3, keys[:8])  # the pull path of keys already held
+    mem.unpin(3)
+    mem.flush()
+
+
+def warm_ssd_ps(width: int, **options: Any) -> None:
+    """Dump, load (whole and partial files) and scan through a throwaway SSD-PS in a temporary
+    directory built with the real one's options."""
+    from hpsray.tiers.ssd import SSDPS
+
+    keys = _keys()
+    rows = np.arange(keys.size * width, dtype=np.float32).reshape(keys.size, width)
+    with tempfile.TemporaryDirectory(prefix="hpsray-warmup-") as directory:
+        store = SSDPS(directory, width, **options)
+        try:
+            store.dump(keys, rows)
+            store.dump(keys[: keys.size // 3], rows[: keys.size // 3] + 1)  # a stale row count
+            store.load(keys)
+            store.load(keys[::7])
+            list(store.scan())
+        finally:
+            store.close()
+
+
+def tiny_batch(n_slots: int, n_dense: int, examples: int = 24, seed: int = 0) -> Batch:
+    """A few examples of the given shape (one or two keys per slot, some repeated)."""
+    rng = np.random.default_rng(seed)
+    per_example = rng.integers(n_slots, 2 * n_slots + 1, size=examples)
+    offsets = np.zeros(examples + 1, dtype=np.int64)
+    np.cumsum(per_example, out=offsets[1:])
+    nnz = int(offsets[-1])
+    slots = np.concatenate([np.sort(np.concatenate([np.arange(n_slots), rng.integers(0, n_slots, m - n_slots)]))
+                            for m in per_example]).astype(np.int32)
+    keys = (rng.integers(1, 40, size=nnz).astype(np.uint64) << np.uint64(8)) + slots.astype(np.uint64)
+    return Batch(labels=(rng.random(examples) < 0.5).astype(np.float32),
+                 dense=rng.standard_normal((examples, n_dense)).astype(np.float32),
+                 keys=keys, offsets=offsets, slots=slots, n_slots=n_slots)
+
+
+def warm_trainer_step(hbm_like: Any, dense: Any, optimizer: Any, dim: int, init: RowInit, width: int,
+                      n_slots: int, n_dense: int) -> None:
+    """One mini-batch of a throwaway working set and a deep copy of the dense replicas: insert,
+    retain, get, the step (forward, backward, pooling's backward, the dense optimizer), the sparse
+    optimizer in the tables, assign and export. ``hbm_like`` is a fresh, empty HBM-PS of the same
+    shape as the trainer's; ``dense`` the trainer's :class:`~hpsray.models.step.DenseReplicas`,
+    which is copied, not trained."""
+    import torch
+
+    replicas = copy.deepcopy(dense)
+    batch = tiny_batch(n_slots, n_dense)
+    keys = np.unique(batch.keys)
+    hbm_like.insert(keys, initial_rows(keys, width, init))
+    hbm_like.retain(keys)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+        # a model with dropout draws random numbers: the run's own draws must stay as they were
+        loss, gkeys, grads = replicas.step(batch, lambda k: hbm_like.get(k, columns=dim))
+    hbm_like.apply_gradients(gkeys, grads, optimizer, 1)
+    hbm_like.apply_gradients(np.concatenate([keys, keys[:5]]),
+                             np.ones((keys.size + 5, dim), np.float32), optimizer, 2, resident_only=True)
+    hbm_like.assign(keys[:7], hbm_like.export(keys[:7]))
+    float(loss)
