@@ -7,13 +7,13 @@ import os
 import numpy as np
 import torch
 
+from hpsray.actors.timing import StageClock
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
-from hpsray.actors.timing import StageClock
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.warmup import warm_trainer_step
 
@@ -193,7 +193,7 @@ class Trainer:
                 hook(self.node, clock)
             own = {}
 
-            def reduce(flat: torch.Tensor) -> torch.Tensor:  # updates travel through the host here
+            def reduce(flat: torch.Tensor, own=own, others=others) -> torch.Tensor:  # through the host
                 own["dense"] = flat.detach().cpu().numpy().copy()
                 return flat + self.device.tensor(others["dense"]) if others["dense"] is not None else flat
 

@@ -13,7 +13,6 @@ nodes hold the same arrays in the same order and sum duplicates identically (bit
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hpsray.cluster.netaddr import bind_collectives

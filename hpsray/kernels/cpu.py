@@ -26,8 +26,8 @@ from hpsray.kernels.table import (
     TableFullError,
     as_keys,
     as_rows,
-    check_columns,
     bucket_count,
+    check_columns,
     missing_key_error,
 )
 

@@ -27,7 +27,7 @@ class RowInit:
     state_value: float = 0.0
 
     @staticmethod
-    def for_optimizer(dim: int, optimizer: SparseOptimizer, scale: float = 0.01, seed: int = 0) -> "RowInit":
+    def for_optimizer(dim: int, optimizer: SparseOptimizer, scale: float = 0.01, seed: int = 0) -> RowInit:
         return RowInit(dim=dim, scale=scale, seed=seed, state_value=optimizer.state_init())
 
 

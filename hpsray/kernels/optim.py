@@ -122,7 +122,9 @@ class Adagrad(SparseOptimizer):
         super().__post_init__()
         object.__setattr__(self, "kind", KIND_ADAGRAD_ROW if self.per_row else KIND_ADAGRAD)
         if self.eps <= 0 or self.initial_accumulator < 0:
-            raise ValueError(f"Adagrad: eps must be > 0 and initial_accumulator >= 0, got {self.eps}, {self.initial_accumulator}")
+            raise ValueError(
+                f"Adagrad: eps must be > 0 and initial_accumulator >= 0, got {self.eps}, {self.initial_accumulator}"
+            )
 
     def state_width(self, dim: int) -> int:
         return 1 if self.per_row else dim
@@ -148,7 +150,9 @@ class Adam(SparseOptimizer):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0):
-            raise ValueError(f"Adam: need 0 <= beta1, beta2 < 1 and eps > 0, got {self.beta1}, {self.beta2}, {self.eps}")
+            raise ValueError(
+                f"Adam: need 0 <= beta1, beta2 < 1 and eps > 0, got {self.beta1}, {self.beta2}, {self.eps}"
+            )
 
     def state_width(self, dim: int) -> int:
         return 2 * dim
@@ -190,8 +194,14 @@ def apply_to_rows(rows: np.ndarray, grads: np.ndarray, optimizer: SparseOptimize
     """Apply one step in place to distinct rows ``float32[n, width]`` with gradients
     ``float32[n, dim]``: the same math the table kernels run, without a table."""
     if rows.dtype != np.float32 or grads.dtype != np.float32 or rows.shape[0] != grads.shape[0]:
-        raise ValueError(f"apply_to_rows: need float32 rows [n, width] and grads [n, dim], got {rows.dtype}{rows.shape}, {grads.dtype}{grads.shape}")
+        raise ValueError(
+            "apply_to_rows: need float32 rows [n, width] and grads [n, dim], "
+            f"got {rows.dtype}{rows.shape}, {grads.dtype}{grads.shape}"
+        )
     dim = grads.shape[1]
     if rows.shape[1] != dim + optimizer.state_width(dim):
-        raise ValueError(f"apply_to_rows: {type(optimizer).__name__} needs width {dim + optimizer.state_width(dim)}, rows have {rows.shape[1]}")
+        raise ValueError(
+            f"apply_to_rows: {type(optimizer).__name__} needs width {dim + optimizer.state_width(dim)}, "
+            f"rows have {rows.shape[1]}"
+        )
     _apply_each_row(rows, np.ascontiguousarray(grads), optimizer.kind, optimizer.hyperparams(step))

@@ -36,7 +36,7 @@ class StepDevice:
     def __repr__(self) -> str:
         return f"StepDevice({self.name!r})"
 
-    def __deepcopy__(self, memo: dict) -> "StepDevice":  # a device is not copied with what runs on it
+    def __deepcopy__(self, memo: dict) -> StepDevice:  # a device is not copied with what runs on it
         return self
 
     def __reduce__(self):  # pickles as its name (the array module is not picklable)

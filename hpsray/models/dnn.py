@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -19,7 +19,10 @@ class DNN(nn.Module):
     def __init__(self, n_slots: int, dim: int, n_dense: int, hidden: Sequence[int] = (512, 256, 128), seed: int = 0):
         super().__init__()
         if n_slots < 1 or dim < 1 or n_dense < 0 or any(h < 1 for h in hidden):
-            raise ValueError(f"DNN: need n_slots, dim >= 1, n_dense >= 0, hidden widths >= 1; got {n_slots}, {dim}, {n_dense}, {tuple(hidden)}")
+            raise ValueError(
+                "DNN: need n_slots, dim >= 1, n_dense >= 0, hidden widths >= 1; "
+                f"got {n_slots}, {dim}, {n_dense}, {tuple(hidden)}"
+            )
         self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
         layers: list[nn.Module] = []
         width = n_slots * dim + n_dense

@@ -32,7 +32,7 @@ class BagLayout:
     n_slots: int
 
     @staticmethod
-    def of(batch: Batch, xp: ModuleType = np) -> "BagLayout":
+    def of(batch: Batch, xp: ModuleType = np) -> BagLayout:
         bag = batch.bag_index()
         keys = batch.keys
         if bag.size > 1 and np.any(bag[1:] < bag[:-1]):  # keys of an example not in slot order

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import ray
@@ -39,6 +38,7 @@ from hpsray.data.batch import Batch
 from hpsray.errors import ConfigError, PeerFailedError, TrainingStopped, caused_by
 from hpsray.models.metrics import auc, logloss
 from hpsray.pipelines.edge import BoundedEdge
+from hpsray.pipelines.progress import known_examples, progress_bar
 from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
 
@@ -218,6 +218,7 @@ class Pipeline:
         for k in range(self.read_queue):
             read(k)
         t, examples = 0, 0
+        bar = progress_bar(known_examples(self.source), progress)
         outcomes: list = []  # every trainer's {"loss", "examples"} ref, to find a failure's root
         in_training = None  # (batch id, result refs) of a batch whose write-backs are not yet submitted
         try:
@@ -244,8 +245,7 @@ class Pipeline:
                 in_training = None
                 fresh = refresh(t + 1) if more and n > 1 else None
                 examples += sum(sizes)
-                if progress:
-                    self._progress(t, examples, t0)
+                bar.update(sum(sizes))
                 if not more:
                     break
                 t += 1
@@ -255,9 +255,9 @@ class Pipeline:
         except Exception as e:
             saved = self._salvage(write_backs, in_training)
             raise TrainingStopped(self._first_failure(e, outcomes), saved) from e
+        finally:
+            bar.close()
         wall = time.perf_counter() - t0
-        if progress:
-            print(file=sys.stderr)
         self._next_batch = first + t + 1
         self.report = self._report(wall, range(first, first + t + 1), examples, *reads, *write_backs)
         self.report["startup_s"] = startup
@@ -295,11 +295,6 @@ class Pipeline:
                 pass
         ray.get([node.mem.flush.remote() for node in nodes])
         return saved // len(nodes)
-
-    def _progress(self, t: int, examples: int, t0: float) -> None:
-        rate = examples / max(time.perf_counter() - t0, 1e-9)
-        print(f"\r[hpsray] batch {t + 1}: {examples:,} examples submitted, {rate:,.0f} examples/s",
-              end="", file=sys.stderr, flush=True)
 
     def _report(self, wall: float, batches: range, examples: int, *edges: BoundedEdge) -> dict:
         """The run report of one ``fit()``: only the batches it trained count.
@@ -433,7 +428,7 @@ class Pipeline:
             ray.shutdown()
             self._started_ray = False
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,6 +1,7 @@
 """HBM-PS: the trainer's working set, partitioned over the node's ``D`` device hash tables.
 
-Paper §4 / Algorithm 2. A key lives on device ``(h(key) // N) % D`` of its node (docs/architecture.md: Keys and partitioning).
+Paper §4 / Algorithm 2. A key lives on device ``(h(key) // N) % D`` of its node
+(docs/architecture.md: Keys and partitioning).
 Per batch the trainer *inserts* the working set pulled from MEM-PS, then, per mini-batch,
 *gets* rows and *accumulates* gradients through the sparse optimizer inside the tables. At batch
 end it *exports* the batch's rows for write-back.
@@ -98,7 +99,10 @@ class HbmPS:
         for table in self.tables:
             resident = table.keys()
             idx = np.searchsorted(keys, resident)
-            stale = resident[(idx >= keys.size) | (keys[np.minimum(idx, keys.size - 1)] != resident)] if keys.size else resident
+            if keys.size:
+                stale = resident[(idx >= keys.size) | (keys[np.minimum(idx, keys.size - 1)] != resident)]
+            else:
+                stale = resident
             if stale.size:
                 erased += table.erase(stale)
         return erased

@@ -45,7 +45,8 @@ def _mods():
 
 def pair(capacity, width, init=None):
     kernels, kcuda, _ = _mods()
-    return kcuda.CudaHashTable(capacity, width, init, threads_per_block=TPB), kernels.CpuHashTable(capacity, width, init)
+    cuda_table = kcuda.CudaHashTable(capacity, width, init, threads_per_block=TPB)
+    return cuda_table, kernels.CpuHashTable(capacity, width, init)
 
 
 def eq(a, b, what=""):
