@@ -7,7 +7,9 @@ worker thread (one batch at a time) and splits the result.
 
 Hot swap: a background task polls the model directory every ``watch_s`` seconds; a newer export
 is loaded beside the serving one and swapped in by one reference assignment; batches in flight
-finish on the model they started with, so no request fails during a swap. ``reload()`` forces it.
+finish on the model they started with (each request is parsed and predicted by the same model,
+even across exports with different schemas), so no request fails during a swap. A newer export
+that fails to load is logged and not retried until it changes. ``reload()`` forces a look.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Predictor:
         self._model = ServableModel.load(self._root, self._load)
         self._swap_lock = asyncio.Lock()
         self.swaps = 0
+        self._failed: tuple[str, int] | None = None
         self._batched.set_max_batch_size(max_batch_size)
         self._batched.set_batch_wait_timeout_s(batch_wait_s)
         self._watch_s = watch_s
@@ -102,8 +105,13 @@ class Predictor:
         async with self._swap_lock:
             root = path or self._root
             directory = resolve_export(root)
-            if export_version(directory) != self._model.version:
-                model = await asyncio.to_thread(ServableModel.load, directory, self._load)
+            version = export_version(directory)
+            if version != self._model.version and version != self._failed:
+                try:
+                    model = await asyncio.to_thread(ServableModel.load, directory, self._load)
+                except Exception:
+                    self._failed = version  # not retried until that export changes again
+                    raise
                 self._model = model  # batches in flight keep the model they started with
                 self._root = root
                 self.swaps += 1
@@ -113,24 +121,29 @@ class Predictor:
     # -- predictions --------------------------------------------------------------------------
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def _batched(self, batches: list[Batch]) -> list[np.ndarray]:
-        model = self._model
-        merged = Batch.concat(batches) if len(batches) > 1 else batches[0]
-        probs = await asyncio.to_thread(model.predict, merged)
-        out, start = [], 0
-        for b in batches:
-            out.append(probs[start : start + len(b)])
-            start += len(b)
+    async def _batched(self, items: list[tuple[ServableModel, Batch]]) -> list[np.ndarray]:
+        # each request is predicted by the model that parsed it (two only around a swap)
+        out: list[np.ndarray | None] = [None] * len(items)
+        for model in dict.fromkeys(m for m, _ in items):
+            idx = [i for i, (m, _) in enumerate(items) if m is model]
+            batches = [items[i][1] for i in idx]
+            merged = Batch.concat(batches) if len(batches) > 1 else batches[0]
+            probs = await asyncio.to_thread(model.predict, merged)
+            start = 0
+            for i, b in zip(idx, batches):
+                out[i] = probs[start : start + len(b)]
+                start += len(b)
         return out
 
     async def predict(self, batch: Batch) -> np.ndarray:
         """Click probabilities (``float32[B]``) of a :class:`Batch` of already-encoded examples."""
         self._ensure_watcher()
-        return await self._batched(batch)
+        return await self._batched((self._model, batch))
 
     async def predict_examples(self, examples: list[dict]) -> np.ndarray:
         """Click probabilities of raw examples (as in the HTTP body's ``examples``)."""
-        return await self._batched(self._model.parser.parse_examples(examples))
+        model = self._model
+        return await self._batched((model, model.parser.parse_examples(examples)))
 
     async def __call__(self, request: Request) -> Response:
         self._ensure_watcher()
@@ -141,7 +154,8 @@ class Predictor:
             return PlainTextResponse(f"no such endpoint {request.url.path!r}; POST /predict", status_code=404)
         if request.method != "POST":
             return PlainTextResponse("POST /predict only", status_code=405)
-        parser = self._model.parser
+        model = self._model  # parses and predicts this request, even if a swap lands meanwhile
+        parser = model.parser
         limit = parser.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -156,7 +170,7 @@ class Predictor:
         except BadRequest as e:
             return JSONResponse({"error": str(e)}, status_code=400)
         try:
-            probs = await self._batched(batch)
+            probs = await self._batched((model, batch))
         except ServingError as e:
             return JSONResponse({"error": str(e)}, status_code=500)
         return Response(_dumps({"probabilities": probs}), media_type="application/json")
