@@ -134,3 +134,22 @@ def test_only_the_job_builder_imports_the_pipelines():
     assert importers <= {"hpsray.job.build"}, importers
     assert "hpsray.job" not in graph["hpsray.config"] and not any(
         d.startswith(("hpsray.pipelines", "hpsray.actors", "hpsray.job")) for d in graph["hpsray.config"])
+
+
+ENGINES = ("hpsray.kernels", "hpsray.tiers", "hpsray.data", "hpsray.models", "hpsray.reference", "hpsray.config",
+           "hpsray.errors")
+RAY_LAYERS = ("hpsray.actors", "hpsray.pipelines", "hpsray.cluster", "hpsray.job", "hpsray.bench", "hpsray.cli",
+              "hpsray.serving")
+
+
+def test_engines_import_neither_ray_nor_the_layers_above_them():
+    """docs/architecture.md, Layers: the engines know no Ray (not even inside a function)."""
+    graph = import_graph()
+    up = {(m, d) for m, deps in graph.items() if m.startswith(ENGINES) for d in deps if d.startswith(RAY_LAYERS)}
+    assert not up, up
+    for name, path in _modules().items():
+        if name.startswith(ENGINES):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                assert not any(n == "ray" or n.startswith("ray.") for n in names), f"{name} imports Ray"
