@@ -23,6 +23,8 @@ import os
 import warnings
 from dataclasses import dataclass
 
+import ray
+
 SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 NETWORK_ENV = "HPSRAY_NETWORK"
 
@@ -40,8 +42,6 @@ class Binding:
 
 def node_address() -> str:
     """The address Ray assigned to the node this process runs on."""
-    import ray
-
     return ray.util.get_node_ip_address()
 
 
@@ -49,8 +49,7 @@ def interface_addresses() -> dict[str, list[str]]:
     """Every network interface of this host (of its network namespace) and its IP addresses."""
     import socket
 
-    import ray  # noqa: F401  (makes Ray's bundled psutil importable)
-    import psutil
+    import psutil  # Ray bundles it (ray/thirdparty_files, on the path once ray is imported: above)
 
     families = (socket.AF_INET, socket.AF_INET6)
     return {name: [a.address.split("%")[0] for a in addrs if a.family in families]

@@ -63,7 +63,7 @@ def unavailable() -> str | None:
     if sys.platform != "linux":
         return f"network namespaces are Linux only (this is {sys.platform})"
     if os.geteuid() != 0:
-        return "making network namespaces needs root (this process runs as uid %d)" % os.geteuid()
+        return f"making network namespaces needs root (this process runs as uid {os.geteuid()})"
     if shutil.which("ip") is None:
         return "the `ip` command (iproute2) is not installed"
     probe = f"hpsray-probe-{os.getpid()}"
@@ -91,7 +91,8 @@ class NetnsHosts:
                  dashboard: bool = False, tag: str | None = None) -> None:
         if not 1 <= n <= 200:
             raise ValueError(f"between 1 and 200 hosts, got {n}")
-        self.n, self.cpus_per_host, self.object_store_bytes, self.dashboard = n, cpus_per_host, object_store_bytes, dashboard
+        self.n, self.cpus_per_host, self.dashboard = n, cpus_per_host, dashboard
+        self.object_store_bytes = object_store_bytes
         self.tag = tag or f"hps{os.getpid()}"
         self.switch = f"{self.tag}-sw"
         self.hosts = [Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}") for i in range(n)]
@@ -110,7 +111,8 @@ class NetnsHosts:
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment for Ray commands and drivers on the hosts (token auth; no inherited Ray address)."""
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+        dropped = ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
         return {**env, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", **extra}
 
     def argv(self, host: int, argv: list[str]) -> list[str]:
@@ -131,7 +133,7 @@ class NetnsHosts:
         self._procs.append(proc)
         return proc
 
-    def __enter__(self) -> "NetnsHosts":
+    def __enter__(self) -> NetnsHosts:
         reason = unavailable()
         if reason:
             raise NetnsUnavailable(reason)
@@ -177,24 +179,33 @@ class NetnsHosts:
             return [*argv, "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}"]
         return [*argv, "--include-dashboard=false"]
 
-    def _start_ray(self, timeout: float = 180) -> None:
-        head = self.popen(0, self._ray_start(self.hosts[0]), "ray-h0.log")
-        self._wait([sys.executable, "-c", _WAIT_FOR_NODES, self.address, "1", str(timeout)], head, timeout)
-        for h in self.hosts[1:]:
-            self.popen(h.index, self._ray_start(h), f"ray-h{h.index}.log")
-        self._wait([sys.executable, "-c", _WAIT_FOR_NODES, self.address, str(self.n), str(timeout)], head, timeout)
+    def _start_ray(self, timeout: float = 240, restarts: int = 2) -> None:
+        head = {0: self.popen(0, self._ray_start(self.hosts[0]), "ray-h0.log")}
+        self._wait(1, None, head, timeout, restarts)
+        nodes = {h.index: self.popen(h.index, self._ray_start(h), f"ray-h{h.index}.log") for h in self.hosts[1:]}
+        self._wait(self.n, head[0], nodes, timeout, restarts)
 
-    def _wait(self, argv: list[str], head: subprocess.Popen, timeout: float) -> None:
+    def _wait(self, n: int, head: subprocess.Popen | None, nodes: dict[int, subprocess.Popen], timeout: float,
+              restarts: int) -> None:
+        """Wait until ``n`` Ray nodes are alive; a node whose ``ray start`` gave up (it times out
+        when the machine is overloaded) is started again, ``restarts`` times at most; ``head``
+        (once started) must stay up."""
         deadline = time.time() + timeout
+        tries = dict.fromkeys(nodes, 0)
+        argv = [sys.executable, "-c", _WAIT_FOR_NODES, self.address, str(n), "20"]
         while True:
-            out = self.run(0, argv, timeout=timeout + 30)
+            out = self.run(0, argv, timeout=120)
             if out.returncode == 0:
                 return
-            if head.poll() is not None or time.time() > deadline:
+            for i, proc in nodes.items():
+                if proc.poll() is not None and tries[i] < restarts:
+                    tries[i] += 1
+                    nodes[i] = self.popen(i, self._ray_start(self.hosts[i]), f"ray-h{i}-retry{tries[i]}.log")
+            gave_up = any(p.poll() is not None and tries[i] >= restarts for i, p in nodes.items())
+            if (head is not None and head.poll() is not None) or gave_up or time.time() > deadline:
                 logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(self.temp.glob("*.log")))
                 raise RuntimeError(f"the Ray cluster on the namespace hosts did not come up: "
                                    f"{out.stderr[-1500:]}\n{logs}")
-            time.sleep(2)
 
     def pids(self, host: int) -> list[int]:
         """Processes running inside host ``host``'s namespace."""
@@ -218,7 +229,8 @@ class NetnsHosts:
         """
         for h in self.hosts:
             for ns, dev in ((h.netns, "eth0"), (self.switch, f"p{h.index}")):
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                               capture_output=True)
                 if rate_bit is None and delay_ms is None:
                     continue
                 if delay_ms:
