@@ -9,11 +9,16 @@ arrays cross between numba.cuda, CuPy and torch without copies through
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
-__all__ = ["array_module", "is_device_array", "to_host", "distinct_inverse"]
+__all__ = ["DeviceArray", "array_module", "is_device_array", "to_host", "distinct_inverse"]
+
+DeviceArray: TypeAlias = Any
+"""A CUDA device array: a numba device array, a CuPy array or a torch CUDA tensor. They share no
+static type, only the ``__cuda_array_interface__`` protocol, so for mypy it is ``Any``; the name
+says where a device array may stand."""
 
 
 def array_module(device: str) -> ModuleType:

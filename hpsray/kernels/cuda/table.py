@@ -1,0 +1,423 @@
+"""The table class of the CUDA backend: :class:`CudaHashTable`, which owns the device state and
+issues every kernel from the host, plus the checks around it (:func:`cuda_available`,
+:func:`simulator_enabled`, :func:`is_device_array`).
+
+The kernels live beside it by family: :mod:`~hpsray.kernels.cuda.probing` (buckets),
+:mod:`~hpsray.kernels.cuda.scans` (scans, compaction, radix grouping) and
+:mod:`~hpsray.kernels.cuda.rows` (row copies and updates); the package docstring gives the design.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpsray.kernels.arrays import DeviceArray
+from hpsray.kernels.cuda.common import CHUNK, EMPTY, MAX_TPB, MAXI, config, cuda
+from hpsray.kernels.cuda.probing import (
+    k_claim,
+    k_commit_new,
+    k_erase,
+    k_fill_claimed,
+    k_find,
+    k_new_flags,
+    k_rollback,
+)
+from hpsray.kernels.cuda.rows import (
+    k_apply_direct,
+    k_apply_segments,
+    k_check_slots,
+    k_gather,
+    k_gather_keys,
+    k_init_rows,
+    k_scatter_direct,
+    k_scatter_segments,
+    k_sum_segments,
+)
+from hpsray.kernels.cuda.scans import (
+    k_chunk_scan,
+    k_chunk_sums,
+    k_compact,
+    k_count_zero_bits,
+    k_first,
+    k_heads,
+    k_iota,
+    k_occupied,
+    k_reset_first,
+    k_segment_ids,
+    k_segment_starts,
+    k_serial_scan,
+    k_split_chunks,
+    k_zero,
+)
+from hpsray.kernels.distinct import distinct_sorted
+from hpsray.kernels.init import RowInit
+from hpsray.kernels.optim import SparseOptimizer
+from hpsray.kernels.table import (
+    HashTable,
+    TableFullError,
+    as_keys,
+    as_rows,
+    bucket_count,
+    check_columns,
+    missing_key_error,
+)
+
+
+def simulator_enabled() -> bool:
+    """Whether numba.cuda runs under its simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    return bool(config.ENABLE_CUDASIM)
+
+
+def cuda_available() -> bool:
+    """Whether :class:`CudaHashTable` can run here: a usable CUDA device, or the simulator."""
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # driver present but broken
+        return False
+
+
+_SimArray: tuple[type, ...]  # the simulator's device-array class, or nothing to match
+if simulator_enabled():
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    _SimArray = (FakeCUDAArray,)
+else:  # pragma: no cover - only without the simulator
+    _SimArray = ()
+
+
+def is_device_array(x: object) -> bool:
+    """True for device arrays: numba device arrays, or anything with ``__cuda_array_interface__``."""
+    return hasattr(x, "__cuda_array_interface__") or isinstance(x, _SimArray)
+
+
+def _as_device(x: DeviceArray) -> DeviceArray:
+    """A numba device-array view of a device array (zero copy)."""
+    if isinstance(x, _SimArray) or getattr(x, "__cuda_ndarray__", False):
+        return x
+    return cuda.as_cuda_array(x)
+
+
+class CudaHashTable(HashTable):
+    """numba.cuda hash table; see the package docstring (:mod:`hpsray.kernels.cuda`) for the design.
+
+    Methods take numpy arrays (copied to the device; results come back as numpy, so code and
+    tests written for the CPU backend run unchanged) or device arrays (numba device arrays, or
+    anything with ``__cuda_array_interface__`` such as torch CUDA tensors or CuPy arrays; results
+    are numba device arrays, and inputs are read in place). Device keys may be ``uint64`` or
+    ``int64`` (read bitwise, since torch has no full ``uint64``); device values ``float32``
+    C-contiguous. Device keys are not checked on the host for the reserved key ``2**64 - 1``:
+    it reads as absent (``find``, ``erase``), and inserting it raises ``ValueError`` with the
+    table unchanged. :meth:`export` always returns numpy. Kernels run on the default stream.
+
+    Args:
+        capacity, width, init: as :class:`~hpsray.kernels.table.HashTable`.
+        threads_per_block: CUDA block size (default 256; 64 under the simulator), at most 1024.
+    """
+
+    def __init__(
+        self, capacity: int, width: int, init: RowInit | None = None, threads_per_block: int | None = None
+    ) -> None:
+        super().__init__(capacity, width, init)
+        if not cuda_available():
+            raise RuntimeError(
+                "CudaHashTable needs a CUDA device (or numba's simulator: NUMBA_ENABLE_CUDASIM=1)"
+            )
+        tpb = threads_per_block or (64 if simulator_enabled() else 256)
+        if not 1 <= tpb <= MAX_TPB:
+            raise ValueError(f"threads_per_block must be in 1..{MAX_TPB}, got {tpb}")
+        self._tpb = int(tpb)
+        nb = bucket_count(capacity)
+        self._mask = nb - 1
+        self._bkeys = cuda.to_device(np.full(nb, EMPTY, dtype=np.uint64))
+        self._bslots = cuda.to_device(np.full(nb, -1, dtype=np.int64))
+        self._rows = cuda.to_device(np.zeros((capacity, width), dtype=np.float32))
+        self._row_keys = cuda.to_device(np.full(capacity, EMPTY, dtype=np.uint64))
+        self._free = cuda.to_device(np.arange(capacity - 1, -1, -1, dtype=np.int64))  # pops 0, 1, 2 ...
+        self._first = cuda.to_device(np.full(capacity, MAXI, dtype=np.int64))
+        self._size = 0
+        self._free_top = capacity
+        self._scratch: dict[str, object] = {}
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def rows(self):
+        """The arena itself (a device array; slots index it)."""
+        return self._rows
+
+    @property
+    def threads_per_block(self) -> int:
+        return self._tpb
+
+    def _grid(self, n: int) -> tuple[int, int]:
+        return ((n + self._tpb - 1) // self._tpb, self._tpb)
+
+    def _buf(self, name: str, n: int, dtype) -> object:
+        """A reusable device scratch array of at least ``n`` elements (a view of ``n``)."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.size < n or buf.dtype != np.dtype(dtype):
+            buf = cuda.device_array(max(n, 16, 0 if buf is None else 2 * buf.size), dtype=dtype)
+            self._scratch[name] = buf
+        return buf[:n]
+
+    def _stat(self):
+        stat = self._buf("stat", 4, np.int64)
+        k_zero[1, 4](stat)
+        return stat
+
+    def _keys(self, keys):
+        """(device uint64 keys, on_device, host keys or None)."""
+        if is_device_array(keys):
+            d = _as_device(keys)
+            if d.ndim != 1:
+                raise ValueError(f"keys: expected a 1-D array, got shape {d.shape}")
+            if d.dtype == np.int64:
+                d = d.view(np.uint64)
+            elif d.dtype != np.uint64:
+                raise TypeError(f"keys: device keys must be uint64 or int64, got dtype {d.dtype}")
+            return d, True, None
+        host = as_keys(keys)
+        return cuda.to_device(host), False, host
+
+    @staticmethod
+    def _values(values, n: int, width: int, name: str):
+        if is_device_array(values):
+            d = _as_device(values)
+            if d.dtype != np.float32:
+                raise TypeError(f"{name}: device values must be float32, got dtype {d.dtype}")
+            if tuple(d.shape) != (n, width):
+                raise ValueError(f"{name}: expected shape ({n}, {width}), got {tuple(d.shape)}")
+            if not d.is_c_contiguous():
+                raise ValueError(f"{name}: device values must be C-contiguous")
+            return d
+        return cuda.to_device(as_rows(values, n, width, name))
+
+    def _scan(self, x, out, tot, tot_index: int, level: int = 0) -> None:
+        """Exclusive scan of int64 ``x`` into ``out``; the total goes to ``tot[tot_index]``."""
+        n = x.size
+        m = (n + CHUNK - 1) // CHUNK
+        if m <= 1:
+            k_serial_scan[1, 1](x, out, tot, tot_index)
+            return
+        part = self._buf(f"scan_part{level}", m, np.int64)
+        offs = self._buf(f"scan_offs{level}", m, np.int64)
+        k_chunk_sums[self._grid(m)](x, part)
+        self._scan(part, offs, tot, tot_index, level + 1)
+        k_chunk_scan[self._grid(m)](x, offs, out)
+
+    def _find_dev(self, dkeys):
+        """(device slots, stat) for device keys; stat[0] = 1 if any key is absent."""
+        n = dkeys.size
+        out = cuda.device_array(n, dtype=np.int64)
+        stat = self._stat()
+        if n:
+            k_find[self._grid(n)](self._bkeys, self._bslots, self._mask, dkeys, out, stat)
+        return out, stat
+
+    def _insert_dev(self, dkeys, host_keys):
+        """Device slots of ``dkeys``, inserting absent ones (see the package docstring)."""
+        n = dkeys.size
+        out = cuda.device_array(n, dtype=np.int64)
+        if n == 0:
+            return out
+        grid = self._grid(n)
+        claim = self._buf("claim", n, np.int64)
+        flags = self._buf("flags", n, np.int64)
+        ranks = self._buf("ranks", n, np.int64)
+        stat = self._stat()
+        k_claim[grid](self._bkeys, self._bslots, self._mask, dkeys, out, claim, stat)
+        k_new_flags[grid](self._bslots, claim, flags)
+        self._scan(flags, ranks, stat, 2)
+        reserved, overflow, n_new, _ = (int(v) for v in stat.copy_to_host())
+        if reserved or overflow or n_new > self._free_top:
+            k_rollback[grid](self._bkeys, self._bslots, claim)
+            keys = host_keys if host_keys is not None else dkeys.copy_to_host()
+            if reserved:
+                raise ValueError("keys: key 0xFFFFFFFFFFFFFFFF is reserved as the empty marker")
+            distinct = distinct_sorted(keys[out.copy_to_host() < 0]).size
+            raise TableFullError(
+                f"hash table full: capacity {self.capacity} rows, {self.size} used, "
+                f"this call needs {distinct} more; nothing was inserted"
+            )
+        if n_new:
+            new_slots = self._buf("new_slots", n_new, np.int64)
+            k_commit_new[grid](
+                self._bslots, self._row_keys, self._free, self._free_top, dkeys, claim, flags, ranks, new_slots
+            )
+            k_fill_claimed[grid](self._bslots, claim, out)
+            init = self.init
+            k_init_rows[self._grid(n_new)](
+                self._rows, self._row_keys, new_slots, init.dim,
+                np.float32(init.scale), np.uint64(init.seed), np.float32(init.state_value),
+            )
+            self._free_top -= n_new
+            self._size += n_new
+        return out
+
+    def _group(self, slots, n: int, op: str, dkeys, host_keys):
+        """Group entries by slot. Returns ``None`` when all slots are distinct, else
+        ``(order, starts)``: ``order`` lists input indices grouped by slot, each group in input
+        order, groups in order of first occurrence; group ``r`` is ``order[starts[r]:starts[r+1]]``.
+        Raises ``KeyError`` if a slot is negative (a missing key)."""
+        grid = self._grid(n)
+        stat = self._stat()
+        flags = self._buf("flags", n, np.int64)
+        ranks = self._buf("ranks", n, np.int64)
+        k_first[grid](self._first, slots, stat)
+        k_heads[grid](self._first, slots, flags)
+        self._scan(flags, ranks, stat, 1)
+        missing, d, _, _ = (int(v) for v in stat.copy_to_host())
+        if missing or d == n:
+            k_reset_first[grid](self._first, slots)
+            if missing:
+                keys = host_keys if host_keys is not None else dkeys.copy_to_host()
+                raise missing_key_error(keys, slots.copy_to_host(), op)
+            return None
+        seg_a = self._buf("seg_a", n, np.int64)
+        seg_b = self._buf("seg_b", n, np.int64)
+        ord_a = self._buf("ord_a", n, np.int64)
+        ord_b = self._buf("ord_b", n, np.int64)
+        k_segment_ids[grid](self._first, slots, ranks, seg_a)
+        k_reset_first[grid](self._first, slots)
+        k_iota[grid](ord_a)
+        # stable LSD radix sort of (segment id, input index), one bit per pass
+        m = (n + CHUNK - 1) // CHUNK
+        part = self._buf("radix_part", m, np.int64)
+        zeros_before = self._buf("radix_offs", m, np.int64)
+        for bit in range(max(1, (d - 1).bit_length())):
+            k_count_zero_bits[self._grid(m)](seg_a, bit, part)
+            self._scan(part, zeros_before, stat, 3)
+            k_split_chunks[self._grid(m)](seg_a, ord_a, bit, zeros_before, stat[3:], seg_b, ord_b)
+            seg_a, seg_b, ord_a, ord_b = seg_b, seg_a, ord_b, ord_a
+        starts = self._buf("starts", d + 1, np.int64)
+        k_segment_starts[grid](seg_a, starts)
+        return ord_a, starts
+
+    def _result(self, dev, on_device: bool):
+        return dev if on_device else dev.copy_to_host()
+
+    # -- interface -----------------------------------------------------------------------------
+
+    def find(self, keys):
+        dkeys, on_device, _ = self._keys(keys)
+        out, _ = self._find_dev(dkeys)
+        return self._result(out, on_device)
+
+    def find_or_insert(self, keys):
+        dkeys, on_device, host = self._keys(keys)
+        return self._result(self._insert_dev(dkeys, host), on_device)
+
+    def gather(self, slots, columns: int | None = None):
+        on_device = is_device_array(slots)
+        if on_device:
+            dslots = _as_device(slots)
+            if dslots.dtype != np.int64 or dslots.ndim != 1:
+                raise TypeError(f"gather: device slots must be 1-D int64, got {dslots.dtype} {dslots.shape}")
+            if dslots.size:
+                stat = self._stat()
+                k_check_slots[self._grid(dslots.size)](dslots, self.capacity, stat)
+                if stat.copy_to_host()[0]:
+                    host = dslots.copy_to_host()
+                    bad = host[(host < 0) | (host >= self.capacity)][0]
+                    raise KeyError(f"gather: slot {bad} is not a row of this table (an absent key gives -1)")
+        else:
+            host = np.ascontiguousarray(slots, dtype=np.int64)
+            if host.size and (host.min() < 0 or host.max() >= self.capacity):
+                bad = host[(host < 0) | (host >= self.capacity)][0]
+                raise KeyError(f"gather: slot {bad} is not a row of this table (an absent key gives -1)")
+            dslots = cuda.to_device(host)
+        out = self._gather_dev(dslots, columns)
+        return self._result(out, on_device)
+
+    def _gather_dev(self, dslots, columns: int | None = None):
+        n, width = dslots.size, check_columns(columns, self.width)
+        out = cuda.device_array((n, width), dtype=np.float32)
+        if n * width:
+            k_gather[self._grid(n * width)](self._rows, dslots, out)
+        return out
+
+    def _scatter(self, slots, values, add: bool, op: str, dkeys, host_keys) -> None:
+        n = slots.size
+        if n == 0:
+            return
+        groups = self._group(slots, n, op, dkeys, host_keys)
+        if self.width == 0:
+            return
+        if groups is None:
+            k_scatter_direct[self._grid(n * self.width)](self._rows, slots, values, add)
+        else:
+            order, starts = groups
+            d = starts.size - 1
+            k_scatter_segments[self._grid(d * self.width)](self._rows, slots, values, order, starts, add)
+
+    def scatter_add(self, keys, values) -> None:
+        dkeys, _, host = self._keys(keys)
+        n = dkeys.size
+        dvalues = self._values(values, n, self.width, "scatter_add values")
+        slots, _ = self._find_dev(dkeys)
+        self._scatter(slots, dvalues, True, "scatter_add", dkeys, host)
+
+    def assign(self, keys, values) -> None:
+        dkeys, _, host = self._keys(keys)
+        n = dkeys.size
+        dvalues = self._values(values, n, self.width, "assign values")
+        slots = self._insert_dev(dkeys, host)
+        self._scatter(slots, dvalues, False, "assign", dkeys, host)
+
+    def erase(self, keys) -> int:
+        dkeys, _, _ = self._keys(keys)
+        if dkeys.size == 0:
+            return 0
+        stat = self._stat()
+        k_erase[1, 1](self._bkeys, self._bslots, self._mask, self._row_keys, self._free, self._free_top, dkeys, stat)
+        removed = int(stat.copy_to_host()[0])
+        self._free_top += removed
+        self._size -= removed
+        return removed
+
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        cap = self.capacity
+        flags = cuda.device_array(cap, dtype=np.int64)  # not cached: export is rare, tables large
+        pos = cuda.device_array(cap, dtype=np.int64)
+        stat = self._stat()
+        grid = self._grid(cap)
+        k_occupied[grid](self._row_keys, flags)
+        self._scan(flags, pos, stat, 0)
+        n = int(stat.copy_to_host()[0])
+        if n == 0:
+            return np.empty(0, dtype=np.uint64), np.empty((0, self.width), dtype=np.float32)
+        slots = cuda.device_array(n, dtype=np.int64)
+        k_compact[grid](flags, pos, slots)
+        keys = cuda.device_array(n, dtype=np.uint64)
+        k_gather_keys[self._grid(n)](self._row_keys, slots, keys)
+        return keys.copy_to_host(), self._gather_dev(slots).copy_to_host()
+
+    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
+        dkeys, _, host = self._keys(keys)
+        dim = self.init.dim
+        if dim + optimizer.state_width(dim) != self.width:
+            raise ValueError(
+                f"{type(optimizer).__name__} needs rows of width {dim + optimizer.state_width(dim)} "
+                f"(dim {dim}), this table has width {self.width}"
+            )
+        n = dkeys.size
+        dgrads = self._values(grads, n, dim, "apply_gradients grads")
+        hp = cuda.to_device(optimizer.hyperparams(step))
+        if n == 0:
+            return
+        slots, _ = self._find_dev(dkeys)
+        groups = self._group(slots, n, "apply_gradients", dkeys, host)
+        kind = optimizer.kind
+        if groups is None:
+            k_apply_direct[self._grid(n)](self._rows, slots, dgrads, kind, hp)
+            return
+        order, starts = groups
+        d = starts.size - 1
+        acc = self._buf("acc", d * dim, np.float32).reshape((d, dim)) if dim else cuda.device_array((d, 0), np.float32)
+        if dim:
+            k_sum_segments[self._grid(d * dim)](dgrads, order, starts, acc)
+        k_apply_segments[self._grid(d)](self._rows, slots, order, starts, acc, kind, hp)
