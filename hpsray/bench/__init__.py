@@ -15,4 +15,5 @@ BENCHMARKS = {
     "exchange": "hpsray.bench.exchange",
     "scale": "hpsray.bench.scale",
     "serve": "hpsray.bench.serve",
+    "plan": "hpsray.bench.plan",
 }
