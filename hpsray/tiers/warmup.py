@@ -7,7 +7,9 @@ its engine through every path a batch takes, on a few rows, while the pipeline w
 actors to come up (the report's ``startup_s``), so a new user's first figure is the real one.
 
 The throwaway engines share nothing with the real ones: no file, row or counter of a run is
-touched, so warming up cannot change what is trained.
+touched, so warming up cannot change what is trained. Arrays that reach an actor through Ray's
+object store are read-only, and numba compiles separate code for read-only arrays: every path is
+therefore run with writable and with read-only inputs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from hpsray.kernels.init import RowInit, initial_rows
 __all__ = ["warm_mem_ps", "warm_ssd_ps", "warm_trainer_step", "tiny_batch"]
 
 _KEYS = 96  # enough rows to evict, group duplicates and split over devices
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``a``, as an array arrives from Ray's object store."""
+    out = np.array(a)
+    out.setflags(write=False)
+    return out
 
 
 def _keys(n: int = _KEYS, seed: int = 0) -> np.ndarray:
@@ -59,12 +68,17 @@ def warm_mem_ps(width: int, init: RowInit, **options: Any) -> None:
     keys = _keys()
     half = keys.size // 2
     mem = MemPS(half + 8, width, _DictStore(width), init, **options)
-    for batch_id, part in enumerate((keys[:half], keys[half:], keys[:half])):  # the third pull loads back
+    parts = (keys[:half], keys[half:], keys[:half], keys[half:])  # the third and fourth pulls load back
+    for batch_id, part in enumerate(parts):
+        if batch_id % 2:
+            part = _frozen(part)
         rows = mem.pull(batch_id, part)
-        mem.write_back(batch_id, part, rows + 1.0)
+        mem.write_back(batch_id, part, rows + 1.0 if batch_id % 2 == 0 else _frozen(rows + 1.0))
         mem.unpin(batch_id)
-    mem.pull(3, keys[:8])  # the pull path of keys already held
-    mem.unpin(3)
+    for batch_id, part in ((4, keys[:8]), (5, _frozen(keys[:8]))):  # the pull path of keys already held
+        mem.pull(batch_id, part)
+        mem.unpin(batch_id)
+    mem.peek(keys[:4])
     mem.flush()
 
 
@@ -79,9 +93,9 @@ def warm_ssd_ps(width: int, **options: Any) -> None:
         store = SSDPS(directory, width, **options)
         try:
             store.dump(keys, rows)
-            store.dump(keys[: keys.size // 3], rows[: keys.size // 3] + 1)  # a stale row count
+            store.dump(_frozen(keys[: keys.size // 3]), _frozen(rows[: keys.size // 3] + 1))  # a stale row count
             store.load(keys)
-            store.load(keys[::7])
+            store.load(_frozen(keys[::7]))
             list(store.scan())
         finally:
             store.close()
@@ -114,7 +128,10 @@ def warm_trainer_step(hbm_like: Any, dense: Any, optimizer: Any, dim: int, init:
     replicas = copy.deepcopy(dense)
     batch = tiny_batch(n_slots, n_dense)
     keys = np.unique(batch.keys)
-    hbm_like.insert(keys, initial_rows(keys, width, init))
+    half = keys.size // 2
+    hbm_like.insert(keys[:half], initial_rows(keys[:half], width, init))
+    hbm_like.insert(_frozen(keys), _frozen(initial_rows(keys, width, init)))
+    hbm_like.retain(_frozen(keys))
     hbm_like.retain(keys)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
         # a model with dropout draws random numbers: the run's own draws must stay as they were
@@ -123,4 +140,5 @@ def warm_trainer_step(hbm_like: Any, dense: Any, optimizer: Any, dim: int, init:
     hbm_like.apply_gradients(np.concatenate([keys, keys[:5]]),
                              np.ones((keys.size + 5, dim), np.float32), optimizer, 2, resident_only=True)
     hbm_like.assign(keys[:7], hbm_like.export(keys[:7]))
+    hbm_like.assign(_frozen(keys[:7]), _frozen(hbm_like.export(_frozen(keys[:7]))))
     float(loss)

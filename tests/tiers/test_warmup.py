@@ -2,7 +2,8 @@
 
 Checked in a fresh interpreter with an empty numba cache: after the three warm-ups, a real
 workload (MEM-PS over an SSD-PS directory with evictions and loads, and a trainer's steps on
-HBM-PS) adds no compiled signature to any of hpsray's numba functions.
+HBM-PS, fed read-only arrays as Ray's object store hands them to the actors) adds no compiled
+signature to any of hpsray's numba functions.
 """
 
 import json
@@ -43,14 +44,19 @@ SCRIPT = textwrap.dedent(
     with tempfile.TemporaryDirectory() as d:
         ssd = SSDPS(d, cfg.row_width, rows_per_file=64)
         mem = MemPS(700, cfg.row_width, ssd, cfg.row_init())  # < the 2,000 keys: evictions and loads
+        def frozen(a):  # what an actor receives through the object store
+            a = np.array(a)
+            a.setflags(write=False)
+            return a
+
         for t in range(6):
             batch = gen.generate(200, start_row=200 * t)
-            keys = np.unique(batch.keys)
-            rows = mem.pull(t, keys)
+            keys = frozen(np.unique(batch.keys))
+            rows = frozen(mem.pull(t, keys))
             trainer.hbm.insert(keys, rows)
             trainer.hbm.retain(keys)
             trainer._train_local(batch)
-            mem.write_back(t, keys, trainer.hbm.export(keys))
+            mem.write_back(t, keys, frozen(trainer.hbm.export(keys)))
             mem.unpin(t)
         mem.flush()
         totals = mem.stats
