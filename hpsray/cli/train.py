@@ -31,7 +31,8 @@ EXIT_FAILED = 1  # training failed, or --compare found a difference
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="JOB.toml", help="the job file (see examples/train.toml)")
     parser.add_argument("--address", default=None,
-                        help="Ray cluster address (overrides [cluster] address; default RAY_ADDRESS or an embedded Ray)")
+                        help="Ray cluster address (overrides [cluster] address; "
+                             "default RAY_ADDRESS or an embedded Ray)")
     parser.add_argument("--report", metavar="FILE.json", default=None,
                         help="write the run report as JSON, with FILE.stage_times.png, FILE.cache_hit_rate.png "
                              "and FILE.ssd_io.png beside it")

@@ -23,7 +23,7 @@ class SimulatedCluster:
         self.nodes, self.cpus_per_node, self.object_store_bytes = nodes, cpus_per_node, object_store_bytes
         self.cluster = None
 
-    def __enter__(self) -> "SimulatedCluster":
+    def __enter__(self) -> SimulatedCluster:
         from ray.cluster_utils import Cluster
 
         if ray.is_initialized():
