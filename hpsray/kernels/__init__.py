@@ -23,7 +23,9 @@ __all__ = [
 ]
 
 
-def make_table(capacity: int, width: int, init: RowInit | None = None, device: str = "cpu", **options) -> HashTable:
+def make_table(
+    capacity: int, width: int, init: RowInit | None = None, device: str = "cpu", **options: int | None
+) -> HashTable:
     """A :class:`HashTable` on ``device``: ``"cpu"`` (numba) or ``"cuda"`` (numba.cuda; also runs
     under the simulator, ``NUMBA_ENABLE_CUDASIM=1``). ``options`` go to the backend's constructor
     (e.g. ``threads_per_block`` for CUDA)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import numpy.typing as npt
 from numba import njit, prange
 
 from hpsray.kernels.distinct import distinct_sorted, is_sorted_distinct
@@ -218,7 +219,7 @@ class CpuHashTable(HashTable):
         return int(self._state[0])
 
     @property
-    def rows(self) -> np.ndarray:
+    def rows(self) -> npt.NDArray[np.float32]:
         """The arena itself (a view; slots index it)."""
         return self._rows
 
@@ -226,13 +227,13 @@ class CpuHashTable(HashTable):
     def _threads() -> int:
         return numba.get_num_threads()
 
-    def find(self, keys) -> np.ndarray:
+    def find(self, keys: npt.ArrayLike) -> npt.NDArray[np.int64]:
         keys = as_keys(keys)
         out = np.empty(keys.size, dtype=np.int64)
         _find(self._buckets, self._mask, keys, out)
         return out
 
-    def find_or_insert(self, keys, initialise: bool = True) -> np.ndarray:
+    def find_or_insert(self, keys: npt.ArrayLike, initialise: bool = True) -> npt.NDArray[np.int64]:
         """Slots of ``keys``, inserting the absent ones with their initial rows (``initialise=False``:
         rows left as they are, for a caller that overwrites them right away)."""
         keys = as_keys(keys)
@@ -262,7 +263,7 @@ class CpuHashTable(HashTable):
         )
         return out
 
-    def _checked_slots(self, slots, op: str) -> np.ndarray:
+    def _checked_slots(self, slots: npt.ArrayLike, op: str) -> npt.NDArray[np.int64]:
         """``slots`` as int64, each a row of this table (an absent key's -1 is refused)."""
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
@@ -270,13 +271,13 @@ class CpuHashTable(HashTable):
             raise KeyError(f"{op}: slot {bad} is not a row of this table (an absent key gives -1)")
         return slots
 
-    def gather(self, slots, columns: int | None = None) -> np.ndarray:
+    def gather(self, slots: npt.ArrayLike, columns: int | None = None) -> npt.NDArray[np.float32]:
         slots = self._checked_slots(slots, "gather")
         out = np.empty((slots.size, check_columns(columns, self.width)), dtype=np.float32)
         _gather(self._rows, slots, out)
         return out
 
-    def put(self, slots, values) -> None:
+    def put(self, slots: npt.ArrayLike, values: npt.ArrayLike) -> None:
         """Overwrite the rows at ``slots`` (from :meth:`find` / :meth:`find_or_insert`) with
         ``values``: the write that mirrors :meth:`gather` (a numba kernel, much faster than a numpy
         fancy assignment: docs/benchmarks.md, "Notes from the code")."""
@@ -284,34 +285,34 @@ class CpuHashTable(HashTable):
         values = as_rows(values, slots.size, self.width, "put values")
         _scatter(self._rows, slots, values, False, self._threads())
 
-    def _present_slots(self, keys: np.ndarray, op: str) -> np.ndarray:
+    def _present_slots(self, keys: npt.NDArray[np.uint64], op: str) -> npt.NDArray[np.int64]:
         slots = self.find(keys)
         if slots.size and slots.min() < 0:
             raise missing_key_error(keys, slots, op)
         return slots
 
-    def scatter_add(self, keys, values) -> None:
+    def scatter_add(self, keys: npt.ArrayLike, values: npt.ArrayLike) -> None:
         keys = as_keys(keys)
         values = as_rows(values, keys.size, self.width, "scatter_add values")
         _scatter(self._rows, self._present_slots(keys, "scatter_add"), values, True, self._threads())
 
-    def assign(self, keys, values) -> None:
+    def assign(self, keys: npt.ArrayLike, values: npt.ArrayLike) -> None:
         keys = as_keys(keys)
         values = as_rows(values, keys.size, self.width, "assign values")
         _scatter(self._rows, self.find_or_insert(keys, initialise=False), values, False, self._threads())
 
-    def erase(self, keys) -> int:
+    def erase(self, keys: npt.ArrayLike) -> int:
         keys = as_keys(keys)
         return int(_erase(self._buckets, self._mask, self._row_keys, self._free, self._state, keys))
 
-    def export(self) -> tuple[np.ndarray, np.ndarray]:
+    def export(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         slots = _occupied_slots(self._row_keys)
         return self._row_keys[slots].copy(), self.gather(slots)
 
-    def keys(self) -> np.ndarray:
+    def keys(self) -> npt.NDArray[np.uint64]:
         return self._row_keys[_occupied_slots(self._row_keys)]
 
-    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
+    def apply_gradients(self, keys: npt.ArrayLike, grads: npt.ArrayLike, optimizer: SparseOptimizer, step: int) -> None:
         keys = as_keys(keys)
         dim = self.init.dim
         if dim + optimizer.state_width(dim) != self.width:

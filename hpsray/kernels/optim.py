@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -169,8 +170,9 @@ class Adam(SparseOptimizer):
         return hp
 
 
-def make_optimizer(name: str, **params) -> SparseOptimizer:
-    """Build an optimizer by name: ``sgd``, ``adagrad``, ``adagrad_row`` or ``adam``."""
+def make_optimizer(name: str, **params: Any) -> SparseOptimizer:
+    """Build an optimizer by name: ``sgd``, ``adagrad``, ``adagrad_row`` or ``adam``; ``params`` are
+    its dataclass fields by name (``lr``, ``eps``, ...: fields of several types, hence ``Any``)."""
     name = name.lower()
     if name == "sgd":
         return SGD(**params)

@@ -21,15 +21,31 @@ changing the table.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from hpsray.errors import TableFullError  # noqa: F401 - re-exported: cpu.py and cuda.py raise it from here
+from hpsray.kernels.arrays import DeviceArray
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer
 
 MAX_BUCKET_LOAD = 0.5
+
+Keys: TypeAlias = "npt.ArrayLike | DeviceArray"
+"""Keys as a table method takes them: anything :func:`as_keys` accepts (integers, ``uint64``
+wanted), or on the CUDA backend a device array of ``uint64``/``int64``."""
+Values: TypeAlias = "npt.ArrayLike | DeviceArray"
+"""Rows or gradients as a table method takes them: ``float32[n, width]`` (or ``[n, dim]``), on
+the host or, on the CUDA backend, on the device."""
+Slots: TypeAlias = "npt.NDArray[np.int64] | DeviceArray"
+"""Slots (``int64``, -1 for an absent key) as :meth:`HashTable.find` answers them and
+:meth:`HashTable.gather` takes them: numpy for numpy keys; device arrays for device keys."""
+Rows: TypeAlias = "npt.NDArray[np.float32] | DeviceArray"
+"""Rows (``float32[n, width]``) as :meth:`HashTable.gather` answers them: numpy for numpy slots,
+device arrays for device slots."""
 
 
 def bucket_count(capacity: int, max_load: float = MAX_BUCKET_LOAD) -> int:
@@ -39,7 +55,7 @@ def bucket_count(capacity: int, max_load: float = MAX_BUCKET_LOAD) -> int:
     return 1 << max(4, int(np.ceil(np.log2(capacity / max_load + 1))))
 
 
-def as_keys(keys, name: str = "keys") -> np.ndarray:
+def as_keys(keys: npt.ArrayLike, name: str = "keys") -> npt.NDArray[np.uint64]:
     """Keys as a contiguous ``uint64`` array; refuses other types and the empty marker."""
     arr = np.asarray(keys)
     if arr.ndim != 1:
@@ -55,7 +71,7 @@ def as_keys(keys, name: str = "keys") -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def as_rows(values, n: int, width: int, name: str) -> np.ndarray:
+def as_rows(values: npt.ArrayLike, n: int, width: int, name: str) -> npt.NDArray[np.float32]:
     """``values`` as contiguous ``float32[n, width]``, with a clear error on a shape mismatch."""
     arr = np.ascontiguousarray(values, dtype=np.float32)
     if arr.shape != (n, width):
@@ -108,11 +124,11 @@ class HashTable(ABC):
         return self.size
 
     @abstractmethod
-    def find(self, keys) -> np.ndarray:
+    def find(self, keys: Keys) -> Slots:
         """Slot of each key, -1 where absent."""
 
     @abstractmethod
-    def find_or_insert(self, keys) -> np.ndarray:
+    def find_or_insert(self, keys: Keys) -> Slots:
         """Slot of each key, inserting absent keys with their initial rows.
 
         Raises :class:`TableFullError` (and leaves the table unchanged) if the distinct new
@@ -120,36 +136,36 @@ class HashTable(ABC):
         """
 
     @abstractmethod
-    def gather(self, slots, columns: int | None = None) -> np.ndarray:
+    def gather(self, slots: Slots, columns: int | None = None) -> Rows:
         """Rows at ``slots`` as ``float32[n, width]`` (only their first ``columns`` floats when
         given: the weights without the optimizer state); a negative slot raises ``KeyError``."""
 
     @abstractmethod
-    def scatter_add(self, keys, values) -> None:
+    def scatter_add(self, keys: Keys, values: Values) -> None:
         """Add ``values[i]`` to the row of ``keys[i]``; every key must be present."""
 
     @abstractmethod
-    def assign(self, keys, values) -> None:
+    def assign(self, keys: Keys, values: Values) -> None:
         """Set the rows of ``keys`` to ``values``, inserting absent keys (last duplicate wins)."""
 
     @abstractmethod
-    def erase(self, keys) -> int:
+    def erase(self, keys: Keys) -> int:
         """Remove ``keys`` (absent ones are ignored); returns how many were removed."""
 
     @abstractmethod
-    def export(self) -> tuple[np.ndarray, np.ndarray]:
+    def export(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         """All ``(keys uint64[size], rows float32[size, width])``, ordered by slot."""
 
-    def keys(self) -> np.ndarray:
+    def keys(self) -> npt.NDArray[np.uint64]:
         """All keys held, ordered by slot (``export()`` without copying the rows)."""
         return self.export()[0]
 
     @abstractmethod
-    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
+    def apply_gradients(self, keys: Keys, grads: Values, optimizer: SparseOptimizer, step: int) -> None:
         """Apply ``optimizer`` at global ``step`` to the rows of ``keys`` with gradients
         ``grads`` (``float32[n, dim]``, ``dim = init.dim``); duplicates are summed first."""
 
-    def get(self, keys, columns: int | None = None) -> np.ndarray:
+    def get(self, keys: Keys, columns: int | None = None) -> Rows:
         """Rows of ``keys`` (first ``columns`` floats), all of which must be present (``find``
         then ``gather``)."""
         return self.gather(self.find(keys), columns)
@@ -164,7 +180,7 @@ def check_columns(columns: int | None, width: int) -> int:
     return int(columns)
 
 
-def missing_key_error(keys: np.ndarray, slots: np.ndarray, op: str) -> KeyError:
+def missing_key_error(keys: npt.NDArray[np.uint64], slots: npt.NDArray[np.int64], op: str) -> KeyError:
     """A ``KeyError`` naming how many keys were absent and the first of them."""
     absent = np.flatnonzero(slots < 0)
     return KeyError(f"{op}: {absent.size} of {keys.size} keys are not in the table (first: {int(keys[absent[0]])})")

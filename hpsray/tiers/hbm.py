@@ -18,13 +18,18 @@ without leaving the device. Batch-level calls (insert, retain, assign, export) t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TypeGuard
+
 import numpy as np
+import numpy.typing as npt
 
 from hpsray.kernels import make_table
-from hpsray.kernels.arrays import array_module, is_device_array, to_host
+from hpsray.kernels.arrays import DeviceArray, array_module, is_device_array, to_host
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer
-from hpsray.kernels.table import as_keys
+from hpsray.kernels.table import HashTable, Keys, Rows, Values, as_keys
 from hpsray.tiers.partition import device_of, group_by
 
 
@@ -65,7 +70,7 @@ class HbmPS:
     def size(self) -> int:
         return sum(t.size for t in self.tables)
 
-    def _parts(self, keys: np.ndarray):
+    def _parts(self, keys: npt.NDArray[np.uint64]) -> Iterator[tuple[int, HashTable, npt.NDArray[np.int64] | None]]:
         """``(device, table, positions of its keys)``; positions ``None``: all of them (one
         device, so no gathers and scatters of whole batches of rows)."""
         if self.n_devices == 1:
@@ -75,7 +80,7 @@ class HbmPS:
         for d, table in enumerate(self.tables):
             yield d, table, order[offsets[d] : offsets[d + 1]]
 
-    def insert(self, keys, rows) -> int:
+    def insert(self, keys: npt.ArrayLike, rows: npt.NDArray[np.float32]) -> int:
         """Insert the working set; keys already resident keep their (fresher) rows.
 
         Returns how many keys were new.
@@ -92,7 +97,7 @@ class HbmPS:
                 new_total += new.size
         return new_total
 
-    def retain(self, keys) -> int:
+    def retain(self, keys: npt.ArrayLike) -> int:
         """Erase every resident key not in ``keys``; returns how many were erased."""
         keys = np.sort(as_keys(keys))
         erased = 0
@@ -108,16 +113,16 @@ class HbmPS:
         return erased
 
     @property
-    def xp(self):
+    def xp(self) -> ModuleType:
         """The array module of device keys (CuPy; imported only once device keys arrive)."""
         return array_module(self.device)
 
-    def _on_device(self, keys) -> bool:
+    def _on_device(self, keys: Keys) -> TypeGuard[DeviceArray]:
         """Whether ``keys`` are device arrays this node's tables take as they are (one table;
         with several, device keys are grouped on the host)."""
         return is_device_array(keys) and self.n_devices == 1
 
-    def get(self, keys, columns: int | None = None):
+    def get(self, keys: Keys, columns: int | None = None) -> Rows:
         """Rows of resident ``keys`` (``float32[n, width]``; only the first ``columns`` floats
         when given, e.g. the weights for a forward pass). Device keys give device rows."""
         if self._on_device(keys):
@@ -132,7 +137,9 @@ class HbmPS:
             out[pos] = table.get(keys[pos], columns)
         return out
 
-    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int, resident_only: bool = False) -> None:
+    def apply_gradients(
+        self, keys: Keys, grads: Values, optimizer: SparseOptimizer, step: int, resident_only: bool = False
+    ) -> None:
         """Accumulate ``grads`` into the rows of ``keys`` through ``optimizer`` (duplicates summed).
 
         With ``resident_only``, keys this node does not hold are skipped: across nodes every
@@ -142,7 +149,8 @@ class HbmPS:
         if self._on_device(keys):
             if keys.shape[0] == 0:
                 return
-            k, g = keys, grads
+            k: DeviceArray = keys
+            g: DeviceArray = grads  # device keys come with device gradients
             if resident_only:
                 held = self.xp.asarray(self.tables[0].find(k)) >= 0
                 if not bool(held.all()):
@@ -160,7 +168,7 @@ class HbmPS:
             if k.size:
                 table.apply_gradients(k, g, optimizer, step)
 
-    def assign(self, keys, rows) -> None:
+    def assign(self, keys: npt.ArrayLike, rows: npt.NDArray[np.float32]) -> None:
         """Overwrite (or insert) the rows of ``keys``: fresher copies re-read after a write-back."""
         keys = as_keys(keys)
         for d, table, pos in self._parts(keys):
@@ -170,6 +178,6 @@ class HbmPS:
                     self._grow(d, n)
                 self.tables[d].assign(*((keys, rows) if pos is None else (keys[pos], rows[pos])))
 
-    def export(self, keys) -> np.ndarray:
+    def export(self, keys: npt.ArrayLike) -> npt.NDArray[np.float32]:
         """Rows of ``keys`` for write-back (same as :meth:`get`)."""
         return self.get(keys)

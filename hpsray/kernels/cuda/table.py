@@ -10,6 +10,7 @@ The kernels live beside it by family: :mod:`~hpsray.kernels.cuda.probing` (bucke
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from hpsray.kernels.arrays import DeviceArray
 from hpsray.kernels.cuda.common import CHUNK, EMPTY, MAX_TPB, MAXI, config, cuda
@@ -54,7 +55,11 @@ from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer
 from hpsray.kernels.table import (
     HashTable,
+    Keys,
+    Rows,
+    Slots,
     TableFullError,
+    Values,
     as_keys,
     as_rows,
     bucket_count,
@@ -136,7 +141,7 @@ class CudaHashTable(HashTable):
         self._first = cuda.to_device(np.full(capacity, MAXI, dtype=np.int64))
         self._size = 0
         self._free_top = capacity
-        self._scratch: dict[str, object] = {}
+        self._scratch: dict[str, DeviceArray] = {}
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -145,7 +150,7 @@ class CudaHashTable(HashTable):
         return self._size
 
     @property
-    def rows(self):
+    def rows(self) -> DeviceArray:
         """The arena itself (a device array; slots index it)."""
         return self._rows
 
@@ -156,7 +161,7 @@ class CudaHashTable(HashTable):
     def _grid(self, n: int) -> tuple[int, int]:
         return ((n + self._tpb - 1) // self._tpb, self._tpb)
 
-    def _buf(self, name: str, n: int, dtype) -> object:
+    def _buf(self, name: str, n: int, dtype: npt.DTypeLike) -> DeviceArray:
         """A reusable device scratch array of at least ``n`` elements (a view of ``n``)."""
         buf = self._scratch.get(name)
         if buf is None or buf.size < n or buf.dtype != np.dtype(dtype):
@@ -164,12 +169,12 @@ class CudaHashTable(HashTable):
             self._scratch[name] = buf
         return buf[:n]
 
-    def _stat(self):
+    def _stat(self) -> DeviceArray:
         stat = self._buf("stat", 4, np.int64)
         k_zero[1, 4](stat)
         return stat
 
-    def _keys(self, keys):
+    def _keys(self, keys: Keys) -> tuple[DeviceArray, bool, npt.NDArray[np.uint64] | None]:
         """(device uint64 keys, on_device, host keys or None)."""
         if is_device_array(keys):
             d = _as_device(keys)
@@ -184,7 +189,7 @@ class CudaHashTable(HashTable):
         return cuda.to_device(host), False, host
 
     @staticmethod
-    def _values(values, n: int, width: int, name: str):
+    def _values(values: Values, n: int, width: int, name: str) -> DeviceArray:
         if is_device_array(values):
             d = _as_device(values)
             if d.dtype != np.float32:
@@ -196,7 +201,7 @@ class CudaHashTable(HashTable):
             return d
         return cuda.to_device(as_rows(values, n, width, name))
 
-    def _scan(self, x, out, tot, tot_index: int, level: int = 0) -> None:
+    def _scan(self, x: DeviceArray, out: DeviceArray, tot: DeviceArray, tot_index: int, level: int = 0) -> None:
         """Exclusive scan of int64 ``x`` into ``out``; the total goes to ``tot[tot_index]``."""
         n = x.size
         m = (n + CHUNK - 1) // CHUNK
@@ -209,7 +214,7 @@ class CudaHashTable(HashTable):
         self._scan(part, offs, tot, tot_index, level + 1)
         k_chunk_scan[self._grid(m)](x, offs, out)
 
-    def _find_dev(self, dkeys):
+    def _find_dev(self, dkeys: DeviceArray) -> tuple[DeviceArray, DeviceArray]:
         """(device slots, stat) for device keys; stat[0] = 1 if any key is absent."""
         n = dkeys.size
         out = cuda.device_array(n, dtype=np.int64)
@@ -218,7 +223,7 @@ class CudaHashTable(HashTable):
             k_find[self._grid(n)](self._bkeys, self._bslots, self._mask, dkeys, out, stat)
         return out, stat
 
-    def _insert_dev(self, dkeys, host_keys):
+    def _insert_dev(self, dkeys: DeviceArray, host_keys: npt.NDArray[np.uint64] | None) -> DeviceArray:
         """Device slots of ``dkeys``, inserting absent ones (see the package docstring)."""
         n = dkeys.size
         out = cuda.device_array(n, dtype=np.int64)
@@ -258,7 +263,9 @@ class CudaHashTable(HashTable):
             self._size += n_new
         return out
 
-    def _group(self, slots, n: int, op: str, dkeys, host_keys):
+    def _group(
+        self, slots: DeviceArray, n: int, op: str, dkeys: DeviceArray, host_keys: npt.NDArray[np.uint64] | None
+    ) -> tuple[DeviceArray, DeviceArray] | None:
         """Group entries by slot. Returns ``None`` when all slots are distinct, else
         ``(order, starts)``: ``order`` lists input indices grouped by slot, each group in input
         order, groups in order of first occurrence; group ``r`` is ``order[starts[r]:starts[r+1]]``.
@@ -297,21 +304,21 @@ class CudaHashTable(HashTable):
         k_segment_starts[grid](seg_a, starts)
         return ord_a, starts
 
-    def _result(self, dev, on_device: bool):
+    def _result(self, dev: DeviceArray, on_device: bool) -> np.ndarray | DeviceArray:
         return dev if on_device else dev.copy_to_host()
 
     # -- interface -----------------------------------------------------------------------------
 
-    def find(self, keys):
+    def find(self, keys: Keys) -> Slots:
         dkeys, on_device, _ = self._keys(keys)
         out, _ = self._find_dev(dkeys)
         return self._result(out, on_device)
 
-    def find_or_insert(self, keys):
+    def find_or_insert(self, keys: Keys) -> Slots:
         dkeys, on_device, host = self._keys(keys)
         return self._result(self._insert_dev(dkeys, host), on_device)
 
-    def gather(self, slots, columns: int | None = None):
+    def gather(self, slots: Slots, columns: int | None = None) -> Rows:
         on_device = is_device_array(slots)
         if on_device:
             dslots = _as_device(slots)
@@ -333,14 +340,22 @@ class CudaHashTable(HashTable):
         out = self._gather_dev(dslots, columns)
         return self._result(out, on_device)
 
-    def _gather_dev(self, dslots, columns: int | None = None):
+    def _gather_dev(self, dslots: DeviceArray, columns: int | None = None) -> DeviceArray:
         n, width = dslots.size, check_columns(columns, self.width)
         out = cuda.device_array((n, width), dtype=np.float32)
         if n * width:
             k_gather[self._grid(n * width)](self._rows, dslots, out)
         return out
 
-    def _scatter(self, slots, values, add: bool, op: str, dkeys, host_keys) -> None:
+    def _scatter(
+        self,
+        slots: DeviceArray,
+        values: DeviceArray,
+        add: bool,
+        op: str,
+        dkeys: DeviceArray,
+        host_keys: npt.NDArray[np.uint64] | None,
+    ) -> None:
         n = slots.size
         if n == 0:
             return
@@ -354,21 +369,21 @@ class CudaHashTable(HashTable):
             d = starts.size - 1
             k_scatter_segments[self._grid(d * self.width)](self._rows, slots, values, order, starts, add)
 
-    def scatter_add(self, keys, values) -> None:
+    def scatter_add(self, keys: Keys, values: Values) -> None:
         dkeys, _, host = self._keys(keys)
         n = dkeys.size
         dvalues = self._values(values, n, self.width, "scatter_add values")
         slots, _ = self._find_dev(dkeys)
         self._scatter(slots, dvalues, True, "scatter_add", dkeys, host)
 
-    def assign(self, keys, values) -> None:
+    def assign(self, keys: Keys, values: Values) -> None:
         dkeys, _, host = self._keys(keys)
         n = dkeys.size
         dvalues = self._values(values, n, self.width, "assign values")
         slots = self._insert_dev(dkeys, host)
         self._scatter(slots, dvalues, False, "assign", dkeys, host)
 
-    def erase(self, keys) -> int:
+    def erase(self, keys: Keys) -> int:
         dkeys, _, _ = self._keys(keys)
         if dkeys.size == 0:
             return 0
@@ -379,7 +394,7 @@ class CudaHashTable(HashTable):
         self._size -= removed
         return removed
 
-    def export(self) -> tuple[np.ndarray, np.ndarray]:
+    def export(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         cap = self.capacity
         flags = cuda.device_array(cap, dtype=np.int64)  # not cached: export is rare, tables large
         pos = cuda.device_array(cap, dtype=np.int64)
@@ -396,7 +411,7 @@ class CudaHashTable(HashTable):
         k_gather_keys[self._grid(n)](self._row_keys, slots, keys)
         return keys.copy_to_host(), self._gather_dev(slots).copy_to_host()
 
-    def apply_gradients(self, keys, grads, optimizer: SparseOptimizer, step: int) -> None:
+    def apply_gradients(self, keys: Keys, grads: Values, optimizer: SparseOptimizer, step: int) -> None:
         dkeys, _, host = self._keys(keys)
         dim = self.init.dim
         if dim + optimizer.state_width(dim) != self.width:
