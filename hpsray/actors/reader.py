@@ -31,6 +31,7 @@ class Reader:
         self.transforms = list(transforms)
         self.clock = StageClock("read", node)
         self.open(source, batch_size, index, count)
+        self._warm_up(source, index, count)
 
     def open(self, source, batch_size: int, index: int = 0, count: int = 1) -> None:
         """Read ``source`` from now on (share ``index`` of ``count``), counting examples and
@@ -43,6 +44,19 @@ class Reader:
 
     def __repr__(self) -> str:
         return f"Reader[node {self.node}, #{self.index}]"
+
+    def _warm_up(self, source, index: int, count: int) -> None:
+        """Read the first few rows of the share through a separate pass and drop them, so the
+        format's numba decoders compile before the pipeline's clock starts. Transforms do not
+        run; an error here is left for the real pass to raise in its place and order."""
+        try:
+            it = source.reader(64, index, count) if hasattr(source, "reader") else source.open(64, index, count)
+            batch = next(iter(it), None)
+            if batch is not None:
+                keys = distinct_sorted(batch.keys)
+                owner_of(keys, max(self.n_nodes, 1))
+        except Exception:  # noqa: BLE001,S110 - the real read reports it, as it always did
+            pass
 
     @ray.method(num_returns=3)
     def read(self, batch_id: int):
