@@ -67,6 +67,7 @@ def same_table(c, p, what=""):
     kp, rp = p.export()
     eq(kc, kp, f"{what}: export keys")
     eq(rc, rp, f"{what}: export rows")
+    eq(c.keys(), kp, f"{what}: keys")
 
 
 def raises(exc, fn, *args):

@@ -394,7 +394,8 @@ class CudaHashTable(HashTable):
         self._size -= removed
         return removed
 
-    def export(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+    def _held(self) -> tuple[DeviceArray, DeviceArray] | None:
+        """(device slots, device keys) of every held row in slot order; ``None`` when empty."""
         cap = self.capacity
         flags = cuda.device_array(cap, dtype=np.int64)  # not cached: export is rare, tables large
         pos = cuda.device_array(cap, dtype=np.int64)
@@ -404,12 +405,25 @@ class CudaHashTable(HashTable):
         self._scan(flags, pos, stat, 0)
         n = int(stat.copy_to_host()[0])
         if n == 0:
-            return np.empty(0, dtype=np.uint64), np.empty((0, self.width), dtype=np.float32)
+            return None
         slots = cuda.device_array(n, dtype=np.int64)
         k_compact[grid](flags, pos, slots)
         keys = cuda.device_array(n, dtype=np.uint64)
         k_gather_keys[self._grid(n)](self._row_keys, slots, keys)
+        return slots, keys
+
+    def export(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        held = self._held()
+        if held is None:
+            return np.empty(0, dtype=np.uint64), np.empty((0, self.width), dtype=np.float32)
+        slots, keys = held
         return keys.copy_to_host(), self._gather_dev(slots).copy_to_host()
+
+    def keys(self) -> npt.NDArray[np.uint64]:
+        """All keys held, in slot order, without copying the rows out (a trainer's ``retain``
+        asks every batch)."""
+        held = self._held()
+        return np.empty(0, dtype=np.uint64) if held is None else held[1].copy_to_host()
 
     def apply_gradients(self, keys: Keys, grads: Values, optimizer: SparseOptimizer, step: int) -> None:
         dkeys, _, host = self._keys(keys)
