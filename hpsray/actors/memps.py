@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import ray
 
+from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.timing import StageClock
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.tiers.mem import MemPS
@@ -49,6 +50,7 @@ class MemPSShard:
         self.mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)
         warm_mem_ps(width, init, **options)  # numba compiles here, before the pipeline's clock
         self.clock = StageClock("pull", node)
+        self.gauges = LiveGauges(stage="pull", node=node)
         self.hit_rate: dict = {}
         self._hits: dict = {}  # batch -> [hits, misses] over its leases
         self.lent: dict = {}  # (batch, borrower) -> sorted keys lent
@@ -69,6 +71,9 @@ class MemPSShard:
             counts[0] += s["hits"]
             counts[1] += s["misses"]
             self.hit_rate[batch_id] = counts[0] / max(counts[0] + counts[1], 1)
+            st = self.mem.stats
+            self.gauges.set(memps_hit_rate=s["hit_rate"], memps_occupancy=st["size"] / st["capacity"],
+                            memps_pinned_rows=st["pinned_rows"])
             return rows
 
     def write_back(self, batch_id, *returned: dict) -> int:

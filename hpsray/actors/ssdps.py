@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.ssd import SSDPS
 from hpsray.tiers.warmup import warm_ssd_ps
@@ -17,6 +18,13 @@ class SSDPSShard:
         self.store = SSDPS(directory, width, **options)
         warm_ssd_ps(width, **options)  # numba compiles here, before the pipeline's clock
         self.clock = StageClock("load", node)
+        self.gauges = LiveGauges(stage="load", node=node)
+
+    def _export(self) -> None:
+        st = self.store.stats
+        self.gauges.set(ssd_bytes_read=st["bytes_read"], ssd_bytes_written=st["bytes_written"],
+                        ssd_live_bytes=st["live_bytes"], ssd_disk_bytes=st["disk_bytes"],
+                        ssd_compactions=st["compactions"])
 
     def __repr__(self) -> str:
         return f"SSDPS[node {self.node}]"
@@ -26,11 +34,13 @@ class SSDPSShard:
         pass finds none, and its zero rows would have been 40 MB per pull of 300k misses)."""
         with self.clock.timed(batch):
             rows, found = self.store.load(keys)
-            return (rows, found) if found.all() else (rows[found], found)
+        self._export()
+        return (rows, found) if found.all() else (rows[found], found)
 
     def dump(self, keys: np.ndarray, rows: np.ndarray, batch=None) -> None:
         with self.clock.timed(batch):
             self.store.dump(keys, rows)
+        self._export()
 
     def scan(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every live row, file by file."""

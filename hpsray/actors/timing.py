@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 
@@ -35,7 +36,9 @@ class StageClock:
                 )
                 for m in self._metrics:
                     m.set_default_tags(tags)
-        except Exception:  # metrics are best effort; the clock itself always works
+        except Exception:  # the clock itself always works; the failure is logged, never swallowed
+            logging.getLogger("hpsray.metrics").warning("cannot register the metrics of stage %s node %s", stage,
+                                                        node, exc_info=True)
             self._metrics = None
 
     @contextmanager

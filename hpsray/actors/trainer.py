@@ -7,6 +7,7 @@ import os
 import numpy as np
 import torch
 
+from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.timing import StageClock
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
@@ -59,6 +60,7 @@ class Trainer:
         self.examples = 0
         self.losses: dict = {}
         self.clock = StageClock("train", node)
+        self.gauges = LiveGauges(stage="train", node=node)
         # numba (and on CUDA, CuPy and torch's kernels) compile here, before the pipeline's clock
         warm_trainer_step(HbmPS(256, config.row_width, config.row_init(), n_devices, n_nodes, device), self.dense,
                           self.optimizer, config.dim, config.row_init(), config.row_width, n_slots, n_dense)
@@ -134,7 +136,9 @@ class Trainer:
             # the losses stay on the device until here: one read per batch
             self.losses[batch_id] = float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
             out = [{"borrower": self.node, "keys": k, "rows": self.hbm.export(k)} for k in key_parts]
-            return (*out, {"loss": self.losses[batch_id], "examples": len(batch) if batch is not None else 0})
+        done = len(batch) if batch is not None else 0
+        self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
+        return (*out, {"loss": self.losses[batch_id], "examples": done})
 
     def _weights(self, keys):
         return self.hbm.get(keys, columns=self.config.dim)

@@ -14,6 +14,8 @@ from collections import deque
 
 import ray
 
+from hpsray.actors.livemetrics import LiveGauges
+
 
 class BoundedEdge:
     """FIFO of in-flight ObjectRefs holding at most ``capacity`` (>= 1) of them."""
@@ -26,6 +28,7 @@ class BoundedEdge:
         self._refs: deque = deque()
         self.max_depth = 0
         self.stalls = 0  # how often the producer had to wait
+        self._gauges = LiveGauges(edge=name)
 
     def __len__(self) -> int:
         return len(self._refs)
@@ -38,6 +41,7 @@ class BoundedEdge:
             self._refs.popleft()
         self._refs.append(ref)
         self.max_depth = max(self.max_depth, len(self._refs))
+        self._gauges.set(queue_depth=len(self._refs))
 
     def in_flight(self) -> list:
         """The refs still held, oldest first."""
