@@ -128,6 +128,7 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
 def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
     from hpsray.job import build
+    from hpsray.pipelines.progress import known_examples, progress_bar
     from hpsray.reference import ReferenceTrainer, global_batches
 
     source = build.source(job)
@@ -146,6 +147,7 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     per_read, per_train, losses = {}, {}, {}
     t0 = time.perf_counter()
     t = 0
+    bar = progress_bar(known_examples(source), not quiet, desc="reference")
     while True:
         r0 = time.perf_counter()
         batch = next(it, None)
@@ -159,14 +161,10 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
         else:
             losses[str(t)] = trainer.train_batch(batch)
         per_train[str(t)] = time.perf_counter() - s0
-        if not quiet:
-            rate = trainer.examples / max(time.perf_counter() - t0, 1e-9)
-            print(f"\r[reference] batch {t + 1}: {trainer.examples:,} examples, {rate:,.0f} examples/s",
-                  end="", file=sys.stderr, flush=True)
+        bar.update(trainer.examples - bar.n)
         t += 1
     wall = time.perf_counter() - t0
-    if not quiet:
-        print(file=sys.stderr)
+    bar.close()
     if t == 0:
         raise ValueError("the source produced no examples")
     busy = {"read": sum(per_read.values()), "train": sum(per_train.values())}
