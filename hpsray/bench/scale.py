@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute speed of a projected GPU node relative to one node measured here")
     parser.add_argument("--project", default="1,2,4,8,16,32,64,150", help="node counts to project")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hosts", choices=("simulated", "netns"), default="simulated",
+                        help="netns: measure on network-namespace hosts with shaped links beside the "
+                             "projection for each link (needs root; docs/benchmarks.md)")
+    parser.add_argument("--links", default="none,10gbit,1gbit,100mbit",
+                        help="--hosts netns: link shapes, tc rates ('none': unshaped), each optionally "
+                             "'RATE/DELAYms' (delay needs the kernel's sch_netem)")
 
 
 def project(costs: dict, n: int, bandwidth: float, latency: float, g: float) -> float:
@@ -85,8 +91,9 @@ def _distinct_keys(report: dict) -> float:
     return total / (report["batches"] + 1) / report["nodes"]
 
 
-def _measure(args: argparse.Namespace, n: int) -> dict:
-    from hpsray.cluster.simulated import SimulatedCluster
+def _fit(args: argparse.Namespace, n: int) -> dict:
+    """One warm-up batch per node, then ``args.rows`` examples per node on ``n`` nodes of the
+    Ray cluster this process is connected to: the run report."""
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
     from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
@@ -97,58 +104,72 @@ def _measure(args: argparse.Namespace, n: int) -> dict:
     warmup = SyntheticSource(gen, rows=n * args.batch)
     source = SyntheticSource(gen, rows=n * args.rows, start_row=n * args.batch)
     all_rows = args.slots * args.keys + 1024
+    with Pipeline(warmup, TrainerStage(cfg, threads=1), MemPSStage(capacity_rows=all_rows), batch_size=args.batch,
+                  nodes=n) as p:
+        p.fit(progress=False)
+        p.source = source
+        return p.fit(progress=False)
+
+
+def _measure(args: argparse.Namespace, n: int) -> dict:
+    from hpsray.cluster.simulated import SimulatedCluster
+
     with SimulatedCluster(n, cpus_per_node=1):
-        with Pipeline(warmup, TrainerStage(cfg, threads=1), MemPSStage(capacity_rows=all_rows), batch_size=args.batch,
-                      nodes=n) as p:
-            p.fit(progress=False)
-            p.source = source
-            report = p.fit(progress=False)
-    return report
+        return _fit(args, n)
 
 
-def run(args: argparse.Namespace) -> dict:
+def _summary(r: dict) -> dict:
+    return {
+        "examples_per_s": r["examples_per_s"],
+        "speedup_vs_1": None,
+        "stage_busy_s": r["stage_busy_s"],
+        "pipeline_efficiency": r["pipeline_efficiency"],
+        "batches": r["batches"],
+        "exchanged_bytes_per_minibatch": r.get("sync", {}).get("exchanged_bytes_per_minibatch", 0.0),
+        "distinct_keys_per_batch": _distinct_keys(r),
+    }
+
+
+def _costs(args: argparse.Namespace, measured: dict) -> dict:
+    """The model's per-batch inputs: stage costs of the smallest run, bytes of the multi-node ones."""
     import numpy as np
 
     from hpsray.models.dnn import DNN
-
-    counts = [int(x) for x in args.nodes.split(",")]
-    measured = {}
-    for n in counts:
-        print(f"[bench scale] {n} simulated node(s) ...", file=sys.stderr, flush=True)
-        r = _measure(args, n)
-        measured[n] = {
-            "examples_per_s": r["examples_per_s"],
-            "speedup_vs_1": None,
-            "stage_busy_s": r["stage_busy_s"],
-            "pipeline_efficiency": r["pipeline_efficiency"],
-            "batches": r["batches"],
-            "exchanged_bytes_per_minibatch": r.get("sync", {}).get("exchanged_bytes_per_minibatch", 0.0),
-            "distinct_keys_per_batch": _distinct_keys(r),
-        }
-    if 1 in measured:
-        for n in measured:
-            measured[n]["speedup_vs_1"] = measured[n]["examples_per_s"] / measured[1]["examples_per_s"]
 
     hidden = tuple(int(h) for h in args.hidden.split(","))
     dense_bytes = 4 * sum(p.numel() for p in DNN(args.slots, args.dim, 13, hidden).parameters())
     base = measured[min(measured)]
     batches = base["batches"]
-    steps = math.ceil(args.batch / args.minibatch)
     exchanged = [m["exchanged_bytes_per_minibatch"] for n, m in measured.items() if n > 1]
-    sparse_bytes = max(float(np.mean(exchanged)) - dense_bytes, 0.0) if exchanged else 0.0
-    distinct = base["distinct_keys_per_batch"]
-    costs = {
+    return {
         "examples": args.batch,
         "read_s": base["stage_busy_s"].get("read", 0.0) / batches,
         "pull_s": base["stage_busy_s"].get("pull", 0.0) / batches,
         "load_s": base["stage_busy_s"].get("load", 0.0) / batches,
         "train_s": base["stage_busy_s"].get("train", 0.0) / batches,
-        "steps": steps,
+        "steps": math.ceil(args.batch / args.minibatch),
         "dense_bytes": dense_bytes,
-        "sparse_bytes": sparse_bytes,
-        "distinct_keys": distinct,
+        "sparse_bytes": max(float(np.mean(exchanged)) - dense_bytes, 0.0) if exchanged else 0.0,
+        "distinct_keys": base["distinct_keys_per_batch"],
         "row_bytes": 4 * 2 * args.dim,
     }
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.hosts == "netns":
+        from hpsray.bench.scale_hosts import run_on_hosts
+
+        return run_on_hosts(args)
+    counts = [int(x) for x in args.nodes.split(",")]
+    measured = {}
+    for n in counts:
+        print(f"[bench scale] {n} simulated node(s) ...", file=sys.stderr, flush=True)
+        measured[n] = _summary(_measure(args, n))
+    if 1 in measured:
+        for n in measured:
+            measured[n]["speedup_vs_1"] = measured[n]["examples_per_s"] / measured[1]["examples_per_s"]
+
+    costs = _costs(args, measured)
     bw = args.bandwidth_gbps * 1e9 / 8
     lat = args.latency_us * 1e-6
     targets = [int(x) for x in args.project.split(",")]
