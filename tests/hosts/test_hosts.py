@@ -54,6 +54,16 @@ def test_hosts_are_separate(hosts):
         assert h.address in held and not {o.address for o in hosts.hosts if o is not h} & held, out.stdout
 
 
+def test_hpsray_network_picks_the_interface_in_the_block(hosts):
+    """The override for multi-homed hosts: a CIDR block, the same on every host."""
+    code = ("import json, os; os.environ['HPSRAY_NETWORK'] = '10.77.0.0/16'; "
+            "from hpsray.cluster.netaddr import bind_collectives; b = bind_collectives('gloo'); "
+            "print(json.dumps([b.interface, b.address, b.source, os.environ['GLOO_SOCKET_IFNAME']]))")
+    out = in_host(hosts, 1, code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == ["eth0", "10.77.0.2", "network", "eth0"]
+
+
 def test_gloo_group_across_hosts_fails_unbound_and_forms_bound(drive):
     """Issue 20's failure, reproduced (gloo dials the peer's loopback), and bind_collectives' fix."""
     found = drive("gloo_group")
