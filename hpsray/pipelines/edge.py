@@ -34,11 +34,12 @@ class BoundedEdge:
         return len(self._refs)
 
     def put(self, ref: ray.ObjectRef) -> None:
-        """Add an item; first wait while the edge is full."""
+        """Add an item; first wait while the edge is full. Raises the error of an item that failed
+        (it leaves the edge here: dropping it unread would let the run go on without it)."""
         while len(self._refs) >= self.capacity:
             self.stalls += 1
             ray.wait([self._refs[0]], num_returns=1)
-            self._refs.popleft()
+            ray.get(self._refs.popleft())
         self._refs.append(ref)
         self.max_depth = max(self.max_depth, len(self._refs))
         self._gauges.set(queue_depth=len(self._refs))

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -81,14 +80,13 @@ def test_train_refuses_a_job_that_cannot_fit_before_ray_starts(data):
     out = hpsray("plan", tight, "--no-calibrate")
     assert out.returncode == 1 and fix in out.stdout, out.stdout
 
-    t0 = time.perf_counter()
     refused = hpsray("train", tight)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "would have to be held" not in refused.stderr  # refused by the plan, not by MEM-PS in a run
     assert fix in refused.stderr and "hpsray train: error:" in refused.stderr
     assert "Ray" not in refused.stderr and "ray" not in refused.stdout, refused.stderr  # no Ray started
-    assert time.perf_counter() - t0 < 60
 
     ran = hpsray("train", tight, "--no-plan", "--quiet")
-    # the run meets the error the plan predicted, at exactly the plan's number
-    assert "CapacityError" in ran.stderr and f"{need} rows would have to be held" in ran.stderr, ran.stderr[-3000:]
+    # the run meets the error the plan predicted, at exactly the plan's number, and fails
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert "training failed" in ran.stderr and f"{need} rows would have to be held" in ran.stderr, ran.stderr[-3000:]
