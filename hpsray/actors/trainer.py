@@ -125,7 +125,7 @@ class Trainer:
             self.hbm.retain(keys)
             for fresh in parts[2 * n :]:
                 if fresh["keys"].size:
-                    self.hbm.assign(fresh["keys"], fresh["rows"])
+                    self.hbm.insert_or_assign(fresh["keys"], fresh["rows"])
             if n == 1:
                 losses = self._train_local(batch)
             elif self.board is None:
@@ -135,7 +135,7 @@ class Trainer:
             self.examples += len(batch) if batch is not None else 0
             # the losses stay on the device until here: one read per batch
             self.losses[batch_id] = float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
-            out = [{"borrower": self.node, "keys": k, "rows": self.hbm.export(k)} for k in key_parts]
+            out = [{"borrower": self.node, "keys": k, "rows": self.hbm.get(k)} for k in key_parts]
         done = len(batch) if batch is not None else 0
         self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
         return (*out, {"loss": self.losses[batch_id], "examples": done})

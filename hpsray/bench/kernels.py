@@ -2,7 +2,7 @@
 
 For each table size (default 1M and 10M keys, dim 16) it measures, in keys per second:
 ``find_or_insert`` into an empty table, ``find`` of random present keys, ``find`` followed by
-``gather`` of the found rows, ``scatter_add``, and ``assign`` (HierarchicalKV's ``insert_or_assign``)
+``gather`` of the found rows, ``scatter_add``, and ``insert_or_assign``
 of distinct present keys; and in the same run two baselines: lookups in
 a Python ``dict`` holding the same keys, and the *gather bound*, numpy ``take`` of random rows
 from an array as large as the table's arena (one random memory access per key: the memory
@@ -65,7 +65,7 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
     warm.find_or_insert(keys[:8])
     warm.gather(warm.find(keys[:8]))
     warm.scatter_add(keys[:8], values[:8])
-    warm.assign(keys[:8], values[:8])
+    warm.insert_or_assign(keys[:8], values[:8])
 
     table = make_table(n, dim, device=device)
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
     find_s = _best(lambda: (table.find(tq), _sync(device)), repeat)
     find_gather_s = _best(lambda: (table.gather(table.find(tq)), _sync(device)), repeat)
     scatter_s = _best(lambda: (table.scatter_add(tq, tvalues), _sync(device)), repeat)
-    assign_s = _best(lambda: (table.assign(tdistinct, tassign), _sync(device)), repeat)
+    assign_s = _best(lambda: (table.insert_or_assign(tdistinct, tassign), _sync(device)), repeat)
 
     # baselines, same run
     # A written array: an untouched np.zeros arena maps every page to the kernel's shared zero

@@ -299,6 +299,11 @@ class CpuHashTable(HashTable):
     def assign(self, keys: npt.ArrayLike, values: npt.ArrayLike) -> None:
         keys = as_keys(keys)
         values = as_rows(values, keys.size, self.width, "assign values")
+        _scatter(self._rows, self._present_slots(keys, "assign"), values, False, self._threads())
+
+    def insert_or_assign(self, keys: npt.ArrayLike, values: npt.ArrayLike) -> None:
+        keys = as_keys(keys)
+        values = as_rows(values, keys.size, self.width, "insert_or_assign values")
         _scatter(self._rows, self.find_or_insert(keys, initialise=False), values, False, self._threads())
 
     def erase(self, keys: npt.ArrayLike) -> int:

@@ -2,13 +2,16 @@
 
 A table maps ``uint64`` keys to rows of a fixed-capacity arena ``float32[capacity, width]``.
 Lookups return *slots* (row indices into the arena, ``int64``; -1 when absent). A key keeps its
-slot until it is erased. Every operation takes arrays of keys and is correct when a call holds
-the same key several times:
+slot until it is erased. The verbs are HierarchicalKV's: ``find``, ``find_or_insert``,
+``insert_or_assign`` (absent keys are inserted), ``assign`` (present keys only), ``erase``,
+``export``; by slot, ``gather`` and ``put``; and the sums ``scatter_add`` and
+``apply_gradients`` (present keys only). Every operation takes arrays of keys and is correct
+when a call holds the same key several times:
 
 * ``find_or_insert``: each distinct key is inserted once;
 * ``scatter_add`` and ``apply_gradients``: the values of duplicates are summed (in input
   order) before they are applied, so a row sees one update per call;
-* ``assign``: the last occurrence wins.
+* ``assign``, ``insert_or_assign`` and ``put``: the last occurrence wins.
 
 Open addressing with linear probing; erase uses backward-shift deletion, so no tombstones
 accumulate. The bucket array is sized so that buckets are at most half full when the arena is
@@ -128,8 +131,9 @@ class HashTable(ABC):
         """Slot of each key, -1 where absent."""
 
     @abstractmethod
-    def find_or_insert(self, keys: Keys) -> Slots:
-        """Slot of each key, inserting absent keys with their initial rows.
+    def find_or_insert(self, keys: Keys, initialise: bool = True) -> Slots:
+        """Slot of each key, inserting absent keys with their initial rows (left unwritten with
+        ``initialise=False``, for a caller that overwrites them at once with :meth:`put`).
 
         Raises :class:`TableFullError` (and leaves the table unchanged) if the distinct new
         keys do not fit.
@@ -141,11 +145,22 @@ class HashTable(ABC):
         given: the weights without the optimizer state); a negative slot raises ``KeyError``."""
 
     @abstractmethod
+    def put(self, slots: Slots, values: Values) -> None:
+        """Overwrite the rows at ``slots`` (from :meth:`find` / :meth:`find_or_insert`) with
+        ``values``, the write that mirrors :meth:`gather` (last duplicate wins); a slot that is
+        not a row raises ``KeyError``."""
+
+    @abstractmethod
     def scatter_add(self, keys: Keys, values: Values) -> None:
         """Add ``values[i]`` to the row of ``keys[i]``; every key must be present."""
 
     @abstractmethod
     def assign(self, keys: Keys, values: Values) -> None:
+        """Set the rows of ``keys``, all of which must be present, to ``values`` (last duplicate
+        wins); an absent key raises ``KeyError`` and nothing is written."""
+
+    @abstractmethod
+    def insert_or_assign(self, keys: Keys, values: Values) -> None:
         """Set the rows of ``keys`` to ``values``, inserting absent keys (last duplicate wins)."""
 
     @abstractmethod

@@ -87,7 +87,7 @@ def _time_train(job, sample: Sample) -> tuple[float, int]:
             hbm.apply_gradients(gkeys, grads, optimizer, step)
             losses.append(loss)
         float(torch.stack(losses).sum())
-        hbm.export(k)
+        hbm.get(k)
         if i == len(batches) - 1:  # the first one warms up (numba compiles, torch allocates)
             seconds = time.perf_counter() - t0
     return seconds / max(len(batches[-1]), 1), sum(q.numel() for q in model.parameters())

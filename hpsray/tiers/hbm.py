@@ -4,7 +4,7 @@ Paper §4 / Algorithm 2. A key lives on device ``(h(key) // N) % D`` of its node
 (docs/architecture.md: Keys and partitioning).
 Per batch the trainer *inserts* the working set pulled from MEM-PS, then, per mini-batch,
 *gets* rows and *accumulates* gradients through the sparse optimizer inside the tables. At batch
-end it *exports* the batch's rows for write-back.
+end it *gets* the batch's rows for write-back.
 
 Rows already resident from the previous batch are fresher than any copy pulled while that batch
 trained (the pull of batch ``t+1`` overlaps the training of ``t``), so :meth:`insert` keeps
@@ -13,7 +13,7 @@ needs. This is how the pipeline stays BSP-exact across batch boundaries (docs/ar
 
 Per mini-batch, :meth:`get` and :meth:`apply_gradients` also take device arrays (CuPy, numba,
 torch CUDA) and then answer with device arrays, so a trainer on a GPU reads and updates its rows
-without leaving the device. Batch-level calls (insert, retain, assign, export) take numpy.
+without leaving the device. Batch-level calls (insert, retain, insert_or_assign) take numpy.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class HbmPS:
         old = self.tables[d]
         keys, rows = old.export()
         new = make_table(max(2 * old.capacity, old.size + need), self.width, self.init, device=self.device)
-        new.assign(keys, rows)
+        new.insert_or_assign(keys, rows)
         self.tables[d] = new
         self.grown += 1
 
@@ -93,7 +93,7 @@ class HbmPS:
             if new.size:
                 if table.size + new.size > table.capacity:
                     self._grow(d, new.size)
-                self.tables[d].assign(k[new], rows[new if pos is None else pos[new]])
+                self.tables[d].insert_or_assign(k[new], rows[new if pos is None else pos[new]])
                 new_total += new.size
         return new_total
 
@@ -168,7 +168,7 @@ class HbmPS:
             if k.size:
                 table.apply_gradients(k, g, optimizer, step)
 
-    def assign(self, keys: npt.ArrayLike, rows: npt.NDArray[np.float32]) -> None:
+    def insert_or_assign(self, keys: npt.ArrayLike, rows: npt.NDArray[np.float32]) -> None:
         """Overwrite (or insert) the rows of ``keys``: fresher copies re-read after a write-back."""
         keys = as_keys(keys)
         for d, table, pos in self._parts(keys):
@@ -176,8 +176,4 @@ class HbmPS:
             if n:
                 if table.size + n > table.capacity:
                     self._grow(d, n)
-                self.tables[d].assign(*((keys, rows) if pos is None else (keys[pos], rows[pos])))
-
-    def export(self, keys: npt.ArrayLike) -> npt.NDArray[np.float32]:
-        """Rows of ``keys`` for write-back (same as :meth:`get`)."""
-        return self.get(keys)
+                self.tables[d].insert_or_assign(*((keys, rows) if pos is None else (keys[pos], rows[pos])))

@@ -213,7 +213,7 @@ class MemPS:
                     f"write_back: {int(bad.sum())} of {keys.size} keys were not pulled by batch {batch_id!r} "
                     f"(first: {int(keys[np.argmax(bad)])})"
                 )
-            self._table.assign(keys, rows)
+            self._table.insert_or_assign(keys, rows)
             self._dirty[slots] = True
             self._totals["write_backs"] += 1
             self._totals["rows_written_back"] += int(keys.size)

@@ -139,6 +139,6 @@ def warm_trainer_step(hbm_like: Any, dense: Any, optimizer: Any, dim: int, init:
     hbm_like.apply_gradients(gkeys, grads, optimizer, 1)
     hbm_like.apply_gradients(np.concatenate([keys, keys[:5]]),
                              np.ones((keys.size + 5, dim), np.float32), optimizer, 2, resident_only=True)
-    hbm_like.assign(keys[:7], hbm_like.export(keys[:7]))
-    hbm_like.assign(_frozen(keys[:7]), _frozen(hbm_like.export(_frozen(keys[:7]))))
+    hbm_like.insert_or_assign(keys[:7], hbm_like.get(keys[:7]))
+    hbm_like.insert_or_assign(_frozen(keys[:7]), _frozen(hbm_like.get(_frozen(keys[:7]))))
     float(loss)

@@ -150,8 +150,8 @@ def gather_rows():
     c, p = pair(100, 5)
     keys = rng.choice(1000, 80, replace=False).astype(np.uint64)
     vals = rng.standard_normal((80, 5)).astype(np.float32)
-    c.assign(keys, vals)
-    p.assign(keys, vals)
+    c.insert_or_assign(keys, vals)
+    p.insert_or_assign(keys, vals)
     slots = c.find(keys[::-1])
     eq(c.gather(slots), vals[::-1], "gather")
     eq(c.gather(np.r_[slots, slots]), p.gather(np.r_[slots, slots]), "gather with repeats")
@@ -201,8 +201,8 @@ def assign_last_duplicate_wins():
     c, p = pair(200, 3)
     keys = rng.integers(0, 80, 200).astype(np.uint64)
     v = rng.standard_normal((200, 3)).astype(np.float32)
-    c.assign(keys, v)  # inserts too
-    p.assign(keys, v)
+    c.insert_or_assign(keys, v)  # inserts too
+    p.insert_or_assign(keys, v)
     same_table(c, p)
     last = {}
     for k, row in zip(keys.tolist(), v):
@@ -210,9 +210,36 @@ def assign_last_duplicate_wins():
     eq(c.get(u64(list(last))), np.stack(list(last.values())), "last wins")
     keys2 = np.r_[keys[:30], rng.integers(500, 520, 30).astype(np.uint64)]
     v2 = rng.standard_normal((60, 3)).astype(np.float32)
-    c.assign(keys2, v2)
-    p.assign(keys2, v2)
+    c.insert_or_assign(keys2, v2)
+    p.insert_or_assign(keys2, v2)
     same_table(c, p, "second assign")
+
+
+@case
+def assign_present_keys_and_put_by_slot():
+    rng = np.random.default_rng(26)
+    c, p = pair(200, 3)
+    keys = rng.integers(0, 80, 120).astype(np.uint64)
+    c.find_or_insert(keys)
+    p.find_or_insert(keys)
+    v = rng.standard_normal((120, 3)).astype(np.float32)
+    c.assign(keys, v)  # present keys only, last duplicate wins
+    p.assign(keys, v)
+    same_table(c, p, "assign")
+    absent = np.r_[keys[:5], u64([1000])]
+    raises(KeyError, c.assign, absent, v[:6])
+    raises(KeyError, p.assign, absent, v[:6])
+    same_table(c, p, "assign of an absent key writes nothing")
+    slots_c, slots_p = c.find(keys[:40]), p.find(keys[:40])
+    c.put(slots_c, v[40:80])
+    p.put(slots_p, v[40:80])
+    same_table(c, p, "put")
+    raises(KeyError, c.put, np.array([0, -1], np.int64), v[:2])
+    fresh = u64([5000, 5001, 5002])
+    s_c, s_p = c.find_or_insert(fresh, initialise=False), p.find_or_insert(fresh, initialise=False)
+    c.put(s_c, v[:3])
+    p.put(s_p, v[:3])
+    same_table(c, p, "find_or_insert without initial rows, then put")
 
 
 @case
@@ -342,8 +369,8 @@ def full_table_raises_and_changes_nothing():
     eq(c.export()[1], snapshot[1])
     eq(c.find(base), slots)
     eq(c.find(new[new >= 20_000]), -1)
-    raises(TableFullError, c.assign, new, np.ones((new.size, 2), np.float32))
-    eq(c.export()[1], snapshot[1], "assign left the table unchanged")
+    raises(TableFullError, c.insert_or_assign, new, np.ones((new.size, 2), np.float32))
+    eq(c.export()[1], snapshot[1], "insert_or_assign left the table unchanged")
     # more distinct keys than buckets: the probe bound, not the count, detects it
     huge = rng.choice(2**40, 600, replace=False).astype(np.uint64)
     raises(TableFullError, c.find_or_insert, huge)
@@ -403,8 +430,8 @@ def device_array_inputs():
     c.scatter_add(dk, cuda.to_device(v))
     p.scatter_add(keys, v)
     same_table(c, p, "scatter_add")
-    c.assign(dk[:40], cuda.to_device(v[:40]))
-    p.assign(keys[:40], v[:40])
+    c.insert_or_assign(dk[:40], cuda.to_device(v[:40]))
+    p.insert_or_assign(keys[:40], v[:40])
     same_table(c, p, "assign")
     c.scatter_add(keys, cuda.to_device(v))  # mixed host keys, device values
     p.scatter_add(keys, v)
@@ -455,8 +482,8 @@ def random_operation_sequence():
                 eq(c.find_or_insert(keys), rc, op)
             elif op == "assign":
                 v = np.abs(rng.standard_normal((keys.size, 4))).astype(np.float32)  # state stays >= 0
-                p.assign(keys, v)
-                c.assign(keys, v)
+                p.insert_or_assign(keys, v)
+                c.insert_or_assign(keys, v)
             elif op == "scatter" and present.size:
                 v = np.abs(rng.standard_normal((present.size, 4))).astype(np.float32)
                 p.scatter_add(present, v)
@@ -473,8 +500,8 @@ def random_operation_sequence():
             # the CPU backend restacks the free slots on rollback; rebuild both alike
             kp, rp = p.export()
             c, p = pair(30, 4, init)
-            c.assign(kp, rp)
-            p.assign(kp, rp)
+            c.insert_or_assign(kp, rp)
+            p.insert_or_assign(kp, rp)
         kc, rc_ = c.export()
         kp, rp = p.export()
         eq(kc, kp, f"step {step} {op}")

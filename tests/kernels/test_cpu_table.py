@@ -73,10 +73,10 @@ def test_scatter_add_sums_duplicates_and_requires_present_keys():
 
 def test_assign_upserts_and_last_duplicate_wins():
     t = CpuHashTable(16, 2)
-    t.assign(u64([5, 6, 5]), np.array([[1, 1], [2, 2], [3, 3]], np.float32))
+    t.insert_or_assign(u64([5, 6, 5]), np.array([[1, 1], [2, 2], [3, 3]], np.float32))
     np.testing.assert_array_equal(t.get(u64([5, 6])), [[3, 3], [2, 2]])
     with pytest.raises(ValueError, match=r"expected shape \(1, 2\)"):
-        t.assign(u64([5]), np.ones((1, 3), np.float32))
+        t.insert_or_assign(u64([5]), np.ones((1, 3), np.float32))
 
 
 def test_erase_then_reinsert_reuses_the_row_and_reinitialises_it():
@@ -95,7 +95,7 @@ def test_erase_keeps_colliding_keys_findable():
     # A tiny table forces long probe chains; erasing from their middle must not break them.
     t = CpuHashTable(12, 1)
     keys = np.arange(1, 13, dtype=np.uint64)
-    t.assign(keys, keys.astype(np.float32)[:, None])
+    t.insert_or_assign(keys, keys.astype(np.float32)[:, None])
     rng = np.random.default_rng(0)
     alive = set(keys.tolist())
     for k in rng.permutation(keys):
@@ -108,7 +108,7 @@ def test_erase_keeps_colliding_keys_findable():
 
 def test_full_table_raises_and_changes_nothing():
     t = CpuHashTable(3, 1)
-    t.assign(u64([1, 2]), np.array([[1], [2]], np.float32))
+    t.insert_or_assign(u64([1, 2]), np.array([[1], [2]], np.float32))
     with pytest.raises(TableFullError, match="capacity 3 rows, 2 used, this call needs 2 more"):
         t.find_or_insert(u64([1, 3, 4, 3]))
     assert t.size == 2
@@ -116,7 +116,7 @@ def test_full_table_raises_and_changes_nothing():
     np.testing.assert_array_equal(t.get(u64([1, 2]))[:, 0], [1, 2])
     slots_before = t.find_or_insert(u64([3]))  # a failed insert leaves slot allocation as it was
     fresh = CpuHashTable(3, 1)
-    fresh.assign(u64([1, 2]), np.array([[1], [2]], np.float32))
+    fresh.insert_or_assign(u64([1, 2]), np.array([[1], [2]], np.float32))
     np.testing.assert_array_equal(slots_before, fresh.find_or_insert(u64([3])))
     assert t.size == 3 and t.load_factor == 1.0
 
@@ -136,7 +136,7 @@ def test_bad_keys_are_refused_clearly():
 def test_export_lists_every_key_once():
     t = CpuHashTable(1000, 2)
     keys = np.random.default_rng(1).choice(10**12, 600, replace=False).astype(np.uint64)
-    t.assign(keys, np.stack([keys % 7, keys % 11], 1).astype(np.float32))
+    t.insert_or_assign(keys, np.stack([keys % 7, keys % 11], 1).astype(np.float32))
     t.erase(keys[:100])
     k, r = t.export()
     assert sorted(k.tolist()) == sorted(keys[100:].tolist())
@@ -242,7 +242,7 @@ class TableVersusDict(RuleBasedStateMachine):
         if len(self.model) + len(set(keys.tolist()) - set(self.model)) > self.CAP:
             return
         vals = (np.arange(keys.size * 2, dtype=np.float32).reshape(-1, 2) + 0.5)
-        self.t.assign(keys, vals)
+        self.t.insert_or_assign(keys, vals)
         for k, v in zip(keys.tolist(), vals):
             self.model[k] = v
 
@@ -260,3 +260,23 @@ TableVersusDict.TestCase.settings = settings(
     max_examples=60, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_table_matches_dict_model = TableVersusDict.TestCase
+
+
+def test_assign_writes_present_keys_only_and_put_writes_by_slot():
+    t = CpuHashTable(100, WIDTH, INIT)
+    keys = u64([10, 20, 30])
+    slots = t.find_or_insert(keys)
+    rows = np.arange(15, dtype=np.float32).reshape(3, WIDTH)
+    t.assign(u64([10, 30, 10]), np.stack([rows[0], rows[2], rows[1]]))  # the last duplicate wins
+    np.testing.assert_array_equal(t.get(u64([10, 30])), np.stack([rows[1], rows[2]]))
+    before = t.export()
+    with pytest.raises(KeyError, match="assign: 1 of 2 keys are not in the table"):
+        t.assign(u64([20, 40]), rows[:2])
+    np.testing.assert_array_equal(t.export()[1], before[1])  # nothing written
+    assert t.size == 3
+    t.put(slots[::-1], rows)
+    np.testing.assert_array_equal(t.gather(slots[::-1]), rows)
+    with pytest.raises(KeyError, match="put: slot -1"):
+        t.put(np.array([-1], np.int64), rows[:1])
+    t.insert_or_assign(u64([40]), rows[:1])  # inserts
+    np.testing.assert_array_equal(t.get(u64([40])), rows[:1])

@@ -85,7 +85,7 @@ def train_like_a_trainer(device: str, cfg: TrainConfig, batches) -> tuple:
             losses.append(loss)
     all_keys = np.array(sorted(seen), dtype=np.uint64)
     state = {k: v.detach().cpu() for k, v in dense.models[0].state_dict().items()}
-    return all_keys, hbm.export(all_keys), state, float(torch.stack(losses).mean())
+    return all_keys, hbm.get(all_keys), state, float(torch.stack(losses).mean())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent(
             trainer.hbm.insert(keys, rows)
             trainer.hbm.retain(keys)
             trainer._train_local(batch)
-            mem.write_back(t, keys, frozen(trainer.hbm.export(keys)))
+            mem.write_back(t, keys, frozen(trainer.hbm.get(keys)))
             mem.unpin(t)
         mem.flush()
         totals = mem.stats

@@ -223,7 +223,9 @@ class CudaHashTable(HashTable):
             k_find[self._grid(n)](self._bkeys, self._bslots, self._mask, dkeys, out, stat)
         return out, stat
 
-    def _insert_dev(self, dkeys: DeviceArray, host_keys: npt.NDArray[np.uint64] | None) -> DeviceArray:
+    def _insert_dev(
+        self, dkeys: DeviceArray, host_keys: npt.NDArray[np.uint64] | None, initialise: bool = True
+    ) -> DeviceArray:
         """Device slots of ``dkeys``, inserting absent ones (see the package docstring)."""
         n = dkeys.size
         out = cuda.device_array(n, dtype=np.int64)
@@ -255,10 +257,11 @@ class CudaHashTable(HashTable):
             )
             k_fill_claimed[grid](self._bslots, claim, out)
             init = self.init
-            k_init_rows[self._grid(n_new)](
-                self._rows, self._row_keys, new_slots, init.dim,
-                np.float32(init.scale), np.uint64(init.seed), np.float32(init.state_value),
-            )
+            if initialise:
+                k_init_rows[self._grid(n_new)](
+                    self._rows, self._row_keys, new_slots, init.dim,
+                    np.float32(init.scale), np.uint64(init.seed), np.float32(init.state_value),
+                )
             self._free_top -= n_new
             self._size += n_new
         return out
@@ -314,31 +317,42 @@ class CudaHashTable(HashTable):
         out, _ = self._find_dev(dkeys)
         return self._result(out, on_device)
 
-    def find_or_insert(self, keys: Keys) -> Slots:
+    def find_or_insert(self, keys: Keys, initialise: bool = True) -> Slots:
         dkeys, on_device, host = self._keys(keys)
-        return self._result(self._insert_dev(dkeys, host), on_device)
+        return self._result(self._insert_dev(dkeys, host, initialise), on_device)
 
-    def gather(self, slots: Slots, columns: int | None = None) -> Rows:
+    def _checked_slots(self, slots: Slots, op: str) -> tuple[DeviceArray, bool]:
+        """(device slots, whether they came as a device array); ``KeyError`` for a slot that is
+        not a row (an absent key's -1)."""
         on_device = is_device_array(slots)
         if on_device:
             dslots = _as_device(slots)
             if dslots.dtype != np.int64 or dslots.ndim != 1:
-                raise TypeError(f"gather: device slots must be 1-D int64, got {dslots.dtype} {dslots.shape}")
+                raise TypeError(f"{op}: device slots must be 1-D int64, got {dslots.dtype} {dslots.shape}")
             if dslots.size:
                 stat = self._stat()
                 k_check_slots[self._grid(dslots.size)](dslots, self.capacity, stat)
                 if stat.copy_to_host()[0]:
                     host = dslots.copy_to_host()
                     bad = host[(host < 0) | (host >= self.capacity)][0]
-                    raise KeyError(f"gather: slot {bad} is not a row of this table (an absent key gives -1)")
+                    raise KeyError(f"{op}: slot {bad} is not a row of this table (an absent key gives -1)")
         else:
             host = np.ascontiguousarray(slots, dtype=np.int64)
             if host.size and (host.min() < 0 or host.max() >= self.capacity):
                 bad = host[(host < 0) | (host >= self.capacity)][0]
-                raise KeyError(f"gather: slot {bad} is not a row of this table (an absent key gives -1)")
+                raise KeyError(f"{op}: slot {bad} is not a row of this table (an absent key gives -1)")
             dslots = cuda.to_device(host)
+        return dslots, on_device
+
+    def gather(self, slots: Slots, columns: int | None = None) -> Rows:
+        dslots, on_device = self._checked_slots(slots, "gather")
         out = self._gather_dev(dslots, columns)
         return self._result(out, on_device)
+
+    def put(self, slots: Slots, values: Values) -> None:
+        dslots, _ = self._checked_slots(slots, "put")
+        dvalues = self._values(values, dslots.size, self.width, "put values")
+        self._scatter(dslots, dvalues, False, "put", dslots, None)
 
     def _gather_dev(self, dslots: DeviceArray, columns: int | None = None) -> DeviceArray:
         n, width = dslots.size, check_columns(columns, self.width)
@@ -380,8 +394,15 @@ class CudaHashTable(HashTable):
         dkeys, _, host = self._keys(keys)
         n = dkeys.size
         dvalues = self._values(values, n, self.width, "assign values")
-        slots = self._insert_dev(dkeys, host)
-        self._scatter(slots, dvalues, False, "assign", dkeys, host)
+        slots, _ = self._find_dev(dkeys)
+        self._scatter(slots, dvalues, False, "assign", dkeys, host)  # an absent key: KeyError, nothing written
+
+    def insert_or_assign(self, keys: Keys, values: Values) -> None:
+        dkeys, _, host = self._keys(keys)
+        n = dkeys.size
+        dvalues = self._values(values, n, self.width, "insert_or_assign values")
+        slots = self._insert_dev(dkeys, host, initialise=False)  # every new row is written below
+        self._scatter(slots, dvalues, False, "insert_or_assign", dkeys, host)
 
     def erase(self, keys: Keys) -> int:
         dkeys, _, _ = self._keys(keys)
