@@ -36,8 +36,13 @@ def main() -> None:
     ap.add_argument("--minibatch", type=int, default=4096)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    gen = PlantedCTR(n_slots=26, keys_per_slot=100_000, n_dense=13, seed=0,
-                     nnz_per_slot=PlantedCTR.spread_nnz(26, args.keys_per_example))
+    gen = PlantedCTR(
+        n_slots=26,
+        keys_per_slot=100_000,
+        n_dense=13,
+        seed=0,
+        nnz_per_slot=PlantedCTR.spread_nnz(26, args.keys_per_example),
+    )
     cfg = TrainConfig(dim=16, hidden=(512, 256, 128), minibatch_size=args.minibatch)
     batch = gen.generate(args.minibatch * (args.minibatches + 5))
     dev = StepDevice(args.device)
@@ -64,8 +69,10 @@ def main() -> None:
     prof.disable()
     wall = time.perf_counter() - t0
     examples = sum(len(mb) for mb in mbs[5:])
-    print(f"device {args.device}, {args.keys_per_example} keys/example: {examples / wall:,.0f} examples/s "
-          f"({wall / len(mbs[5:]) * 1e3:.2f} ms per mini-batch of {args.minibatch})")
+    print(
+        f"device {args.device}, {args.keys_per_example} keys/example: {examples / wall:,.0f} examples/s "
+        f"({wall / len(mbs[5:]) * 1e3:.2f} ms per mini-batch of {args.minibatch})"
+    )
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 

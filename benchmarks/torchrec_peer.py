@@ -58,8 +58,9 @@ class MiniBatch:
         order = np.lexsort((example, slot))
         ids = rows[order] - slot[order] * vocab.keys_per_slot  # rank within the slot's table
         lengths = np.bincount(slot * b + example, minlength=s * b)
-        self.kjt = KeyedJaggedTensor.from_lengths_sync(keys=features, values=torch.from_numpy(ids),
-                                                       lengths=torch.from_numpy(lengths.astype(np.int64)))
+        self.kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=features, values=torch.from_numpy(ids), lengths=torch.from_numpy(lengths.astype(np.int64))
+        )
         self.dense = torch.from_numpy(np.array(batch.dense, dtype=np.float32))
         self.labels = torch.from_numpy(np.array(batch.labels, dtype=np.float32))
 
@@ -76,9 +77,16 @@ class TorchRecCTR(torch.nn.Module):
         super().__init__()
         self.n_slots, self.dim = spec.n_slots, spec.dim
         self.features = [f"slot{s}" for s in range(spec.n_slots)]
-        tables = [EmbeddingBagConfig(name=f"table{s}", embedding_dim=spec.dim, num_embeddings=spec.keys_per_slot,
-                                     feature_names=[self.features[s]], pooling=PoolingType.SUM)
-                  for s in range(spec.n_slots)]
+        tables = [
+            EmbeddingBagConfig(
+                name=f"table{s}",
+                embedding_dim=spec.dim,
+                num_embeddings=spec.keys_per_slot,
+                feature_names=[self.features[s]],
+                pooling=PoolingType.SUM,
+            )
+            for s in range(spec.n_slots)
+        ]
         self.ebc = EmbeddingBagCollection(tables=tables, device=device)
         self.dnn = DNN(spec.n_slots, spec.dim, spec.n_dense, spec.hidden, seed=spec.seed)
 
@@ -103,8 +111,10 @@ def build(spec: PeerSpec, weights: np.ndarray):
     model = TorchRecCTR(spec, torch.device("meta"))
     optim_cls = torch.optim.Adagrad if spec.torchrec_optimizer == "exact_adagrad" else RowWiseAdagrad
     apply_optimizer_in_backward(optim_cls, model.ebc.parameters(), {"lr": opt.lr, "eps": opt.eps})
-    constraints = {f"table{s}": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
-                   for s in range(spec.n_slots)}
+    constraints = {
+        f"table{s}": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+        for s in range(spec.n_slots)
+    }
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
     plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan)
@@ -115,7 +125,7 @@ def build(spec: PeerSpec, weights: np.ndarray):
         for s in range(spec.n_slots):
             t = state[f"ebc.embedding_bags.table{s}.weight"]
             local = t.local_shards()[0].tensor if hasattr(t, "local_shards") else t
-            local.copy_(torch.from_numpy(weights[s * k:(s + 1) * k]))
+            local.copy_(torch.from_numpy(weights[s * k : (s + 1) * k]))
     dense_params = [p for n, p in dmp.named_parameters() if "ebc" not in n]
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, dense_params, cfg.dense_lr)
     return dmp, dense_opt, plan
@@ -145,8 +155,11 @@ def run_peer(spec: PeerSpec) -> dict:
     train = load_examples(spec, "train")
 
     def minibatches(examples, start: int, stop: int) -> list[MiniBatch]:
-        return [MiniBatch(mb, vocab, features) for big in split(examples, spec.batch, start, stop)
-                for mb in big.minibatches(spec.minibatch)]
+        return [
+            MiniBatch(mb, vocab, features)
+            for big in split(examples, spec.batch, start, stop)
+            for mb in big.minibatches(spec.minibatch)
+        ]
 
     warmup = minibatches(train, 0, spec.warmup_rows)
     measured = minibatches(train, spec.warmup_rows, spec.warmup_rows + spec.rows)

@@ -39,8 +39,10 @@ def main(n: int = 2_000_000, m: int = 200_000, dim: int = 16) -> None:
         cuda.to_device(host[rows])
     cuda.synchronize()
     copy = (time.perf_counter() - t) / 10
-    print(f"UVA gather {m / uva / 1e6:.1f}M rows/s; numpy gather + copy {m / copy / 1e6:.1f}M rows/s; "
-          f"ratio {copy / uva:.2f}")
+    print(
+        f"UVA gather {m / uva / 1e6:.1f}M rows/s; numpy gather + copy {m / copy / 1e6:.1f}M rows/s; "
+        f"ratio {copy / uva:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -140,8 +140,10 @@ class TrainingStopped(HpsrayError, RuntimeError):
         root = cause
         while getattr(root, "cause", None) is not None and root.cause is not root:
             root = root.cause
-        super().__init__(f"{type(root).__name__}: {root}\n(the rows of the {saved_batches} batches trained "
-                         f"before the failure were written back and flushed to SSD-PS)")
+        super().__init__(
+            f"{type(root).__name__}: {root}\n(the rows of the {saved_batches} batches trained "
+            f"before the failure were written back and flushed to SSD-PS)"
+        )
 
     def __reduce__(self):
         return (type(self), (self.cause, self.saved_batches))

@@ -103,8 +103,9 @@ class ReferenceTrainer:
             the paper's :class:`~hpsray.models.DNN` when ``None``.
     """
 
-    def __init__(self, n_slots: int, n_dense: int, config: TrainConfig | None = None,
-                 model: torch.nn.Module | None = None):
+    def __init__(
+        self, n_slots: int, n_dense: int, config: TrainConfig | None = None, model: torch.nn.Module | None = None
+    ):
         self.config = config or TrainConfig()
         self.n_slots, self.n_dense = n_slots, n_dense
         self.optimizer = self.config.optimizer()
@@ -204,8 +205,10 @@ def global_batches(source, batch_size: int, n_nodes: int, minibatch_size: int) -
         present = [b for b in batches if b is not None and len(b)]
         if not present:
             return
-        yield [Batch.concat([b.slice(k * m, (k + 1) * m) for b in present if k * m < len(b)])
-               for k in range(max(-(-len(b) // m) for b in present))]
+        yield [
+            Batch.concat([b.slice(k * m, (k + 1) * m) for b in present if k * m < len(b)])
+            for k in range(max(-(-len(b) // m) for b in present))
+        ]
 
 
 def global_minibatches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[Batch]:

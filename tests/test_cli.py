@@ -32,8 +32,26 @@ def test_unknown_option_is_refused_with_its_name():
 
 
 def test_reference_trains_and_reports_json():
-    out = hpsray_cmd("reference", "--rows", "20000", "--eval-rows", "5000", "--slots", "4", "--keys", "300",
-                     "--dense", "2", "--hidden", "16", "--batch", "10000", "--minibatch", "500", "--json")
+    out = hpsray_cmd(
+        "reference",
+        "--rows",
+        "20000",
+        "--eval-rows",
+        "5000",
+        "--slots",
+        "4",
+        "--keys",
+        "300",
+        "--dense",
+        "2",
+        "--hidden",
+        "16",
+        "--batch",
+        "10000",
+        "--minibatch",
+        "500",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["examples"] == 20000
@@ -44,13 +62,32 @@ def test_reference_trains_and_reports_json():
 @pytest.mark.slow
 def test_bench_kernels_json_has_the_promised_keys(tmp_path):
     out_file = tmp_path / "k.json"
-    out = hpsray_cmd("bench", "kernels", "--sizes", "20000,50000", "--queries", "20000", "--dict-queries", "5000",
-                     "--repeat", "1", "--json", "--out", str(out_file))
+    out = hpsray_cmd(
+        "bench",
+        "kernels",
+        "--sizes",
+        "20000,50000",
+        "--queries",
+        "20000",
+        "--dict-queries",
+        "5000",
+        "--repeat",
+        "1",
+        "--json",
+        "--out",
+        str(out_file),
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report == json.loads(out_file.read_text())
-    for key in ("find_keys_per_s", "find_gather_keys_per_s", "insert_keys_per_s", "dict_find_keys_per_s",
-                "gather_bound_keys_per_s", "scatter_add_keys_per_s"):
+    for key in (
+        "find_keys_per_s",
+        "find_gather_keys_per_s",
+        "insert_keys_per_s",
+        "dict_find_keys_per_s",
+        "gather_bound_keys_per_s",
+        "scatter_add_keys_per_s",
+    ):
         assert report[key] > 0, key
     assert report["by_size"]["50000"]["keys"] == 50000
     assert report["find_keys_per_s"] == report["by_size"]["50000"]["find_keys_per_s"]

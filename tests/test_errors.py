@@ -44,17 +44,28 @@ def test_old_import_paths_still_give_the_same_classes():
     from hpsray.tiers import SSDError as E
     from hpsray.tiers import SSDFullError as F
 
-    assert (C, D, T, S, Cap, Cor, E, F) == (ConfigError, DataError, TableFullError, TrainingStopped,
-                                            CapacityError, CorruptFileError, SSDError, SSDFullError)
+    assert (C, D, T, S, Cap, Cor, E, F) == (
+        ConfigError,
+        DataError,
+        TableFullError,
+        TrainingStopped,
+        CapacityError,
+        CorruptFileError,
+        SSDError,
+        SSDFullError,
+    )
 
 
-@pytest.mark.parametrize("error", [
-    ConfigError("job.toml", "model.dim", "must be a positive integer, got 0"),
-    DataError("a.csv", "invalid_label", "'x'", line=3),
-    TooMuchBadInput("a.csv", "too_much", "1 of 2 files bad"),
-    PeerFailedError(7),
-    TrainingStopped(ValueError("boom"), 3),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConfigError("job.toml", "model.dim", "must be a positive integer, got 0"),
+        DataError("a.csv", "invalid_label", "'x'", line=3),
+        TooMuchBadInput("a.csv", "too_much", "1 of 2 files bad"),
+        PeerFailedError(7),
+        TrainingStopped(ValueError("boom"), 3),
+    ],
+)
 def test_errors_survive_pickling_with_their_message(error):
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error)

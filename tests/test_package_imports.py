@@ -31,7 +31,8 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _top_level_imports(body: list[ast.stmt]):
@@ -133,13 +134,28 @@ def test_only_the_job_builder_imports_the_pipelines():
     importers = {name for name, deps in job.items() if any(d.startswith("hpsray.pipelines") for d in deps)}
     assert importers <= {"hpsray.job.build"}, importers
     assert "hpsray.job" not in graph["hpsray.config"] and not any(
-        d.startswith(("hpsray.pipelines", "hpsray.actors", "hpsray.job")) for d in graph["hpsray.config"])
+        d.startswith(("hpsray.pipelines", "hpsray.actors", "hpsray.job")) for d in graph["hpsray.config"]
+    )
 
 
-ENGINES = ("hpsray.kernels", "hpsray.tiers", "hpsray.data", "hpsray.models", "hpsray.reference", "hpsray.config",
-           "hpsray.errors")
-RAY_LAYERS = ("hpsray.actors", "hpsray.pipelines", "hpsray.cluster", "hpsray.job", "hpsray.bench", "hpsray.cli",
-              "hpsray.serving")
+ENGINES = (
+    "hpsray.kernels",
+    "hpsray.tiers",
+    "hpsray.data",
+    "hpsray.models",
+    "hpsray.reference",
+    "hpsray.config",
+    "hpsray.errors",
+)
+RAY_LAYERS = (
+    "hpsray.actors",
+    "hpsray.pipelines",
+    "hpsray.cluster",
+    "hpsray.job",
+    "hpsray.bench",
+    "hpsray.cli",
+    "hpsray.serving",
+)
 
 
 def test_engines_import_neither_ray_nor_the_layers_above_them():
@@ -150,6 +166,11 @@ def test_engines_import_neither_ray_nor_the_layers_above_them():
     for name, path in _modules().items():
         if name.startswith(ENGINES):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
                 assert not any(n == "ray" or n.startswith("ray.") for n in names), f"{name} imports Ray"

@@ -13,15 +13,22 @@ def test_pool_sum_and_its_gradient_equal_embedding_bag():
     keys = np.array([7, 3, 9, 5, 5, 3], dtype=np.uint64)
     slots = np.array([0, 1, 0, 0, 0, 1], dtype=np.int32)
     offsets = np.array([0, 2, 3, 6], dtype=np.int64)
-    batch = Batch(labels=np.zeros(3, np.float32), dense=np.zeros((3, 1), np.float32), keys=keys,
-                  offsets=offsets, slots=slots, n_slots=2)
+    batch = Batch(
+        labels=np.zeros(3, np.float32),
+        dense=np.zeros((3, 1), np.float32),
+        keys=keys,
+        offsets=offsets,
+        slots=slots,
+        n_slots=2,
+    )
     layout = BagLayout.of(batch)
     rows = torch.randn(layout.unique_keys.size, 4, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     mine = rows.clone().requires_grad_(True)
     theirs = rows.clone().requires_grad_(True)
     pooled = pool_sum(mine, layout)
-    expected = F.embedding_bag(torch.from_numpy(layout.inverse), theirs, torch.from_numpy(layout.bag_offsets),
-                               mode="sum").view(3, 2, 4)
+    expected = F.embedding_bag(
+        torch.from_numpy(layout.inverse), theirs, torch.from_numpy(layout.bag_offsets), mode="sum"
+    ).view(3, 2, 4)
     torch.testing.assert_close(pooled, expected, rtol=0, atol=0)
     assert torch.count_nonzero(pooled[1, 1]) == 0  # the empty bag
     upstream = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(1))

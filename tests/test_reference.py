@@ -47,18 +47,35 @@ def test_equal_raw_values_in_different_slots_give_different_keys():
 
 def test_batch_validation_names_the_field():
     with pytest.raises(ValueError, match="Batch.keys: expected uint64"):
-        Batch(np.zeros(1, np.float32), np.zeros((1, 0), np.float32), np.zeros(1, np.int64),
-              np.array([0, 1], np.int64), np.zeros(1, np.int32), 1)
+        Batch(
+            np.zeros(1, np.float32),
+            np.zeros((1, 0), np.float32),
+            np.zeros(1, np.int64),
+            np.array([0, 1], np.int64),
+            np.zeros(1, np.int32),
+            1,
+        )
     with pytest.raises(ValueError, match="Batch.slots: slot ids must lie in"):
-        Batch(np.zeros(1, np.float32), np.zeros((1, 0), np.float32), np.zeros(1, np.uint64),
-              np.array([0, 1], np.int64), np.array([3], np.int32), 2)
+        Batch(
+            np.zeros(1, np.float32),
+            np.zeros((1, 0), np.float32),
+            np.zeros(1, np.uint64),
+            np.array([0, 1], np.int64),
+            np.array([3], np.int32),
+            2,
+        )
 
 
 def test_pooling_sums_each_example_slot_bag_even_out_of_order():
     # example 0: slot 1 key 10, slot 0 keys 11 and 10; example 1: nothing in slot 0
-    b = Batch(np.zeros(2, np.float32), np.zeros((2, 0), np.float32),
-              np.array([10, 11, 10, 12], np.uint64), np.array([0, 3, 4], np.int64),
-              np.array([1, 0, 0, 1], np.int32), 2)
+    b = Batch(
+        np.zeros(2, np.float32),
+        np.zeros((2, 0), np.float32),
+        np.array([10, 11, 10, 12], np.uint64),
+        np.array([0, 3, 4], np.int64),
+        np.array([1, 0, 0, 1], np.int32),
+        2,
+    )
     layout = BagLayout.of(b)
     rows = torch.tensor([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]])  # keys 10, 11, 12
     pooled = pool_sum(rows, layout)

@@ -42,8 +42,16 @@ class MemPSShard:
     row it owns even when only another node's batch touched it (docs/architecture.md: invariant 4).
     """
 
-    def __init__(self, node: int, ssd_actor, width: int, init: RowInit, capacity_rows: int | None = None,
-                 capacity_bytes: int | None = None, **options) -> None:
+    def __init__(
+        self,
+        node: int,
+        ssd_actor,
+        width: int,
+        init: RowInit,
+        capacity_rows: int | None = None,
+        capacity_bytes: int | None = None,
+        **options,
+    ) -> None:
         self.node = node
         self.init = init
         self.store = _RemoteStore(ssd_actor, width)
@@ -72,8 +80,11 @@ class MemPSShard:
             counts[1] += s["misses"]
             self.hit_rate[batch_id] = counts[0] / max(counts[0] + counts[1], 1)
             st = self.mem.stats
-            self.gauges.set(memps_hit_rate=s["hit_rate"], memps_occupancy=st["size"] / st["capacity"],
-                            memps_pinned_rows=st["pinned_rows"])
+            self.gauges.set(
+                memps_hit_rate=s["hit_rate"],
+                memps_occupancy=st["size"] / st["capacity"],
+                memps_pinned_rows=st["pinned_rows"],
+            )
             return rows
 
     def write_back(self, batch_id, *returned: dict) -> int:

@@ -25,8 +25,16 @@ class Reader:
     epoch, an evaluation) in the same actor: a new actor costs seconds of process start.
     """
 
-    def __init__(self, source, batch_size: int, node: int = 0, index: int = 0, count: int = 1,
-                 transforms: Sequence[Transform] = (), n_nodes: int = 1) -> None:
+    def __init__(
+        self,
+        source,
+        batch_size: int,
+        node: int = 0,
+        index: int = 0,
+        count: int = 1,
+        transforms: Sequence[Transform] = (),
+        n_nodes: int = 1,
+    ) -> None:
         self.node, self.n_nodes = node, n_nodes
         self.transforms = list(transforms)
         self.clock = StageClock("read", node)

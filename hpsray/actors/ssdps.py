@@ -22,9 +22,13 @@ class SSDPSShard:
 
     def _export(self) -> None:
         st = self.store.stats
-        self.gauges.set(ssd_bytes_read=st["bytes_read"], ssd_bytes_written=st["bytes_written"],
-                        ssd_live_bytes=st["live_bytes"], ssd_disk_bytes=st["disk_bytes"],
-                        ssd_compactions=st["compactions"])
+        self.gauges.set(
+            ssd_bytes_read=st["bytes_read"],
+            ssd_bytes_written=st["bytes_written"],
+            ssd_live_bytes=st["live_bytes"],
+            ssd_disk_bytes=st["disk_bytes"],
+            ssd_compactions=st["compactions"],
+        )
 
     def __repr__(self) -> str:
         return f"SSDPS[node {self.node}]"

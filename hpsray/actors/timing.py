@@ -30,15 +30,20 @@ class StageClock:
                 keys = ("stage", "node")
                 self._metrics = (
                     metrics.Counter("hpsray_batches", "batches handled per stage", tag_keys=keys),
-                    metrics.Histogram("hpsray_batch_seconds", "seconds per batch per stage",
-                                      boundaries=[0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60], tag_keys=keys),
+                    metrics.Histogram(
+                        "hpsray_batch_seconds",
+                        "seconds per batch per stage",
+                        boundaries=[0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60],
+                        tag_keys=keys,
+                    ),
                     metrics.Counter("hpsray_busy_seconds", "busy seconds per stage", tag_keys=keys),
                 )
                 for m in self._metrics:
                     m.set_default_tags(tags)
         except Exception:  # the clock itself always works; the failure is logged, never swallowed
-            logging.getLogger("hpsray.metrics").warning("cannot register the metrics of stage %s node %s", stage,
-                                                        node, exc_info=True)
+            logging.getLogger("hpsray.metrics").warning(
+                "cannot register the metrics of stage %s node %s", stage, node, exc_info=True
+            )
             self._metrics = None
 
     @contextmanager
@@ -59,5 +64,10 @@ class StageClock:
                 self._metrics[2].inc(dt)
 
     def snapshot(self) -> dict:
-        return {"stage": self.stage, "node": self.node, "busy_s": self.busy_s,
-                "per_batch": dict(self.per_batch), "events": list(self.events)}
+        return {
+            "stage": self.stage,
+            "node": self.node,
+            "busy_s": self.busy_s,
+            "per_batch": dict(self.per_batch),
+            "events": list(self.events),
+        }

@@ -36,9 +36,19 @@ class Trainer:
         threads: torch intra-op threads (default: all cores).
     """
 
-    def __init__(self, node: int, n_nodes: int, config: TrainConfig, n_slots: int, n_dense: int, capacity: int,
-                 n_devices: int = 1, device: str = "cpu", model: torch.nn.Module | None = None,
-                 threads: int | None = None) -> None:
+    def __init__(
+        self,
+        node: int,
+        n_nodes: int,
+        config: TrainConfig,
+        n_slots: int,
+        n_dense: int,
+        capacity: int,
+        n_devices: int = 1,
+        device: str = "cpu",
+        model: torch.nn.Module | None = None,
+        threads: int | None = None,
+    ) -> None:
         self.node, self.config = node, config  # first, so repr() works if the rest fails
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.optimizer = config.optimizer()
@@ -62,8 +72,16 @@ class Trainer:
         self.clock = StageClock("train", node)
         self.gauges = LiveGauges(stage="train", node=node)
         # numba (and on CUDA, CuPy and torch's kernels) compile here, before the pipeline's clock
-        warm_trainer_step(HbmPS(256, config.row_width, config.row_init(), n_devices, n_nodes, device), self.dense,
-                          self.optimizer, config.dim, config.row_init(), config.row_width, n_slots, n_dense)
+        warm_trainer_step(
+            HbmPS(256, config.row_width, config.row_init(), n_devices, n_nodes, device),
+            self.dense,
+            self.optimizer,
+            config.dim,
+            config.row_init(),
+            config.row_width,
+            n_slots,
+            n_dense,
+        )
 
     def __repr__(self) -> str:
         return f"Trainer[node {self.node}]"
@@ -114,6 +132,7 @@ class Trainer:
             failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
             if error is None and float(failed[0]) > 0:
                 from hpsray.errors import PeerFailedError  # the one typed error the driver looks for
+
                 raise PeerFailedError(batch_id)  # "batch N failed on another node; see that trainer's error"
         if error is not None:
             raise error
@@ -206,9 +225,13 @@ class Trainer:
             self.step += 1
             self.board.publish.remote(self.node, clock, [ray.put((gkeys, grads, own["dense"]))])
             self.exchanged_bytes.append(gkeys.nbytes + grads.nbytes + own["dense"].nbytes)
-            self.hbm.apply_gradients(np.concatenate([gkeys, others["keys"]]),
-                                     np.concatenate([grads, others["grads"]]), self.optimizer, self.step,
-                                     resident_only=True)
+            self.hbm.apply_gradients(
+                np.concatenate([gkeys, others["keys"]]),
+                np.concatenate([grads, others["grads"]]),
+                self.optimizer,
+                self.step,
+                resident_only=True,
+            )
             if len(mb):
                 losses.append(loss * total / len(mb))
         # the batch end is a barrier: every update of the batch reaches the rows before write-back
@@ -262,5 +285,11 @@ class Trainer:
 
     def stats(self) -> dict:
         sent = self.exchanged_bytes
-        return {**self.clock.snapshot(), "examples": self.examples, "steps": self.step, "losses": dict(self.losses),
-                "exchanged_bytes_per_step": float(np.mean(sent)) if sent else 0.0, "max_staleness": self.max_staleness}
+        return {
+            **self.clock.snapshot(),
+            "examples": self.examples,
+            "steps": self.step,
+            "losses": dict(self.losses),
+            "exchanged_bytes_per_step": float(np.mean(sent)) if sent else 0.0,
+            "max_staleness": self.max_staleness,
+        }

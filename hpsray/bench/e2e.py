@@ -30,12 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--hidden", default="512,256,128")
     parser.add_argument("--devices", type=int, default=1, help="virtual devices per trainer")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="where the trainer's step runs (the reference stays on the CPU)")
-    parser.add_argument("--trainer-threads", type=int, default=None,
-                        help="torch threads of the pipeline's trainer (default: all cores)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="alternating reference / pipeline passes over the measured rows (medians reported)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the trainer's step runs (the reference stays on the CPU)",
+    )
+    parser.add_argument(
+        "--trainer-threads", type=int, default=None, help="torch threads of the pipeline's trainer (default: all cores)"
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="alternating reference / pipeline passes over the measured rows (medians reported)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -61,9 +70,12 @@ def run(args: argparse.Namespace) -> dict:
     started = connect(include_dashboard=False, log_to_driver=False)
     runs = []
     try:
-        with Pipeline(warmup, TrainerStage(cfg, n_devices=args.devices, device=args.device,
-                                                  threads=args.trainer_threads),
-                      MemPSStage(capacity_rows=all_rows + 1024), batch_size=args.batch) as p:
+        with Pipeline(
+            warmup,
+            TrainerStage(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
+            MemPSStage(capacity_rows=all_rows + 1024),
+            batch_size=args.batch,
+        ) as p:
             p.fit(progress=False)
             p.source = measured
             for r in range(max(1, args.repeat)):
@@ -71,15 +83,24 @@ def run(args: argparse.Namespace) -> dict:
                 ref.fit(measured.open(args.batch))
                 ref_s = time.perf_counter() - t0
                 report = p.fit(progress=False)
-                runs.append({"examples_per_s": report["examples_per_s"],
-                             "reference_examples_per_s": args.rows / ref_s,
-                             "ratio_vs_reference": report["examples_per_s"] * ref_s / args.rows,
-                             "pipeline_efficiency": report["pipeline_efficiency"],
-                             "wall_s": report["wall_s"], "reference_wall_s": ref_s,
-                             "stage_busy_s": report["stage_busy_s"]})
-                print(f"[bench e2e] repeat {r + 1}: pipeline {runs[-1]['examples_per_s']:,.0f} ex/s, "
-                      f"reference {runs[-1]['reference_examples_per_s']:,.0f} ex/s, "
-                      f"ratio {runs[-1]['ratio_vs_reference']:.3f}", file=sys.stderr, flush=True)
+                runs.append(
+                    {
+                        "examples_per_s": report["examples_per_s"],
+                        "reference_examples_per_s": args.rows / ref_s,
+                        "ratio_vs_reference": report["examples_per_s"] * ref_s / args.rows,
+                        "pipeline_efficiency": report["pipeline_efficiency"],
+                        "wall_s": report["wall_s"],
+                        "reference_wall_s": ref_s,
+                        "stage_busy_s": report["stage_busy_s"],
+                    }
+                )
+                print(
+                    f"[bench e2e] repeat {r + 1}: pipeline {runs[-1]['examples_per_s']:,.0f} ex/s, "
+                    f"reference {runs[-1]['reference_examples_per_s']:,.0f} ex/s, "
+                    f"ratio {runs[-1]['ratio_vs_reference']:.3f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         if started:
             ray.shutdown()

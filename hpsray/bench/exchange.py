@@ -32,22 +32,34 @@ HELP = "dense-gradient exchange only (zero-compute): collective all-reduce vs PH
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="trainers (one per node)")
-    parser.add_argument("--cluster", choices=("simulated", "local"), default="simulated",
-                        help="simulated: a ray.cluster_utils.Cluster of --nodes one-CPU nodes on this machine; "
-                             "local: the running / --address / embedded Ray")
+    parser.add_argument(
+        "--cluster",
+        choices=("simulated", "local"),
+        default="simulated",
+        help="simulated: a ray.cluster_utils.Cluster of --nodes one-CPU nodes on this machine; "
+        "local: the running / --address / embedded Ray",
+    )
     parser.add_argument("--address", default=None, help="Ray address for --cluster local")
     parser.add_argument("--steps", type=int, default=100, help="timed exchanges per mode and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed exchanges per mode first")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the two modes")
-    parser.add_argument("--dense-bytes", type=int, default=None,
-                        help="gradient bytes (multiple of 4); default: the DNN's dense parameter count x 4")
+    parser.add_argument(
+        "--dense-bytes",
+        type=int,
+        default=None,
+        help="gradient bytes (multiple of 4); default: the DNN's dense parameter count x 4",
+    )
     parser.add_argument("--slots", type=int, default=26, help="DNN shape for the default size")
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--dense", type=int, default=13)
     parser.add_argument("--hidden", default="512,256,128")
     parser.add_argument("--chunk-bytes", type=int, default=32 * 1024, help="chunk size of the chunked path")
-    parser.add_argument("--message-bytes", type=int, default=0,
-                        help="most gradient bytes per aggregator call (whole chunks); 0: one call per aggregator")
+    parser.add_argument(
+        "--message-bytes",
+        type=int,
+        default=0,
+        help="most gradient bytes per aggregator call (whole chunks); 0: one call per aggregator",
+    )
     parser.add_argument("--aggregators", type=int, default=None, help="aggregator actors (default: one per node)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -119,8 +131,11 @@ class Exchanger:
             out = reducer.reduce(self.grad, first_step + i)  # the training step would be here
         seconds = time.perf_counter() - t0
         data = out.numpy()
-        return {"seconds": seconds, "digest": hashlib.sha256(data.tobytes()).hexdigest(),
-                "last": data if self.rank == 0 else None}
+        return {
+            "seconds": seconds,
+            "digest": hashlib.sha256(data.tobytes()).hexdigest(),
+            "last": data if self.rank == 0 else None,
+        }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -148,8 +163,10 @@ def run(args: argparse.Namespace) -> dict:
     print(f"[bench exchange] starting Ray ({args.cluster}, {world} nodes) ...", file=sys.stderr, flush=True)
     if args.cluster == "simulated":
         if ray.is_initialized():
-            raise RuntimeError("bench exchange --cluster simulated starts its own Ray cluster; "
-                               "this process is already connected to Ray (use --cluster local)")
+            raise RuntimeError(
+                "bench exchange --cluster simulated starts its own Ray cluster; "
+                "this process is already connected to Ray (use --cluster local)"
+            )
         cluster = SimulatedCluster(world, cpus_per_node=1, object_store_bytes=128 * 1024**2).__enter__()
     else:
         started = connect(args.address, include_dashboard=False, log_to_driver=False)
@@ -160,8 +177,10 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"simulated cluster has {len(node_ids)} alive nodes, wanted {world}")
         placed = [node_ids[i % len(node_ids)] for i in range(max(world, n_agg))]
         exchanger = ray.remote(Exchanger)
-        actors = [exchanger.options(num_cpus=0, scheduling_strategy=on_node(placed[r])).remote(r, world, n, args.seed)
-                  for r in range(world)]
+        actors = [
+            exchanger.options(num_cpus=0, scheduling_strategy=on_node(placed[r])).remote(r, world, n, args.seed)
+            for r in range(world)
+        ]
         aggregators = start_aggregators(world, node_ids=placed[:n_agg])
         ray.get([a.join_group.remote(group) for a in actors])
         message_bytes = args.message_bytes or None
@@ -202,8 +221,12 @@ def run(args: argparse.Namespace) -> dict:
 
     def mode_report(mode: str) -> dict:
         s = seconds[mode]
-        return {"steps_per_s": total_steps / s, "bytes_per_s": total_steps * dense_bytes / s,
-                "step_ms": 1e3 * s / total_steps, "seconds": s}
+        return {
+            "steps_per_s": total_steps / s,
+            "bytes_per_s": total_steps * dense_bytes / s,
+            "step_ms": 1e3 * s / total_steps,
+            "seconds": s,
+        }
 
     report = {
         "cluster": args.cluster,
@@ -216,21 +239,25 @@ def run(args: argparse.Namespace) -> dict:
         "chunked": mode_report("chunked"),
     }
     report["chunked_vs_allreduce"] = report["chunked"]["steps_per_s"] / report["allreduce"]["steps_per_s"]
-    report["chunked"].update({
-        "chunk_bytes": args.chunk_bytes,
-        "chunks": plan.n_chunks,
-        "message_bytes": message_bytes,
-        "pushes_per_step": pushes,
-        "aggregators": n_agg,
-        "aggregator_chunk_loads": plan.chunk_counts(),
-        "aggregator_byte_loads": plan.byte_loads(),
-        "bit_identical_across_ranks": len({o["digest"] for o in results["chunked"]}) == 1,
-        "equals_rank_ordered_sum": bool(np.array_equal(chunked_last, expected)),
-    })
-    report["allreduce"].update({
-        "backend": "gloo",
-        "max_abs_diff_vs_rank_ordered_sum": float(np.max(np.abs(allreduce_last - expected))) if n else 0.0,
-    })
+    report["chunked"].update(
+        {
+            "chunk_bytes": args.chunk_bytes,
+            "chunks": plan.n_chunks,
+            "message_bytes": message_bytes,
+            "pushes_per_step": pushes,
+            "aggregators": n_agg,
+            "aggregator_chunk_loads": plan.chunk_counts(),
+            "aggregator_byte_loads": plan.byte_loads(),
+            "bit_identical_across_ranks": len({o["digest"] for o in results["chunked"]}) == 1,
+            "equals_rank_ordered_sum": bool(np.array_equal(chunked_last, expected)),
+        }
+    )
+    report["allreduce"].update(
+        {
+            "backend": "gloo",
+            "max_abs_diff_vs_rank_ordered_sum": float(np.max(np.abs(allreduce_last - expected))) if n else 0.0,
+        }
+    )
     report["startup_s"] = startup_s
     report["wall_s"] = time.perf_counter() - t_start
     return report

@@ -40,8 +40,12 @@ TORCHREC_ANCHOR = {"source": "TorchRec embedding offloading", "model_scale": 37.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", type=float, default=1.0,
-                        help="scale data volume and vocabulary together (default 1: ~7M trained rows, a few minutes)")
+    parser.add_argument(
+        "--size",
+        type=float,
+        default=1.0,
+        help="scale data volume and vocabulary together (default 1: ~7M trained rows, a few minutes)",
+    )
     parser.add_argument("--rows", type=int, default=1_200_000, help="training examples at --size 1")
     parser.add_argument("--batch", type=int, default=4096, help="examples per batch")
     parser.add_argument("--warmup-batches", type=int, default=4, help="batches trained before timing")
@@ -53,15 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--optimizer", default="adagrad", help="sparse optimizer (rows carry its state)")
     parser.add_argument("--hidden", default="512,256,128")
-    parser.add_argument("--budget-batches", type=float, default=2.5,
-                        help="MEM-PS budget in units of a batch's distinct keys (> 2: two batches are pinned "
-                             "while the next one's misses come in)")
+    parser.add_argument(
+        "--budget-batches",
+        type=float,
+        default=2.5,
+        help="MEM-PS budget in units of a batch's distinct keys (> 2: two batches are pinned "
+        "while the next one's misses come in)",
+    )
     parser.add_argument("--scale-target", type=float, default=40.0, help="model rows / budget rows to reach")
     parser.add_argument("--rows-per-file", type=int, default=None, help="SSD-PS rows per file (default: its own)")
     parser.add_argument("--trainer-threads", type=int, default=None)
     parser.add_argument("--dir", default=None, help="directory for SSD-PS (default: a temporary one)")
-    parser.add_argument("--report-dir", default=None,
-                        help="write outofcore.json / inmemory.json with stage tables and PNG plots here")
+    parser.add_argument(
+        "--report-dir", default=None, help="write outofcore.json / inmemory.json with stage tables and PNG plots here"
+    )
     parser.add_argument("--no-check", action="store_true", help="skip the lossless comparison of the two models")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -117,11 +126,29 @@ def _summary(report: dict, extra: dict, batches: int) -> dict:
         "rows_initialised": int(cache.get("initialised", 0)),
         "rows_evicted": int(cache.get("evicted", 0)),
         "rows_evicted_dirty": int(cache.get("evicted_dirty", 0)),
-        "ssd": {k: store.get(k) for k in (
-            "loads", "bytes_read", "files_read", "files_read_partially", "load_seconds",
-            "dumps", "bytes_written", "dump_seconds",
-            "compactions", "files_compacted", "compaction_bytes_read", "compaction_bytes_written",
-            "compaction_seconds", "backpressure_waits", "files", "live_rows", "disk_bytes", "space_ratio")},
+        "ssd": {
+            k: store.get(k)
+            for k in (
+                "loads",
+                "bytes_read",
+                "files_read",
+                "files_read_partially",
+                "load_seconds",
+                "dumps",
+                "bytes_written",
+                "dump_seconds",
+                "compactions",
+                "files_compacted",
+                "compaction_bytes_read",
+                "compaction_bytes_written",
+                "compaction_seconds",
+                "backpressure_waits",
+                "files",
+                "live_rows",
+                "disk_bytes",
+                "space_ratio",
+            )
+        },
     }
 
 
@@ -136,10 +163,12 @@ def run(args: argparse.Namespace) -> dict:
     hidden = tuple(int(h) for h in args.hidden.split(",") if h)
     rows = max(args.batch * (args.warmup_batches + 2), int(round(args.rows * args.size)))
     keys_per_slot = max(1000, int(round(args.keys * args.size)))
-    cfg = TrainConfig(dim=args.dim, hidden=hidden, minibatch_size=args.minibatch, seed=args.seed,
-                      sparse_optimizer=args.optimizer)
-    gen = PlantedCTR(n_slots=args.slots, keys_per_slot=keys_per_slot, n_dense=args.dense,
-                     zipf_a=args.zipf, seed=args.seed)
+    cfg = TrainConfig(
+        dim=args.dim, hidden=hidden, minibatch_size=args.minibatch, seed=args.seed, sparse_optimizer=args.optimizer
+    )
+    gen = PlantedCTR(
+        n_slots=args.slots, keys_per_slot=keys_per_slot, n_dense=args.dense, zipf_a=args.zipf, seed=args.seed
+    )
     warm_rows = args.warmup_batches * args.batch
     warm = SyntheticSource(gen, rows=warm_rows)
     measured = SyntheticSource(gen, rows=rows - warm_rows, start_row=warm_rows)
@@ -149,22 +178,45 @@ def run(args: argparse.Namespace) -> dict:
     budget = int(math.ceil(args.budget_batches * per_batch * 1.05))  # 5 % margin over the sample
     ssd_opts = {"rows_per_file": args.rows_per_file} if args.rows_per_file else {}
     base = tempfile.mkdtemp(prefix="hpsray-bench-outofcore-", dir=args.dir)
-    out: dict = {"config": {
-        "rows": rows, "warmup_rows": warm_rows, "batch": args.batch, "minibatch": args.minibatch,
-        "slots": args.slots, "keys_per_slot": keys_per_slot, "zipf": args.zipf, "dim": args.dim,
-        "optimizer": args.optimizer, "row_width": cfg.row_width, "hidden": list(hidden),
-        "max_distinct_keys_per_batch_sampled": per_batch, "budget_rows": budget,
-        "budget_batches": args.budget_batches, "dir": base, "size": args.size,
-        "ssd_options": ssd_opts}, "anchor": TORCHREC_ANCHOR}
+    out: dict = {
+        "config": {
+            "rows": rows,
+            "warmup_rows": warm_rows,
+            "batch": args.batch,
+            "minibatch": args.minibatch,
+            "slots": args.slots,
+            "keys_per_slot": keys_per_slot,
+            "zipf": args.zipf,
+            "dim": args.dim,
+            "optimizer": args.optimizer,
+            "row_width": cfg.row_width,
+            "hidden": list(hidden),
+            "max_distinct_keys_per_batch_sampled": per_batch,
+            "budget_rows": budget,
+            "budget_batches": args.budget_batches,
+            "dir": base,
+            "size": args.size,
+            "ssd_options": ssd_opts,
+        },
+        "anchor": TORCHREC_ANCHOR,
+    }
     started = not ray.is_initialized()
     if started:  # a fresh embedded Ray unless RAY_ADDRESS names a cluster (not whatever else runs here)
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False)
     try:
         trainer = TrainerStage(cfg, threads=args.trainer_threads)
-        _log(f"out-of-core run: MEM-PS budget {budget:,} rows ({args.budget_batches} x {per_batch:,} distinct "
-             f"keys per batch), {rows:,} examples ...")
-        ooc_report, ooc_extra, p = _fit(warm, measured, trainer, MemPSStage(capacity_rows=budget),
-                                        SSDPSStage(path=os.path.join(base, "ooc"), options=ssd_opts), args.batch)
+        _log(
+            f"out-of-core run: MEM-PS budget {budget:,} rows ({args.budget_batches} x {per_batch:,} distinct "
+            f"keys per batch), {rows:,} examples ..."
+        )
+        ooc_report, ooc_extra, p = _fit(
+            warm,
+            measured,
+            trainer,
+            MemPSStage(capacity_rows=budget),
+            SSDPSStage(path=os.path.join(base, "ooc"), options=ssd_opts),
+            args.batch,
+        )
         try:
             ooc_rows = None
             if not args.no_check:
@@ -176,8 +228,14 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             p.shutdown()
         _log(f"model rows {total:,} = {total / budget:.1f} x the budget; in-memory run ...")
-        mem_report, mem_extra, p = _fit(warm, measured, trainer, MemPSStage(capacity_rows=total + 4096),
-                                        SSDPSStage(path=os.path.join(base, "mem"), options=ssd_opts), args.batch)
+        mem_report, mem_extra, p = _fit(
+            warm,
+            measured,
+            trainer,
+            MemPSStage(capacity_rows=total + 4096),
+            SSDPSStage(path=os.path.join(base, "mem"), options=ssd_opts),
+            args.batch,
+        )
         try:
             mem_rows = (p.export_rows(), p.dense_state()) if not args.no_check else None
         finally:
@@ -191,22 +249,24 @@ def run(args: argparse.Namespace) -> dict:
     mem = _summary(mem_report, mem_extra, batches)
     ratio = ooc["examples_per_s"] / mem["examples_per_s"]
     scale = total / budget
-    out.update({
-        "examples_per_s": ooc["examples_per_s"],
-        "in_memory_examples_per_s": mem["examples_per_s"],
-        "ratio_vs_in_memory": ratio,
-        "slowdown": 1.0 - ratio,
-        "scale_factor": scale,
-        "model_rows": total,
-        "budget_rows": budget,
-        "model_bytes": total * cfg.row_width * 4,
-        "budget_bytes": budget * cfg.row_width * 4,
-        "cache_hit_rate_mean": ooc["cache_hit_rate_mean"],
-        "ssd_io_s_per_batch": ooc["ssd_io_s_per_batch"],
-        "compactions": ooc["ssd"]["compactions"],
-        "out_of_core": ooc,
-        "in_memory": mem,
-    })
+    out.update(
+        {
+            "examples_per_s": ooc["examples_per_s"],
+            "in_memory_examples_per_s": mem["examples_per_s"],
+            "ratio_vs_in_memory": ratio,
+            "slowdown": 1.0 - ratio,
+            "scale_factor": scale,
+            "model_rows": total,
+            "budget_rows": budget,
+            "model_bytes": total * cfg.row_width * 4,
+            "budget_bytes": budget * cfg.row_width * 4,
+            "cache_hit_rate_mean": ooc["cache_hit_rate_mean"],
+            "ssd_io_s_per_batch": ooc["ssd_io_s_per_batch"],
+            "compactions": ooc["ssd"]["compactions"],
+            "out_of_core": ooc,
+            "in_memory": mem,
+        }
+    )
     if ooc_rows is not None and mem_rows is not None:
         out["lossless"] = _compare(ooc_rows, mem_rows)
     out["checks"] = {"scale_ge_40": scale >= 40.0, "throughput_ge_80pct_in_memory": ratio >= 0.8}
@@ -237,6 +297,12 @@ def _compare(a, b, tol: float = 1e-5) -> dict:
     dense_diff = 0.0
     for name, t in da.items():
         dense_diff = max(dense_diff, float((t.float() - db[name].float()).abs().max()) if t.numel() else 0.0)
-    return {"rows": int(ka.size), "rows_other": int(kb.size), "same_keys": same_keys,
-            "max_abs_row_diff": row_diff, "max_abs_dense_diff": dense_diff, "tolerance": tol,
-            "equal": bool(same_keys and row_diff <= tol and dense_diff <= tol)}
+    return {
+        "rows": int(ka.size),
+        "rows_other": int(kb.size),
+        "same_keys": same_keys,
+        "max_abs_row_diff": row_diff,
+        "max_abs_dense_diff": dense_diff,
+        "tolerance": tol,
+        "equal": bool(same_keys and row_diff <= tol and dense_diff <= tol),
+    }

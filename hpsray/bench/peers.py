@@ -62,17 +62,27 @@ TORCHREC_RUNNER = REPO / "benchmarks" / "torchrec_peer.py"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--keys-per-example", default="26,100",
-                        help="comma-separated sizes; each is one run of every system (default 26,100)")
-    parser.add_argument("--systems", default=",".join(RUNNABLE),
-                        help=f"subset of {','.join(RUNNABLE)} (default: all)")
-    parser.add_argument("--size", type=float, default=1.0,
-                        help="scale of --rows, --warmup-rows and --eval-rows (default 1.0: ~4 min a round on 2 cores)")
+    parser.add_argument(
+        "--keys-per-example",
+        default="26,100",
+        help="comma-separated sizes; each is one run of every system (default 26,100)",
+    )
+    parser.add_argument("--systems", default=",".join(RUNNABLE), help=f"subset of {','.join(RUNNABLE)} (default: all)")
+    parser.add_argument(
+        "--size",
+        type=float,
+        default=1.0,
+        help="scale of --rows, --warmup-rows and --eval-rows (default 1.0: ~4 min a round on 2 cores)",
+    )
     parser.add_argument("--rows", type=int, default=131_072, help="timed training examples (times --size)")
     parser.add_argument("--warmup-rows", type=int, default=32_768, help="untimed examples first (times --size)")
     parser.add_argument("--eval-rows", type=int, default=32_768, help="held-out examples for AUC (times --size)")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="runs of every system, round-robin; the fastest counts (all rates are listed)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of every system, round-robin; the fastest counts (all rates are listed)",
+    )
     parser.add_argument("--slots", type=int, default=26)
     parser.add_argument("--keys", type=int, default=100_000, help="distinct keys per slot (table rows = slots × keys)")
     parser.add_argument("--dense", type=int, default=13)
@@ -81,31 +91,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minibatch", type=int, default=4096, help="examples per gradient step (every system)")
     parser.add_argument("--batch", type=int, default=32_768, help="hpsray batch (unit of pull / write-back)")
     parser.add_argument("--ssd-batch", type=int, default=16_384, help="hpsray batch of the hpsray_ssd run")
-    parser.add_argument("--ssd-mem-fraction", type=float, default=0.25,
-                        help="hpsray_ssd MEM-PS budget as a share of the distinct keys trained (raised to hold "
-                             "the rows of two batches in flight when that is more)")
+    parser.add_argument(
+        "--ssd-mem-fraction",
+        type=float,
+        default=0.25,
+        help="hpsray_ssd MEM-PS budget as a share of the distinct keys trained (raised to hold "
+        "the rows of two batches in flight when that is more)",
+    )
     parser.add_argument("--shards", type=int, default=2, help="shard actors of the sharded_ps peer")
     parser.add_argument("--sparse-lr", type=float, default=0.05)
     parser.add_argument("--threads", type=int, default=None, help="torch threads of every trainer (default: all cores)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="where hpsray's trainer, plain PyTorch and the MLP bound train (TorchRec and the "
-                             "sharded PS stay on the CPU)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where hpsray's trainer, plain PyTorch and the MLP bound train (TorchRec and the "
+        "sharded PS stay on the CPU)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--torchrec-venv", default=os.environ.get("HPSRAY_TORCHREC_VENV", str(DEFAULT_TORCHREC_VENV)),
-                        help="virtual environment with TorchRec (made by benchmarks/torchrec_env.sh)")
-    parser.add_argument("--torchrec-optimizer", choices=("exact_adagrad", "rowwise_adagrad"), default="exact_adagrad",
-                        help="FBGEMM fused optimizer: exact_adagrad has the other systems' math; rowwise_adagrad "
-                             "keeps one accumulator per row")
-    parser.add_argument("--ray-worker-niceness", type=int, default=0,
-                        help="niceness of the Ray actors of hpsray and sharded_ps (Ray's own default is 15, "
-                             "below the other peers' processes); -1 keeps Ray's default")
+    parser.add_argument(
+        "--torchrec-venv",
+        default=os.environ.get("HPSRAY_TORCHREC_VENV", str(DEFAULT_TORCHREC_VENV)),
+        help="virtual environment with TorchRec (made by benchmarks/torchrec_env.sh)",
+    )
+    parser.add_argument(
+        "--torchrec-optimizer",
+        choices=("exact_adagrad", "rowwise_adagrad"),
+        default="exact_adagrad",
+        help="FBGEMM fused optimizer: exact_adagrad has the other systems' math; rowwise_adagrad "
+        "keeps one accumulator per row",
+    )
+    parser.add_argument(
+        "--ray-worker-niceness",
+        type=int,
+        default=0,
+        help="niceness of the Ray actors of hpsray and sharded_ps (Ray's own default is 15, "
+        "below the other peers' processes); -1 keeps Ray's default",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds one system may take")
-    parser.add_argument("--report-dir", default=None,
-                        help="write peers.json, peers.md (tables, hpsray stage tables), a throughput plot and "
-                             "each hpsray run's report (JSON + stage/cache/SSD PNGs) to this directory")
+    parser.add_argument(
+        "--report-dir",
+        default=None,
+        help="write peers.json, peers.md (tables, hpsray stage tables), a throughput plot and "
+        "each hpsray run's report (JSON + stage/cache/SSD PNGs) to this directory",
+    )
 
 
 # -- the orchestrator ------------------------------------------------------------------------
+
 
 def run(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in str(args.keys_per_example).split(",") if s.strip()]
@@ -116,13 +149,27 @@ def run(args: argparse.Namespace) -> dict:
     if unknown or not systems:
         raise SystemExit(f"hpsray bench peers: unknown systems {unknown}; choose from {', '.join(RUNNABLE)}")
     scale = lambda n: max(int(n * args.size) // args.minibatch * args.minibatch, args.minibatch)  # noqa: E731
-    base = PeerSpec(system="", data_dir="", n_slots=args.slots, keys_per_slot=args.keys, n_dense=args.dense,
-                    dim=args.dim, hidden=tuple(int(h) for h in args.hidden.split(",")), minibatch=args.minibatch,
-                    batch=args.batch, warmup_rows=scale(args.warmup_rows), rows=scale(args.rows),
-                    eval_rows=scale(args.eval_rows), sparse_lr=args.sparse_lr, seed=args.seed,
-                    threads=args.threads, device=args.device, shards=args.shards,
-                    torchrec_optimizer=args.torchrec_optimizer,
-                    extra={"ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness})
+    base = PeerSpec(
+        system="",
+        data_dir="",
+        n_slots=args.slots,
+        keys_per_slot=args.keys,
+        n_dense=args.dense,
+        dim=args.dim,
+        hidden=tuple(int(h) for h in args.hidden.split(",")),
+        minibatch=args.minibatch,
+        batch=args.batch,
+        warmup_rows=scale(args.warmup_rows),
+        rows=scale(args.rows),
+        eval_rows=scale(args.eval_rows),
+        sparse_lr=args.sparse_lr,
+        seed=args.seed,
+        threads=args.threads,
+        device=args.device,
+        shards=args.shards,
+        torchrec_optimizer=args.torchrec_optimizer,
+        extra={"ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness},
+    )
     base.train_config()  # validates
     out: dict = {"config": _config(base, args, systems), "by_keys_per_example": {}}
     reports: dict = {}
@@ -137,8 +184,12 @@ def run(args: argparse.Namespace) -> dict:
             results = _run_size(spec, data, systems, args, tmp, reports)
             shutil.rmtree(spec.data_dir, ignore_errors=True)
             ceiling = {CEILING: results.pop(CEILING)} if CEILING in results else {}
-            out["by_keys_per_example"][str(kpe)] = {"data": data, "systems": results, "ceiling": ceiling,
-                                                    "ratios": ratios(results, ceiling.get(CEILING))}
+            out["by_keys_per_example"][str(kpe)] = {
+                "data": data,
+                "systems": results,
+                "ceiling": ceiling,
+                "ratios": ratios(results, ceiling.get(CEILING)),
+            }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.report_dir:
@@ -146,8 +197,9 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def _run_size(spec: PeerSpec, data: dict, systems: list[str], args: argparse.Namespace, tmp: str,
-              reports: dict) -> dict:
+def _run_size(
+    spec: PeerSpec, data: dict, systems: list[str], args: argparse.Namespace, tmp: str, reports: dict
+) -> dict:
     """Every system on one size, ``--repeat`` rounds round-robin (other load on the machine then
     hits every system alike); the fastest run of each system counts, all its rates are listed."""
     kpe = spec.keys_per_example
@@ -171,15 +223,33 @@ def _run_size(spec: PeerSpec, data: dict, systems: list[str], args: argparse.Nam
 
 def _config(base: PeerSpec, args: argparse.Namespace, systems: list[str]) -> dict:
     cfg = base.train_config()
-    return {"systems": systems, "slots": base.n_slots, "keys_per_slot": base.keys_per_slot,
-            "table_rows": base.vocabulary_rows, "dense": base.n_dense, "dim": base.dim,
-            "hidden": list(base.hidden), "minibatch": base.minibatch, "batch": base.batch, "ssd_batch": args.ssd_batch,
-            "warmup_rows": base.warmup_rows, "rows": base.rows, "eval_rows": base.eval_rows,
-            "sparse_optimizer": cfg.sparse_optimizer, "sparse_lr": cfg.sparse_lr,
-            "dense_optimizer": cfg.dense_optimizer, "dense_lr": cfg.dense_lr, "threads": base.threads,
-            "cpus": os.cpu_count(), "seed": base.seed, "ray_worker_niceness": base.extra["ray_worker_niceness"],
-            "ssd_mem_fraction": args.ssd_mem_fraction, "shards": base.shards,
-            "torchrec_optimizer": base.torchrec_optimizer, "repeat": args.repeat}
+    return {
+        "systems": systems,
+        "slots": base.n_slots,
+        "keys_per_slot": base.keys_per_slot,
+        "table_rows": base.vocabulary_rows,
+        "dense": base.n_dense,
+        "dim": base.dim,
+        "hidden": list(base.hidden),
+        "minibatch": base.minibatch,
+        "batch": base.batch,
+        "ssd_batch": args.ssd_batch,
+        "warmup_rows": base.warmup_rows,
+        "rows": base.rows,
+        "eval_rows": base.eval_rows,
+        "sparse_optimizer": cfg.sparse_optimizer,
+        "sparse_lr": cfg.sparse_lr,
+        "dense_optimizer": cfg.dense_optimizer,
+        "dense_lr": cfg.dense_lr,
+        "threads": base.threads,
+        "cpus": os.cpu_count(),
+        "seed": base.seed,
+        "ray_worker_niceness": base.extra["ray_worker_niceness"],
+        "ssd_mem_fraction": args.ssd_mem_fraction,
+        "shards": base.shards,
+        "torchrec_optimizer": base.torchrec_optimizer,
+        "repeat": args.repeat,
+    }
 
 
 def _log(msg: str) -> None:
@@ -224,8 +294,9 @@ def _run_system(spec: PeerSpec, args: argparse.Namespace) -> dict:
     if spec.system == "torchrec":
         python = Path(args.torchrec_venv) / "bin" / "python"
         if not python.exists():
-            return {"skipped": f"no TorchRec environment at {args.torchrec_venv}: "
-                               "run `bash benchmarks/torchrec_env.sh`"}
+            return {
+                "skipped": f"no TorchRec environment at {args.torchrec_venv}: run `bash benchmarks/torchrec_env.sh`"
+            }
         if not TORCHREC_RUNNER.exists():
             return {"skipped": f"{TORCHREC_RUNNER} not found (hpsray installed without its benchmarks/ folder)"}
         cmd = [str(python), str(TORCHREC_RUNNER), spec_path]
@@ -233,8 +304,9 @@ def _run_system(spec: PeerSpec, args: argparse.Namespace) -> dict:
         cmd = [sys.executable, "-m", "hpsray.bench.peers", spec_path]
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -267,15 +339,19 @@ def ratios(results: dict, ceiling: dict | None = None) -> dict:
                 out[f"auc_{mine}_minus_{peer}"] = ok[mine]["auc"] - ok[peer]["auc"]
                 out[f"rss_{mine}_vs_{peer}"] = ok[mine]["peak_rss_bytes"] / ok[peer]["peak_rss_bytes"]
     if "hpsray_ssd" in ok and "hpsray_in_memory" in ok:
-        out["hpsray_ssd_vs_hpsray_in_memory"] = (ok["hpsray_ssd"]["examples_per_s"]
-                                                 / ok["hpsray_in_memory"]["examples_per_s"])
+        out["hpsray_ssd_vs_hpsray_in_memory"] = (
+            ok["hpsray_ssd"]["examples_per_s"] / ok["hpsray_in_memory"]["examples_per_s"]
+        )
     if "hpsray_in_memory_vs_pytorch" in out:
-        out["target_met"] = bool(out["hpsray_in_memory_vs_pytorch"] >= 1.0
-                                 and abs(out["auc_hpsray_in_memory_minus_pytorch"]) <= AUC_TOLERANCE)
+        out["target_met"] = bool(
+            out["hpsray_in_memory_vs_pytorch"] >= 1.0
+            and abs(out["auc_hpsray_in_memory_minus_pytorch"]) <= AUC_TOLERANCE
+        )
     return out
 
 
 # -- the report directory ----------------------------------------------------------------------
+
 
 def write_peer_report(out: dict, reports: dict, directory: str) -> list[str]:
     """``peers.json``, ``peers.md`` (system table, ratios, hpsray stage tables), a throughput PNG,
@@ -287,26 +363,40 @@ def write_peer_report(out: dict, reports: dict, directory: str) -> list[str]:
     written = []
     lines = ["# hpsray bench peers", "", "```", json.dumps(out["config"]), "```", ""]
     for kpe, run_ in out["by_keys_per_example"].items():
-        lines += [f"## {kpe} keys per example", "", "| system | examples/s | AUC | peak RSS MiB | note |",
-                  "|---|---:|---:|---:|---|"]
+        lines += [
+            f"## {kpe} keys per example",
+            "",
+            "| system | examples/s | AUC | peak RSS MiB | note |",
+            "|---|---:|---:|---:|---|",
+        ]
         for name, r in run_["systems"].items():
             if "examples_per_s" in r:
-                lines.append(f"| {name} | {r['examples_per_s']:,.0f} | {r['auc']:.4f} | "
-                             f"{r['peak_rss_bytes'] / 2**20:,.0f} | |")
+                lines.append(
+                    f"| {name} | {r['examples_per_s']:,.0f} | {r['auc']:.4f} | {r['peak_rss_bytes'] / 2**20:,.0f} | |"
+                )
             else:
                 lines.append(f"| {name} | | | | {r.get('skipped') or r.get('error')} |")
         for name, r in run_.get("ceiling", {}).items():
             if "examples_per_s" in r:
-                lines.append(f"| {name} | {r['examples_per_s']:,.0f} | | {r['peak_rss_bytes'] / 2**20:,.0f} | "
-                             "bound: the dense model's step alone |")
+                lines.append(
+                    f"| {name} | {r['examples_per_s']:,.0f} | | {r['peak_rss_bytes'] / 2**20:,.0f} | "
+                    "bound: the dense model's step alone |"
+                )
         lines += ["", "| ratio | value |", "|---|---:|"]
         lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in run_["ratios"].items()]
         lines.append("")
         for (k, system), rep in sorted(reports.items(), key=lambda kv: (kv[0][0], kv[0][1])):
             if rep and str(k) == kpe:
                 written += write_report(rep, d / f"{system}.{kpe}keys.json")
-                lines += [f"### {system}: pipeline stages", "", "```", format_stage_table(rep), "```",
-                          f"plots: {system}.{kpe}keys.stage_times.png, .cache_hit_rate.png, .ssd_io.png", ""]
+                lines += [
+                    f"### {system}: pipeline stages",
+                    "",
+                    "```",
+                    format_stage_table(rep),
+                    "```",
+                    f"plots: {system}.{kpe}keys.stage_times.png, .cache_hit_rate.png, .ssd_io.png",
+                    "",
+                ]
     (d / "peers.md").write_text("\n".join(lines) + "\n")
     (d / "peers.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
     written += [str(d / "peers.md"), str(d / "peers.json")]
@@ -344,6 +434,7 @@ def _plot_throughput(out: dict, path: Path) -> str | None:
 
 
 # -- one system, in its own process -------------------------------------------------------------
+
 
 class PreparedSource:
     """Batches already in Ray's object store (refs), for a pipeline's reader: the reader then
@@ -400,9 +491,12 @@ def run_hpsray(spec: PeerSpec) -> dict:
         del train
         src = lambda refs: PreparedSource(refs, spec.batch, spec.n_slots, spec.n_dense)  # noqa: E731
         capacity = spec.mem_capacity_rows or spec.vocabulary_rows + 1024
-        with Pipeline(src(warm), TrainerStage(cfg, threads=spec.threads, device=spec.device),
-                      MemPSStage(capacity_rows=capacity),
-                      batch_size=spec.batch) as p:
+        with Pipeline(
+            src(warm),
+            TrainerStage(cfg, threads=spec.threads, device=spec.device),
+            MemPSStage(capacity_rows=capacity),
+            batch_size=spec.batch,
+        ) as p:
             p.fit(progress=False)
             p.source = src(measured)
             report = p.fit(progress=False)
@@ -445,8 +539,14 @@ def run_sharded_ps(spec: PeerSpec) -> dict:
         measured = _put_batches(train, spec, spec.warmup_rows, spec.warmup_rows + spec.rows, spec.batch)
         held_out = _put_batches(load_examples(spec, "eval"), spec, 0, None, spec.batch)
         del train
-        ps = ShardedPS(spec.train_config(), spec.n_slots, spec.n_dense, capacity=spec.vocabulary_rows,
-                       n_shards=spec.shards, threads=spec.threads)
+        ps = ShardedPS(
+            spec.train_config(),
+            spec.n_slots,
+            spec.n_dense,
+            capacity=spec.vocabulary_rows,
+            n_shards=spec.shards,
+            threads=spec.threads,
+        )
         ps.fit(warm)
         t0 = time.perf_counter()
         done = ps.fit(measured)
@@ -455,10 +555,17 @@ def run_sharded_ps(spec: PeerSpec) -> dict:
         rss = ray_peak_rss(ps.actors())
         stats = ps.stats()
         ps.shutdown()
-        return {"examples_per_s": done["examples"] / wall, "auc": ev["auc"], "logloss": ev["logloss"], **rss,
-                "examples": done["examples"], "train_s": wall, "shards": spec.shards,
-                "pull_wait_s": stats["trainer"]["pull_wait_s"],
-                "shard_busy_s": [s["busy_s"] for s in stats["shards"]]}
+        return {
+            "examples_per_s": done["examples"] / wall,
+            "auc": ev["auc"],
+            "logloss": ev["logloss"],
+            **rss,
+            "examples": done["examples"],
+            "train_s": wall,
+            "shards": spec.shards,
+            "pull_wait_s": stats["trainer"]["pull_wait_s"],
+            "shard_busy_s": [s["busy_s"] for s in stats["shards"]],
+        }
     finally:
         ray.shutdown()
 

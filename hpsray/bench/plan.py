@@ -19,10 +19,13 @@ HELP = "capacity planner: predicted vs measured examples/s, MEM-PS rows, distinc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=100_000,
-                        help="training examples of the demo job (also run at half and twice; default 100000)")
-    parser.add_argument("--sample-rows", type=int, default=None,
-                        help="the plan's sample (default: hpsray plan's)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=100_000,
+        help="training examples of the demo job (also run at half and twice; default 100000)",
+    )
+    parser.add_argument("--sample-rows", type=int, default=None, help="the plan's sample (default: hpsray plan's)")
 
 
 def _dir_bytes(path: str) -> int:
@@ -66,11 +69,18 @@ def _one(rows: int, sample_rows: int | None) -> dict:
             "ssd_disk_bytes_max": disk,
         }
         ratio = {k: (predicted[k] / measured[k] if measured[k] else None) for k in predicted}
-        return {"rows": job.data.synthetic.rows if job.data.synthetic else plan.input.rows,
-                "batch_size": job.pipeline.batch_size, "mem_rows": job.tiers.mem_rows, "plan_s": plan_s,
-                "predicted": predicted, "measured": measured, "predicted_over_measured": ratio,
-                "stage_s_per_batch_predicted": plan.stage_s_per_batch,
-                "stage_busy_s_measured": report["stage_busy_s"], "batches": report["batches"]}
+        return {
+            "rows": job.data.synthetic.rows if job.data.synthetic else plan.input.rows,
+            "batch_size": job.pipeline.batch_size,
+            "mem_rows": job.tiers.mem_rows,
+            "plan_s": plan_s,
+            "predicted": predicted,
+            "measured": measured,
+            "predicted_over_measured": ratio,
+            "stage_s_per_batch_predicted": plan.stage_s_per_batch,
+            "stage_busy_s_measured": report["stage_busy_s"],
+            "batches": report["batches"],
+        }
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -41,16 +41,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", default="512,256,128")
     parser.add_argument("--bandwidth-gbps", type=float, default=100.0, help="projected link bandwidth (Gbit/s)")
     parser.add_argument("--latency-us", type=float, default=20.0, help="projected per-message latency")
-    parser.add_argument("--gpu-factor", type=float, default=50.0,
-                        help="compute speed of a projected GPU node relative to one node measured here")
+    parser.add_argument(
+        "--gpu-factor",
+        type=float,
+        default=50.0,
+        help="compute speed of a projected GPU node relative to one node measured here",
+    )
     parser.add_argument("--project", default="1,2,4,8,16,32,64,150", help="node counts to project")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hosts", choices=("simulated", "netns"), default="simulated",
-                        help="netns: measure on network-namespace hosts with shaped links beside the "
-                             "projection for each link (needs root; docs/benchmarks.md)")
-    parser.add_argument("--links", default="none,10gbit,1gbit,100mbit",
-                        help="--hosts netns: link shapes, tc rates ('none': unshaped), each optionally "
-                             "'RATE/DELAYms' (delay needs the kernel's sch_netem)")
+    parser.add_argument(
+        "--hosts",
+        choices=("simulated", "netns"),
+        default="simulated",
+        help="netns: measure on network-namespace hosts with shaped links beside the "
+        "projection for each link (needs root; docs/benchmarks.md)",
+    )
+    parser.add_argument(
+        "--links",
+        default="none,10gbit,1gbit,100mbit",
+        help="--hosts netns: link shapes, tc rates ('none': unshaped), each optionally "
+        "'RATE/DELAYms' (delay needs the kernel's sch_netem)",
+    )
 
 
 def project(costs: dict, n: int, bandwidth: float, latency: float, g: float) -> float:
@@ -58,11 +69,18 @@ def project(costs: dict, n: int, bandwidth: float, latency: float, g: float) -> 
     bw = bandwidth
     sync = 0.0
     if n > 1:
-        sync = latency * math.ceil(math.log2(n)) + 2 * (n - 1) / n * costs["dense_bytes"] / bw \
+        sync = (
+            latency * math.ceil(math.log2(n))
+            + 2 * (n - 1) / n * costs["dense_bytes"] / bw
             + (n - 1) * costs["sparse_bytes"] / bw
+        )
     remote = (n - 1) / n * costs["distinct_keys"] * costs["row_bytes"] / bw
-    t = max(costs["read_s"] / g, costs["pull_s"] / g + remote, costs["load_s"] / g,
-            costs["train_s"] / g + costs["steps"] * sync)
+    t = max(
+        costs["read_s"] / g,
+        costs["pull_s"] / g + remote,
+        costs["load_s"] / g,
+        costs["train_s"] / g + costs["steps"] * sync,
+    )
     return n * costs["examples"] / t
 
 
@@ -104,8 +122,9 @@ def _fit(args: argparse.Namespace, n: int) -> dict:
     warmup = SyntheticSource(gen, rows=n * args.batch)
     source = SyntheticSource(gen, rows=n * args.rows, start_row=n * args.batch)
     all_rows = args.slots * args.keys + 1024
-    with Pipeline(warmup, TrainerStage(cfg, threads=1), MemPSStage(capacity_rows=all_rows), batch_size=args.batch,
-                  nodes=n) as p:
+    with Pipeline(
+        warmup, TrainerStage(cfg, threads=1), MemPSStage(capacity_rows=all_rows), batch_size=args.batch, nodes=n
+    ) as p:
         p.fit(progress=False)
         p.source = source
         return p.fit(progress=False)
@@ -191,5 +210,5 @@ def run(args: argparse.Namespace) -> dict:
             "compute_factor_matching_paper": g,
         },
         "note": "simulated nodes share this machine's cores: measured speedups show protocol overhead, "
-                "not hardware scaling; projections follow the model in docs/benchmarks.md",
+        "not hardware scaling; projections follow the model in docs/benchmarks.md",
     }

@@ -91,8 +91,12 @@ def _probe(hosts, total_bytes: int) -> dict:
 def _drive(hosts, args: argparse.Namespace, n: int) -> dict:
     """One measurement of ``n`` nodes, its driver run inside host 0: the run's summary."""
     spec = json.dumps({"n": n, **{k: getattr(args, k) for k in _FIT_KEYS}})
-    out = hosts.run(0, [sys.executable, "-m", "hpsray.bench.scale_hosts", spec], timeout=1800,
-                    env=hosts.env(RAY_ADDRESS=hosts.address))
+    out = hosts.run(
+        0,
+        [sys.executable, "-m", "hpsray.bench.scale_hosts", spec],
+        timeout=1800,
+        env=hosts.env(RAY_ADDRESS=hosts.address),
+    )
     if out.returncode != 0:
         raise RuntimeError(f"the {n}-node run on the namespace hosts failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -141,8 +145,13 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
                     "train_s_per_batch": train_s,
                     "train_slowdown_vs_1_node": train_s / costs["train_s"] if costs["train_s"] else None,
                 }
-            results[link] = {"rate": rate, "delay_ms": delay, "model_bandwidth_bytes_per_s": bw,
-                             "probe": probe, "nodes": per_n}
+            results[link] = {
+                "rate": rate,
+                "delay_ms": delay,
+                "model_bandwidth_bytes_per_s": bw,
+                "probe": probe,
+                "nodes": per_n,
+            }
         hosts.shape(None, None)
     return {
         "hosts": "netns",
@@ -151,7 +160,7 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
         "target": "projection within +-25 % of the measurement",
         "cores": os.cpu_count(),
         "note": "the namespace hosts share this machine's cores; the projection (g = 1) assumes each "
-                "node computes as fast as the 1-node run did alone",
+        "node computes as fast as the 1-node run did alone",
     }
 
 

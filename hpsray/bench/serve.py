@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mem-fraction", type=float, default=0.05, help="rows in memory for 'tiered' (default 0.05)")
     parser.add_argument("--batch-sizes", default="1,32,256", help="examples per request (default 1,32,256)")
     parser.add_argument("--concurrency", default="1,16", help="concurrent clients (default 1,16)")
-    parser.add_argument("--seconds", type=float, default=2.0,
-                        help="measured seconds per system, point and round (default 2)")
+    parser.add_argument(
+        "--seconds", type=float, default=2.0, help="measured seconds per system, point and round (default 2)"
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     parser.add_argument("--repeat", type=int, default=3, help="round-robin rounds per point; medians (default 3)")
     parser.add_argument("--port", type=int, default=8777)
@@ -59,8 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- the model and its traffic ----------------------------------------------------------------
 
-def make_model(directory: str, rows: int, dim: int = 16, n_slots: int = 26, n_dense: int = 13,
-               hidden: tuple[int, ...] = (256, 128), seed: int = 0):
+
+def make_model(
+    directory: str,
+    rows: int,
+    dim: int = 16,
+    n_slots: int = 26,
+    n_dense: int = 13,
+    hidden: tuple[int, ...] = (256, 128),
+    seed: int = 0,
+):
     """Export a synthetic model of ``rows`` rows (every rank of every slot) into ``directory``;
     returns the planted generator whose raw values address it."""
     import torch
@@ -82,8 +91,15 @@ def make_model(directory: str, rows: int, dim: int = 16, n_slots: int = 26, n_de
     config = TrainConfig(dim=dim, hidden=hidden, sparse_optimizer="sgd", seed=seed)
     dense = DNN(n_slots, dim, n_dense, hidden, seed=seed).state_dict()
     with torch.no_grad():
-        export((keys, weights, dense), directory, config, n_slots=n_slots, n_dense=n_dense,
-               schema=dataset_schema(gen, "parquet"), extra={"trainer": "bench-serve"})
+        export(
+            (keys, weights, dense),
+            directory,
+            config,
+            n_slots=n_slots,
+            n_dense=n_dense,
+            schema=dataset_schema(gen, "parquet"),
+            extra={"trainer": "bench-serve"},
+        )
     return gen
 
 
@@ -106,8 +122,15 @@ def request_bodies(gen, batch_size: int, n: int, start_block: int = 10_000) -> l
 
 # -- the client ---------------------------------------------------------------------------------
 
-async def _drive(url: str, bodies: list[bytes], concurrency: int, seconds: float | None,
-                 n_requests: int | None, examples_per_body: list[int]) -> dict:
+
+async def _drive(
+    url: str,
+    bodies: list[bytes],
+    concurrency: int,
+    seconds: float | None,
+    n_requests: int | None,
+    examples_per_body: list[int],
+) -> dict:
     import aiohttp
 
     latencies: list[float] = []
@@ -159,8 +182,9 @@ async def _drive(url: str, bodies: list[bytes], concurrency: int, seconds: float
     }
 
 
-def drive(url: str, bodies: list[bytes], concurrency: int, *, seconds: float | None = None,
-          n_requests: int | None = None) -> dict:
+def drive(
+    url: str, bodies: list[bytes], concurrency: int, *, seconds: float | None = None, n_requests: int | None = None
+) -> dict:
     """Send ``bodies`` round-robin from ``concurrency`` clients for ``seconds`` or ``n_requests``;
     returns examples/s, requests/s, p50/p99 latency (ms), errors (with a few samples)."""
     if (seconds is None) == (n_requests is None):
@@ -171,8 +195,8 @@ def drive(url: str, bodies: list[bytes], concurrency: int, *, seconds: float | N
 
 # -- the run ------------------------------------------------------------------------------------
 
-def in_process(model_dir: str, bodies: list[bytes], mem_fraction: float, systems: list[str],
-               repeat: int = 3) -> dict:
+
+def in_process(model_dir: str, bodies: list[bytes], mem_fraction: float, systems: list[str], repeat: int = 3) -> dict:
     """Examples/s of each system's predict() on the same parsed batches (no HTTP, no JSON)."""
     import torch
 
@@ -194,9 +218,13 @@ def in_process(model_dir: str, bodies: list[bytes], mem_fraction: float, systems
             for b in batches:
                 model.predict(b)
             best[system] = max(best.get(system, 0.0), n / (time.perf_counter() - t0))
-    return {s: {"examples_per_s": best[s], **{k: v for k, v in models[s].stats().items()
-                                              if k in ("hit_rate", "ssd_reads", "rows_in_memory")}}
-            for s in systems}
+    return {
+        s: {
+            "examples_per_s": best[s],
+            **{k: v for k, v in models[s].stats().items() if k in ("hit_rate", "ssd_reads", "rows_in_memory")},
+        }
+        for s in systems
+    }
 
 
 def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
@@ -206,17 +234,24 @@ def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
 
     backend = BACKEND[system]
     frac = mem_fraction if system in ("tiered", "rocksdb") else None
-    opts = ServeOptions(port=port, mem_fraction=frac, replica_cpus=0, watch_s=0, max_batch_size=32,
-                        name=f"bench-{system}", route_prefix=f"/{system}")
-    app = build_app(model_dir, opts, load=LoadOptions(mem_fraction=frac, backend=backend,
-                                                      limits=opts.limits))
+    opts = ServeOptions(
+        port=port,
+        mem_fraction=frac,
+        replica_cpus=0,
+        watch_s=0,
+        max_batch_size=32,
+        name=f"bench-{system}",
+        route_prefix=f"/{system}",
+    )
+    app = build_app(model_dir, opts, load=LoadOptions(mem_fraction=frac, backend=backend, limits=opts.limits))
     return serve.run(app, name=opts.name, route_prefix=opts.route_prefix)
 
 
 def _median(points: list[dict]) -> dict:
     """Per-key medians of a point's rounds (errors summed, one sample kept)."""
-    out = {k: float(np.median([p[k] for p in points])) for k in ("examples_per_s", "requests_per_s", "p50_ms",
-                                                                   "p99_ms")}
+    out = {
+        k: float(np.median([p[k] for p in points])) for k in ("examples_per_s", "requests_per_s", "p50_ms", "p99_ms")
+    }
     out["requests"] = int(sum(p["requests"] for p in points))
     out["errors"] = int(sum(p["errors"] for p in points))
     out["error_samples"] = [e for p in points for e in p["error_samples"]][:3]
@@ -278,7 +313,9 @@ def run(args: argparse.Namespace) -> dict:
         return pts[-1]
 
     report: dict = {
-        "rows": int(args.rows), "dim": args.dim, "mem_fraction": args.mem_fraction,
+        "rows": int(args.rows),
+        "dim": args.dim,
+        "mem_fraction": args.mem_fraction,
         "headline_point": {"batch": batch_sizes[-1], "concurrency": max(concurrency)},
         "model_build_s": build_s,
     }
@@ -303,8 +340,10 @@ def run(args: argparse.Namespace) -> dict:
     if "tiered" in local and "bound" in local:
         report["in_process_vs_bound"] = local["tiered"]["examples_per_s"] / local["bound"]["examples_per_s"]
     report["errors"] = sum(p["errors"] for pts in curves.values() for p in pts)
-    report["curves"] = {s: [{k: v for k, v in p.items() if k != "error_samples"} for p in pts]
-                        for s, pts in curves.items()}
-    report["replica_stats"] = {s: {k: v for k, v in st.items() if k not in ("load", "pid", "directory")}
-                               for s, st in stats.items()}
+    report["curves"] = {
+        s: [{k: v for k, v in p.items() if k != "error_samples"} for p in pts] for s, pts in curves.items()
+    }
+    report["replica_stats"] = {
+        s: {k: v for k, v in st.items() if k not in ("load", "pid", "directory")} for s, st in stats.items()
+    }
     return report

@@ -45,13 +45,21 @@ _MiB = 1 << 20
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=float, default=256, help="MiB of live rows (default 256)")
     parser.add_argument("--width", type=int, default=32, help="floats per row (default 32)")
-    parser.add_argument("--rows-per-file", type=int, default=None,
-                        help=f"rows per parameter file (default: files of about {DEFAULT_FILE_BYTES >> 20} MiB)")
+    parser.add_argument(
+        "--rows-per-file",
+        type=int,
+        default=None,
+        help=f"rows per parameter file (default: files of about {DEFAULT_FILE_BYTES >> 20} MiB)",
+    )
     parser.add_argument("--dump-rows", type=int, default=65536, help="rows per dump call")
     parser.add_argument("--io-threads", type=int, default=4, help="files read concurrently by load")
     parser.add_argument("--overwrites", type=int, default=6, help="overwrite rounds for the space test")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="cold-load / sequential-read pairs; medians are reported (the machine may be shared)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="cold-load / sequential-read pairs; medians are reported (the machine may be shared)",
+    )
     parser.add_argument("--dir", default=None, help="directory to work in (default: a temporary one)")
     parser.add_argument("--sweep", action="store_true", help="cold load for several file sizes")
     parser.add_argument("--seed", type=int, default=0)
@@ -120,8 +128,13 @@ def cold_load(store: SSDPS, keys: np.ndarray) -> dict:
     if not found.all() or not np.array_equal(rows[:, 0], keys.astype(np.float32)):
         raise AssertionError("cold load returned wrong rows")
     nbytes = after["bytes_read"] - before["bytes_read"]
-    return {"seconds": dt, "bytes": nbytes, "files": after["files_read"] - before["files_read"],
-            "bytes_per_s": nbytes / dt, "rows_per_s": keys.size / dt}
+    return {
+        "seconds": dt,
+        "bytes": nbytes,
+        "files": after["files_read"] - before["files_read"],
+        "bytes_per_s": nbytes / dt,
+        "rows_per_s": keys.size / dt,
+    }
 
 
 def _warm_up(directory: str) -> None:
@@ -168,10 +181,18 @@ def run(args: argparse.Namespace) -> dict:
     n_rows = max(args.rows_per_file, int(args.size * _MiB // rec))
     rng = np.random.default_rng(args.seed)
     base = tempfile.mkdtemp(prefix="hpsray-bench-ssd-", dir=args.dir)
-    report: dict = {"config": {"width": width, "rows": n_rows, "live_mib": n_rows * rec / _MiB,
-                               "rows_per_file": args.rows_per_file,
-                               "file_bytes": file_bytes(args.rows_per_file, width),
-                               "dump_rows": args.dump_rows, "io_threads": args.io_threads, "dir": base}}
+    report: dict = {
+        "config": {
+            "width": width,
+            "rows": n_rows,
+            "live_mib": n_rows * rec / _MiB,
+            "rows_per_file": args.rows_per_file,
+            "file_bytes": file_bytes(args.rows_per_file, width),
+            "dump_rows": args.dump_rows,
+            "io_threads": args.io_threads,
+            "dir": base,
+        }
+    }
     try:
         _warm_up(os.path.join(base, "warm"))
         d = os.path.join(base, "store")
@@ -188,17 +209,26 @@ def run(args: argparse.Namespace) -> dict:
             raw = raw_file_read(_param_files(d), args.io_threads)
             full = cold_load(store, rng.permutation(keys))
             sparse = cold_load(store, rng.choice(keys, max(1, keys.size // 20), replace=False))
-            runs.append({"seq_read_bytes_per_s": seq, "raw_file_read_bytes_per_s": raw,
-                         "load_bytes_per_s": full["bytes_per_s"], "sparse_load_bytes_per_s": sparse["bytes_per_s"]})
+            runs.append(
+                {
+                    "seq_read_bytes_per_s": seq,
+                    "raw_file_read_bytes_per_s": raw,
+                    "load_bytes_per_s": full["bytes_per_s"],
+                    "sparse_load_bytes_per_s": sparse["bytes_per_s"],
+                }
+            )
         med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
         report.update(med)
         report["load_vs_seq_read"] = float(np.median([r["load_bytes_per_s"] / r["seq_read_bytes_per_s"] for r in runs]))
-        report["sparse_load_vs_seq_read"] = float(np.median(
-            [r["sparse_load_bytes_per_s"] / r["seq_read_bytes_per_s"] for r in runs]))
-        report["raw_file_read_vs_seq_read"] = float(np.median(
-            [r["raw_file_read_bytes_per_s"] / r["seq_read_bytes_per_s"] for r in runs]))
-        report["load_vs_raw_file_read"] = float(np.median(
-            [r["load_bytes_per_s"] / r["raw_file_read_bytes_per_s"] for r in runs]))
+        report["sparse_load_vs_seq_read"] = float(
+            np.median([r["sparse_load_bytes_per_s"] / r["seq_read_bytes_per_s"] for r in runs])
+        )
+        report["raw_file_read_vs_seq_read"] = float(
+            np.median([r["raw_file_read_bytes_per_s"] / r["seq_read_bytes_per_s"] for r in runs])
+        )
+        report["load_vs_raw_file_read"] = float(
+            np.median([r["load_bytes_per_s"] / r["raw_file_read_bytes_per_s"] for r in runs])
+        )
         report["load"] = full
         report["runs"] = runs
 
@@ -215,12 +245,25 @@ def run(args: argparse.Namespace) -> dict:
         report["space_ratio"] = st["space_ratio"]
         report["space_ratio_max_after_dump"] = max(ratios)
         report["overwrite_seconds"] = time.perf_counter() - t0
-        report["compaction"] = {k: st[k] for k in (
-            "compactions", "files_compacted", "compaction_bytes_read", "compaction_bytes_written",
-            "compaction_seconds", "backpressure_waits", "disk_bytes", "live_bytes", "files")}
-        report["checks"] = {"load_ge_75pct_seq": report["load_vs_seq_read"] >= 0.75,
-                            "sparse_load_ge_75pct_seq": report["sparse_load_vs_seq_read"] >= 0.75,
-                            "space_ratio_le_2": report["space_ratio"] <= 2.0}
+        report["compaction"] = {
+            k: st[k]
+            for k in (
+                "compactions",
+                "files_compacted",
+                "compaction_bytes_read",
+                "compaction_bytes_written",
+                "compaction_seconds",
+                "backpressure_waits",
+                "disk_bytes",
+                "live_bytes",
+                "files",
+            )
+        }
+        report["checks"] = {
+            "load_ge_75pct_seq": report["load_vs_seq_read"] >= 0.75,
+            "sparse_load_ge_75pct_seq": report["sparse_load_vs_seq_read"] >= 0.75,
+            "space_ratio_le_2": report["space_ratio"] <= 2.0,
+        }
         store.close()
 
         if args.sweep:
@@ -234,11 +277,17 @@ def run(args: argparse.Namespace) -> dict:
                 res = []
                 for _ in range(max(1, args.repeat)):
                     seq = seq_read_bandwidth(base, s.stats["disk_bytes"])
-                    res.append((seq, cold_load(s, rng.permutation(k))["bytes_per_s"],
-                                cold_load(s, rng.choice(k, max(1, k.size // 20), replace=False))["bytes_per_s"],
-                                raw_file_read(_param_files(dd), args.io_threads)))
+                    res.append(
+                        (
+                            seq,
+                            cold_load(s, rng.permutation(k))["bytes_per_s"],
+                            cold_load(s, rng.choice(k, max(1, k.size // 20), replace=False))["bytes_per_s"],
+                            raw_file_read(_param_files(dd), args.io_threads),
+                        )
+                    )
                 sweep[f"{mib:g}MiB"] = {
-                    "rows_per_file": rpf, "file_bytes": file_bytes(rpf, width),
+                    "rows_per_file": rpf,
+                    "file_bytes": file_bytes(rpf, width),
                     "load_vs_seq_read": float(np.median([r[1] / r[0] for r in res])),
                     "sparse_load_vs_seq_read": float(np.median([r[2] / r[0] for r in res])),
                     "raw_file_read_vs_seq_read": float(np.median([r[3] / r[0] for r in res])),

@@ -23,9 +23,13 @@ BATCHES = 20  # the demo splits its rows into this many batches
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=300_000, metavar="N", help="training examples (default 300000)")
-    parser.add_argument("--workdir", default=None, metavar="DIR",
-                        help="where data, job file, SSD-PS files and export go (kept; default a temporary "
-                             "directory, removed at the end)")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        metavar="DIR",
+        help="where data, job file, SSD-PS files and export go (kept; default a temporary "
+        "directory, removed at the end)",
+    )
     parser.add_argument("--report", default=None, metavar="FILE.json", help="write the run report and its plots")
     parser.add_argument("--address", default=None, help="Ray address (default: an embedded local Ray)")
     parser.add_argument("--json", action="store_true", help="print the run report as JSON on stdout")
@@ -58,8 +62,10 @@ def demo_job(workdir: str, rows: int, quiet: bool = True) -> dict:
     files = write_synthetic(data, gen, rows + eval_rows, "parquet", shard_rows=batch, progress=progress)
     per_batch = int(np.unique(gen.generate(batch).keys).size)
     job = {
-        "data": {"paths": [os.path.relpath(f, workdir) for f in files[:-1]],
-                 "eval_paths": [os.path.relpath(files[-1], workdir)]},
+        "data": {
+            "paths": [os.path.relpath(f, workdir) for f in files[:-1]],
+            "eval_paths": [os.path.relpath(files[-1], workdir)],
+        },
         "model": {"dim": 8, "hidden": [64, 32], "seed": 0},
         "optimizer": {"sparse": "adagrad", "sparse_lr": 0.05, "dense": "adam", "dense_lr": 0.001},
         "tiers": {"mem_rows": int(2.5 * per_batch)},  # SSD-PS in a temporary directory
@@ -112,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(summary(report))
         d = report["demo"]
-        print(f"MEM-PS budget {d['mem_rows']:,} rows for {d['distinct_keys']:,} distinct keys "
-              f"({100.0 * d['mem_rows'] / max(d['distinct_keys'], 1):.0f}%): {d['rows_evicted']:,} rows evicted "
-              f"to SSD-PS, {d['rows_loaded_from_ssd']:,} loaded back")
+        print(
+            f"MEM-PS budget {d['mem_rows']:,} rows for {d['distinct_keys']:,} distinct keys "
+            f"({100.0 * d['mem_rows'] / max(d['distinct_keys'], 1):.0f}%): {d['rows_evicted']:,} rows evicted "
+            f"to SSD-PS, {d['rows_loaded_from_ssd']:,} loaded back"
+        )
         if args.report:
             print(f"report: {written[0]} (plots: {', '.join(os.path.basename(p) for p in written[1:])})")
         if keep:

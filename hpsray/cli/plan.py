@@ -15,8 +15,10 @@ import sys
 
 from hpsray.plan.plan import DEFAULT_SAMPLE_ROWS
 
-HELP = ("size a TOML job before training: MEM-PS rows, trainer and SSD bytes, predicted examples/s, "
-        "the fix if it cannot fit")
+HELP = (
+    "size a TOML job before training: MEM-PS rows, trainer and SSD bytes, predicted examples/s, "
+    "the fix if it cannot fit"
+)
 
 EXIT_CONFIG = 2
 EXIT_WONT_FIT = 1
@@ -24,8 +26,13 @@ EXIT_WONT_FIT = 1
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="JOB.toml", help="the job file (see examples/train.toml)")
-    parser.add_argument("--sample-rows", type=int, default=DEFAULT_SAMPLE_ROWS, metavar="N",
-                        help=f"examples to sample (at least three global batches; default {DEFAULT_SAMPLE_ROWS:,})")
+    parser.add_argument(
+        "--sample-rows",
+        type=int,
+        default=DEFAULT_SAMPLE_ROWS,
+        metavar="N",
+        help=f"examples to sample (at least three global batches; default {DEFAULT_SAMPLE_ROWS:,})",
+    )
     parser.add_argument("--no-calibrate", action="store_true", help="skip timing the stages (no predicted rate)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 

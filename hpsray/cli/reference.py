@@ -39,10 +39,17 @@ def run(args: argparse.Namespace) -> int:
     from hpsray.reference import ReferenceTrainer
 
     hidden = tuple(int(h) for h in args.hidden.split(",") if h.strip())
-    config = TrainConfig(dim=args.dim, hidden=hidden, sparse_optimizer=args.optimizer, sparse_lr=args.lr,
-                         minibatch_size=args.minibatch, seed=args.seed)
-    data = PlantedCTR(n_slots=args.slots, keys_per_slot=args.keys, nnz_per_slot=args.nnz,
-                      n_dense=args.dense, seed=args.seed)
+    config = TrainConfig(
+        dim=args.dim,
+        hidden=hidden,
+        sparse_optimizer=args.optimizer,
+        sparse_lr=args.lr,
+        minibatch_size=args.minibatch,
+        seed=args.seed,
+    )
+    data = PlantedCTR(
+        n_slots=args.slots, keys_per_slot=args.keys, nnz_per_slot=args.nnz, n_dense=args.dense, seed=args.seed
+    )
     trainer = ReferenceTrainer(args.slots, args.dense, config)
     started = time.perf_counter()
     quiet = args.json
@@ -50,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
     def progress(i, batch, loss):
         if not quiet:
             rate = trainer.examples / max(trainer.train_seconds, 1e-9)
-            print(f"\rbatch {i + 1}: {trainer.examples:,}/{args.rows:,} examples  loss {loss:.4f}  "
-                  f"{rate:,.0f} examples/s  rows {len(trainer.store):,}", end="", flush=True)
+            print(
+                f"\rbatch {i + 1}: {trainer.examples:,}/{args.rows:,} examples  loss {loss:.4f}  "
+                f"{rate:,.0f} examples/s  rows {len(trainer.store):,}",
+                end="",
+                flush=True,
+            )
 
     trainer.fit(data.batches(args.rows, args.batch), progress=progress)
     if not quiet:
@@ -70,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"held-out AUC {report['auc']:.4f} (planted model {report['planted_auc']:.4f}), "
-              f"log-loss {report['logloss']:.4f}, {report['examples_per_s']:,.0f} examples/s, "
-              f"{report['rows']:,} rows learnt")
+        print(
+            f"held-out AUC {report['auc']:.4f} (planted model {report['planted_auc']:.4f}), "
+            f"log-loss {report['logloss']:.4f}, {report['examples_per_s']:,.0f} examples/s, "
+            f"{report['rows']:,} rows learnt"
+        )
     return 0

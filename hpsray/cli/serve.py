@@ -22,16 +22,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     parser.add_argument("--replicas", type=int, default=1, help="model replicas (default 1)")
     mem = parser.add_mutually_exclusive_group()
-    mem.add_argument("--mem-rows", type=int, default=None, metavar="R",
-                     help="rows held in memory per replica; the rest is read from SSD (default: all)")
-    mem.add_argument("--mem-fraction", type=float, default=None, metavar="F",
-                     help="fraction of the rows held in memory, e.g. 0.05")
+    mem.add_argument(
+        "--mem-rows",
+        type=int,
+        default=None,
+        metavar="R",
+        help="rows held in memory per replica; the rest is read from SSD (default: all)",
+    )
+    mem.add_argument(
+        "--mem-fraction", type=float, default=None, metavar="F", help="fraction of the rows held in memory, e.g. 0.05"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     parser.add_argument("--max-examples", type=int, default=1024, help="most examples per request (default 1024)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests per dynamic batch (default 16)")
-    parser.add_argument("--watch", type=float, default=2.0, metavar="S",
-                        help="seconds between looks for a newer export (0: never; default 2)")
+    parser.add_argument(
+        "--watch",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between looks for a newer export (0: never; default 2)",
+    )
     parser.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
 
 
@@ -40,10 +51,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         resolve_export(args.model_dir)  # before Ray starts: a wrong directory fails in a second
-        options = ServeOptions(host=args.host, port=args.port, replicas=args.replicas, mem_rows=args.mem_rows,
-                               mem_fraction=args.mem_fraction, device=args.device,
-                               limits=Limits(args.max_body_bytes, args.max_examples),
-                               max_batch_size=args.max_batch_size, watch_s=args.watch)
+        options = ServeOptions(
+            host=args.host,
+            port=args.port,
+            replicas=args.replicas,
+            mem_rows=args.mem_rows,
+            mem_fraction=args.mem_fraction,
+            device=args.device,
+            limits=Limits(args.max_body_bytes, args.max_examples),
+            max_batch_size=args.max_batch_size,
+            watch_s=args.watch,
+        )
         start(args.model_dir, options, address=args.address)
     except (ServingError, ValueError) as e:
         print(f"hpsray serve: {e}", file=sys.stderr)

@@ -30,24 +30,45 @@ EXIT_FAILED = 1  # training failed, or --compare found a difference
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="JOB.toml", help="the job file (see examples/train.toml)")
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster address (overrides [cluster] address; "
-                             "default RAY_ADDRESS or an embedded Ray)")
-    parser.add_argument("--report", metavar="FILE.json", default=None,
-                        help="write the run report as JSON, with FILE.stage_times.png, FILE.cache_hit_rate.png "
-                             "and FILE.ssd_io.png beside it")
-    parser.add_argument("--export", metavar="DIR", default=None,
-                        help="write the trained rows (Parquet) and dense weights to DIR (docs/export.md)")
-    parser.add_argument("--reference", action="store_true",
-                        help="train with the in-memory reference trainer instead (the losslessness oracle)")
-    parser.add_argument("--compare", metavar="DIR", default=None,
-                        help="after training, compare the model with an earlier --export DIR; exit 1 if they differ")
-    parser.add_argument("--tolerance", type=float, default=1e-5,
-                        help="largest absolute difference --compare accepts (default 1e-5)")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (overrides [cluster] address; default RAY_ADDRESS or an embedded Ray)",
+    )
+    parser.add_argument(
+        "--report",
+        metavar="FILE.json",
+        default=None,
+        help="write the run report as JSON, with FILE.stage_times.png, FILE.cache_hit_rate.png "
+        "and FILE.ssd_io.png beside it",
+    )
+    parser.add_argument(
+        "--export",
+        metavar="DIR",
+        default=None,
+        help="write the trained rows (Parquet) and dense weights to DIR (docs/export.md)",
+    )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="train with the in-memory reference trainer instead (the losslessness oracle)",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="DIR",
+        default=None,
+        help="after training, compare the model with an earlier --export DIR; exit 1 if they differ",
+    )
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-5, help="largest absolute difference --compare accepts (default 1e-5)"
+    )
     parser.add_argument("--json", action="store_true", help="print the run report as JSON on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
-    parser.add_argument("--no-plan", action="store_true",
-                        help="skip the capacity check (hpsray plan) that refuses a job which cannot fit")
+    parser.add_argument(
+        "--no-plan",
+        action="store_true",
+        help="skip the capacity check (hpsray plan) that refuses a job which cannot fit",
+    )
 
 
 def error(msg: str, code: int = EXIT_CONFIG) -> int:
@@ -62,8 +83,10 @@ def check_fresh_ssd(path: str | None) -> None:
         return
     leftovers = [e for e in os.listdir(path) if e.startswith("node-") and os.listdir(os.path.join(path, e))]
     if leftovers:
-        raise ValueError(f"tiers.ssd_path: {path} already holds parameter files of an earlier run "
-                         f"({', '.join(sorted(leftovers))}); remove them or choose another directory")
+        raise ValueError(
+            f"tiers.ssd_path: {path} already holds parameter files of an earlier run "
+            f"({', '.join(sorted(leftovers))}); remove them or choose another directory"
+        )
 
 
 def check_capacity(job, quiet: bool) -> None:
@@ -102,8 +125,11 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
     from hpsray.job import build
     from hpsray.pipelines.export import export, schema_of_source
 
-    started = connect(address or job.cluster.address, logging_level=logging.WARNING if quiet else logging.INFO,
-                      log_to_driver=not quiet)
+    started = connect(
+        address or job.cluster.address,
+        logging_level=logging.WARNING if quiet else logging.INFO,
+        log_to_driver=not quiet,
+    )
     model = None
     try:
         with build.pipeline(job, address=address) as pipe:
@@ -115,9 +141,15 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
                 dense = pipe.dense_state()
                 model = (keys, rows, dense)
                 source = pipe.source
-                report["export"] = export(model, export_dir, job.train_config(), n_slots=source.n_slots,
-                                          n_dense=source.n_dense, extra={"trainer": "hpsray"},
-                                          schema=schema_of_source(source))
+                report["export"] = export(
+                    model,
+                    export_dir,
+                    job.train_config(),
+                    n_slots=source.n_slots,
+                    n_dense=source.n_dense,
+                    extra={"trainer": "hpsray"},
+                    schema=schema_of_source(source),
+                )
                 report["rows"] = int(keys.size)
     finally:
         if started:
@@ -211,11 +243,16 @@ def summary(report: dict) -> str:
     from hpsray.pipelines.report import format_stage_table
 
     who = "reference trainer" if report.get("trainer") == "reference" else "hpsray pipeline"
-    lines = [(f"{who}: {report['examples']:,} examples in {report['batches']} batches, "
-              f"{report['wall_s']:.1f} s, {report['examples_per_s']:,.0f} examples/s")]
+    lines = [
+        (
+            f"{who}: {report['examples']:,} examples in {report['batches']} batches, "
+            f"{report['wall_s']:.1f} s, {report['examples_per_s']:,.0f} examples/s"
+        )
+    ]
     if report.get("auc") is not None:
-        lines.append(f"held-out AUC {report['auc']:.4f}, log-loss {report['logloss']:.4f} "
-                     f"({report['eval_examples']:,} examples)")
+        lines.append(
+            f"held-out AUC {report['auc']:.4f}, log-loss {report['logloss']:.4f} ({report['eval_examples']:,} examples)"
+        )
     else:
         lines.append("no evaluation data in the job (data.eval_paths or data.synthetic.eval_rows)")
     lines.append(format_stage_table(report))
@@ -256,9 +293,15 @@ def run(args: argparse.Namespace) -> int:
             if args.export:
                 from hpsray.pipelines.export import export, schema_of_source
 
-                report["export"] = export(model, args.export, job.train_config(), n_slots=build.source(job).n_slots,
-                                          n_dense=build.source(job).n_dense, extra={"trainer": "reference"},
-                                          schema=schema_of_source(build.source(job)))
+                report["export"] = export(
+                    model,
+                    args.export,
+                    job.train_config(),
+                    n_slots=build.source(job).n_slots,
+                    n_dense=build.source(job).n_dense,
+                    extra={"trainer": "reference"},
+                    schema=schema_of_source(build.source(job)),
+                )
         else:
             export_dir = args.export
             if args.compare and not export_dir:
@@ -289,8 +332,11 @@ def run(args: argparse.Namespace) -> int:
         diff = compare_exports(model, load_export(args.compare))
         worst = max(diff["max_abs_row_diff"], diff["max_abs_dense_diff"])
         same_keys = diff["keys_only_in_a"] == 0 and diff["keys_only_in_b"] == 0
-        diff.update(against=os.path.abspath(args.compare), tolerance=args.tolerance,
-                    equal=bool(same_keys and worst <= args.tolerance))
+        diff.update(
+            against=os.path.abspath(args.compare),
+            tolerance=args.tolerance,
+            equal=bool(same_keys and worst <= args.tolerance),
+        )
         report["compare"] = diff
         code = 0 if diff["equal"] else EXIT_FAILED
     if args.report:
@@ -308,8 +354,10 @@ def run(args: argparse.Namespace) -> int:
         if args.compare:
             d = report["compare"]
             verdict = "EQUAL" if d["equal"] else "DIFFERENT"
-            print(f"compare with {args.compare}: {d['rows_a']:,} vs {d['rows_b']:,} rows "
-                  f"({d['keys_only_in_a']} / {d['keys_only_in_b']} keys only on one side), max |diff| rows "
-                  f"{d['max_abs_row_diff']:.3g}, dense {d['max_abs_dense_diff']:.3g}: {verdict} "
-                  f"within {args.tolerance:g}")
+            print(
+                f"compare with {args.compare}: {d['rows_a']:,} vs {d['rows_b']:,} rows "
+                f"({d['keys_only_in_a']} / {d['keys_only_in_b']} keys only on one side), max |diff| rows "
+                f"{d['max_abs_row_diff']:.3g}, dense {d['max_abs_dense_diff']:.3g}: {verdict} "
+                f"within {args.tolerance:g}"
+            )
     return code

@@ -84,7 +84,7 @@ def assign_chunks(n_chunks_: int, n_aggregators: int) -> np.ndarray:
         raise ValueError(f"n_chunks must be >= 0, got {n_chunks_}")
     base, extra = divmod(int(n_chunks_), int(n_aggregators))
     counts = np.full(n_aggregators, base, dtype=np.int64)
-    counts[n_aggregators - extra:] += 1
+    counts[n_aggregators - extra :] += 1
     return np.repeat(np.arange(n_aggregators, dtype=np.int64), counts)
 
 
@@ -109,8 +109,10 @@ class ChunkPlan:
         owner = assign_chunks(n_chunks(n_elements, chunk_bytes), n_aggregators)
         counts = np.bincount(owner, minlength=n_aggregators)
         first = np.concatenate([[0], np.cumsum(counts)])
-        bounds = tuple((min(int(first[a]) * per, n_elements), min(int(first[a + 1]) * per, n_elements))
-                       for a in range(n_aggregators))
+        bounds = tuple(
+            (min(int(first[a]) * per, n_elements), min(int(first[a + 1]) * per, n_elements))
+            for a in range(n_aggregators)
+        )
         return cls(int(n_elements), int(chunk_bytes), int(n_aggregators), owner, bounds)
 
     @property
@@ -193,8 +195,9 @@ class ChunkAggregatorActor:
                 await asyncio.wait_for(r.done.wait(), self.timeout_s)
             except asyncio.TimeoutError:
                 missing = [i for i, p in enumerate(r.parts) if p is None]
-                r.result = TimeoutError(f"{self!r}: step {step} incomplete after {self.timeout_s:g} s; "
-                                        f"no contribution from ranks {missing}")
+                r.result = TimeoutError(
+                    f"{self!r}: step {step} incomplete after {self.timeout_s:g} s; no contribution from ranks {missing}"
+                )
                 r.done.set()
         r.served += 1
         if r.served == r.arrived or r.served == self.world:
@@ -215,12 +218,22 @@ class ChunkAggregatorActor:
 
     def stats(self) -> dict:
         """Steps reduced, bytes received and steps still open."""
-        return {"aggregator": repr(self), "steps_reduced": self.steps_reduced, "bytes_in": self.bytes_in,
-                "open_steps": sorted(self._rounds)}
+        return {
+            "aggregator": repr(self),
+            "steps_reduced": self.steps_reduced,
+            "bytes_in": self.bytes_in,
+            "open_steps": sorted(self._rounds),
+        }
 
 
-def start_aggregators(world: int, node_ids: Sequence[str] | None = None, n: int | None = None,
-                      name_prefix: str | None = None, num_cpus: float = 0, timeout_s: float = 300.0) -> list:
+def start_aggregators(
+    world: int,
+    node_ids: Sequence[str] | None = None,
+    n: int | None = None,
+    name_prefix: str | None = None,
+    num_cpus: float = 0,
+    timeout_s: float = 300.0,
+) -> list:
     """Start the aggregator actors; returns their handles in aggregator order.
 
     With ``node_ids``, aggregator ``i`` is pinned to ``node_ids[i]`` (one per node, shown as
@@ -268,8 +281,14 @@ class ChunkedAggregator:
             one chunk); ``None``: one push per aggregator and step with all its chunks.
     """
 
-    def __init__(self, handles: Sequence, world: int, rank: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 message_bytes: int | None = DEFAULT_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        handles: Sequence,
+        world: int,
+        rank: int,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
+    ) -> None:
         if not handles:
             raise ValueError("ChunkedAggregator needs at least one aggregator handle")
         if not 0 <= rank < world:

@@ -52,8 +52,10 @@ def interface_addresses() -> dict[str, list[str]]:
     import psutil  # Ray bundles it (ray/thirdparty_files, on the path once ray is imported: above)
 
     families = (socket.AF_INET, socket.AF_INET6)
-    return {name: [a.address.split("%")[0] for a in addrs if a.family in families]
-            for name, addrs in psutil.net_if_addrs().items()}
+    return {
+        name: [a.address.split("%")[0] for a in addrs if a.family in families]
+        for name, addrs in psutil.net_if_addrs().items()
+    }
 
 
 def interface_holding(address: str) -> str:
@@ -63,9 +65,11 @@ def interface_holding(address: str) -> str:
     for name, addrs in seen.items():
         if any(ipaddress.ip_address(a) == wanted for a in addrs):
             return name
-    raise LookupError(f"no network interface of this host holds {address} (the node's address); "
-                      f"interfaces: {_describe(seen)}; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME "
-                      f"or {NETWORK_ENV} (docs/operations.md#networking)")
+    raise LookupError(
+        f"no network interface of this host holds {address} (the node's address); "
+        f"interfaces: {_describe(seen)}; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME "
+        f"or {NETWORK_ENV} (docs/operations.md#networking)"
+    )
 
 
 def interface_in(network: str) -> tuple[str, str]:
@@ -80,8 +84,9 @@ def interface_in(network: str) -> tuple[str, str]:
             ip = ipaddress.ip_address(a)
             if ip.version == block.version and ip in block and not ip.is_loopback:
                 return name, a
-    raise LookupError(f"{NETWORK_ENV}={network}: no interface of this host has an address in it; "
-                      f"interfaces: {_describe(seen)}")
+    raise LookupError(
+        f"{NETWORK_ENV}={network}: no interface of this host has an address in it; interfaces: {_describe(seen)}"
+    )
 
 
 def bind_collectives(backend: str) -> Binding:

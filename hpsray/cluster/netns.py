@@ -87,8 +87,14 @@ class NetnsHosts:
     Ray runs with token authentication (``RAY_AUTH_MODE=token``) on every host.
     """
 
-    def __init__(self, n: int, cpus_per_host: int = 1, object_store_bytes: int = 150 * 1024**2,
-                 dashboard: bool = False, tag: str | None = None) -> None:
+    def __init__(
+        self,
+        n: int,
+        cpus_per_host: int = 1,
+        object_store_bytes: int = 150 * 1024**2,
+        dashboard: bool = False,
+        tag: str | None = None,
+    ) -> None:
         if not 1 <= n <= 200:
             raise ValueError(f"between 1 and 200 hosts, got {n}")
         self.n, self.cpus_per_host, self.dashboard = n, cpus_per_host, dashboard
@@ -119,17 +125,24 @@ class NetnsHosts:
         """``argv`` as run inside host ``host``'s namespace."""
         return ["ip", "netns", "exec", self.hosts[host].netns, *argv]
 
-    def run(self, host: int, argv: list[str], timeout: float = 600, env: dict | None = None,
-            **kwargs) -> subprocess.CompletedProcess:
+    def run(
+        self, host: int, argv: list[str], timeout: float = 600, env: dict | None = None, **kwargs
+    ) -> subprocess.CompletedProcess:
         """Run ``argv`` inside host ``host`` and wait for it (text output captured)."""
-        return subprocess.run(self.argv(host, argv), env=env or self.env(), capture_output=True, text=True,
-                              timeout=timeout, **kwargs)
+        return subprocess.run(
+            self.argv(host, argv), env=env or self.env(), capture_output=True, text=True, timeout=timeout, **kwargs
+        )
 
     def popen(self, host: int, argv: list[str], log: str, env: dict | None = None) -> subprocess.Popen:
         """Start ``argv`` inside host ``host`` in the background, its output to ``log`` in the temp dir."""
         with open(self.temp / log, "w") as out:
-            proc = subprocess.Popen(self.argv(host, argv), env=env or self.env(), stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                self.argv(host, argv),
+                env=env or self.env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self._procs.append(proc)
         return proc
 
@@ -169,9 +182,16 @@ class NetnsHosts:
 
     def _ray_start(self, h: Host) -> list[str]:
         ray = str(Path(sys.executable).with_name("ray"))
-        argv = [ray, "start", "--block", "--disable-usage-stats", f"--node-ip-address={h.address}",
-                f"--num-cpus={self.cpus_per_host}", f"--object-store-memory={self.object_store_bytes}",
-                f"--temp-dir={self.temp / f'ray-h{h.index}'}"]  # a host's own files, as on its own disk
+        argv = [
+            ray,
+            "start",
+            "--block",
+            "--disable-usage-stats",
+            f"--node-ip-address={h.address}",
+            f"--num-cpus={self.cpus_per_host}",
+            f"--object-store-memory={self.object_store_bytes}",
+            f"--temp-dir={self.temp / f'ray-h{h.index}'}",
+        ]  # a host's own files, as on its own disk
         if h.index > 0:
             return [*argv, f"--address={self.address}"]
         argv += ["--head", f"--port={RAY_PORT}"]
@@ -185,8 +205,9 @@ class NetnsHosts:
         nodes = {h.index: self.popen(h.index, self._ray_start(h), f"ray-h{h.index}.log") for h in self.hosts[1:]}
         self._wait(self.n, head[0], nodes, timeout, restarts)
 
-    def _wait(self, n: int, head: subprocess.Popen | None, nodes: dict[int, subprocess.Popen], timeout: float,
-              restarts: int) -> None:
+    def _wait(
+        self, n: int, head: subprocess.Popen | None, nodes: dict[int, subprocess.Popen], timeout: float, restarts: int
+    ) -> None:
         """Wait until ``n`` Ray nodes are alive; a node whose ``ray start`` gave up (it times out
         when the machine is overloaded) is started again, ``restarts`` times at most; ``head``
         (once started) must stay up."""
@@ -204,8 +225,9 @@ class NetnsHosts:
             gave_up = any(p.poll() is not None and tries[i] >= restarts for i, p in nodes.items())
             if (head is not None and head.poll() is not None) or gave_up or time.time() > deadline:
                 logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(self.temp.glob("*.log")))
-                raise RuntimeError(f"the Ray cluster on the namespace hosts did not come up: "
-                                   f"{out.stderr[-1500:]}\n{logs}")
+                raise RuntimeError(
+                    f"the Ray cluster on the namespace hosts did not come up: {out.stderr[-1500:]}\n{logs}"
+                )
 
     def pids(self, host: int) -> list[int]:
         """Processes running inside host ``host``'s namespace."""
@@ -229,16 +251,20 @@ class NetnsHosts:
         """
         for h in self.hosts:
             for ns, dev in ((h.netns, "eth0"), (self.switch, f"p{h.index}")):
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
-                               capture_output=True)
+                subprocess.run(
+                    ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True
+                )
                 if rate_bit is None and delay_ms is None:
                     continue
                 if delay_ms:
                     qdisc = ["netem", "delay", f"{delay_ms}ms"] + (["rate", rate_bit] if rate_bit else [])
                 else:
                     qdisc = ["tbf", "rate", rate_bit, "burst", "256kb", "latency", "50ms"]
-                out = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc],
-                                     capture_output=True, text=True)
+                out = subprocess.run(
+                    ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc],
+                    capture_output=True,
+                    text=True,
+                )
                 if out.returncode != 0:
                     raise NetnsUnavailable(f"`tc qdisc add ... {' '.join(qdisc)}` failed: {out.stderr.strip()}")
 

@@ -93,9 +93,14 @@ class Batch:
     @staticmethod
     def empty(n_slots: int, n_dense: int) -> Batch:
         """A batch of no examples (an exhausted node's part of a global mini-batch)."""
-        return Batch(labels=np.empty(0, np.float32), dense=np.empty((0, n_dense), np.float32),
-                     keys=np.empty(0, np.uint64), offsets=np.zeros(1, np.int64), slots=np.empty(0, np.int32),
-                     n_slots=n_slots)
+        return Batch(
+            labels=np.empty(0, np.float32),
+            dense=np.empty((0, n_dense), np.float32),
+            keys=np.empty(0, np.uint64),
+            offsets=np.zeros(1, np.int64),
+            slots=np.empty(0, np.int32),
+            n_slots=n_slots,
+        )
 
     @staticmethod
     def concat(batches: list[Batch]) -> Batch:

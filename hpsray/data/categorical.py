@@ -447,8 +447,9 @@ def encode_single_columns(
     return keys[:m], offsets, slots[:m], bad
 
 
-def drop_rows(keys: np.ndarray, offsets: np.ndarray, slots: np.ndarray,
-              keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def drop_rows(
+    keys: np.ndarray, offsets: np.ndarray, slots: np.ndarray, keep: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """CSR without the rows where ``keep`` is False."""
     counts = np.diff(offsets)
     key_keep = np.repeat(keep, counts)

@@ -68,8 +68,12 @@ class BadInputPolicy:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "bad_input") -> BadInputPolicy:
         """Build from a TOML table; unknown keys and wrong types raise ``ValueError`` naming the key."""
-        known: dict[str, type | tuple[type, ...]] = {"mode": str, "max_bad_fraction": (int, float), "min_rows": int,
-                                                    "max_examples": int}
+        known: dict[str, type | tuple[type, ...]] = {
+            "mode": str,
+            "max_bad_fraction": (int, float),
+            "min_rows": int,
+            "max_examples": int,
+        }
         kwargs: dict[str, Any] = {}
         for key, value in d.items():
             if key not in known:

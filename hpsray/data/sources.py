@@ -309,7 +309,6 @@ class RangeStream(_NativeFileStream):
         self._pos = start
         self._end = end
 
-
     def read(self, n: int = -1) -> bytes:
         left = self._end - self._pos
         if n is None or n < 0 or n > left:
@@ -319,7 +318,6 @@ class RangeStream(_NativeFileStream):
         data = self._f.read_at(n, self._pos)
         self._pos += len(data)
         return data
-
 
 
 class WholeLineStream(_NativeFileStream):
@@ -337,7 +335,6 @@ class WholeLineStream(_NativeFileStream):
         self._tail = b""
         self._eof = False
         self.error: BaseException | None = None
-
 
     def read(self, n: int = -1) -> bytes:
         while not self._eof:
@@ -360,7 +357,6 @@ class WholeLineStream(_NativeFileStream):
             return out
         out, self._tail = self._tail, b""
         return out
-
 
 
 def next_line_start(f: pa.NativeFile, pos: int, size: int, chunk: int = 1 << 16) -> int:

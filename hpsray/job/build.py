@@ -39,8 +39,9 @@ def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerStage, Me
     """``(TrainerStage, MemPSStage, SSDPSStage)`` of ``job``. ``n_slots`` sizes the default
     MEM-PS budget (read from the schema when not given)."""
     t, p = job.tiers, job.pipeline
-    trainer = TrainerStage(config=job.train_config(), n_devices=p.n_devices, device=p.device,
-                           threads=p.threads, hbm_capacity=p.hbm_rows)
+    trainer = TrainerStage(
+        config=job.train_config(), n_devices=p.n_devices, device=p.device, threads=p.threads, hbm_capacity=p.hbm_rows
+    )
     if t.mem_bytes is not None:
         mem = MemPSStage(capacity_bytes=t.mem_bytes, options=dict(t.mem))
     else:
@@ -56,17 +57,30 @@ def cluster_kwargs(job: JobConfig) -> dict:
     c = job.cluster
     if c.chunk_bytes < 4:
         raise ConfigError(job.where, "cluster.chunk_bytes", f"must be at least 4 bytes, got {c.chunk_bytes}")
-    return {"nodes": c.nodes or None,
-            "sync": SyncStage(consistency=c.consistency, staleness=c.staleness, dense=c.dense_sync,
-                              chunk_bytes=c.chunk_bytes)}
+    return {
+        "nodes": c.nodes or None,
+        "sync": SyncStage(
+            consistency=c.consistency, staleness=c.staleness, dense=c.dense_sync, chunk_bytes=c.chunk_bytes
+        ),
+    }
 
 
-def pipeline(job: JobConfig, address: str | None = None, name: str | None = None,
-             transforms: Sequence[Callable] = ()) -> Pipeline:
+def pipeline(
+    job: JobConfig, address: str | None = None, name: str | None = None, transforms: Sequence[Callable] = ()
+) -> Pipeline:
     """A :class:`~hpsray.pipelines.Pipeline` for ``job`` (``address`` overrides ``cluster.address``)."""
     kwargs = cluster_kwargs(job)
     src = source(job)
     trainer, mem, ssd = stages(job, src.n_slots)
-    return Pipeline(src, trainer, mem, ssd, transforms=transforms, batch_size=job.pipeline.batch_size,
-                    read_queue=job.pipeline.read_queue, address=address or job.cluster.address, name=name,
-                    **kwargs)
+    return Pipeline(
+        src,
+        trainer,
+        mem,
+        ssd,
+        transforms=transforms,
+        batch_size=job.pipeline.batch_size,
+        read_queue=job.pipeline.read_queue,
+        address=address or job.cluster.address,
+        name=name,
+        **kwargs,
+    )

@@ -80,8 +80,9 @@ class JobConfig:
         top = chk.Table(d, "", where)
         data_t = top.sub("data")
         if data_t is None:
-            raise ConfigError(where, "data",
-                              "missing section: give [data] with paths = [...] or a [data.synthetic] table")
+            raise ConfigError(
+                where, "data", "missing section: give [data] with paths = [...] or a [data.synthetic] table"
+            )
         pipeline = parse_pipeline(top.sub("pipeline") or chk.Table({}, "pipeline", where))
         job = cls(
             data=parse_data(data_t, base_dir),
@@ -95,9 +96,11 @@ class JobConfig:
         )
         top.done()
         if job.pipeline.minibatch_size > job.pipeline.batch_size:
-            raise ConfigError(where, "pipeline.minibatch_size",
-                              f"must not exceed pipeline.batch_size ({job.pipeline.batch_size}), "
-                              f"got {job.pipeline.minibatch_size}")
+            raise ConfigError(
+                where,
+                "pipeline.minibatch_size",
+                f"must not exceed pipeline.batch_size ({job.pipeline.batch_size}), got {job.pipeline.minibatch_size}",
+            )
         try:
             job.train_config()
         except (ValueError, TypeError) as e:
@@ -109,10 +112,16 @@ class JobConfig:
     def train_config(self) -> TrainConfig:
         """The :class:`TrainConfig` (model shape, optimizers, mini-batch, seed) of this job."""
         return TrainConfig(
-            dim=self.model.dim, hidden=self.model.hidden, sparse_optimizer=self.optimizer.sparse,
-            sparse_lr=self.optimizer.sparse_lr, dense_optimizer=self.optimizer.dense,
-            dense_lr=self.optimizer.dense_lr, minibatch_size=self.pipeline.minibatch_size,
-            init_scale=self.model.init_scale, seed=self.model.seed, sparse_params=dict(self.optimizer.sparse_params),
+            dim=self.model.dim,
+            hidden=self.model.hidden,
+            sparse_optimizer=self.optimizer.sparse,
+            sparse_lr=self.optimizer.sparse_lr,
+            dense_optimizer=self.optimizer.dense,
+            dense_lr=self.optimizer.dense_lr,
+            minibatch_size=self.pipeline.minibatch_size,
+            init_scale=self.model.init_scale,
+            seed=self.model.seed,
+            sparse_params=dict(self.optimizer.sparse_params),
         )
 
     def schema(self):
@@ -133,14 +142,20 @@ class JobConfig:
             raise ConfigError(self.where, "data.schema", f"{directory}/{SCHEMA_FILE} is invalid: {e}") from None
         if schema is not None:
             if d.format is not None and schema.format != d.format:
-                raise ConfigError(self.where, "data.format",
-                                  f"{d.format!r} contradicts {directory}/{SCHEMA_FILE} (format {schema.format!r})")
+                raise ConfigError(
+                    self.where,
+                    "data.format",
+                    f"{d.format!r} contradicts {directory}/{SCHEMA_FILE} (format {schema.format!r})",
+                )
             return schema
         if d.format == "criteo":
             return Schema.criteo()
-        raise ConfigError(self.where, "data.schema",
-                          f"missing: no [data.schema] table and no {SCHEMA_FILE} in {directory}; declare the columns "
-                          "(or set data.format = \"criteo\" for Criteo TSV)")
+        raise ConfigError(
+            self.where,
+            "data.schema",
+            f"missing: no [data.schema] table and no {SCHEMA_FILE} in {directory}; declare the columns "
+            '(or set data.format = "criteo" for Criteo TSV)',
+        )
 
     def to_dict(self) -> dict:
         """The resolved job as plain data (for the run report): defaults filled, paths absolute."""

@@ -56,9 +56,14 @@ class SyntheticSection:
     def generator(self):
         """The :class:`~hpsray.data.PlantedCTR` this table describes."""
         nnz = self.slots if self.nnz is None else self.nnz
-        return PlantedCTR(n_slots=self.slots, keys_per_slot=self.keys,
-                          nnz_per_slot=PlantedCTR.spread_nnz(self.slots, nnz),
-                          n_dense=self.dense, zipf_a=self.zipf, seed=self.seed)
+        return PlantedCTR(
+            n_slots=self.slots,
+            keys_per_slot=self.keys,
+            nnz_per_slot=PlantedCTR.spread_nnz(self.slots, nnz),
+            n_dense=self.dense,
+            zipf_a=self.zipf,
+            seed=self.seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -147,8 +152,8 @@ class ClusterSection:
     chunk_bytes: int = 32768
 
 
-
 # -- reading each section's table ---------------------------------------------------------
+
 
 def parse_data(t: chk.Table, base: str) -> DataSection:
 
@@ -191,7 +196,10 @@ def parse_data(t: chk.Table, base: str) -> DataSection:
     return DataSection(
         paths=tuple(chk.resolve_path(p, base) for p in paths),
         eval_paths=tuple(chk.resolve_path(p, base) for p in eval_paths),
-        format=fmt, schema=schema, bad_input=policy, synthetic=synthetic,
+        format=fmt,
+        schema=schema,
+        bad_input=policy,
+        synthetic=synthetic,
     )
 
 
@@ -236,9 +244,11 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
     mem: dict = {}
     mem_t = t.sub("mem")
     if mem_t is not None:
-        for k, check in (("lru_fraction", chk.number(0.0, 1.0)),
-                         ("aging", chk.number(0.0, lo_open=True, optional=True)),
-                         ("history", chk.number(0.0, lo_open=True, optional=True))):
+        for k, check in (
+            ("lru_fraction", chk.number(0.0, 1.0)),
+            ("aging", chk.number(0.0, lo_open=True, optional=True)),
+            ("history", chk.number(0.0, lo_open=True, optional=True)),
+        ):
             v = mem_t.take(k, check, chk.UNSET)
             if v is not chk.UNSET:
                 mem[k] = v
@@ -246,13 +256,15 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
     ssd: dict = {}
     ssd_t = t.sub("ssd")
     if ssd_t is not None:
-        for k, check in (("rows_per_file", chk.integer(1)),
-                         ("stale_threshold", chk.number(0.0, 1.0, lo_open=True, hi_open=True)),
-                         ("compact_trigger", chk.number(1.0)),
-                         ("max_space_ratio", chk.number(1.0, optional=True)),
-                         ("background", chk.boolean),
-                         ("io_threads", chk.integer(1)),
-                         ("compact_pass_bytes", chk.size)):
+        for k, check in (
+            ("rows_per_file", chk.integer(1)),
+            ("stale_threshold", chk.number(0.0, 1.0, lo_open=True, hi_open=True)),
+            ("compact_trigger", chk.number(1.0)),
+            ("max_space_ratio", chk.number(1.0, optional=True)),
+            ("background", chk.boolean),
+            ("io_threads", chk.integer(1)),
+            ("compact_pass_bytes", chk.size),
+        ):
             v = ssd_t.take(k, check, chk.UNSET)
             if v is not chk.UNSET:
                 ssd[k] = v
@@ -282,11 +294,14 @@ def parse_pipeline(t: chk.Table) -> PipelineSection:
 
 
 def parse_cluster(t: chk.Table) -> ClusterSection:
-    c = ClusterSection(address=t.take("address", chk.string) or None, nodes=t.take("nodes", chk.integer(0), 1),
-                       consistency=t.take("consistency", chk.choice(CONSISTENCY_MODES), "bsp"),
-                       staleness=t.take("staleness", chk.integer(0), 2),
-                       dense_sync=t.take("dense_sync", chk.choice(DENSE_SYNC), "allreduce"),
-                       chunk_bytes=t.take("chunk_bytes", chk.size, 32768))
+    c = ClusterSection(
+        address=t.take("address", chk.string) or None,
+        nodes=t.take("nodes", chk.integer(0), 1),
+        consistency=t.take("consistency", chk.choice(CONSISTENCY_MODES), "bsp"),
+        staleness=t.take("staleness", chk.integer(0), 2),
+        dense_sync=t.take("dense_sync", chk.choice(DENSE_SYNC), "allreduce"),
+        chunk_bytes=t.take("chunk_bytes", chk.size, 32768),
+    )
     t.done()
     return c
 

@@ -32,8 +32,17 @@ __all__ = [
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class Table:
@@ -85,8 +94,9 @@ class Bad(Exception):
 
 
 def type_name(v: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
-            dict: "table"}.get(type(v), type(v).__name__)
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(
+        type(v), type(v).__name__
+    )
 
 
 def integer(lo: int) -> Callable[[Any], int]:
@@ -96,11 +106,17 @@ def integer(lo: int) -> Callable[[Any], int]:
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise Bad(f"must be {what}, got {v!r}")
         return v
+
     return check
 
 
-def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
-           optional: bool = False) -> Callable[[Any], float | None]:
+def number(
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    optional: bool = False,
+) -> Callable[[Any], float | None]:
     def check(v: Any) -> float | None:
         if optional and v is False:
             return None
@@ -111,10 +127,14 @@ def number(lo: float | None = None, hi: float | None = None, lo_open: bool = Fal
         if bad_lo or bad_hi:
             lb = "" if lo is None else ("(" if lo_open else "[") + f"{lo:g}"
             ub = "" if hi is None else f"{hi:g}" + (")" if hi_open else "]")
-            rng = f"in {lb}, {ub}" if lo is not None and hi is not None else (
-                f"{'>' if lo_open else '>='} {lo:g}" if lo is not None else f"{'<' if hi_open else '<='} {hi:g}")
+            rng = (
+                f"in {lb}, {ub}"
+                if lo is not None and hi is not None
+                else (f"{'>' if lo_open else '>='} {lo:g}" if lo is not None else f"{'<' if hi_open else '<='} {hi:g}")
+            )
             raise Bad(f"must be {rng}, got {v!r}")
         return float(v)
+
     return check
 
 
@@ -123,6 +143,7 @@ def choice(options: tuple[str, ...]) -> Callable[[Any], str]:
         if not isinstance(v, str) or v.lower() not in options:
             raise Bad(f"must be one of {', '.join(options)}, got {v!r}")
         return v.lower()
+
     return check
 
 
@@ -143,7 +164,7 @@ def size(v: Any) -> int:
     if isinstance(v, str):
         m = _SIZE.match(v)
         if not m:
-            raise Bad(f"must be a byte count such as 1073741824 or \"1 GiB\", got {v!r}")
+            raise Bad(f'must be a byte count such as 1073741824 or "1 GiB", got {v!r}')
         v = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise Bad(f"must be a positive byte count, got {v!r}")
@@ -159,8 +180,11 @@ def paths(v: Any) -> tuple[str, ...]:
 
 
 def hidden(v: Any) -> tuple[int, ...]:
-    if isinstance(v, bool) or not isinstance(v, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in v):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, list)
+        or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in v)
+    ):
         raise Bad(f"must be an array of positive integers (MLP widths), got {v!r}")
     return tuple(v)
 

@@ -35,9 +35,7 @@ def make_table(
         try:
             from hpsray.kernels.cuda import CudaHashTable, cuda_available
         except ImportError as exc:
-            raise RuntimeError(
-                f"device='cuda' needs numba-cuda (pip install 'numba-cuda[cu12]'): {exc}"
-            ) from exc
+            raise RuntimeError(f"device='cuda' needs numba-cuda (pip install 'numba-cuda[cu12]'): {exc}") from exc
         if not cuda_available():
             raise RuntimeError(
                 "device='cuda' but no CUDA device is available here; use device='cpu', or set "

@@ -258,8 +258,13 @@ class CpuHashTable(HashTable):
             return out
         init = self.init
         _init_rows(
-            self._rows, self._row_keys, new_slots[:n_new], init.dim,
-            np.float32(init.scale), np.uint64(init.seed), np.float32(init.state_value),
+            self._rows,
+            self._row_keys,
+            new_slots[:n_new],
+            init.dim,
+            np.float32(init.scale),
+            np.uint64(init.seed),
+            np.float32(init.state_value),
         )
         return out
 

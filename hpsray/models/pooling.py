@@ -72,8 +72,9 @@ class _PoolSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, layout: BagLayout) -> torch.Tensor:
         ctx.layout, ctx.n_rows = layout, rows.shape[0]
-        return F.embedding_bag(torch.from_numpy(layout.inverse), rows.detach(),
-                               torch.from_numpy(layout.bag_offsets), mode="sum")
+        return F.embedding_bag(
+            torch.from_numpy(layout.inverse), rows.detach(), torch.from_numpy(layout.bag_offsets), mode="sum"
+        )
 
     @staticmethod
     def backward(ctx, grad_pooled: torch.Tensor):

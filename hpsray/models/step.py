@@ -36,8 +36,9 @@ class DenseReplicas:
     """``n`` identical copies of a model, each with its own dense optimizer, kept in lockstep,
     on ``device`` (the CPU when ``None``; the model is moved there)."""
 
-    def __init__(self, model: torch.nn.Module, n: int, optimizer: str, lr: float,
-                 device: StepDevice | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, n: int, optimizer: str, lr: float, device: StepDevice | None = None
+    ) -> None:
         if n < 1:
             raise ValueError(f"need at least one dense replica, got {n}")
         self.device = device or StepDevice("cpu")
@@ -53,7 +54,10 @@ class DenseReplicas:
             m.train(mode)
 
     def step(
-        self, mb: Batch, weights_of: Callable[[Any], Any], total: int | None = None,
+        self,
+        mb: Batch,
+        weights_of: Callable[[Any], Any],
+        total: int | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, Any, Any]:
         """Forward/backward over ``mb`` and one dense optimizer step.
@@ -84,9 +88,10 @@ class DenseReplicas:
             layout = BagLayout.of(part, xp)
             emb = dev.tensor(weights_of(layout.unique_keys)).requires_grad_(True)
             logits = model(pool_sum(emb, layout), dev.tensor(part.dense))
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, dev.tensor(part.labels), reduction="sum"
-            ) / n_total
+            loss = (
+                torch.nn.functional.binary_cross_entropy_with_logits(logits, dev.tensor(part.labels), reduction="sum")
+                / n_total
+            )
             loss.backward()
             loss_sum = loss_sum + loss.detach()
             keys_out.append(layout.unique_keys)
@@ -119,10 +124,12 @@ class DenseReplicas:
         """Sum the replicas' gradients locally, then over nodes with ``reduce``, and give every
         replica the total (zeros stand in for parameters without a gradient)."""
         params = [list(m.parameters()) for m in self.models]
-        flat = torch.cat([
-            sum((p.grad for p in group if p.grad is not None), torch.zeros_like(group[0])).reshape(-1)
-            for group in zip(*params)
-        ])
+        flat = torch.cat(
+            [
+                sum((p.grad for p in group if p.grad is not None), torch.zeros_like(group[0])).reshape(-1)
+                for group in zip(*params)
+            ]
+        )
         total = reduce(flat)
         for group in zip(*params):
             n = group[0].numel()

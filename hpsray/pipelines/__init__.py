@@ -6,5 +6,14 @@ from hpsray.pipelines.pipeline import Pipeline, TrainingStopped
 from hpsray.pipelines.sources import FileSource, SyntheticSource
 from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
-__all__ = ["BoundedEdge", "FileSource", "MemPSStage", "Pipeline", "SSDPSStage", "SyncStage", "SyntheticSource",
-           "TrainerStage", "TrainingStopped"]
+__all__ = [
+    "BoundedEdge",
+    "FileSource",
+    "MemPSStage",
+    "Pipeline",
+    "SSDPSStage",
+    "SyncStage",
+    "SyntheticSource",
+    "TrainerStage",
+    "TrainingStopped",
+]

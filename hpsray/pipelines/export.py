@@ -78,9 +78,17 @@ def input_spec(schema) -> dict:
     }
 
 
-def export(pipeline_or_rows: Any, directory: str | os.PathLike, config, *, n_slots: int | None = None,
-           n_dense: int | None = None, rows_per_file: int = DEFAULT_ROWS_PER_FILE,
-           extra: Mapping[str, Any] | None = None, schema: Any = None) -> dict:
+def export(
+    pipeline_or_rows: Any,
+    directory: str | os.PathLike,
+    config,
+    *,
+    n_slots: int | None = None,
+    n_dense: int | None = None,
+    rows_per_file: int = DEFAULT_ROWS_PER_FILE,
+    extra: Mapping[str, Any] | None = None,
+    schema: Any = None,
+) -> dict:
     """Write a trained model to ``directory``; returns the manifest.
 
     Args:
@@ -118,8 +126,9 @@ def export(pipeline_or_rows: Any, directory: str | os.PathLike, config, *, n_slo
     rows = np.asarray(rows, dtype=np.float32)
     dim, width = config.dim, config.row_width
     if rows.ndim != 2 or rows.shape != (keys.size, width):
-        raise ValueError(f"export: expected rows float32[{keys.size}, {width}] (dim {dim} + optimizer state), "
-                         f"got {rows.shape}")
+        raise ValueError(
+            f"export: expected rows float32[{keys.size}, {width}] (dim {dim} + optimizer state), got {rows.shape}"
+        )
     order = np.argsort(keys, kind="stable")
     keys, rows = keys[order], rows[order]
     if keys.size > 1 and np.any(keys[1:] == keys[:-1]):
@@ -256,8 +265,7 @@ def compare_exports(a: tuple[np.ndarray, np.ndarray, Mapping], b: tuple[np.ndarr
     if set(da) != set(db) or any(tuple(da[n].shape) != tuple(db[n].shape) for n in da):
         dense_diff = float("inf")
     else:
-        dense_diff = max((float((da[n].float() - db[n].float()).abs().max()) for n in da if da[n].numel()),
-                         default=0.0)
+        dense_diff = max((float((da[n].float() - db[n].float()).abs().max()) for n in da if da[n].numel()), default=0.0)
     return {
         "rows_a": int(ka.size),
         "rows_b": int(kb.size),

@@ -81,10 +81,20 @@ class Pipeline:
             gradients (all-reduce or PHub-style chunks).
     """
 
-    def __init__(self, source, trainer: TrainerStage | None = None, mem: MemPSStage | None = None,
-                 ssd: SSDPSStage | None = None, transforms: Sequence[Callable[[Batch], Batch]] = (),
-                 batch_size: int = 65536, read_queue: int = 2, address: str | None = None,
-                 name: str | None = None, nodes: int | None = 1, sync: SyncStage | None = None) -> None:
+    def __init__(
+        self,
+        source,
+        trainer: TrainerStage | None = None,
+        mem: MemPSStage | None = None,
+        ssd: SSDPSStage | None = None,
+        transforms: Sequence[Callable[[Batch], Batch]] = (),
+        batch_size: int = 65536,
+        read_queue: int = 2,
+        address: str | None = None,
+        name: str | None = None,
+        nodes: int | None = 1,
+        sync: SyncStage | None = None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if read_queue < 1:
@@ -119,8 +129,10 @@ class Pipeline:
         alive = training_nodes()
         n_nodes = self.n_nodes or len(alive)
         if n_nodes > len(alive):
-            raise ValueError(f"the pipeline asks for {n_nodes} nodes but the Ray cluster has {len(alive)} alive; "
-                             "start more nodes (ray start --address=...) or lower cluster.nodes")
+            raise ValueError(
+                f"the pipeline asks for {n_nodes} nodes but the Ray cluster has {len(alive)} alive; "
+                "start more nodes (ray start --address=...) or lower cluster.nodes"
+            )
         width = self.config.row_width
         ssd_path = self.ssd_stage.path
         if ssd_path is None:
@@ -130,15 +142,40 @@ class Pipeline:
         for i, node in enumerate(alive[:n_nodes]):
             opts = dict(num_cpus=0, scheduling_strategy=on_node(node["NodeID"]), max_concurrency=1)
             threads = t.threads or max(1, int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1))
-            ssd = ray.remote(SSDPSShard).options(name=f"{self.name}:SSDPS[node {i}]", **opts).remote(
-                i, f"{ssd_path}/node-{i}", width, **self.ssd_stage.options)
-            mem = ray.remote(MemPSShard).options(name=f"{self.name}:MemPS[node {i}]", **opts).remote(
-                i, ssd, width, self.config.row_init(), self.mem_stage.capacity_rows, self.mem_stage.capacity_bytes,
-                **self.mem_stage.options)
-            trainer = ray.remote(Trainer).options(name=f"{self.name}:Trainer[node {i}]",
-                                                  **_trainer_resources(opts, t.device, node)).remote(
-                i, n_nodes, self.config, self.source.n_slots, self.source.n_dense, capacity, t.n_devices, t.device,
-                t.model, threads)
+            ssd = (
+                ray.remote(SSDPSShard)
+                .options(name=f"{self.name}:SSDPS[node {i}]", **opts)
+                .remote(i, f"{ssd_path}/node-{i}", width, **self.ssd_stage.options)
+            )
+            mem = (
+                ray.remote(MemPSShard)
+                .options(name=f"{self.name}:MemPS[node {i}]", **opts)
+                .remote(
+                    i,
+                    ssd,
+                    width,
+                    self.config.row_init(),
+                    self.mem_stage.capacity_rows,
+                    self.mem_stage.capacity_bytes,
+                    **self.mem_stage.options,
+                )
+            )
+            trainer = (
+                ray.remote(Trainer)
+                .options(name=f"{self.name}:Trainer[node {i}]", **_trainer_resources(opts, t.device, node))
+                .remote(
+                    i,
+                    n_nodes,
+                    self.config,
+                    self.source.n_slots,
+                    self.source.n_dense,
+                    capacity,
+                    t.n_devices,
+                    t.device,
+                    t.model,
+                    threads,
+                )
+            )
             self._nodes.append(_Node(i, node["NodeID"], ssd, mem, trainer))
         if n_nodes > 1:
             self._join_group()
@@ -150,16 +187,24 @@ class Pipeline:
         if sync.dense == "chunked":
             from hpsray.cluster.aggregation import start_aggregators
 
-            aggregators = start_aggregators(len(self._nodes), node_ids=[n.node_id for n in self._nodes],
-                                            name_prefix=self.name)
+            aggregators = start_aggregators(
+                len(self._nodes), node_ids=[n.node_id for n in self._nodes], name_prefix=self.name
+            )
             self._aggregators = list(aggregators)
         board = None
         if sync.consistency != "bsp":
             from hpsray.cluster.consistency import ClockBoard
 
-            board = ray.remote(ClockBoard).options(
-                name=f"{self.name}:ClockBoard", num_cpus=0, scheduling_strategy=on_node(self._nodes[0].node_id),
-                max_concurrency=1000).remote(len(self._nodes))
+            board = (
+                ray.remote(ClockBoard)
+                .options(
+                    name=f"{self.name}:ClockBoard",
+                    num_cpus=0,
+                    scheduling_strategy=on_node(self._nodes[0].node_id),
+                    max_concurrency=1000,
+                )
+                .remote(len(self._nodes))
+            )
             self._aggregators = [*(self._aggregators or []), board]
         group = f"{self.name}:trainers"
         ray.get([n.trainer.join.remote(len(self._nodes), group, sync, aggregators, board) for n in self._nodes])
@@ -168,8 +213,11 @@ class Pipeline:
         """Node ``node``'s reader, reading share ``index`` of ``count`` of ``source`` from now on."""
         if node.reader is None:
             opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
-            node.reader = ray.remote(Reader).options(name=f"{self.name}:Reader[node {node.index}]", **opts).remote(
-                source, self.batch_size, node.index, index, count, self.transforms, len(self._nodes))
+            node.reader = (
+                ray.remote(Reader)
+                .options(name=f"{self.name}:Reader[node {node.index}]", **opts)
+                .remote(source, self.batch_size, node.index, index, count, self.transforms, len(self._nodes))
+            )
         else:  # actor tasks from this driver run in order: the pass's reads come after this
             node.reader.open.remote(source, self.batch_size, index, count)
         return node.reader
@@ -191,8 +239,7 @@ class Pipeline:
         for node in nodes:
             self._open_reader(node, self.source, node.index, n)
         reads = [BoundedEdge(f"read→pull[node {i}]" if n > 1 else "read→pull", self.read_queue) for i in range(n)]
-        write_backs = [BoundedEdge(f"train→write-back[node {i}]" if n > 1 else "train→write-back", 2)
-                       for i in range(n)]
+        write_backs = [BoundedEdge(f"train→write-back[node {i}]" if n > 1 else "train→write-back", 2) for i in range(n)]
         pending: list = []  # per batch read ahead: per node (batch ref, key refs by owner, examples ref)
         first = self._next_batch
         # the actors' processes start (seconds, on the first pass) before the clock does
@@ -229,9 +276,12 @@ class Pipeline:
             lent, fresh = lend(0, row), None
             while True:
                 plan = {"sizes": sizes}
-                results = [node.trainer.train.options(num_returns=n + 1).remote(
-                    first + t, [row[b][0], *row[b][1], *lent[b], *(fresh[b] if fresh else ())], plan)
-                    for b, node in enumerate(nodes)]
+                results = [
+                    node.trainer.train.options(num_returns=n + 1).remote(
+                        first + t, [row[b][0], *row[b][1], *lent[b], *(fresh[b] if fresh else ())], plan
+                    )
+                    for b, node in enumerate(nodes)
+                ]
                 in_training = (first + t, results)
                 outcomes += [r[-1] for r in results]
                 read(t + self.read_queue)
@@ -304,9 +354,19 @@ class Pipeline:
         ``per_node`` keeps every node's own figures.
         """
         nodes = self._nodes
-        stats = ray.get([ref for node in nodes for ref in (
-            node.reader.stats.remote(), node.mem.stats.remote(), node.ssd.stats.remote(),
-            node.trainer.stats.remote(), node.reader.bad_input.remote())])
+        stats = ray.get(
+            [
+                ref
+                for node in nodes
+                for ref in (
+                    node.reader.stats.remote(),
+                    node.mem.stats.remote(),
+                    node.ssd.stats.remote(),
+                    node.trainer.stats.remote(),
+                    node.reader.bad_input.remote(),
+                )
+            ]
+        )
         per_node = [stats[5 * i : 5 * i + 5] for i in range(len(nodes))]
         mine = set(batches)
         node_busy, node_per_batch = [], []
@@ -316,12 +376,25 @@ class Pipeline:
             node_per_batch.append(pb)
             node_busy.append({name: float(sum(v.values())) for name, v in pb.items()})
         busy = {name: max(nb[name] for nb in node_busy) for name in node_busy[0]}
-        per_batch = {name: {b: max(pb[name].get(b, 0.0) for pb in node_per_batch) for b in sorted(mine)}
-                     for name in node_per_batch[0]}
-        hit_rate = {b: float(np.mean([mem["hit_rate"][b] for _, mem, _, _, _ in per_node if b in mem["hit_rate"]]))
-                    for b in sorted(mine) if any(b in mem["hit_rate"] for _, mem, _, _, _ in per_node)}
-        ssd_keys = ("bytes_read", "bytes_written", "files", "disk_bytes", "live_bytes", "compactions",
-                    "load_seconds", "dump_seconds")
+        per_batch = {
+            name: {b: max(pb[name].get(b, 0.0) for pb in node_per_batch) for b in sorted(mine)}
+            for name in node_per_batch[0]
+        }
+        hit_rate = {
+            b: float(np.mean([mem["hit_rate"][b] for _, mem, _, _, _ in per_node if b in mem["hit_rate"]]))
+            for b in sorted(mine)
+            if any(b in mem["hit_rate"] for _, mem, _, _, _ in per_node)
+        }
+        ssd_keys = (
+            "bytes_read",
+            "bytes_written",
+            "files",
+            "disk_bytes",
+            "live_bytes",
+            "compactions",
+            "load_seconds",
+            "dump_seconds",
+        )
         stores = [ssd["store"] for _, _, ssd, _, _ in per_node]
         ssd_total = {k: sum(st[k] for st in stores) for k in ssd_keys}
         ssd_total["space_ratio"] = ssd_total["disk_bytes"] / ssd_total["live_bytes"] if ssd_total["live_bytes"] else 0.0
@@ -353,8 +426,10 @@ class Pipeline:
                 "dense": self.sync.dense,
                 "exchanged_bytes_per_minibatch": float(np.mean([tr["exchanged_bytes_per_step"] for tr in trainers])),
             }
-            report["per_node"] = [{"node": i, "stage_busy_s": nb, "examples": r[0]["examples"], "cache": r[1]["cache"]}
-                                  for i, (nb, r) in enumerate(zip(node_busy, per_node))]
+            report["per_node"] = [
+                {"node": i, "stage_busy_s": nb, "examples": r[0]["examples"], "cache": r[1]["cache"]}
+                for i, (nb, r) in enumerate(zip(node_busy, per_node))
+            ]
         return report
 
     # -- using the trained model ---------------------------------------------------------
@@ -403,8 +478,13 @@ class Pipeline:
         """Actor handles by dashboard name."""
         out = {}
         for n in self._nodes:
-            out.update({f"SSDPS[node {n.index}]": n.ssd, f"MemPS[node {n.index}]": n.mem,
-                        f"Trainer[node {n.index}]": n.trainer})
+            out.update(
+                {
+                    f"SSDPS[node {n.index}]": n.ssd,
+                    f"MemPS[node {n.index}]": n.mem,
+                    f"Trainer[node {n.index}]": n.trainer,
+                }
+            )
             if n.reader is not None:
                 out[f"Reader[node {n.index}]"] = n.reader
         return out
@@ -443,7 +523,8 @@ def _trainer_resources(opts: dict, device: str, node: dict) -> dict:
     gpus = node.get("Resources", {}).get("GPU", 0)
     if gpus < 1:
         raise ConfigError(
-            f"Ray node {node.get('NodeManagerAddress', node['NodeID'])}", "pipeline.device",
+            f"Ray node {node.get('NodeManagerAddress', node['NodeID'])}",
+            "pipeline.device",
             f"'cuda' but the node offers no GPU (its resources: {', '.join(sorted(node.get('Resources', {})))}); "
             "start it with GPUs visible (ray start --num-gpus=N) or train with device = 'cpu'",
         )

@@ -35,5 +35,13 @@ def known_examples(source) -> int | None:
 
 def progress_bar(total: int | None, enabled: bool = True, desc: str = "hpsray") -> tqdm:
     """A bar counting examples on stderr; disabled (a no-op) unless ``enabled`` and stderr is a terminal."""
-    return tqdm(total=total, disable=not enabled or not sys.stderr.isatty(), desc=desc, unit=" examples",
-                unit_scale=True, dynamic_ncols=True, leave=True, file=sys.stderr)
+    return tqdm(
+        total=total,
+        disable=not enabled or not sys.stderr.isatty(),
+        desc=desc,
+        unit=" examples",
+        unit_scale=True,
+        dynamic_ncols=True,
+        leave=True,
+        file=sys.stderr,
+    )

@@ -140,26 +140,36 @@ def format_stage_table(report: Mapping[str, Any]) -> str:
         lines.append(f"{name:<8}{busy[name]:>10.2f}{share:>10.1f}%{mean:>14.3f}{peak:>13.3f}")
     ex = report.get("examples", 0)
     startup = float(report.get("startup_s") or 0.0)
-    lines.append(f"wall {wall:.2f} s, {report.get('batches', 0)} batches, {ex:,} examples, "
-                 f"{report.get('examples_per_s', 0.0):,.0f} examples/s"
-                 + (f" (after {startup:.2f} s starting actors)" if startup >= 0.01 else ""))
+    lines.append(
+        f"wall {wall:.2f} s, {report.get('batches', 0)} batches, {ex:,} examples, "
+        f"{report.get('examples_per_s', 0.0):,.0f} examples/s"
+        + (f" (after {startup:.2f} s starting actors)" if startup >= 0.01 else "")
+    )
     if busy:
         slowest = max(busy, key=busy.get)
-        lines.append(f"pipeline efficiency {report.get('pipeline_efficiency', 0.0):.2f} "
-                     f"(slowest stage {slowest}: busy {busy[slowest]:.2f} s of {wall:.2f} s wall)")
+        lines.append(
+            f"pipeline efficiency {report.get('pipeline_efficiency', 0.0):.2f} "
+            f"(slowest stage {slowest}: busy {busy[slowest]:.2f} s of {wall:.2f} s wall)"
+        )
     _, rates = _series(report.get("cache_hit_rate"))
     if rates:
         overall = (report.get("cache") or {}).get("hit_rate")
         tail = f", overall {overall:.3f}" if isinstance(overall, (int, float)) else ""
-        lines.append(f"cache hit rate per batch: first {rates[0]:.3f}, last {rates[-1]:.3f}, "
-                     f"mean {sum(rates) / len(rates):.3f}{tail}")
+        lines.append(
+            f"cache hit rate per batch: first {rates[0]:.3f}, last {rates[-1]:.3f}, "
+            f"mean {sum(rates) / len(rates):.3f}{tail}"
+        )
     ssd = report.get("ssd") or {}
     if ssd:
-        lines.append(f"SSD-PS: {_bytes(ssd.get('bytes_read', 0))} read in {ssd.get('load_seconds', 0.0):.2f} s, "
-                     f"{_bytes(ssd.get('bytes_written', 0))} written in {ssd.get('dump_seconds', 0.0):.2f} s, "
-                     f"{ssd.get('files', 0)} files, {ssd.get('compactions', 0)} compactions")
+        lines.append(
+            f"SSD-PS: {_bytes(ssd.get('bytes_read', 0))} read in {ssd.get('load_seconds', 0.0):.2f} s, "
+            f"{_bytes(ssd.get('bytes_written', 0))} written in {ssd.get('dump_seconds', 0.0):.2f} s, "
+            f"{ssd.get('files', 0)} files, {ssd.get('compactions', 0)} compactions"
+        )
     bad = report.get("bad_input") or {}
     if bad:
-        lines.append(f"bad input: {bad.get('rows_bad', 0):,} rows and {bad.get('files_bad', 0)} files skipped"
-                     + (f" ({', '.join(f'{k}: {v}' for k, v in bad['counts'].items())})" if bad.get("counts") else ""))
+        lines.append(
+            f"bad input: {bad.get('rows_bad', 0):,} rows and {bad.get('files_bad', 0)} files skipped"
+            + (f" ({', '.join(f'{k}: {v}' for k, v in bad['counts'].items())})" if bad.get("counts") else "")
+        )
     return "\n".join(lines)

@@ -64,8 +64,15 @@ class FileSource:
     def reader(self, batch_size: int, reader_index: int = 0, num_readers: int = 1):
         from hpsray.data import LENIENT, DataReader
 
-        return DataReader(self.paths, self.schema, reader_index=reader_index, num_readers=num_readers,
-                          batch_size=batch_size, policy=self.policy or LENIENT, **self.options)
+        return DataReader(
+            self.paths,
+            self.schema,
+            reader_index=reader_index,
+            num_readers=num_readers,
+            batch_size=batch_size,
+            policy=self.policy or LENIENT,
+            **self.options,
+        )
 
     def open(self, batch_size: int, reader_index: int = 0, num_readers: int = 1) -> Iterator[Batch]:
         return iter(self.reader(batch_size, reader_index, num_readers))

@@ -135,9 +135,16 @@ def calibrate(job, sample: Sample) -> Calibration:
     t0 = time.perf_counter()
     train, params = _time_train(job, sample)
     pull, load, dump = _time_tiers(job, sample)
-    return Calibration(read_s_per_example=sample.read_s / max(sample.examples, 1), train_s_per_example=train,
-                       pull_s_per_row=pull, ssd_load_s_per_row=load, ssd_dump_s_per_row=dump, dense_params=params,
-                       cores=os.cpu_count() or 1, seconds=time.perf_counter() - t0)
+    return Calibration(
+        read_s_per_example=sample.read_s / max(sample.examples, 1),
+        train_s_per_example=train,
+        pull_s_per_row=pull,
+        ssd_load_s_per_row=load,
+        ssd_dump_s_per_row=dump,
+        dense_params=params,
+        cores=os.cpu_count() or 1,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def predict_rate(cal: Calibration, examples: float, distinct: float, ssd_rows: float) -> tuple[float, dict]:

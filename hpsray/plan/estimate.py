@@ -91,8 +91,11 @@ def estimate_keys(sample: Sample, nodes: int, key_space: int | None = None) -> K
     """Key figures of ``sample`` for a job on ``nodes`` nodes, extrapolated to ``sample.size.rows``."""
     merged, shares = _global_batches(sample, nodes)
     owners = [owner_of(k, nodes) if nodes > 1 else None for k in merged]
-    pinned = [int(np.count_nonzero(o == i)) if o is not None else int(k.size)
-              for k, o in zip(merged, owners) for i in range(nodes)]
+    pinned = [
+        int(np.count_nonzero(o == i)) if o is not None else int(k.size)
+        for k, o in zip(merged, owners)
+        for i in range(nodes)
+    ]
     pinned_per = [max(pinned[i::nodes]) for i in range(nodes)]  # a lone batch pins alone
     hbm = max(k.size for k in sample.batch_keys)
     for g in range(len(merged) - 1):
@@ -115,8 +118,16 @@ def estimate_keys(sample: Sample, nodes: int, key_space: int | None = None) -> K
         total = min(total, float(key_space))
     sizes = [k.size for k in merged]
     return KeyEstimate(
-        nodes=nodes, batch_distinct_mean=float(np.mean(sizes)), batch_distinct_max=int(max(sizes)),
-        pinned_max_per_node=pinned_per, hbm_working_set_max=int(hbm), sample_examples=sample.examples,
-        sample_distinct=counted, total_examples=int(total_examples), total_distinct=float(total),
-        growth_exponent=beta, key_space=key_space, pairs=max(len(merged) - 1, 0),
+        nodes=nodes,
+        batch_distinct_mean=float(np.mean(sizes)),
+        batch_distinct_max=int(max(sizes)),
+        pinned_max_per_node=pinned_per,
+        hbm_working_set_max=int(hbm),
+        sample_examples=sample.examples,
+        sample_distinct=counted,
+        total_examples=int(total_examples),
+        total_distinct=float(total),
+        growth_exponent=beta,
+        key_space=key_space,
+        pairs=max(len(merged) - 1, 0),
     )

@@ -110,8 +110,7 @@ def make_plan(job, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: boo
     examples_per_node_batch = bs
     batch_obj = batch_bytes(examples_per_node_batch, sample.keys_per_example, sample.n_dense)
     lent = keys.batch_distinct_mean / nodes
-    in_flight = ((p.read_queue + 2) * (batch_obj + 8 * lent)
-                 + 4 * keys.batch_distinct_mean / max(nodes, 1) * 4 * width)
+    in_flight = (p.read_queue + 2) * (batch_obj + 8 * lent) + 4 * keys.batch_distinct_mean / max(nodes, 1) * 4 * width
     hit_share = min(1.0, capacity / shard) if shard else 1.0
     ssd_rows_per_batch = lent * (1.0 - hit_share)
 
@@ -154,8 +153,11 @@ def make_plan(job, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: boo
             "rows_per_batch": ssd_rows_per_batch,
         },
         "object_store_bytes": int(in_flight),
-        "host_bytes": int(mem_bytes_for_rows(capacity, width, history) + in_flight
-                          + (hbm_bytes + dense_bytes if p.device == "cpu" else 0)),
+        "host_bytes": int(
+            mem_bytes_for_rows(capacity, width, history)
+            + in_flight
+            + (hbm_bytes + dense_bytes if p.device == "cpu" else 0)
+        ),
     }
     plan = Plan(job.where, nodes, bs, width, sample.size, keys, per_node, cal, rate, stages, notes=notes)
     plan.problems = _problems(job, plan, history)
@@ -167,6 +169,7 @@ def _problems(job, plan: Plan, history: float) -> list[Problem]:
     mem, keys, bs = plan.per_node["mem_ps"], plan.keys, plan.batch_size
     need, cap = keys.pinned_max, mem["capacity_rows"]
     setting = "tiers.mem_bytes" if job.tiers.mem_bytes is not None else "tiers.mem_rows"
+
     def budget(rows: int) -> str:
         if setting == "tiers.mem_rows":
             return f"set [tiers] mem_rows >= {rows:,}"
@@ -174,32 +177,48 @@ def _problems(job, plan: Plan, history: float) -> list[Problem]:
 
     if need > cap:
         smaller = max(1, int(bs * cap / need * 0.9))
-        out.append(Problem(
-            "error", setting,
-            f"MEM-PS capacity {cap:,} rows per node: two consecutive batches of {bs:,} examples pin up to "
-            f"{need:,} distinct rows at once (batch t trains while t+1 is pulled), so the run would stop with "
-            "CapacityError",
-            f"{budget(need)} (or lower [pipeline] batch_size to about {smaller:,})"))
+        out.append(
+            Problem(
+                "error",
+                setting,
+                f"MEM-PS capacity {cap:,} rows per node: two consecutive batches of {bs:,} examples pin up to "
+                f"{need:,} distinct rows at once (batch t trains while t+1 is pulled), so the run would stop with "
+                "CapacityError",
+                f"{budget(need)} (or lower [pipeline] batch_size to about {smaller:,})",
+            )
+        )
     elif need > NEAR * cap:
-        out.append(Problem(
-            "warning", setting,
-            f"MEM-PS capacity {cap:,} rows per node holds the {need:,} rows two consecutive sampled batches "
-            f"pin with less than {100 - NEAR * 100:.0f} % to spare; batches outside the sample may not fit",
-            f"{budget(int(need / NEAR) + 1)} for headroom"))
+        out.append(
+            Problem(
+                "warning",
+                setting,
+                f"MEM-PS capacity {cap:,} rows per node holds the {need:,} rows two consecutive sampled batches "
+                f"pin with less than {100 - NEAR * 100:.0f} % to spare; batches outside the sample may not fit",
+                f"{budget(int(need / NEAR) + 1)} for headroom",
+            )
+        )
     tr = plan.per_node["trainer"]
     if tr["hbm_working_set_rows"] > tr["hbm_capacity_rows"]:
-        out.append(Problem(
-            "warning", "pipeline.hbm_rows",
-            f"the trainer's working set ({tr['hbm_working_set_rows']:,} rows) outgrows its HBM-PS tables "
-            f"({tr['hbm_capacity_rows']:,} rows); they will double while training",
-            f"set [pipeline] hbm_rows >= {int(tr['hbm_working_set_rows'] * 1.1):,}"))
+        out.append(
+            Problem(
+                "warning",
+                "pipeline.hbm_rows",
+                f"the trainer's working set ({tr['hbm_working_set_rows']:,} rows) outgrows its HBM-PS tables "
+                f"({tr['hbm_capacity_rows']:,} rows); they will double while training",
+                f"set [pipeline] hbm_rows >= {int(tr['hbm_working_set_rows'] * 1.1):,}",
+            )
+        )
     ssd = plan.per_node["ssd_ps"]
     if ssd["disk_bytes_max"] > ssd["free_bytes"]:
-        out.append(Problem(
-            "error", "tiers.ssd_path",
-            f"SSD-PS needs up to {ssd['disk_bytes_max']:,} bytes per node (live rows × {ssd['max_space_ratio']:g} "
-            f"compaction headroom) but {ssd['path']} has {ssd['free_bytes']:,} free",
-            f"set [tiers] ssd_path to a disk with >= {ssd['disk_bytes_max']:,} bytes free, or raise cluster.nodes"))
+        out.append(
+            Problem(
+                "error",
+                "tiers.ssd_path",
+                f"SSD-PS needs up to {ssd['disk_bytes_max']:,} bytes per node (live rows × {ssd['max_space_ratio']:g} "
+                f"compaction headroom) but {ssd['path']} has {ssd['free_bytes']:,} free",
+                f"set [tiers] ssd_path to a disk with >= {ssd['disk_bytes_max']:,} bytes free, or raise cluster.nodes",
+            )
+        )
     return out
 
 
@@ -207,5 +226,6 @@ def check_plan(plan: Plan) -> None:
     """Raise :class:`~hpsray.errors.CapacityError` naming every fix when the plan has errors."""
     errors = plan.errors
     if errors:
-        raise CapacityError(f"{plan.job}: the job cannot fit: "
-                            + "; ".join(f"{e.setting}: {e.message}; fix: {e.fix}" for e in errors))
+        raise CapacityError(
+            f"{plan.job}: the job cannot fit: " + "; ".join(f"{e.setting}: {e.message}; fix: {e.fix}" for e in errors)
+        )

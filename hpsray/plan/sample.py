@@ -124,8 +124,13 @@ def input_size(job) -> InputSize:
     first = max(splits, key=lambda s: s.nbytes)
     lines, raw_bytes = _count_lines(first, schema.compression)
     per_byte = lines / max(raw_bytes, 1)
-    return InputSize(int(round(per_byte * total)), raw_bytes >= first.nbytes and len(splits) == 1,
-                     len(splits), total, f"lines per byte of {first.uri} × bytes of all files")
+    return InputSize(
+        int(round(per_byte * total)),
+        raw_bytes >= first.nbytes and len(splits) == 1,
+        len(splits),
+        total,
+        f"lines per byte of {first.uri} × bytes of all files",
+    )
 
 
 def _count_lines(split, declared: str) -> tuple[int, int]:

@@ -62,6 +62,13 @@ class CudaTieredLookup:
 
     def stats(self) -> dict:
         c = self.cache
-        return {"mode": "cuda-tiered", "rows_in_memory": c.capacity, "rows_on_ssd": len(self.store),
-                "lookups": c.lookups, "hits": c.hits, "ssd_reads": self.ssd_reads, "unseen": self.unseen,
-                "ssd_path": self.reader.path}
+        return {
+            "mode": "cuda-tiered",
+            "rows_in_memory": c.capacity,
+            "rows_on_ssd": len(self.store),
+            "lookups": c.lookups,
+            "hits": c.hits,
+            "ssd_reads": self.ssd_reads,
+            "unseen": self.unseen,
+            "ssd_path": self.reader.path,
+        }

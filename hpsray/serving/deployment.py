@@ -63,8 +63,15 @@ class Predictor:
         torch_threads: torch's intra-op threads in the replica.
     """
 
-    def __init__(self, model_dir: str, load: dict | None = None, max_batch_size: int = 16,
-                 batch_wait_s: float = 0.002, watch_s: float = 2.0, torch_threads: int = 1) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        load: dict | None = None,
+        max_batch_size: int = 16,
+        batch_wait_s: float = 0.002,
+        watch_s: float = 2.0,
+        torch_threads: int = 1,
+    ) -> None:
         import torch
 
         torch.set_num_threads(torch_threads)  # one batch at a time; more threads only contend

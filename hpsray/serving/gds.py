@@ -66,8 +66,10 @@ class DeviceRowReader:
         dim, nbytes = self.store.dim, 4 * self.store.dim
         if self._file is not None:
             order = np.argsort(file_rows, kind="stable")
-            futures = [self._file.pread(out[int(d)], nbytes, int(f) * self.store.stride)
-                       for f, d in zip(file_rows[order], out_rows[order])]
+            futures = [
+                self._file.pread(out[int(d)], nbytes, int(f) * self.store.stride)
+                for f, d in zip(file_rows[order], out_rows[order])
+            ]
             for fut in futures:
                 if fut.get() != nbytes:
                     raise OSError(f"{self.store.directory}/rows.f32: short read through kvikio")

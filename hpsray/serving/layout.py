@@ -110,8 +110,10 @@ def build_point_store(export_dir: str | os.PathLike, *, rebuild: bool = False) -
     if written != n:
         raise ServingError(f"{export_dir}: {written} rows in the files, the manifest says {n}")
     with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump({"format": FORMAT, "version": VERSION, "dim": dim, "rows": n, "stride": stride,
-                   "manifest_mtime_ns": stamp}, f)
+        json.dump(
+            {"format": FORMAT, "version": VERSION, "dim": dim, "rows": n, "stride": stride, "manifest_mtime_ns": stamp},
+            f,
+        )
     if os.path.exists(target):
         shutil.rmtree(target, ignore_errors=True)
     try:

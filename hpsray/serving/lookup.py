@@ -72,8 +72,7 @@ class MemoryLookup:
         return out
 
     def stats(self) -> dict:
-        return {"mode": "memory", "rows_in_memory": int(self.keys.size), "lookups": self.lookups,
-                "unseen": self.unseen}
+        return {"mode": "memory", "rows_in_memory": int(self.keys.size), "lookups": self.lookups, "unseen": self.unseen}
 
 
 class TieredLookup:
@@ -112,6 +111,13 @@ class TieredLookup:
 
     def stats(self) -> dict:
         c = self.cache
-        return {"mode": "tiered", "rows_in_memory": c.capacity, "rows_on_ssd": len(self.store),
-                "lookups": c.lookups, "hits": c.hits, "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
-                "ssd_reads": self.ssd_reads, "unseen": self.unseen}
+        return {
+            "mode": "tiered",
+            "rows_in_memory": c.capacity,
+            "rows_on_ssd": len(self.store),
+            "lookups": c.lookups,
+            "hits": c.hits,
+            "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
+            "ssd_reads": self.ssd_reads,
+            "unseen": self.unseen,
+        }

@@ -84,8 +84,9 @@ class LoadOptions:
 class ServableModel:
     """One loaded export; :meth:`predict` is safe to call from one thread at a time."""
 
-    def __init__(self, directory: str, manifest: dict, dense: torch.nn.Module, lookup, parser: RequestParser,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self, directory: str, manifest: dict, dense: torch.nn.Module, lookup, parser: RequestParser, device: str = "cpu"
+    ) -> None:
         self.directory, self.manifest = directory, manifest
         self.dense, self.lookup, self.parser, self.device = dense, lookup, parser, device
         self.version = export_version(directory)
@@ -101,8 +102,10 @@ class ServableModel:
         shape = m.get("model") or {}
         n_slots, n_dense = shape.get("n_slots"), shape.get("n_dense")
         if n_slots != len(spec.categorical) or n_dense != len(spec.dense):
-            raise ServingError(f"{where}: model shape ({n_slots} slots, {n_dense} dense) disagrees with the input "
-                               f"schema ({len(spec.categorical)} categorical, {len(spec.dense)} dense columns)")
+            raise ServingError(
+                f"{where}: model shape ({n_slots} slots, {n_dense} dense) disagrees with the input "
+                f"schema ({len(spec.categorical)} categorical, {len(spec.dense)} dense columns)"
+            )
         dim = int(m["dim"])
         state = torch.load(os.path.join(directory, m["dense"]), map_location="cpu", weights_only=True)
         dense = DNN(n_slots, dim, n_dense, tuple(shape.get("hidden", ())))
@@ -114,7 +117,7 @@ class ServableModel:
         if options.backend != "hpsray":
             from hpsray.serving.baselines import EmbeddingBagLookup, RocksDBLookup
 
-            lookup = (RocksDBLookup(store, mem, init) if options.backend == "rocksdb" else EmbeddingBagLookup(store))
+            lookup = RocksDBLookup(store, mem, init) if options.backend == "rocksdb" else EmbeddingBagLookup(store)
         elif options.device == "cuda":
             from hpsray.serving.cuda_lookup import CudaTieredLookup
 
@@ -131,8 +134,10 @@ class ServableModel:
     def predict(self, batch: Batch) -> np.ndarray:
         """``float32[B]`` click probabilities of ``batch``'s examples."""
         if batch.n_slots != self.dense.n_slots or batch.n_dense != self.dense.n_dense:
-            raise ServingError(f"batch has {batch.n_slots} slots and {batch.n_dense} dense features; the model "
-                               f"takes {self.dense.n_slots} and {self.dense.n_dense}")
+            raise ServingError(
+                f"batch has {batch.n_slots} slots and {batch.n_dense} dense features; the model "
+                f"takes {self.dense.n_slots} and {self.dense.n_dense}"
+            )
         if not len(batch):
             return np.empty(0, np.float32)
         if hasattr(self.lookup, "pooled"):  # the embedding-bag bound pools by itself
@@ -143,8 +148,10 @@ class ServableModel:
         dense = torch.from_numpy(batch.dense).to(emb.device)
         if emb.is_cuda:
             pooled = torch.nn.functional.embedding_bag(
-                torch.from_numpy(layout.inverse).to(emb.device), emb,
-                torch.from_numpy(layout.bag_offsets).to(emb.device), mode="sum",
+                torch.from_numpy(layout.inverse).to(emb.device),
+                emb,
+                torch.from_numpy(layout.bag_offsets).to(emb.device),
+                mode="sum",
             ).view(layout.n_examples, layout.n_slots, emb.shape[1])
         else:
             pooled = pool_sum(emb, layout)

@@ -79,8 +79,9 @@ class PointStore:
         """Every row (``float32[rows, dim]``), for a model held all in memory."""
         if not self.rows:
             return np.empty((0, self.dim), np.float32)
-        raw = np.fromfile(os.path.join(self.directory, "rows.f32"), dtype=np.float32,
-                          count=self.rows * self.stride // 4)
+        raw = np.fromfile(
+            os.path.join(self.directory, "rows.f32"), dtype=np.float32, count=self.rows * self.stride // 4
+        )
         return np.ascontiguousarray(raw.reshape(self.rows, self.stride // 4)[:, : self.dim])
 
     def close(self) -> None:

@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - orjson comes with the serve extra
     def _loads(body: bytes) -> Any:
         return json.loads(body, parse_constant=_reject_constant)
 
+
 _LABEL = "__hpsray_label__"
 _DENSE_TYPES = (pa.int64(), pa.float64(), pa.null())
 _CAT_SCALARS = (pa.int64(), pa.uint64(), pa.string(), pa.null())
@@ -75,10 +76,17 @@ class InputSpec:
     def from_manifest(manifest: dict, where: str = "manifest.json") -> InputSpec:
         spec = manifest.get("input")
         if not isinstance(spec, dict):
-            raise ServingError(f"{where}: no 'input' entry (exported before serving existed, or without a schema); "
-                               "re-export with the data schema (hpsray.pipelines.export.export(schema=...))")
-        return InputSpec(tuple(spec["dense"]), tuple(spec["categorical"]), spec.get("encoding", "string"),
-                         spec.get("multi_hot_separator", ""), spec.get("dense_transform", "none"))
+            raise ServingError(
+                f"{where}: no 'input' entry (exported before serving existed, or without a schema); "
+                "re-export with the data schema (hpsray.pipelines.export.export(schema=...))"
+            )
+        return InputSpec(
+            tuple(spec["dense"]),
+            tuple(spec["categorical"]),
+            spec.get("encoding", "string"),
+            spec.get("multi_hot_separator", ""),
+            spec.get("dense_transform", "none"),
+        )
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -99,10 +107,16 @@ class RequestParser:
     def __init__(self, spec: InputSpec, limits: Limits = Limits()) -> None:
         self.spec, self.limits = spec, limits
         self._columns = frozenset(spec.columns)
-        schema = Schema(format="parquet", label=_LABEL, dense=spec.dense, categorical=spec.categorical,
-                        encoding=spec.encoding, multi_hot_separator=spec.multi_hot_separator,
-                        dense_transform=spec.dense_transform,
-                        delimiter="\t" if spec.multi_hot_separator != "\t" else ",")  # unused: no text here
+        schema = Schema(
+            format="parquet",
+            label=_LABEL,
+            dense=spec.dense,
+            categorical=spec.categorical,
+            encoding=spec.encoding,
+            multi_hot_separator=spec.multi_hot_separator,
+            dense_transform=spec.dense_transform,
+            delimiter="\t" if spec.multi_hot_separator != "\t" else ",",
+        )  # unused: no text here
         self._converter = Converter(schema, [_LABEL, *spec.columns])
         names = spec.columns
         self._row = operator.itemgetter(*names) if len(names) > 1 else (lambda ex: (ex[names[0]],))
@@ -166,8 +180,10 @@ class RequestParser:
                 missing = sorted(cols - ex.keys())
                 if missing:
                     raise BadRequest(f"examples[{i}]: missing column(s) {missing}")
-                raise BadRequest(f"examples[{i}]: unknown column(s) {sorted(ex.keys() - cols)} "
-                                 f"(the model's columns: {list(self.spec.columns)})")
+                raise BadRequest(
+                    f"examples[{i}]: unknown column(s) {sorted(ex.keys() - cols)} "
+                    f"(the model's columns: {list(self.spec.columns)})"
+                )
         n = len(examples)
         columns = list(zip(*map(self._row, examples))) if n else [() for _ in self.spec.columns]
         n_dense = len(self.spec.dense)
@@ -228,6 +244,8 @@ class RequestParser:
         elif t not in _CAT_SCALARS:
             t = None
         if t is None:
-            raise BadRequest(f"categorical column {name!r} takes a string, an integer or a list of them (or null): "
-                             f"{self._first_wrong(values, ok)}")
+            raise BadRequest(
+                f"categorical column {name!r} takes a string, an integer or a list of them (or null): "
+                f"{self._first_wrong(values, ok)}"
+            )
         return arr

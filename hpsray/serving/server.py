@@ -61,8 +61,14 @@ def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions
         actor["num_gpus"] = 1
     dep = Predictor.options(num_replicas=options.replicas, ray_actor_options=actor)
     load_d = asdict(load)
-    return dep.bind(os.path.abspath(os.fspath(model_dir)), load_d, options.max_batch_size, options.batch_wait_s,
-                    options.watch_s, options.torch_threads)
+    return dep.bind(
+        os.path.abspath(os.fspath(model_dir)),
+        load_d,
+        options.max_batch_size,
+        options.batch_wait_s,
+        options.watch_s,
+        options.torch_threads,
+    )
 
 
 def start(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, address: str | None = None):

@@ -62,8 +62,13 @@ class FrequencySketch:
 
     def remember(self, keys: np.ndarray, counts: np.ndarray) -> None:
         """Raise each of ``keys``' counters to at least its count (saturating)."""
-        _sketch_remember(self.table, _SKETCH_SALTS, self._mask, np.ascontiguousarray(keys, dtype=np.uint64),
-                         np.ascontiguousarray(counts, dtype=np.int64))
+        _sketch_remember(
+            self.table,
+            _SKETCH_SALTS,
+            self._mask,
+            np.ascontiguousarray(keys, dtype=np.uint64),
+            np.ascontiguousarray(counts, dtype=np.int64),
+        )
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         """Each key's remembered count (0 for a key never remembered, up to collisions)."""

@@ -45,8 +45,9 @@ class HbmPS:
         device: ``"cpu"`` or ``"cuda"`` kernels.
     """
 
-    def __init__(self, capacity: int, width: int, init: RowInit, n_devices: int = 1, n_nodes: int = 1,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self, capacity: int, width: int, init: RowInit, n_devices: int = 1, n_nodes: int = 1, device: str = "cpu"
+    ) -> None:
         if n_devices < 1:
             raise ValueError(f"n_devices must be >= 1, got {n_devices}")
         self.n_devices, self.n_nodes, self.width = n_devices, n_nodes, width

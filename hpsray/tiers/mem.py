@@ -129,8 +129,18 @@ class MemPS:
         self._batch_stats: OrderedDict[Hashable, dict] = OrderedDict()
         self._history = int(stats_history)
         self._lock = threading.RLock()
-        self._totals = {"pulls": 0, "hits": 0, "misses": 0, "loaded": 0, "initialised": 0, "evicted": 0,
-                        "evicted_dirty": 0, "write_backs": 0, "rows_written_back": 0, "flushed": 0}
+        self._totals = {
+            "pulls": 0,
+            "hits": 0,
+            "misses": 0,
+            "loaded": 0,
+            "initialised": 0,
+            "evicted": 0,
+            "evicted_dirty": 0,
+            "write_backs": 0,
+            "rows_written_back": 0,
+            "flushed": 0,
+        }
 
     # -- the batch cycle -----------------------------------------------------------------
 
@@ -263,8 +273,10 @@ class MemPS:
         with self._lock:
             slots = self._table.find(keys)
             if slots.size and slots.min() < 0:
-                raise KeyError(f"peek: {int((slots < 0).sum())} of {keys.size} keys are not resident "
-                               f"(first: {int(keys[np.argmax(slots < 0)])})")
+                raise KeyError(
+                    f"peek: {int((slots < 0).sum())} of {keys.size} keys are not resident "
+                    f"(first: {int(keys[np.argmax(slots < 0)])})"
+                )
             return self._table.gather(slots)
 
     def contains(self, keys: ArrayLike) -> np.ndarray:
@@ -324,8 +336,12 @@ class MemPS:
             p = self._policy
             t.update(
                 hit_rate=t["hits"] / total if total else 0.0,
-                capacity=self.capacity, size=self.size, pinned_rows=p.n_pinned,
-                batches_in_flight=len(self._pins), lru_rows=p.n_lru, lfu_rows=p.n_lfu,
+                capacity=self.capacity,
+                size=self.size,
+                pinned_rows=p.n_pinned,
+                batches_in_flight=len(self._pins),
+                lru_rows=p.n_lru,
+                lfu_rows=p.n_lfu,
                 dirty_rows=int(np.count_nonzero(self._dirty)),
             )
             return t

@@ -108,16 +108,23 @@ def tiny_batch(n_slots: int, n_dense: int, examples: int = 24, seed: int = 0) ->
     offsets = np.zeros(examples + 1, dtype=np.int64)
     np.cumsum(per_example, out=offsets[1:])
     nnz = int(offsets[-1])
-    slots = np.concatenate([np.sort(np.concatenate([np.arange(n_slots), rng.integers(0, n_slots, m - n_slots)]))
-                            for m in per_example]).astype(np.int32)
+    slots = np.concatenate(
+        [np.sort(np.concatenate([np.arange(n_slots), rng.integers(0, n_slots, m - n_slots)])) for m in per_example]
+    ).astype(np.int32)
     keys = (rng.integers(1, 40, size=nnz).astype(np.uint64) << np.uint64(8)) + slots.astype(np.uint64)
-    return Batch(labels=(rng.random(examples) < 0.5).astype(np.float32),
-                 dense=rng.standard_normal((examples, n_dense)).astype(np.float32),
-                 keys=keys, offsets=offsets, slots=slots, n_slots=n_slots)
+    return Batch(
+        labels=(rng.random(examples) < 0.5).astype(np.float32),
+        dense=rng.standard_normal((examples, n_dense)).astype(np.float32),
+        keys=keys,
+        offsets=offsets,
+        slots=slots,
+        n_slots=n_slots,
+    )
 
 
-def warm_trainer_step(hbm_like: Any, dense: Any, optimizer: Any, dim: int, init: RowInit, width: int,
-                      n_slots: int, n_dense: int) -> None:
+def warm_trainer_step(
+    hbm_like: Any, dense: Any, optimizer: Any, dim: int, init: RowInit, width: int, n_slots: int, n_dense: int
+) -> None:
     """One mini-batch of a throwaway working set and a deep copy of the dense replicas: insert,
     retain, get, the step (forward, backward, pooling's backward, the dense optimizer), the sparse
     optimizer in the tables, assign and export. ``hbm_like`` is a fresh, empty HBM-PS of the same
@@ -137,8 +144,9 @@ def warm_trainer_step(hbm_like: Any, dense: Any, optimizer: Any, dim: int, init:
         # a model with dropout draws random numbers: the run's own draws must stay as they were
         loss, gkeys, grads = replicas.step(batch, lambda k: hbm_like.get(k, columns=dim))
     hbm_like.apply_gradients(gkeys, grads, optimizer, 1)
-    hbm_like.apply_gradients(np.concatenate([keys, keys[:5]]),
-                             np.ones((keys.size + 5, dim), np.float32), optimizer, 2, resident_only=True)
+    hbm_like.apply_gradients(
+        np.concatenate([keys, keys[:5]]), np.ones((keys.size + 5, dim), np.float32), optimizer, 2, resident_only=True
+    )
     hbm_like.insert_or_assign(keys[:7], hbm_like.get(keys[:7]))
     hbm_like.insert_or_assign(_frozen(keys[:7]), _frozen(hbm_like.get(_frozen(keys[:7]))))
     float(loss)

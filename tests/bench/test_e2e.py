@@ -10,8 +10,26 @@ from hpsray.bench import e2e
 def test_bench_e2e_reports_medians_of_alternating_repeats(ray_local):
     parser = argparse.ArgumentParser()
     e2e.add_arguments(parser)
-    args = parser.parse_args(["--rows", "4000", "--warmup-rows", "1000", "--batch", "1000", "--minibatch", "250",
-                              "--slots", "4", "--keys", "500", "--hidden", "16", "--repeat", "3"])
+    args = parser.parse_args(
+        [
+            "--rows",
+            "4000",
+            "--warmup-rows",
+            "1000",
+            "--batch",
+            "1000",
+            "--minibatch",
+            "250",
+            "--slots",
+            "4",
+            "--keys",
+            "500",
+            "--hidden",
+            "16",
+            "--repeat",
+            "3",
+        ]
+    )
     out = e2e.run(args)
     assert len(out["runs"]) == 3
     for key in ("examples_per_s", "reference_examples_per_s", "ratio_vs_reference", "pipeline_efficiency"):

@@ -17,15 +17,48 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def test_outofcore_bench_is_lossless_at_40x(tmp_path):
     assert BENCHMARKS["outofcore"] == "hpsray.bench.outofcore"
-    report = outofcore.run(_args([
-        "--rows", "48000", "--batch", "256", "--minibatch", "256", "--warmup-batches", "2", "--slots", "4",
-        "--zipf", "0.8",
-        "--keys", "400000", "--dense", "2", "--hidden", "8", "--dir", str(tmp_path),
-        "--report-dir", str(tmp_path / "report"),
-    ]))
+    report = outofcore.run(
+        _args(
+            [
+                "--rows",
+                "48000",
+                "--batch",
+                "256",
+                "--minibatch",
+                "256",
+                "--warmup-batches",
+                "2",
+                "--slots",
+                "4",
+                "--zipf",
+                "0.8",
+                "--keys",
+                "400000",
+                "--dense",
+                "2",
+                "--hidden",
+                "8",
+                "--dir",
+                str(tmp_path),
+                "--report-dir",
+                str(tmp_path / "report"),
+            ]
+        )
+    )
     json.dumps(report)
-    for key in ("examples_per_s", "in_memory_examples_per_s", "ratio_vs_in_memory", "scale_factor", "model_rows",
-                "budget_rows", "cache_hit_rate_mean", "ssd_io_s_per_batch", "compactions", "checks", "lossless"):
+    for key in (
+        "examples_per_s",
+        "in_memory_examples_per_s",
+        "ratio_vs_in_memory",
+        "scale_factor",
+        "model_rows",
+        "budget_rows",
+        "cache_hit_rate_mean",
+        "ssd_io_s_per_batch",
+        "compactions",
+        "checks",
+        "lossless",
+    ):
         assert key in report, key
     assert report["scale_factor"] >= 40, report["scale_factor"]
     assert report["model_rows"] >= 40 * report["budget_rows"]
@@ -35,5 +68,11 @@ def test_outofcore_bench_is_lossless_at_40x(tmp_path):
     assert report["lossless"]["same_keys"] and report["lossless"]["equal"], report["lossless"]
     assert report["checks"]["lossless"] and report["checks"]["scale_ge_40"]
     names = {p.name for p in (tmp_path / "report").iterdir()}
-    assert {"outofcore.json", "outofcore.stage_times.png", "outofcore.cache_hit_rate.png", "outofcore.ssd_io.png",
-            "inmemory.json", "summary.json"} <= names
+    assert {
+        "outofcore.json",
+        "outofcore.stage_times.png",
+        "outofcore.cache_hit_rate.png",
+        "outofcore.ssd_io.png",
+        "inmemory.json",
+        "summary.json",
+    } <= names

@@ -23,10 +23,25 @@ TORCHREC_PYTHON = TORCHREC_VENV / "bin" / "python"
 
 def tiny_spec(tmp_path, optimizer="adagrad", lr=0.05, **kw) -> PeerSpec:
     """3 slots (multi-hot: 7 keys per example), 60 keys per slot, a small MLP."""
-    base = dict(system="test", data_dir=str(tmp_path / "data"), n_slots=3, keys_per_slot=60, keys_per_example=7,
-                n_dense=2, dim=4, hidden=(16, 8), minibatch=128, batch=512, warmup_rows=512, rows=1536,
-                eval_rows=1024, sparse_optimizer=optimizer, sparse_lr=lr, seed=3,
-                result_path=str(tmp_path / "result.json"))
+    base = dict(
+        system="test",
+        data_dir=str(tmp_path / "data"),
+        n_slots=3,
+        keys_per_slot=60,
+        keys_per_example=7,
+        n_dense=2,
+        dim=4,
+        hidden=(16, 8),
+        minibatch=128,
+        batch=512,
+        warmup_rows=512,
+        rows=1536,
+        eval_rows=1024,
+        sparse_optimizer=optimizer,
+        sparse_lr=lr,
+        seed=3,
+        result_path=str(tmp_path / "result.json"),
+    )
     base.update(kw)
     return PeerSpec(**base)
 
@@ -124,17 +139,23 @@ def test_sharded_ps_is_lossless_and_shards_by_owner(ray_local, tmp_path):
 
 
 def test_ratios_and_the_issue_target():
-    r = peers.ratios({
-        "hpsray_in_memory": {"examples_per_s": 120.0, "auc": 0.7801, "peak_rss_bytes": 4},
-        "pytorch": {"examples_per_s": 100.0, "auc": 0.7800, "peak_rss_bytes": 2},
-        "torchrec": {"skipped": "no venv"},
-    })
+    r = peers.ratios(
+        {
+            "hpsray_in_memory": {"examples_per_s": 120.0, "auc": 0.7801, "peak_rss_bytes": 4},
+            "pytorch": {"examples_per_s": 100.0, "auc": 0.7800, "peak_rss_bytes": 2},
+            "torchrec": {"skipped": "no venv"},
+        }
+    )
     assert r["hpsray_in_memory_vs_pytorch"] == pytest.approx(1.2)
     assert r["rss_hpsray_in_memory_vs_pytorch"] == pytest.approx(2.0)
     assert r["target_met"] is True and "hpsray_in_memory_vs_torchrec" not in r
-    slower = peers.ratios({"hpsray_in_memory": {"examples_per_s": 90.0, "auc": 0.78, "peak_rss_bytes": 1},
-                           "pytorch": {"examples_per_s": 100.0, "auc": 0.78, "peak_rss_bytes": 1}},
-                          ceiling={"examples_per_s": 120.0, "peak_rss_bytes": 1})
+    slower = peers.ratios(
+        {
+            "hpsray_in_memory": {"examples_per_s": 90.0, "auc": 0.78, "peak_rss_bytes": 1},
+            "pytorch": {"examples_per_s": 100.0, "auc": 0.78, "peak_rss_bytes": 1},
+        },
+        ceiling={"examples_per_s": 120.0, "peak_rss_bytes": 1},
+    )
     assert slower["target_met"] is False
     # the dense model alone bounds every system: the share of its time spent there
     assert slower["pytorch_vs_mlp_alone"] == pytest.approx(100 / 120)
@@ -142,9 +163,35 @@ def test_ratios_and_the_issue_target():
 
 
 def _bench(tmp_path, *extra) -> dict:
-    cmd = [sys.executable, "-m", "hpsray", "bench", "peers", "--json", "--keys-per-example", "26",
-           "--keys", "2000", "--rows", "4096", "--warmup-rows", "2048", "--eval-rows", "2048", "--minibatch", "512",
-           "--batch", "2048", "--ssd-batch", "512", "--ssd-mem-fraction", "0.05", "--hidden", "32,16", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpsray",
+        "bench",
+        "peers",
+        "--json",
+        "--keys-per-example",
+        "26",
+        "--keys",
+        "2000",
+        "--rows",
+        "4096",
+        "--warmup-rows",
+        "2048",
+        "--eval-rows",
+        "2048",
+        "--minibatch",
+        "512",
+        "--batch",
+        "2048",
+        "--ssd-batch",
+        "512",
+        "--ssd-mem-fraction",
+        "0.05",
+        "--hidden",
+        "32,16",
+        *extra,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
@@ -171,15 +218,27 @@ def test_bench_peers_json_has_every_figure_of_every_system(tmp_path):
     # the small budget sends rows to SSD-PS and back
     assert systems["hpsray_ssd"]["ssd_bytes_read"] > 0 and systems["hpsray_in_memory"]["ssd_bytes_read"] == 0
     assert systems["sharded_ps"]["peak_rss_by_process"].keys() >= {"PSShard[0]", "PSShard[1]", "PSTrainer", "driver"}
-    assert {"hpsray_in_memory_vs_pytorch", "hpsray_ssd_vs_pytorch", "hpsray_in_memory_vs_sharded_ps",
-            "target_met", "pytorch_vs_mlp_alone", "hpsray_in_memory_vs_mlp_alone"} <= run["ratios"].keys()
+    assert {
+        "hpsray_in_memory_vs_pytorch",
+        "hpsray_ssd_vs_pytorch",
+        "hpsray_in_memory_vs_sharded_ps",
+        "target_met",
+        "pytorch_vs_mlp_alone",
+        "hpsray_in_memory_vs_mlp_alone",
+    } <= run["ratios"].keys()
     # the bound ran the same timed mini-batches as every system, through the same model
     bound = run["ceiling"]["mlp_alone"]
     assert bound["examples"] == systems["pytorch"]["examples"] == systems["hpsray_in_memory"]["examples"]
     assert bound["examples_per_s"] > 0 and bound["peak_rss_bytes"] > 0
     files = {Path(f).name for f in got["report_files"]}
-    assert {"peers.md", "peers.json", "peers.examples_per_s.png", "hpsray_in_memory.26keys.json",
-            "hpsray_in_memory.26keys.stage_times.png", "hpsray_ssd.26keys.ssd_io.png"} <= files
+    assert {
+        "peers.md",
+        "peers.json",
+        "peers.examples_per_s.png",
+        "hpsray_in_memory.26keys.json",
+        "hpsray_in_memory.26keys.stage_times.png",
+        "hpsray_ssd.26keys.ssd_io.png",
+    } <= files
     assert all((report_dir / f).stat().st_size > 0 for f in files)
     assert "pipeline stages" in (report_dir / "peers.md").read_text()
     assert "| mlp_alone |" in (report_dir / "peers.md").read_text()
@@ -197,9 +256,13 @@ def test_torchrec_peer_trains_the_plain_torch_parameters(tmp_path):
     save_examples(spec)
     (tmp_path / "spec.json").write_text(spec.to_json())
     env = {**os.environ, "HPSRAY_TORCHREC_EXPORT": str(tmp_path / "table.npy")}
-    out = subprocess.run([str(TORCHREC_PYTHON), str(REPO / "benchmarks" / "torchrec_peer.py"),
-                          str(tmp_path / "spec.json")],
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [str(TORCHREC_PYTHON), str(REPO / "benchmarks" / "torchrec_peer.py"), str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(Path(spec.result_path).read_text())
     assert result["examples"] == spec.rows and result["peak_rss_bytes"] > 0

@@ -122,8 +122,9 @@ def test_aggregator_refuses_duplicates_mismatches_and_times_out():
 
     async def mismatch():
         agg = ChunkAggregatorActor(0, world=2)
-        return await asyncio.gather(agg.push(0, 0, np.ones(3, np.float32)), agg.push(0, 1, np.ones(4, np.float32)),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            agg.push(0, 0, np.ones(3, np.float32)), agg.push(0, 1, np.ones(4, np.float32)), return_exceptions=True
+        )
 
     outs = asyncio.run(mismatch())
     assert all(isinstance(o, ValueError) and "different lengths" in str(o) for o in outs)
@@ -143,10 +144,30 @@ def test_aggregator_refuses_duplicates_mismatches_and_times_out():
 
 @pytest.mark.slow
 def test_bench_exchange_json_emits_both_modes():
-    out = subprocess.run([sys.executable, "-m", "hpsray", "bench", "exchange", "--json", "--steps", "5",
-                          "--warmup", "1",
-                          "--rounds", "1", "--dense-bytes", "40004", "--chunk-bytes", "4096"],
-                         capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpsray",
+            "bench",
+            "exchange",
+            "--json",
+            "--steps",
+            "5",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--dense-bytes",
+            "40004",
+            "--chunk-bytes",
+            "4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["benchmark"] == "exchange" and report["nodes"] == 2 and report["distinct_ray_nodes"] == 2
@@ -204,8 +225,10 @@ def ranks(two_nodes):
     nodes = [n["NodeID"] for n in alive_nodes()]
     assert len(nodes) == 2
     actor = ray.remote(Exchanger)
-    actors = [actor.options(num_cpus=0, scheduling_strategy=on_node(nodes[r % 2])).remote(r, WORLD, 1, 0)
-              for r in range(WORLD)]
+    actors = [
+        actor.options(num_cpus=0, scheduling_strategy=on_node(nodes[r % 2])).remote(r, WORLD, 1, 0)
+        for r in range(WORLD)
+    ]
     aggregators = start_aggregators(WORLD, node_ids=nodes, name_prefix="test")
     small = start_aggregators(WORLD, n=3)  # more aggregators than chunks for tiny gradients
     ray.get([a.join_group.remote("test-dense") for a in actors])

@@ -40,8 +40,17 @@ def test_cluster_job_toml_parses_with_hpsray_config():
 
 def test_launcher_yaml_has_a_head_and_hpsray_workers():
     cfg = yaml.safe_load((EXAMPLES / "ray-cluster.yaml").read_text())
-    for key in ("cluster_name", "provider", "auth", "available_node_types", "head_node_type", "setup_commands",
-                "head_start_ray_commands", "worker_start_ray_commands", "file_mounts"):
+    for key in (
+        "cluster_name",
+        "provider",
+        "auth",
+        "available_node_types",
+        "head_node_type",
+        "setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+        "file_mounts",
+    ):
         assert key in cfg, key
     types = cfg["available_node_types"]
     assert cfg["head_node_type"] in types

@@ -66,8 +66,14 @@ def check_lossless(pipeline, source, nodes, batch=BATCH):
 def test_bsp_two_nodes_equals_reference_through_ssd(two_nodes_cluster, dense):
     # 1,700 rows: the shares differ (5 batches on node 0, 4 on node 1, the last one short)
     source = SyntheticSource(GEN, rows=1700)
-    with Pipeline(source, TrainerStage(CFG, n_devices=2), MemPSStage(capacity_rows=450), batch_size=BATCH,
-                  nodes=2, sync=SyncStage(dense=dense, chunk_bytes=256)) as p:
+    with Pipeline(
+        source,
+        TrainerStage(CFG, n_devices=2),
+        MemPSStage(capacity_rows=450),
+        batch_size=BATCH,
+        nodes=2,
+        sync=SyncStage(dense=dense, chunk_bytes=256),
+    ) as p:
         report = p.fit(progress=False)
         assert report["nodes"] == 2 and report["mode"] == "bsp" and report["examples"] == 1700
         assert report["ssd"]["bytes_read"] > 0 and report["ssd"]["bytes_written"] > 0  # rows went to SSD and back
@@ -77,8 +83,10 @@ def test_bsp_two_nodes_equals_reference_through_ssd(two_nodes_cluster, dense):
         assert [n["examples"] for n in report["per_node"]] == shares == [900, 800]
         names = set(p.actors())
         assert {"MemPS[node 1]", "SSDPS[node 1]", "Trainer[node 1]"} <= names
-        nodes = {ray.get(a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
-                 for a in (p._nodes[0].trainer, p._nodes[1].trainer)}
+        nodes = {
+            ray.get(a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+            for a in (p._nodes[0].trainer, p._nodes[1].trainer)
+        }
         assert len(nodes) == 2  # one trainer per Ray node
         check_lossless(p, source, 2)
 
@@ -90,11 +98,14 @@ def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
     train = SyntheticSource(gen, rows=36_000)
     held_out = SyntheticSource(gen, rows=10_000, start_row=500_000)
     results = {}
-    for mode, sync in [("bsp", SyncStage()),
-                       ("ssp", SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.02))),
-                       ("asp", SyncStage("asp"))]:
-        with Pipeline(train, TrainerStage(cfg), MemPSStage(capacity_rows=2000), batch_size=1500, nodes=2,
-                      sync=sync) as p:
+    for mode, sync in [
+        ("bsp", SyncStage()),
+        ("ssp", SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.02))),
+        ("asp", SyncStage("asp")),
+    ]:
+        with Pipeline(
+            train, TrainerStage(cfg), MemPSStage(capacity_rows=2000), batch_size=1500, nodes=2, sync=sync
+        ) as p:
             report = p.fit(progress=False)
             results[mode] = (report, p.evaluate(held_out))
     bsp, ssp, asp = (results[m] for m in ("bsp", "ssp", "asp"))
@@ -109,8 +120,9 @@ def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
 
 def test_more_nodes_than_the_cluster_has_is_a_clear_error(two_nodes_cluster):
     with pytest.raises(ValueError, match="asks for 3 nodes but the Ray cluster has 2 alive"):
-        with Pipeline(SyntheticSource(GEN, rows=100), TrainerStage(CFG), MemPSStage(capacity_rows=400),
-                      batch_size=BATCH, nodes=3) as p:
+        with Pipeline(
+            SyntheticSource(GEN, rows=100), TrainerStage(CFG), MemPSStage(capacity_rows=400), batch_size=BATCH, nodes=3
+        ) as p:
             p.fit(progress=False)
 
 
@@ -136,13 +148,25 @@ def test_hpsray_train_on_two_nodes_matches_its_reference(two_nodes_cluster, tmp_
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def hpsray(*args):
-        out = subprocess.run([sys.executable, "-m", "hpsray", "train", str(path), "--quiet", *args],
-                             capture_output=True, text=True, timeout=300, env=env, check=False)
+        out = subprocess.run(
+            [sys.executable, "-m", "hpsray", "train", str(path), "--quiet", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            check=False,
+        )
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         return out
 
-    hpsray("--address", two_nodes_cluster.address, "--export", str(tmp_path / "export"),
-           "--report", str(tmp_path / "run.json"))
+    hpsray(
+        "--address",
+        two_nodes_cluster.address,
+        "--export",
+        str(tmp_path / "export"),
+        "--report",
+        str(tmp_path / "run.json"),
+    )
     report = __import__("json").loads((tmp_path / "run.json").read_text())
     assert report["nodes"] == 2 and report["examples"] == 3000 and report["sync"]["consistency"] == "bsp"
     assert report["cache"]["evicted"] > 0 and report["ssd"]["bytes_written"] > 0  # rows went to SSD

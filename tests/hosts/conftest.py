@@ -35,8 +35,9 @@ def drive(hosts):
     import json
 
     def run(*args: str, timeout: float = 300) -> dict:
-        out = hosts.run(0, [sys.executable, str(DRIVERS), *args], timeout=timeout,
-                        env=hosts.env(RAY_ADDRESS=hosts.address))
+        out = hosts.run(
+            0, [sys.executable, str(DRIVERS), *args], timeout=timeout, env=hosts.env(RAY_ADDRESS=hosts.address)
+        )
         assert out.returncode == 0, f"driver {args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
         return json.loads(out.stdout.strip().splitlines()[-1])
 

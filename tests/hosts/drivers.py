@@ -20,12 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 
 def _placement(pipeline) -> list[dict]:
     """Per node of the pipeline: the trainer's Ray node address and its collective binding."""
+
     def where(trainer):
         import ray as r
 
         b = trainer.group.binding
-        return {"ip": r.util.get_node_ip_address(), "interface": b.interface, "source": b.source,
-                "variable": b.variable}
+        return {
+            "ip": r.util.get_node_ip_address(),
+            "interface": b.interface,
+            "source": b.source,
+            "variable": b.variable,
+        }
+
     return ray.get([n.trainer.__ray_call__.remote(where) for n in pipeline._nodes])
 
 
@@ -38,8 +44,14 @@ def bsp(nodes: str) -> dict:
     n = int(nodes)
     source = SyntheticSource(GEN, rows=1700 if n == 2 else 1500)
     batch, capacity = (200, 450) if n == 2 else (100, 250)
-    with Pipeline(source, TrainerStage(CFG), MemPSStage(capacity_rows=capacity), batch_size=batch, nodes=n,
-                  sync=SyncStage(dense="allreduce")) as p:
+    with Pipeline(
+        source,
+        TrainerStage(CFG),
+        MemPSStage(capacity_rows=capacity),
+        batch_size=batch,
+        nodes=n,
+        sync=SyncStage(dense="allreduce"),
+    ) as p:
         report = p.fit(progress=False)
         assert report["nodes"] == n and report["mode"] == "bsp", report
         assert report["ssd"]["bytes_read"] > 0 and report["ssd"]["bytes_written"] > 0  # rows went to SSD and back
@@ -47,8 +59,11 @@ def bsp(nodes: str) -> dict:
         fitted = time.perf_counter()
         check_lossless(p, source, n, batch=batch)
         print(f"check_lossless: {time.perf_counter() - fitted:.1f} s", file=sys.stderr)
-    return {"examples": report["examples"], "placement": placement,
-            "exchanged_bytes_per_minibatch": report["sync"]["exchanged_bytes_per_minibatch"]}
+    return {
+        "examples": report["examples"],
+        "placement": placement,
+        "exchanged_bytes_per_minibatch": report["sync"]["exchanged_bytes_per_minibatch"],
+    }
 
 
 def ssp() -> dict:
@@ -61,9 +76,14 @@ def ssp() -> dict:
 
     gen = PlantedCTR(n_slots=4, keys_per_slot=200, n_dense=2, seed=5)
     cfg = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=128, seed=5, sparse_lr=0.1)
-    with Pipeline(SyntheticSource(gen, rows=6_000), TrainerStage(cfg), MemPSStage(capacity_rows=2000),
-                  batch_size=1500, nodes=2,
-                  sync=SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.02))) as p:
+    with Pipeline(
+        SyntheticSource(gen, rows=6_000),
+        TrainerStage(cfg),
+        MemPSStage(capacity_rows=2000),
+        batch_size=1500,
+        nodes=2,
+        sync=SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.02)),
+    ) as p:
         report = p.fit(progress=False)
         auc = p.evaluate(SyntheticSource(gen, rows=5_000, start_row=500_000))["auc"]
         placement = _placement(p)

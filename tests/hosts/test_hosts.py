@@ -56,9 +56,11 @@ def test_hosts_are_separate(hosts):
 
 def test_hpsray_network_picks_the_interface_in_the_block(hosts):
     """The override for multi-homed hosts: a CIDR block, the same on every host."""
-    code = ("import json, os; os.environ['HPSRAY_NETWORK'] = '10.77.0.0/16'; "
-            "from hpsray.cluster.netaddr import bind_collectives; b = bind_collectives('gloo'); "
-            "print(json.dumps([b.interface, b.address, b.source, os.environ['GLOO_SOCKET_IFNAME']]))")
+    code = (
+        "import json, os; os.environ['HPSRAY_NETWORK'] = '10.77.0.0/16'; "
+        "from hpsray.cluster.netaddr import bind_collectives; b = bind_collectives('gloo'); "
+        "print(json.dumps([b.interface, b.address, b.source, os.environ['GLOO_SOCKET_IFNAME']]))"
+    )
     out = in_host(hosts, 1, code)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout) == ["eth0", "10.77.0.2", "network", "eth0"]
@@ -105,8 +107,24 @@ def test_job_submitted_from_a_non_head_host_trains_on_every_host(hosts, tmp_path
     }
     path, report, export = tmp_path / "job.toml", tmp_path / "run.json", tmp_path / "export"
     path.write_text(to_toml(job))
-    submit = [RAY, "job", "submit", "--address", hosts.dashboard_url, "--", sys.executable, "-m", "hpsray", "train",
-              str(path), "--quiet", "--report", str(report), "--export", str(export)]
+    submit = [
+        RAY,
+        "job",
+        "submit",
+        "--address",
+        hosts.dashboard_url,
+        "--",
+        sys.executable,
+        "-m",
+        "hpsray",
+        "train",
+        str(path),
+        "--quiet",
+        "--report",
+        str(report),
+        "--export",
+        str(export),
+    ]
     deadline = time.time() + 120
     while True:  # the head answers before its job agent takes submissions
         out = hosts.run(2, submit, timeout=400)
@@ -117,6 +135,9 @@ def test_job_submitted_from_a_non_head_host_trains_on_every_host(hosts, tmp_path
     result = json.loads(report.read_text())
     assert result["nodes"] == 3 and result["examples"] == 3000, result
     assert len(result["per_node"]) == 3, result  # SSD spills are the BSP tests' part
-    compare = hosts.run(2, [sys.executable, "-m", "hpsray", "train", str(path), "--quiet", "--reference",
-                            "--compare", str(export)], timeout=300)
+    compare = hosts.run(
+        2,
+        [sys.executable, "-m", "hpsray", "train", str(path), "--quiet", "--reference", "--compare", str(export)],
+        timeout=300,
+    )
     assert compare.returncode == 0, compare.stdout[-2000:] + compare.stderr[-3000:]

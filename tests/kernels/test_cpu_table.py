@@ -36,8 +36,7 @@ def test_initial_rows_depend_only_on_the_key():
     a, b = CpuHashTable(50, WIDTH, INIT), CpuHashTable(5000, WIDTH, INIT)
     b.find_or_insert(np.arange(1000, 1100, dtype=np.uint64))  # different slots, other keys first
     keys = u64([7, 99, 123456789])
-    np.testing.assert_array_equal(a.gather(a.find_or_insert(keys)),
-                                  b.gather(b.find_or_insert(keys)))
+    np.testing.assert_array_equal(a.gather(a.find_or_insert(keys)), b.gather(b.find_or_insert(keys)))
     other_seed = CpuHashTable(50, WIDTH, RowInit(dim=3, scale=0.5, seed=12, state_value=0.25))
     assert not np.array_equal(a.get(keys), other_seed.gather(other_seed.find_or_insert(keys)))
 
@@ -241,7 +240,7 @@ class TableVersusDict(RuleBasedStateMachine):
     def assign(self, keys):
         if len(self.model) + len(set(keys.tolist()) - set(self.model)) > self.CAP:
             return
-        vals = (np.arange(keys.size * 2, dtype=np.float32).reshape(-1, 2) + 0.5)
+        vals = np.arange(keys.size * 2, dtype=np.float32).reshape(-1, 2) + 0.5
         self.t.insert_or_assign(keys, vals)
         for k, v in zip(keys.tolist(), vals):
             self.model[k] = v

@@ -36,7 +36,10 @@ def _run_cases(tmp_path: Path, names: list[str], simulator: bool, timeout: float
     out = tmp_path / ("sim.json" if simulator else "gpu.json")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(out), *names],
-        env=env, capture_output=True, text=True, timeout=timeout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"case runner failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

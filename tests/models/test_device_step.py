@@ -65,8 +65,9 @@ def train_like_a_trainer(device: str, cfg: TrainConfig, batches) -> tuple:
     dev = StepDevice(device)
     ref_rows = ReferenceTrainer(GEN.n_slots, GEN.n_dense, cfg)  # only its row store: initial rows
     hbm = HbmPS(4 * BATCH * GEN.n_slots, cfg.row_width, cfg.row_init(), device=device)
-    dense = DenseReplicas(DNN(GEN.n_slots, cfg.dim, GEN.n_dense, cfg.hidden, seed=cfg.seed), 1,
-                          cfg.dense_optimizer, cfg.dense_lr, dev)
+    dense = DenseReplicas(
+        DNN(GEN.n_slots, cfg.dim, GEN.n_dense, cfg.hidden, seed=cfg.seed), 1, cfg.dense_optimizer, cfg.dense_lr, dev
+    )
     optimizer, step, losses = cfg.optimizer(), 0, []
     seen = {}
     for batch in batches:
@@ -112,8 +113,12 @@ def test_a_cuda_trainer_on_a_node_without_gpus_is_refused_before_training(ray_lo
         pytest.skip("this Ray node has a GPU")
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=250)
     with pytest.raises(ConfigError, match="offers no GPU"):
-        with Pipeline(SyntheticSource(GEN, rows=2000), TrainerStage(cfg, device="cuda"),
-                      MemPSStage(capacity_rows=20000), batch_size=BATCH) as p:
+        with Pipeline(
+            SyntheticSource(GEN, rows=2000),
+            TrainerStage(cfg, device="cuda"),
+            MemPSStage(capacity_rows=20000),
+            batch_size=BATCH,
+        ) as p:
             p.fit(progress=False)
 
 
@@ -127,8 +132,13 @@ def test_the_pipeline_on_cuda_is_lossless_with_ssd_spills(ray_local, tmp_path):
 
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
     source = SyntheticSource(GEN, rows=6000)
-    with Pipeline(source, TrainerStage(cfg, device="cuda"), MemPSStage(capacity_rows=3000),
-                  SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)), batch_size=BATCH) as p:
+    with Pipeline(
+        source,
+        TrainerStage(cfg, device="cuda"),
+        MemPSStage(capacity_rows=3000),
+        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        batch_size=BATCH,
+    ) as p:
         report = p.fit(progress=False)
         keys, rows = p.export_rows()
         dense = p.dense_state()
@@ -155,9 +165,14 @@ def _nccl_gather(rank: int, world: int, group: str) -> dict:
     grads = cupy.full((keys.size, 3), rank + 0.5, dtype=cupy.float32)
     all_keys, all_grads = g.allgather_sparse(keys, grads)
     total = g.allreduce_sum(torch.full((4,), float(rank + 1), device="cuda"))
-    return {"on_device": isinstance(all_keys, cupy.ndarray) and isinstance(all_grads, cupy.ndarray),
-            "keys": to_host(all_keys).tolist(), "grads": to_host(all_grads).tolist(), "total": total.cpu().tolist(),
-            "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "reduced_on": str(total.device)}
+    return {
+        "on_device": isinstance(all_keys, cupy.ndarray) and isinstance(all_grads, cupy.ndarray),
+        "keys": to_host(all_keys).tolist(),
+        "grads": to_host(all_grads).tolist(),
+        "total": total.cpu().tolist(),
+        "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "reduced_on": str(total.device),
+    }
 
 
 @pytest.mark.gpu
@@ -200,12 +215,32 @@ def test_hpsray_train_with_device_cuda(tmp_path):
     }
     path = tmp_path / "job.toml"
     path.write_text(to_toml(job))
-    out = subprocess.run([sys.executable, "-m", "hpsray", "train", str(path), "--report", str(tmp_path / "r.json"),
-                          "--export", str(tmp_path / "model"), "--quiet"],
-                         capture_output=True, text=True, timeout=400, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpsray",
+            "train",
+            str(path),
+            "--report",
+            str(tmp_path / "r.json"),
+            "--export",
+            str(tmp_path / "model"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["examples"] == 8000 and report["auc"] > 0.6
-    compare = subprocess.run([sys.executable, "-m", "hpsray", "train", str(path), "--reference", "--compare",
-                              str(tmp_path / "model")], capture_output=True, text=True, timeout=400, check=False)
+    compare = subprocess.run(
+        [sys.executable, "-m", "hpsray", "train", str(path), "--reference", "--compare", str(tmp_path / "model")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
     assert compare.returncode == 0, compare.stdout[-2000:] + compare.stderr[-2000:]

@@ -15,14 +15,28 @@ from hpsray.job import JobConfig, build
 from hpsray.pipelines.export import compare_exports, export, load_export
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-REQUIRED = ("auc", "logloss", "examples_per_s", "batches", "stage_busy_s", "pipeline_efficiency",
-            "cache_hit_rate", "ssd", "bad_input", "bad_rows", "per_batch_s", "wall_s", "examples")
+REQUIRED = (
+    "auc",
+    "logloss",
+    "examples_per_s",
+    "batches",
+    "stage_busy_s",
+    "pipeline_efficiency",
+    "cache_hit_rate",
+    "ssd",
+    "bad_input",
+    "bad_rows",
+    "per_batch_s",
+    "wall_s",
+    "examples",
+)
 
 
 def hpsray(*args, timeout=240):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "hpsray", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "hpsray", *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +67,16 @@ def job_file(tmp_path_factory):
 def trained(job_file):
     """``hpsray train JOB --report --export --json`` once for the module: (report, export dir, stdout report)."""
     root = job_file.parent
-    out = hpsray("train", str(job_file), "--report", str(root / "out" / "run.json"), "--export",
-                 str(root / "export"), "--json", "--quiet")
+    out = hpsray(
+        "train",
+        str(job_file),
+        "--report",
+        str(root / "out" / "run.json"),
+        "--export",
+        str(root / "export"),
+        "--json",
+        "--quiet",
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads((root / "out" / "run.json").read_text()), root / "export", json.loads(out.stdout)
 

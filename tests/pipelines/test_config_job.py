@@ -32,54 +32,61 @@ def with_(section, **kv):
 
 def test_the_message_names_file_key_and_reason():
     assert error_of(with_("pipeline", batch_size=-5)) == (
-        "job.toml: pipeline.batch_size: must be a positive integer, got -5")
+        "job.toml: pipeline.batch_size: must be a positive integer, got -5"
+    )
 
 
-@pytest.mark.parametrize("d, key, reason", [
-    # unknown keys, at each level
-    ({**SYN, "pipelin": {}}, "pipelin", "unknown key"),
-    (with_("pipeline", batch=5), "pipeline.batch", "unknown key"),
-    (with_("tiers", ssd={"rows_per_fil": 4}), "tiers.ssd.rows_per_fil", "unknown key"),
-    ({"data": {"synthetic": {"rows": 10, "slot": 3}}}, "data.synthetic.slot", "unknown key"),
-    (with_("optimizer", sparse_params={"beta1": 0.9}), "optimizer.sparse_params.beta1",
-     "not a parameter of the adagrad"),
-    # wrong types
-    (with_("pipeline", batch_size="big"), "pipeline.batch_size", "must be a positive integer, got 'big'"),
-    (with_("pipeline", batch_size=True), "pipeline.batch_size", "must be a positive integer"),
-    (with_("pipeline", minibatch_size=1.5), "pipeline.minibatch_size", "must be a positive integer"),
-    (with_("model", hidden=64), "model.hidden", "must be an array of positive integers"),
-    (with_("optimizer", sparse_lr="fast"), "optimizer.sparse_lr", "must be a number"),
-    (with_("tiers", ssd={"background": 1}), "tiers.ssd.background", "must be true or false"),
-    (with_("cluster", address=5), "cluster.address", "must be a string"),
-    ({"data": {"synthetic": {"rows": 1000}}, "model": 3}, "model", "must be a table"),
-    # negative / out of range / bad choices
-    (with_("model", dim=0), "model.dim", "must be a positive integer, got 0"),
-    (with_("model", hidden=[64, -1]), "model.hidden", "positive integers"),
-    (with_("optimizer", sparse_lr=-0.1), "optimizer.sparse_lr", "must be > 0, got -0.1"),
-    (with_("optimizer", sparse="adadelta"), "optimizer.sparse", "must be one of sgd, adagrad, adagrad_row, adam"),
-    (with_("tiers", mem_rows=-1), "tiers.mem_rows", "must be a positive integer, got -1"),
-    (with_("tiers", mem_bytes="lots"), "tiers.mem_bytes", "byte count"),
-    (with_("tiers", mem={"lru_fraction": 1.5}), "tiers.mem.lru_fraction", "must be in [0, 1], got 1.5"),
-    (with_("tiers", ssd={"stale_threshold": 1.0}), "tiers.ssd.stale_threshold", "must be in (0, 1)"),
-    (with_("pipeline", device="tpu"), "pipeline.device", "must be one of cpu, cuda"),
-    (with_("pipeline", read_queue=0), "pipeline.read_queue", "must be a positive integer, got 0"),
-    (with_("cluster", nodes=-2), "cluster.nodes", "must be a non-negative integer, got -2"),
-    (with_("cluster", consistency="eventual"), "cluster.consistency", "must be one of"),
-    (with_("cluster", staleness=-1), "cluster.staleness", "must be a non-negative integer, got -1"),
-    (with_("cluster", dense_sync="ring"), "cluster.dense_sync", "must be one of"),
-    ({"data": {"synthetic": {"rows": 10, "eval_rows": -1}}}, "data.synthetic.eval_rows", "non-negative integer"),
-    # contradictions
-    (with_("tiers", mem_rows=10, mem_bytes=1000), "tiers.mem_bytes", "either tiers.mem_rows or tiers.mem_bytes"),
-    (with_("pipeline", batch_size=100, minibatch_size=200), "pipeline.minibatch_size", "must not exceed"),
-    ({"data": {"paths": ["x"], "synthetic": {"rows": 3}}}, "data.paths", "not both"),
-    ({"data": {"paths": ["x"], "format": "csv", "schema": {"format": "parquet"}}}, "data.format", "contradicts"),
-    (with_("tiers", ssd_path="s3://bucket/ssd"), "tiers.ssd_path", "must be a local directory"),
-    # missing values
-    ({}, "data", "missing section"),
-    ({"data": {}}, "data.paths", "missing"),
-    ({"data": {"synthetic": {}}}, "data.synthetic.rows", "missing (required)"),
-    ({"data": {"paths": []}}, "data.paths", "non-empty array"),
-])
+@pytest.mark.parametrize(
+    "d, key, reason",
+    [
+        # unknown keys, at each level
+        ({**SYN, "pipelin": {}}, "pipelin", "unknown key"),
+        (with_("pipeline", batch=5), "pipeline.batch", "unknown key"),
+        (with_("tiers", ssd={"rows_per_fil": 4}), "tiers.ssd.rows_per_fil", "unknown key"),
+        ({"data": {"synthetic": {"rows": 10, "slot": 3}}}, "data.synthetic.slot", "unknown key"),
+        (
+            with_("optimizer", sparse_params={"beta1": 0.9}),
+            "optimizer.sparse_params.beta1",
+            "not a parameter of the adagrad",
+        ),
+        # wrong types
+        (with_("pipeline", batch_size="big"), "pipeline.batch_size", "must be a positive integer, got 'big'"),
+        (with_("pipeline", batch_size=True), "pipeline.batch_size", "must be a positive integer"),
+        (with_("pipeline", minibatch_size=1.5), "pipeline.minibatch_size", "must be a positive integer"),
+        (with_("model", hidden=64), "model.hidden", "must be an array of positive integers"),
+        (with_("optimizer", sparse_lr="fast"), "optimizer.sparse_lr", "must be a number"),
+        (with_("tiers", ssd={"background": 1}), "tiers.ssd.background", "must be true or false"),
+        (with_("cluster", address=5), "cluster.address", "must be a string"),
+        ({"data": {"synthetic": {"rows": 1000}}, "model": 3}, "model", "must be a table"),
+        # negative / out of range / bad choices
+        (with_("model", dim=0), "model.dim", "must be a positive integer, got 0"),
+        (with_("model", hidden=[64, -1]), "model.hidden", "positive integers"),
+        (with_("optimizer", sparse_lr=-0.1), "optimizer.sparse_lr", "must be > 0, got -0.1"),
+        (with_("optimizer", sparse="adadelta"), "optimizer.sparse", "must be one of sgd, adagrad, adagrad_row, adam"),
+        (with_("tiers", mem_rows=-1), "tiers.mem_rows", "must be a positive integer, got -1"),
+        (with_("tiers", mem_bytes="lots"), "tiers.mem_bytes", "byte count"),
+        (with_("tiers", mem={"lru_fraction": 1.5}), "tiers.mem.lru_fraction", "must be in [0, 1], got 1.5"),
+        (with_("tiers", ssd={"stale_threshold": 1.0}), "tiers.ssd.stale_threshold", "must be in (0, 1)"),
+        (with_("pipeline", device="tpu"), "pipeline.device", "must be one of cpu, cuda"),
+        (with_("pipeline", read_queue=0), "pipeline.read_queue", "must be a positive integer, got 0"),
+        (with_("cluster", nodes=-2), "cluster.nodes", "must be a non-negative integer, got -2"),
+        (with_("cluster", consistency="eventual"), "cluster.consistency", "must be one of"),
+        (with_("cluster", staleness=-1), "cluster.staleness", "must be a non-negative integer, got -1"),
+        (with_("cluster", dense_sync="ring"), "cluster.dense_sync", "must be one of"),
+        ({"data": {"synthetic": {"rows": 10, "eval_rows": -1}}}, "data.synthetic.eval_rows", "non-negative integer"),
+        # contradictions
+        (with_("tiers", mem_rows=10, mem_bytes=1000), "tiers.mem_bytes", "either tiers.mem_rows or tiers.mem_bytes"),
+        (with_("pipeline", batch_size=100, minibatch_size=200), "pipeline.minibatch_size", "must not exceed"),
+        ({"data": {"paths": ["x"], "synthetic": {"rows": 3}}}, "data.paths", "not both"),
+        ({"data": {"paths": ["x"], "format": "csv", "schema": {"format": "parquet"}}}, "data.format", "contradicts"),
+        (with_("tiers", ssd_path="s3://bucket/ssd"), "tiers.ssd_path", "must be a local directory"),
+        # missing values
+        ({}, "data", "missing section"),
+        ({"data": {}}, "data.paths", "missing"),
+        ({"data": {"synthetic": {}}}, "data.synthetic.rows", "missing (required)"),
+        ({"data": {"paths": []}}, "data.paths", "non-empty array"),
+    ],
+)
 def test_bad_values_are_named(d, key, reason):
     msg = error_of(d)
     assert msg.startswith(f"job.toml: {key}: "), msg
@@ -109,8 +116,11 @@ def test_load_reports_missing_files_and_toml_syntax(tmp_path):
 def test_relative_paths_resolve_against_the_job_files_directory(tmp_path, monkeypatch):
     sub = tmp_path / "jobs"
     sub.mkdir()
-    write(sub, '[data]\npaths = ["data/train", "/abs/x.tsv", "s3://bucket/day=1/*.parquet"]\n'
-                   'eval_paths = "../held-out"\nformat = "criteo"\n[tiers]\nssd_path = "ssd"\n')
+    write(
+        sub,
+        '[data]\npaths = ["data/train", "/abs/x.tsv", "s3://bucket/day=1/*.parquet"]\n'
+        'eval_paths = "../held-out"\nformat = "criteo"\n[tiers]\nssd_path = "ssd"\n',
+    )
     monkeypatch.chdir(tmp_path)  # not the job's directory
     job = JobConfig.load("jobs/job.toml")
     assert job.data.paths == (str(sub / "data" / "train"), "/abs/x.tsv", "s3://bucket/day=1/*.parquet")
@@ -120,16 +130,28 @@ def test_relative_paths_resolve_against_the_job_files_directory(tmp_path, monkey
 
 
 def test_defaults_and_the_pieces_it_builds():
-    job = JobConfig.from_dict({
-        "data": {"synthetic": {"rows": 5000, "eval_rows": 500, "slots": 3, "keys": 50, "dense": 2, "nnz": 4}},
-        "model": {"dim": 4, "hidden": [8], "seed": 3},
-        "optimizer": {"sparse": "adam", "sparse_lr": 0.01, "sparse_params": {"beta1": 0.8}, "dense": "sgd"},
-        "tiers": {"mem_bytes": "1 MiB", "ssd": {"rows_per_file": 64, "max_space_ratio": False}},
-        "pipeline": {"batch_size": 1000, "minibatch_size": 100, "n_devices": 2},
-    }, where="j.toml")
+    job = JobConfig.from_dict(
+        {
+            "data": {"synthetic": {"rows": 5000, "eval_rows": 500, "slots": 3, "keys": 50, "dense": 2, "nnz": 4}},
+            "model": {"dim": 4, "hidden": [8], "seed": 3},
+            "optimizer": {"sparse": "adam", "sparse_lr": 0.01, "sparse_params": {"beta1": 0.8}, "dense": "sgd"},
+            "tiers": {"mem_bytes": "1 MiB", "ssd": {"rows_per_file": 64, "max_space_ratio": False}},
+            "pipeline": {"batch_size": 1000, "minibatch_size": 100, "n_devices": 2},
+        },
+        where="j.toml",
+    )
     cfg = job.train_config()
-    assert cfg == TrainConfig(dim=4, hidden=(8,), sparse_optimizer="adam", sparse_lr=0.01, dense_optimizer="sgd",
-                              dense_lr=1e-3, minibatch_size=100, seed=3, sparse_params={"beta1": 0.8})
+    assert cfg == TrainConfig(
+        dim=4,
+        hidden=(8,),
+        sparse_optimizer="adam",
+        sparse_lr=0.01,
+        dense_optimizer="sgd",
+        dense_lr=1e-3,
+        minibatch_size=100,
+        seed=3,
+        sparse_params={"beta1": 0.8},
+    )
     src, ev = build.source(job), build.eval_source(job)
     assert isinstance(src, SyntheticSource) and src.rows == 5000 and src.n_slots == 3 and src.n_dense == 2
     assert ev.rows == 500 and ev.start_row == 5000 and repr(ev.generator) == repr(src.generator)
@@ -139,8 +161,9 @@ def test_defaults_and_the_pieces_it_builds():
     assert ssd.path is None and ssd.options == {"rows_per_file": 64, "max_space_ratio": None}
     assert job.to_dict()["tiers"]["mem_bytes"] == 2**20
     # default MEM-PS budget: 4 batches' worth of slots, like Pipeline's own default
-    job = JobConfig.from_dict({"data": {"synthetic": {"rows": 10, "slots": 5}}, "pipeline": {"batch_size": 7,
-                                                                                          "minibatch_size": 7}})
+    job = JobConfig.from_dict(
+        {"data": {"synthetic": {"rows": 10, "slots": 5}}, "pipeline": {"batch_size": 7, "minibatch_size": 7}}
+    )
     assert build.stages(job)[1].capacity_rows == 4 * 7 * 5
     assert build.eval_source(job) is None
 
@@ -148,9 +171,11 @@ def test_defaults_and_the_pieces_it_builds():
 def test_schema_comes_from_the_table_the_data_directory_or_the_criteo_preset(tmp_path):
     gen = PlantedCTR(n_slots=3, keys_per_slot=20, n_dense=2, seed=1)
     write_synthetic(str(tmp_path / "data"), gen, 100, "parquet", shard_rows=50)
-    job = JobConfig.from_dict({"data": {"paths": ["data/part-0000[0].parquet"],
-                                        "eval_paths": ["data/part-00001.parquet"]}},
-                              where="j.toml", base_dir=str(tmp_path))
+    job = JobConfig.from_dict(
+        {"data": {"paths": ["data/part-0000[0].parquet"], "eval_paths": ["data/part-00001.parquet"]}},
+        where="j.toml",
+        base_dir=str(tmp_path),
+    )
     src = build.source(job)
     assert isinstance(src, FileSource) and src.schema.format == "parquet" and src.n_slots == 3 and src.n_dense == 2
     assert build.eval_source(job).schema == src.schema
@@ -169,9 +194,11 @@ def test_schema_comes_from_the_table_the_data_directory_or_the_criteo_preset(tmp
     with pytest.raises(ConfigError, match=r"j\.toml: data\.schema: missing: no \[data\.schema\] table and no _schema"):
         build.source(job)
     # an explicit table wins
-    job = JobConfig.from_dict({"data": {"paths": "raw", "schema": {"format": "csv", "label": 0, "dense": [1],
-                                                                   "categorical": [2, 3]}}},
-                              where="j.toml", base_dir=str(tmp_path))
+    job = JobConfig.from_dict(
+        {"data": {"paths": "raw", "schema": {"format": "csv", "label": 0, "dense": [1], "categorical": [2, 3]}}},
+        where="j.toml",
+        base_dir=str(tmp_path),
+    )
     assert build.source(job).n_slots == 2
 
 
@@ -188,8 +215,10 @@ def test_more_nodes_than_the_pipeline_supports_is_a_config_error():
 
     from hpsray.pipelines import Pipeline, SyncStage
 
-    job = JobConfig.from_dict(with_("cluster", nodes=3, consistency="ssp", staleness=1, dense_sync="chunked",
-                                    chunk_bytes="64KiB"), where="j.toml")
+    job = JobConfig.from_dict(
+        with_("cluster", nodes=3, consistency="ssp", staleness=1, dense_sync="chunked", chunk_bytes="64KiB"),
+        where="j.toml",
+    )
     assert build.cluster_kwargs(job) == {"nodes": 3, "sync": SyncStage("ssp", 1, "chunked", 65536)}
     assert set(inspect.signature(Pipeline).parameters) >= {"nodes", "sync"}
     assert build.cluster_kwargs(JobConfig.from_dict(with_("cluster", nodes=0)))["nodes"] is None  # every node

@@ -29,13 +29,29 @@ def head(tmp_path):
     gcs, dash = free_port(), free_port()
     temp = Path("/tmp") / f"hpsray-job-{os.getpid()}"
     proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats",
-         # own agent ports: another Ray on this machine (the tests' local one) holds the defaults,
-         # and a head whose job agent cannot bind answers every submission "No available agent"
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            "--num-cpus=2",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+            # own agent ports: another Ray on this machine (the tests' local one) holds the defaults,
+            # and a head whose job agent cannot bind answers every submission "No available agent"
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
@@ -67,9 +83,26 @@ def test_hpsray_train_runs_as_a_submitted_job(head, tmp_path):
     deadline = time.time() + 120
     while True:  # `ray job list` answers before the node's job agent takes submissions
         out = subprocess.run(
-            [RAY, "job", "submit", "--address", address, "--", sys.executable, "-m", "hpsray", "train", str(job),
-             "--report", str(report), "--quiet"],
-            env=env, capture_output=True, text=True, timeout=600,
+            [
+                RAY,
+                "job",
+                "submit",
+                "--address",
+                address,
+                "--",
+                sys.executable,
+                "-m",
+                "hpsray",
+                "train",
+                str(job),
+                "--report",
+                str(report),
+                "--quiet",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         if "No available agent to submit job" not in out.stdout + out.stderr or time.time() > deadline:
             break
@@ -84,7 +117,12 @@ def test_hpsray_train_runs_as_a_submitted_job(head, tmp_path):
 def test_submission_without_token_mode_is_refused(head):
     address, env = head
     plain = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
-    out = subprocess.run([RAY, "job", "submit", "--address", address, "--", "true"], env=plain,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [RAY, "job", "submit", "--address", address, "--", "true"],
+        env=plain,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "authentication" in (out.stdout + out.stderr).lower()

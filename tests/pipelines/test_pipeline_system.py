@@ -34,9 +34,14 @@ def test_pipeline_is_lossless_with_rows_travelling_to_ssd_and_back(ray_local, tm
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=200, sparse_optimizer=optimizer, sparse_lr=lr)
     # 3000 rows of MEM-PS against ~5000 distinct keys, two batches pinned at a time: rows must
     # be evicted to SSD-PS and loaded back for later batches.
-    with Pipeline(SOURCE, TrainerStage(cfg, n_devices=devices), MemPSStage(capacity_rows=3000),
-                  SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
-                  batch_size=BATCH, read_queue=2) as p:
+    with Pipeline(
+        SOURCE,
+        TrainerStage(cfg, n_devices=devices),
+        MemPSStage(capacity_rows=3000),
+        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        batch_size=BATCH,
+        read_queue=2,
+    ) as p:
         report = p.fit(progress=False)
         keys, rows = p.export_rows()
         dense = p.dense_state()
@@ -99,8 +104,13 @@ class SlowDNN(torch.nn.Module):
 def test_slow_trainer_stalls_the_reader(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
     source = SyntheticSource(GEN, rows=8000)
-    with Pipeline(source, TrainerStage(cfg, model=SlowDNN(4, 4, 3, 0.15)), MemPSStage(capacity_rows=20000),
-                  batch_size=500, read_queue=2) as p:
+    with Pipeline(
+        source,
+        TrainerStage(cfg, model=SlowDNN(4, 4, 3, 0.15)),
+        MemPSStage(capacity_rows=20000),
+        batch_size=500,
+        read_queue=2,
+    ) as p:
         report = p.fit(progress=False)
         reader_events = ray.get(p.actors()["Reader[node 0]"].stats.remote())["events"]
         trainer_events = ray.get(p.actors()["Trainer[node 0]"].stats.remote())["events"]
@@ -116,12 +126,21 @@ def test_slow_trainer_stalls_the_reader(ray_local):
 
 def test_actors_are_named_for_the_dashboard(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
-    with Pipeline(SyntheticSource(GEN, rows=1000), TrainerStage(cfg), MemPSStage(capacity_rows=10000),
-                  batch_size=500, name="named-run") as p:
+    with Pipeline(
+        SyntheticSource(GEN, rows=1000),
+        TrainerStage(cfg),
+        MemPSStage(capacity_rows=10000),
+        batch_size=500,
+        name="named-run",
+    ) as p:
         p.fit(progress=False)
         names = set(ray.util.list_named_actors())
-        assert {"named-run:MemPS[node 0]", "named-run:SSDPS[node 0]", "named-run:Trainer[node 0]",
-                "named-run:Reader[node 0]"} <= names
+        assert {
+            "named-run:MemPS[node 0]",
+            "named-run:SSDPS[node 0]",
+            "named-run:Trainer[node 0]",
+            "named-run:Reader[node 0]",
+        } <= names
     assert repr(Trainer(0, 1, cfg, 4, 3, capacity=100)) == "Trainer[node 0]"
 
 
@@ -134,8 +153,13 @@ def test_transform_stage_runs_in_the_reader(ray_local):
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return Batch(batch.labels, batch.dense, batch.keys[keep], offsets, batch.slots[keep], batch.n_slots)
 
-    with Pipeline(SyntheticSource(GEN, rows=2000), TrainerStage(cfg), MemPSStage(capacity_rows=10000),
-                  transforms=[only_first_slot], batch_size=1000) as p:
+    with Pipeline(
+        SyntheticSource(GEN, rows=2000),
+        TrainerStage(cfg),
+        MemPSStage(capacity_rows=10000),
+        transforms=[only_first_slot],
+        batch_size=1000,
+    ) as p:
         p.fit(progress=False)
         keys, _ = p.export_rows()
     all_keys = np.unique(GEN.generate(2000).keys)
@@ -146,8 +170,9 @@ def test_transform_stage_runs_in_the_reader(ray_local):
 
 def test_too_small_memory_budget_fails_clearly(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
-    with Pipeline(SyntheticSource(GEN, rows=2000), TrainerStage(cfg), MemPSStage(capacity_rows=50),
-                  batch_size=1000) as p:
+    with Pipeline(
+        SyntheticSource(GEN, rows=2000), TrainerStage(cfg), MemPSStage(capacity_rows=50), batch_size=1000
+    ) as p:
         with pytest.raises(TrainingStopped, match="CapacityError"):
             p.fit(progress=False)
 
@@ -155,8 +180,9 @@ def test_too_small_memory_budget_fails_clearly(ray_local):
 def test_evaluate_scores_held_out_rows(ray_local):
     cfg = TrainConfig(dim=8, hidden=(32,), minibatch_size=500)
     gen = PlantedCTR(n_slots=6, keys_per_slot=500, n_dense=3, seed=4)
-    with Pipeline(SyntheticSource(gen, rows=40_000), TrainerStage(cfg), MemPSStage(capacity_rows=8000),
-                  batch_size=5000) as p:
+    with Pipeline(
+        SyntheticSource(gen, rows=40_000), TrainerStage(cfg), MemPSStage(capacity_rows=8000), batch_size=5000
+    ) as p:
         p.fit(progress=False)
         result = p.evaluate(SyntheticSource(gen, rows=5000, start_row=10**8))
     assert result["examples"] == 5000
@@ -175,8 +201,9 @@ def test_bad_input_in_strict_mode_stops_training_but_keeps_what_was_trained(ray_
     lines[2501] = "1,not-a-number,u1,a1"  # inside the third batch of 1000
     path = tmp_path / "clicks.csv"
     path.write_text("\n".join(lines) + "\n")
-    schema = Schema.from_dict({"format": "csv", "header": True, "label": "click", "dense": ["price"],
-                               "categorical": ["user", "ad"]})
+    schema = Schema.from_dict(
+        {"format": "csv", "header": True, "label": "click", "dense": ["price"], "categorical": ["user", "ad"]}
+    )
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=250)
     # small parse blocks, so the first batches are read before the bad line is reached
     source = FileSource(str(path), schema, policy=STRICT, options={"block_size": 8192})

@@ -47,8 +47,9 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
     scraper.start()
     data = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=2, seed=0)
     config = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
-    with Pipeline(SyntheticSource(data, rows=16_000), TrainerStage(config), MemPSStage(capacity_rows=4000),
-                  batch_size=2000) as pipe:
+    with Pipeline(
+        SyntheticSource(data, rows=16_000), TrainerStage(config), MemPSStage(capacity_rows=4000), batch_size=2000
+    ) as pipe:
         pipe.fit(progress=False)
         deadline = time.time() + 60  # Ray exports every few seconds: wait for the last values
         want = {f"ray_hpsray_{g}" for g in GAUGES} | {"ray_hpsray_batches_total", "ray_hpsray_busy_seconds_total"}

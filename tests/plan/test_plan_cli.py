@@ -22,8 +22,9 @@ from hpsray.tiers.ssd import SSDPS
 
 def hpsray(*args, timeout=600):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "hpsray", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "hpsray", *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,14 @@ def data(tmp_path_factory):
 
 
 def job(root, name, mem_rows, ssd=None):
-    d = {"data": {"paths": ["data/"]}, "model": {"dim": 4, "hidden": [8]},
-         "optimizer": {"sparse": "adagrad", "sparse_lr": 0.05},
-         "tiers": {"mem_rows": mem_rows, **({"ssd_path": ssd} if ssd else {})},
-         "pipeline": {"batch_size": 2000, "minibatch_size": 500}, "cluster": {"nodes": 1}}
+    d = {
+        "data": {"paths": ["data/"]},
+        "model": {"dim": 4, "hidden": [8]},
+        "optimizer": {"sparse": "adagrad", "sparse_lr": 0.05},
+        "tiers": {"mem_rows": mem_rows, **({"ssd_path": ssd} if ssd else {})},
+        "pipeline": {"batch_size": 2000, "minibatch_size": 500},
+        "cluster": {"nodes": 1},
+    }
     path = root / f"{name}.toml"
     path.write_text(to_toml(d))
     return str(path)

@@ -28,9 +28,13 @@ class _Empty:
 
 
 def _job(tmp_path, **tables):
-    d = {"data": {"synthetic": {"rows": 24_000, "slots": 6, "keys": 3000, "dense": 2, "seed": 5}},
-         "model": {"dim": 4, "hidden": [8]}, "optimizer": {"sparse": "sgd"},
-         "pipeline": {"batch_size": 2000, "minibatch_size": 500}, **tables}
+    d = {
+        "data": {"synthetic": {"rows": 24_000, "slots": 6, "keys": 3000, "dense": 2, "seed": 5}},
+        "model": {"dim": 4, "hidden": [8]},
+        "optimizer": {"sparse": "sgd"},
+        "pipeline": {"batch_size": 2000, "minibatch_size": 500},
+        **tables,
+    }
     return JobConfig.from_dict(d, where="job.toml", base_dir=str(tmp_path))
 
 
@@ -81,9 +85,10 @@ def test_a_budget_below_the_pinned_rows_is_an_error_naming_the_fix(tmp_path):
 def test_input_size_of_files(tmp_path, fmt):
     gen = PlantedCTR(n_slots=3, keys_per_slot=500, n_dense=2, seed=1)
     write_synthetic(str(tmp_path / "d"), gen, 9_000, fmt, shard_rows=3_000)
-    job = JobConfig.from_dict({"data": {"paths": [str(tmp_path / "d")]},
-                               "pipeline": {"batch_size": 1000, "minibatch_size": 500}},
-                              where=str(tmp_path / "job.toml"))
+    job = JobConfig.from_dict(
+        {"data": {"paths": [str(tmp_path / "d")]}, "pipeline": {"batch_size": 1000, "minibatch_size": 500}},
+        where=str(tmp_path / "job.toml"),
+    )
     size = input_size(job)
     assert size.files == 3
     assert abs(size.rows - 9_000) <= (0 if fmt == "parquet" else 0.02 * 9_000), size

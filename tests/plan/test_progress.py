@@ -26,8 +26,9 @@ bar.close()
 def _stderr_on_a_terminal(total, enabled=True) -> str:
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty has 0 columns
-    proc = subprocess.Popen([sys.executable, "-c", BAR.format(total=total, enabled=enabled)],
-                            stderr=secondary, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BAR.format(total=total, enabled=enabled)], stderr=secondary, stdout=subprocess.DEVNULL
+    )
     os.close(secondary)
     out = b""
     while True:

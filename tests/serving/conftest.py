@@ -23,8 +23,9 @@ def trained(planted):
     from hpsray.config import TrainConfig
     from hpsray.reference import ReferenceTrainer
 
-    config = TrainConfig(dim=8, hidden=(32, 16), sparse_optimizer="adagrad", sparse_lr=0.05, minibatch_size=500,
-                         seed=3, init_scale=0.02)
+    config = TrainConfig(
+        dim=8, hidden=(32, 16), sparse_optimizer="adagrad", sparse_lr=0.05, minibatch_size=500, seed=3, init_scale=0.02
+    )
     trainer = ReferenceTrainer(N_SLOTS, N_DENSE, config)
     trainer.fit(planted.batches(20_000, 5_000))
     return trainer
@@ -40,8 +41,15 @@ def exports(tmp_path_factory, planted, trained):
     out = {}
     for fmt in ("parquet", "criteo"):
         out[fmt] = str(root / fmt)
-        export(trained.export(), out[fmt], trained.config, n_slots=N_SLOTS, n_dense=N_DENSE,
-               schema=dataset_schema(planted, fmt), rows_per_file=4000)
+        export(
+            trained.export(),
+            out[fmt],
+            trained.config,
+            n_slots=N_SLOTS,
+            n_dense=N_DENSE,
+            schema=dataset_schema(planted, fmt),
+            rows_per_file=4000,
+        )
     return out
 
 

@@ -51,8 +51,13 @@ def uva_gather_matches_numpy():
         assert np.array_equal(got, want), f"dim {dim}: UVA gather differs from the NumPy gather"
     # a row's stride must match the alignment rule
     try:
-        gather_rows(np.zeros((4, 3), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64),
-                    cuda.device_array((1, 3), np.float32), 3)
+        gather_rows(
+            np.zeros((4, 3), np.float32),
+            np.zeros(1, np.int64),
+            np.zeros(1, np.int64),
+            cuda.device_array((1, 3), np.float32),
+            3,
+        )
     except ValueError:
         pass
     else:

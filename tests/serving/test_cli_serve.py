@@ -39,9 +39,24 @@ def test_serve_rejects_both_memory_options(tmp_path, capsys):
 def test_hpsray_serve_answers_on_localhost(exports, planted, trained, tmp_path):
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "hpsray", "serve", exports["parquet"], "--port", str(port),
-                             "--mem-fraction", "0.05", "--watch", "0"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpsray",
+            "serve",
+            exports["parquet"],
+            "--port",
+            str(port),
+            "--mem-fraction",
+            "0.05",
+            "--watch",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
     try:
         batch, examples = raw_examples(planted, 40, start_block=100_020)
         url = f"http://127.0.0.1:{port}/predict"
@@ -83,12 +98,29 @@ def test_hpsray_train_export_serves_raw_criteo_text(tmp_path):
 
     gen = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=2, seed=7)
     files = write_synthetic(str(tmp_path / "data"), gen, 3000, "criteo", shard_rows=1000)
-    job = {"data": {"paths": ["data/part-0000[0-1].tsv"]}, "model": {"dim": 4, "hidden": [16]},
-           "pipeline": {"batch_size": 1000, "minibatch_size": 250}}
+    job = {
+        "data": {"paths": ["data/part-0000[0-1].tsv"]},
+        "model": {"dim": 4, "hidden": [16]},
+        "pipeline": {"batch_size": 1000, "minibatch_size": 250},
+    }
     (tmp_path / "job.toml").write_text(to_toml(job))
-    proc = subprocess.run([sys.executable, "-m", "hpsray", "train", str(tmp_path / "job.toml"), "--reference",
-                           "--export", str(tmp_path / "export"), "--quiet"], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpsray",
+            "train",
+            str(tmp_path / "job.toml"),
+            "--reference",
+            "--export",
+            str(tmp_path / "export"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = ServableModel.load(tmp_path / "export")
     assert model.parser.spec.encoding == "hex"

@@ -28,8 +28,9 @@ def _run(tmp_path: Path, simulator: bool, timeout: float) -> dict:
     if simulator:
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     out = tmp_path / ("sim.json" if simulator else "gpu.json")
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"case runner failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -51,9 +52,13 @@ def test_gpu_path_under_simulator(sim_report, name):
 
 @pytest.mark.gpu
 def test_gpu_path_on_a_real_gpu(tmp_path):
-    probe = subprocess.run([sys.executable, "-c", "from numba import cuda; print(cuda.is_available())"],
-                           env={k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"},
-                           capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [sys.executable, "-c", "from numba import cuda; print(cuda.is_available())"],
+        env={k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if probe.stdout.strip() != "True":
         pytest.skip("no CUDA device (numba.cuda.is_available() is false)")
     report = _run(tmp_path, False, timeout=600)

@@ -116,8 +116,14 @@ def test_hot_swap_under_a_request_stream_loses_no_request(served, planted, train
     rows = rows.copy()
     rows[:, : trained.config.dim] *= -1.5  # a visibly different model
     staging = str(served["root"].parent / "v2-staging")
-    export((keys, rows, dense), staging, trained.config, n_slots=N_SLOTS, n_dense=N_DENSE,
-           schema=dataset_schema(planted, "parquet"))
+    export(
+        (keys, rows, dense),
+        staging,
+        trained.config,
+        n_slots=N_SLOTS,
+        n_dense=N_DENSE,
+        schema=dataset_schema(planted, "parquet"),
+    )
     new = ServableModel.load(staging).predict(batch)
     assert not close(old, new)
 
@@ -178,9 +184,11 @@ def test_load_a_few_thousand_requests_no_errors_steady_memory(served, planted):
     rss_before = _rss_mb(pid)
     run = drive(url, bodies, 16, n_requests=3000)
     rss_after = _rss_mb(pid)
-    print(f"\nload: {run['requests']} requests, {run['errors']} errors, {run['requests_per_s']:.0f} req/s, "
-          f"{run['examples_per_s']:.0f} examples/s, p50 {run['p50_ms']:.1f} ms, p99 {run['p99_ms']:.1f} ms, "
-          f"replica RSS {rss_before:.0f} -> {rss_after:.0f} MB")
+    print(
+        f"\nload: {run['requests']} requests, {run['errors']} errors, {run['requests_per_s']:.0f} req/s, "
+        f"{run['examples_per_s']:.0f} examples/s, p50 {run['p50_ms']:.1f} ms, p99 {run['p99_ms']:.1f} ms, "
+        f"replica RSS {rss_before:.0f} -> {rss_after:.0f} MB"
+    )
     assert warm["errors"] == 0 and run["errors"] == 0, run["error_samples"]
     assert run["requests"] == 3000
     assert np.isfinite(run["p99_ms"])

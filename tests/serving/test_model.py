@@ -82,8 +82,14 @@ def _config_of(manifest: dict):
     from hpsray.config import TrainConfig
 
     o = manifest["optimizer"]
-    return TrainConfig(dim=manifest["dim"], hidden=tuple(manifest["model"]["hidden"]), sparse_optimizer=o["sparse"],
-                       sparse_lr=o["sparse_lr"], seed=manifest["seed"], init_scale=manifest["init_scale"])
+    return TrainConfig(
+        dim=manifest["dim"],
+        hidden=tuple(manifest["model"]["hidden"]),
+        sparse_optimizer=o["sparse"],
+        sparse_lr=o["sparse_lr"],
+        seed=manifest["seed"],
+        init_scale=manifest["init_scale"],
+    )
 
 
 def test_hot_cache_keeps_hot_rows_and_admits_by_frequency():
@@ -139,14 +145,17 @@ def _parser(exports, **limits):
     return ServableModel.load(exports["criteo"], LoadOptions(limits=Limits(**limits))).parser
 
 
-@pytest.mark.parametrize("body,reason", [
-    (b"{not json", "not JSON"),
-    (b"[1, 2]", "must be a JSON object"),
-    (b'{"examples": [], "x": 1}', "unknown top-level"),
-    (b'{"examples": {}}', "must be a list"),
-    (b'{"examples": [3]}', "examples[0] must be an object"),
-    (b'{"examples": [{"c1": NaN}]}', "not JSON"),
-])
+@pytest.mark.parametrize(
+    "body,reason",
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"examples": [], "x": 1}', "unknown top-level"),
+        (b'{"examples": {}}', "must be a list"),
+        (b'{"examples": [3]}', "examples[0] must be an object"),
+        (b'{"examples": [{"c1": NaN}]}', "not JSON"),
+    ],
+)
 def test_bad_bodies_are_refused_with_their_reason(exports, body, reason):
     with pytest.raises(BadRequest, match=re.escape(reason)):
         _parser(exports).parse_body(body)
@@ -216,9 +225,16 @@ def test_integer_fast_path_equals_the_converter(transform):
 
     spec = InputSpec(dense=("a", "b"), categorical=("x", "y", "z"), dense_transform=transform)
     rng = np.random.default_rng(5)
-    examples = [{"a": float(rng.standard_normal()), "b": int(rng.integers(-5, 50)),
-                 "x": int(rng.integers(0, 1000)), "y": int(rng.integers(-2**63, 2**63 - 1)), "z": 2**64 - 1 - i}
-                for i in range(300)]
+    examples = [
+        {
+            "a": float(rng.standard_normal()),
+            "b": int(rng.integers(-5, 50)),
+            "x": int(rng.integers(0, 1000)),
+            "y": int(rng.integers(-(2**63), 2**63 - 1)),
+            "z": 2**64 - 1 - i,
+        }
+        for i in range(300)
+    ]
     fast, slow = RequestParser(spec), RequestParser(spec)
     slow.fast = False
     a, b = fast.parse_examples(examples), slow.parse_examples(examples)

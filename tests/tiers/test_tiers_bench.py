@@ -22,8 +22,25 @@ def test_benchmarks_are_registered():
 
 
 def test_ssd_bench_reports_its_keys(tmp_path):
-    report = ssd_bench.run(_args(ssd_bench, ["--size", "3", "--rows-per-file", "1024", "--dump-rows", "4096",
-                                              "--overwrites", "3", "--repeat", "1", "--dir", str(tmp_path)]))
+    report = ssd_bench.run(
+        _args(
+            ssd_bench,
+            [
+                "--size",
+                "3",
+                "--rows-per-file",
+                "1024",
+                "--dump-rows",
+                "4096",
+                "--overwrites",
+                "3",
+                "--repeat",
+                "1",
+                "--dir",
+                str(tmp_path),
+            ],
+        )
+    )
     for key in ("load_bytes_per_s", "seq_read_bytes_per_s", "dump_bytes_per_s", "space_ratio"):
         assert report[key] > 0, key
     assert report["space_ratio"] <= 2.0

@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 
-DRIVER = r'''
+DRIVER = r"""
 import json, os, random, signal, sys, time
 import numpy as np
 from hpsray.tiers.ssd import SSDPS
@@ -145,7 +145,7 @@ else:
         if point.startswith("dump"):
             nxt = trial(nxt, 0.1)
 print(json.dumps(report))
-'''
+"""
 
 
 def _run_driver(tmp_path, mode: str, trials: int, seed: int, timeout: float) -> dict:
@@ -154,7 +154,11 @@ def _run_driver(tmp_path, mode: str, trials: int, seed: int, timeout: float) -> 
     env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")  # fork-safe after kernels ran
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "store"), mode, str(trials), str(seed)],
-        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

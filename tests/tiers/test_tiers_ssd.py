@@ -357,8 +357,9 @@ def _mount_tmpfs(path, size: str) -> bool:
     path.mkdir()
     if os.geteuid() != 0:
         return False
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                       check=False)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, check=False
+    )
     return r.returncode == 0
 
 
@@ -485,10 +486,16 @@ def test_format_1_files_are_still_read(tmp_path):
         path = d / file_name(no)
         pf = pfmod.read_file(str(path))
         h = pf.header
-        head = pfmod._HEADER.pack(pfmod.MAGIC, 1, h.width, h.n, h.file_no, h.flags, h.index_crc, h.rows_crc, 0, 0,
-                                  b"\0" * 8)
-        data = (head + zlib.crc32(head).to_bytes(4, "little") + pf.keys.tobytes() + pf.versions.tobytes()
-                + pf.rows.tobytes())
+        head = pfmod._HEADER.pack(
+            pfmod.MAGIC, 1, h.width, h.n, h.file_no, h.flags, h.index_crc, h.rows_crc, 0, 0, b"\0" * 8
+        )
+        data = (
+            head
+            + zlib.crc32(head).to_bytes(4, "little")
+            + pf.keys.tobytes()
+            + pf.versions.tobytes()
+            + pf.rows.tobytes()
+        )
         path.write_bytes(data)
     with SSDPS(d) as s:
         rows, found = s.load(k[[3, 60]])

@@ -71,8 +71,14 @@ def test_a_real_batch_compiles_nothing_after_the_warm_up(tmp_path):
     env_cache = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
     import os
 
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **env_cache}, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env_cache},
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     before, after = got["before"], got["after"]

@@ -86,21 +86,33 @@ class PeerSpec:
         """The :class:`~hpsray.config.TrainConfig` every hpsray-based system uses."""
         from hpsray.config import TrainConfig
 
-        return TrainConfig(dim=self.dim, hidden=tuple(self.hidden), sparse_optimizer=self.sparse_optimizer,
-                           sparse_lr=self.sparse_lr, dense_optimizer=self.dense_optimizer, dense_lr=self.dense_lr,
-                           minibatch_size=self.minibatch, seed=self.seed)
+        return TrainConfig(
+            dim=self.dim,
+            hidden=tuple(self.hidden),
+            sparse_optimizer=self.sparse_optimizer,
+            sparse_lr=self.sparse_lr,
+            dense_optimizer=self.dense_optimizer,
+            dense_lr=self.dense_lr,
+            minibatch_size=self.minibatch,
+            seed=self.seed,
+        )
 
     def generator(self):
         """The planted data set: ``keys_per_example`` keys over ``n_slots`` slots (multi-hot
         slots when there are more keys than slots), so every system's model is the same."""
         from hpsray.data import PlantedCTR
 
-        return PlantedCTR(n_slots=self.n_slots, keys_per_slot=self.keys_per_slot,
-                          nnz_per_slot=PlantedCTR.spread_nnz(self.n_slots, self.keys_per_example),
-                          n_dense=self.n_dense, seed=self.seed)
+        return PlantedCTR(
+            n_slots=self.n_slots,
+            keys_per_slot=self.keys_per_slot,
+            nnz_per_slot=PlantedCTR.spread_nnz(self.n_slots, self.keys_per_example),
+            n_dense=self.n_dense,
+            seed=self.seed,
+        )
 
 
 # -- examples on disk --------------------------------------------------------------------------
+
 
 def save_examples(spec: PeerSpec) -> dict:
     """Generate the training stream (warm-up then measured rows) and the held-out rows once and
@@ -113,8 +125,12 @@ def save_examples(spec: PeerSpec) -> dict:
     for name, batch in (("train", train), ("eval", held_out)):
         for f in _FIELDS:
             np.save(out / f"{name}_{f}.npy", getattr(batch, f))
-    return {"train_rows": len(train), "eval_rows": len(held_out), "train_nnz": train.nnz,
-            "distinct_train_keys": int(np.unique(train.keys).size)}
+    return {
+        "train_rows": len(train),
+        "eval_rows": len(held_out),
+        "train_nnz": train.nnz,
+        "distinct_train_keys": int(np.unique(train.keys).size),
+    }
 
 
 def load_examples(spec: PeerSpec, which: str) -> Batch:
@@ -131,6 +147,7 @@ def split(batch: Batch, size: int, start: int = 0, stop: int | None = None) -> I
 
 
 # -- dense row indices -------------------------------------------------------------------------
+
 
 class Vocabulary:
     """Dense row index ``slot * keys_per_slot + rank`` of every key the planted data can hold.
@@ -173,6 +190,7 @@ class Vocabulary:
 
 # -- memory --------------------------------------------------------------------------------
 
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (``getrusage`` ``ru_maxrss``, KiB on Linux)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -194,8 +212,9 @@ def ray_peak_rss(actors) -> dict:
     return {"peak_rss_bytes": int(sum(per.values())), "peak_rss_by_process": per}
 
 
-def peer_result(examples: int, train_s: float, labels: np.ndarray, probs: np.ndarray, prepare_s: float,
-                table_rows: int) -> dict:
+def peer_result(
+    examples: int, train_s: float, labels: np.ndarray, probs: np.ndarray, prepare_s: float, table_rows: int
+) -> dict:
     """The figures every in-process peer reports: throughput of the measured rows, held-out
     AUC and log-loss, and this process's peak RSS (each peer adds its own details)."""
     from hpsray.models.metrics import auc, logloss

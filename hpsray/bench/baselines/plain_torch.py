@@ -39,8 +39,9 @@ class IndexedBatch:
         return int(self.labels.shape[0])
 
     def to(self, device: torch.device) -> IndexedBatch:
-        return IndexedBatch(self.indices.to(device), self.offsets.to(device), self.dense.to(device),
-                            self.labels.to(device))
+        return IndexedBatch(
+            self.indices.to(device), self.offsets.to(device), self.dense.to(device), self.labels.to(device)
+        )
 
 
 def index_batch(batch: Batch, vocab: Vocabulary) -> IndexedBatch:
@@ -53,9 +54,12 @@ def index_batch(batch: Batch, vocab: Vocabulary) -> IndexedBatch:
     n_bags = len(batch) * batch.n_slots
     offsets = np.zeros(n_bags, dtype=np.int64)
     np.cumsum(np.bincount(bag, minlength=n_bags)[:-1], out=offsets[1:])
-    return IndexedBatch(torch.from_numpy(vocab.index(keys)), torch.from_numpy(offsets),
-                        torch.from_numpy(np.array(batch.dense, dtype=np.float32)),
-                        torch.from_numpy(np.array(batch.labels, dtype=np.float32)))
+    return IndexedBatch(
+        torch.from_numpy(vocab.index(keys)),
+        torch.from_numpy(offsets),
+        torch.from_numpy(np.array(batch.dense, dtype=np.float32)),
+        torch.from_numpy(np.array(batch.labels, dtype=np.float32)),
+    )
 
 
 class PlainTorchCTR(nn.Module):
@@ -83,8 +87,10 @@ def sparse_optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
         return torch.optim.SparseAdam(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
     if name == "sgd":
         return torch.optim.SGD(params, lr=opt.lr)
-    raise ValueError(f"plain PyTorch has no sparse optimizer for {config.sparse_optimizer!r} "
-                     "(torch.optim offers adagrad, adam (SparseAdam) and sgd for sparse gradients)")
+    raise ValueError(
+        f"plain PyTorch has no sparse optimizer for {config.sparse_optimizer!r} "
+        "(torch.optim offers adagrad, adam (SparseAdam) and sgd for sparse gradients)"
+    )
 
 
 class PlainTorchTrainer:
@@ -97,11 +103,17 @@ class PlainTorchTrainer:
             caller hands over :class:`IndexedBatch` mini-batches).
     """
 
-    def __init__(self, weights: np.ndarray, n_slots: int, n_dense: int, config: TrainConfig,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self, weights: np.ndarray, n_slots: int, n_dense: int, config: TrainConfig, device: str = "cpu"
+    ) -> None:
         self.config = config
-        self.model = PlainTorchCTR(torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)),
-                                   n_slots, n_dense, config.hidden, seed=config.seed).to(device)
+        self.model = PlainTorchCTR(
+            torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)),
+            n_slots,
+            n_dense,
+            config.hidden,
+            seed=config.seed,
+        ).to(device)
         self.sparse = sparse_optimizer(config, [self.model.embedding.weight])
         self.dense = make_dense_optimizer(config.dense_optimizer, self.model.dnn.parameters(), config.dense_lr)
         self.steps = 0
@@ -136,16 +148,21 @@ class PlainTorchTrainer:
 
     def export(self) -> tuple[np.ndarray, dict]:
         """``(table float32[rows, dim], dense state_dict)``."""
-        return (self.model.embedding.weight.detach().cpu().numpy().copy(),
-                {k: v.detach().cpu().clone() for k, v in self.model.dnn.state_dict().items()})
+        return (
+            self.model.embedding.weight.detach().cpu().numpy().copy(),
+            {k: v.detach().cpu().clone() for k, v in self.model.dnn.state_dict().items()},
+        )
 
 
 def minibatches(batch: Batch, vocab: Vocabulary, spec: PeerSpec, start: int, stop: int) -> list[IndexedBatch]:
     """Indexed mini-batches of ``batch[start:stop]`` in hpsray's order (batches of ``spec.batch``
     examples, each cut into mini-batches of ``spec.minibatch``)."""
     device = torch.device(spec.device)
-    return [index_batch(mb, vocab).to(device) for big in split(batch, spec.batch, start, stop)
-            for mb in big.minibatches(spec.minibatch)]
+    return [
+        index_batch(mb, vocab).to(device)
+        for big in split(batch, spec.batch, start, stop)
+        for mb in big.minibatches(spec.minibatch)
+    ]
 
 
 def _synchronize(spec: PeerSpec) -> None:
@@ -166,13 +183,16 @@ def run_peer(spec: PeerSpec) -> dict:
     _use_threads(spec)
     t_prep = time.perf_counter()
     vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
-    trainer = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config(),
-                                spec.device)
+    trainer = PlainTorchTrainer(
+        vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config(), spec.device
+    )
     train = load_examples(spec, "train")
     warmup = minibatches(train, vocab, spec, 0, spec.warmup_rows)
     measured = minibatches(train, vocab, spec, spec.warmup_rows, spec.warmup_rows + spec.rows)
-    held_out = [index_batch(mb, vocab).to(torch.device(spec.device))
-                for mb in load_examples(spec, "eval").minibatches(spec.minibatch)]
+    held_out = [
+        index_batch(mb, vocab).to(torch.device(spec.device))
+        for mb in load_examples(spec, "eval").minibatches(spec.minibatch)
+    ]
     del train
     prep_s = time.perf_counter() - t_prep
 
@@ -215,8 +235,10 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
 
     def inputs(start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         with torch.no_grad():
-            return [(table(mb.indices, mb.offsets).view(-1, spec.n_slots, spec.dim), mb.dense, mb.labels)
-                    for mb in minibatches(train, vocab, spec, start, stop)]
+            return [
+                (table(mb.indices, mb.offsets).view(-1, spec.n_slots, spec.dim), mb.dense, mb.labels)
+                for mb in minibatches(train, vocab, spec, start, stop)
+            ]
 
     def fit(steps) -> int:
         examples = 0
@@ -238,8 +260,14 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
     examples = fit(measured)
     _synchronize(spec)
     train_s = time.perf_counter() - t0
-    return {"examples_per_s": examples / train_s, "peak_rss_bytes": peak_rss_bytes(), "examples": examples,
-            "train_s": train_s, "prepare_s": prep_s, "threads": torch.get_num_threads()}
+    return {
+        "examples_per_s": examples / train_s,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "examples": examples,
+        "train_s": train_s,
+        "prepare_s": prep_s,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main(spec_json: str) -> None:

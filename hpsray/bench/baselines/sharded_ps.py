@@ -90,8 +90,9 @@ class PSTrainer:
         threads: torch intra-op threads (default: all cores).
     """
 
-    def __init__(self, shards: list, config: TrainConfig, n_slots: int, n_dense: int,
-                 threads: int | None = None) -> None:
+    def __init__(
+        self, shards: list, config: TrainConfig, n_slots: int, n_dense: int, threads: int | None = None
+    ) -> None:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.shards = list(shards)
         self.config = config
@@ -107,7 +108,7 @@ class PSTrainer:
 
     def _by_shard(self, keys: np.ndarray) -> list[np.ndarray]:
         order, offsets = group_by(owner_of(keys, len(self.shards)), len(self.shards))
-        return [order[offsets[k]: offsets[k + 1]] for k in range(len(self.shards))]
+        return [order[offsets[k] : offsets[k + 1]] for k in range(len(self.shards))]
 
     def _pull(self, keys: np.ndarray, method: str = "pull") -> np.ndarray:
         parts = self._by_shard(keys)
@@ -183,15 +184,23 @@ class ShardedPS:
     head-room for uneven ownership.
     """
 
-    def __init__(self, config: TrainConfig, n_slots: int, n_dense: int, capacity: int, n_shards: int = 2,
-                 threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        n_slots: int,
+        n_dense: int,
+        capacity: int,
+        n_shards: int = 2,
+        threads: int | None = None,
+    ) -> None:
         if n_shards < 1:
             raise ValueError(f"n_shards must be >= 1, got {n_shards}")
         per_shard = int(capacity / n_shards * 1.2) + 1024
         opts = dict(num_cpus=0, max_concurrency=1)
         self.config = config
-        self.shards = [ray.remote(PSShard).options(**opts).remote(k, n_shards, config, per_shard)
-                       for k in range(n_shards)]
+        self.shards = [
+            ray.remote(PSShard).options(**opts).remote(k, n_shards, config, per_shard) for k in range(n_shards)
+        ]
         self.trainer = ray.remote(PSTrainer).options(**opts).remote(self.shards, config, n_slots, n_dense, threads)
 
     def fit(self, batch_refs: list) -> dict:
@@ -215,8 +224,10 @@ class ShardedPS:
         return out
 
     def stats(self) -> dict:
-        return {"trainer": ray.get(self.trainer.stats.remote()),
-                "shards": ray.get([s.stats.remote() for s in self.shards])}
+        return {
+            "trainer": ray.get(self.trainer.stats.remote()),
+            "shards": ray.get([s.stats.remote() for s in self.shards]),
+        }
 
     def shutdown(self) -> None:
         for a in self.actors().values():

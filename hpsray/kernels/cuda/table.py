@@ -124,9 +124,7 @@ class CudaHashTable(HashTable):
     ) -> None:
         super().__init__(capacity, width, init)
         if not cuda_available():
-            raise RuntimeError(
-                "CudaHashTable needs a CUDA device (or numba's simulator: NUMBA_ENABLE_CUDASIM=1)"
-            )
+            raise RuntimeError("CudaHashTable needs a CUDA device (or numba's simulator: NUMBA_ENABLE_CUDASIM=1)")
         tpb = threads_per_block or (64 if simulator_enabled() else 256)
         if not 1 <= tpb <= MAX_TPB:
             raise ValueError(f"threads_per_block must be in 1..{MAX_TPB}, got {tpb}")
@@ -259,8 +257,13 @@ class CudaHashTable(HashTable):
             init = self.init
             if initialise:
                 k_init_rows[self._grid(n_new)](
-                    self._rows, self._row_keys, new_slots, init.dim,
-                    np.float32(init.scale), np.uint64(init.seed), np.float32(init.state_value),
+                    self._rows,
+                    self._row_keys,
+                    new_slots,
+                    init.dim,
+                    np.float32(init.scale),
+                    np.uint64(init.seed),
+                    np.float32(init.state_value),
                 )
             self._free_top -= n_new
             self._size += n_new

@@ -82,8 +82,9 @@ class Compaction:
             t0 = time.perf_counter()
             f, kmap = st._files, st._keys
             with st._lock:
-                victims = f.victims(st._rec, st.stale_threshold, st.rows_per_file, st.merge_small_files,
-                                    st.compact_pass_bytes, full)
+                victims = f.victims(
+                    st._rec, st.stale_threshold, st.rows_per_file, st.merge_small_files, st.compact_pass_bytes, full
+                )
                 victim_nos = f.no[victims].tolist()
             if victims.size == 0:
                 return 0

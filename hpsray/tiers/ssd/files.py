@@ -57,15 +57,30 @@ class FileTable:
             self.tables[no] = table
         return s
 
-    def add_written(self, nos: Sequence[int], sizes: Sequence[int], tables: dict[int, np.ndarray], n_rows: int,
-                    rows_per_file: int, live: Sequence[int] | np.ndarray | None, flags: int) -> np.ndarray:
+    def add_written(
+        self,
+        nos: Sequence[int],
+        sizes: Sequence[int],
+        tables: dict[int, np.ndarray],
+        n_rows: int,
+        rows_per_file: int,
+        live: Sequence[int] | np.ndarray | None,
+        flags: int,
+    ) -> np.ndarray:
         """Register the files :func:`write_files` wrote for ``n_rows`` rows (``rows_per_file``
         each, the last one the rest); ``live`` rows per file (default: all). Returns their slots."""
         return np.asarray(
-            [self.add(no, min(rows_per_file, n_rows - i * rows_per_file), size,
-                      min(rows_per_file, n_rows - i * rows_per_file) if live is None else int(live[i]), flags,
-                      tables.get(no))
-             for i, (no, size) in enumerate(zip(nos, sizes))],
+            [
+                self.add(
+                    no,
+                    min(rows_per_file, n_rows - i * rows_per_file),
+                    size,
+                    min(rows_per_file, n_rows - i * rows_per_file) if live is None else int(live[i]),
+                    flags,
+                    tables.get(no),
+                )
+                for i, (no, size) in enumerate(zip(nos, sizes))
+            ],
             dtype=np.int32,
         )
 
@@ -101,8 +116,15 @@ class FileTable:
         """Files with fewer than half of ``rows_per_file`` rows (small dumps write them)."""
         return np.flatnonzero((self.no >= 0) & (self.n < max(2, rows_per_file // 2)))
 
-    def victims(self, record: int, threshold: float | None, rows_per_file: int, merge_small_files: int,
-                pass_bytes: int, full: bool) -> np.ndarray:
+    def victims(
+        self,
+        record: int,
+        threshold: float | None,
+        rows_per_file: int,
+        merge_small_files: int,
+        pass_bytes: int,
+        full: bool,
+    ) -> np.ndarray:
         """The slots one compaction pass rewrites: files over the stale ``threshold`` (``full``:
         any stale row), most stale first, then, once ``merge_small_files`` small files (or with
         ``full`` two) have accumulated, the small ones oldest first; at most ``pass_bytes`` of
@@ -118,9 +140,17 @@ class FileTable:
         return cand[within]
 
 
-def write_files(directory: str, nos: list[int], keys: np.ndarray, versions: np.ndarray, rows: np.ndarray,
-                rows_per_file: int, flags: int, write: Writer,
-                fsync_all: Callable[[list[str]], object]) -> tuple[list[int], dict[int, np.ndarray]]:
+def write_files(
+    directory: str,
+    nos: list[int],
+    keys: np.ndarray,
+    versions: np.ndarray,
+    rows: np.ndarray,
+    rows_per_file: int,
+    flags: int,
+    write: Writer,
+    fsync_all: Callable[[list[str]], object],
+) -> tuple[list[int], dict[int, np.ndarray]]:
     """Write one file per ``rows_per_file`` rows under temporary names, fsync them
     (``fsync_all``: in parallel, so the device sees a queue), rename them, fsync the directory.
     Returns their sizes and block tables (by file number), for :meth:`FileTable.add_written`.
@@ -149,8 +179,11 @@ def write_files(directory: str, nos: list[int], keys: np.ndarray, versions: np.n
             unlink_quiet(tmp)
         remove_files(directory, nos)
         if isinstance(e, OSError) and not isinstance(e, SSDFullError) and e.errno in FULL_ERRNOS:
-            raise SSDFullError(e.errno, f"SSD-PS {directory}: no space left: {e.strerror}; "
-                               "nothing of this write was recorded and the store stays readable") from e
+            raise SSDFullError(
+                e.errno,
+                f"SSD-PS {directory}: no space left: {e.strerror}; "
+                "nothing of this write was recorded and the store stays readable",
+            ) from e
         raise
     return sizes, dict(zip(nos, tables))
 

@@ -63,8 +63,9 @@ class KeyMap:
         self.pos[slots] = positions
         return slots
 
-    def lives_at(self, keys: np.ndarray, file_slot: int | np.ndarray,
-                 positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def lives_at(
+        self, keys: np.ndarray, file_slot: int | np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Whether each key's mapped row is still at ``(file_slot, position)`` — no dump (or
         compaction) superseded it since it was written there. ``file_slot`` is one slot or one
         per key. Returns ``(mask, index slots)``."""
@@ -76,8 +77,9 @@ class KeyMap:
         return ok, slots
 
 
-def recover(directory: str, manifest: Manifest, width: int, block_rows: int, files: FileTable,
-            keys_map: KeyMap) -> tuple[int, int]:
+def recover(
+    directory: str, manifest: Manifest, width: int, block_rows: int, files: FileTable, keys_map: KeyMap
+) -> tuple[int, int]:
     """Rebuild ``files`` and ``keys_map`` (both empty) from the manifest's live files.
 
     Removes files a crash left behind (never acknowledged: not in the manifest, or temporary).
@@ -100,8 +102,9 @@ def recover(directory: str, manifest: Manifest, width: int, block_rows: int, fil
         pf = read_index(path, width)
         if pf.header.file_no != no:
             raise CorruptFileError(f"{path}: header names file {pf.header.file_no}")
-        partial = (pf.blocks is not None and pf.header.block_rows == block_rows
-                   and pf.header.version in PARTIAL_VERSIONS)  # format 2 files: whole reads only
+        partial = (
+            pf.blocks is not None and pf.header.block_rows == block_rows and pf.header.version in PARTIAL_VERSIONS
+        )  # format 2 files: whole reads only
         s = files.add(no, pf.header.n, pf.header.size, 0, pf.header.flags, pf.blocks if partial else None)
         keys.append(pf.keys)
         vers.append(pf.versions)

@@ -57,8 +57,9 @@ class Manifest:
     Use :meth:`open`; it creates the manifest of a new store or replays an existing one.
     """
 
-    def __init__(self, directory: str, width: int, fd: int, live: set[int], next_file_no: int,
-                 records: int, write: Writer) -> None:
+    def __init__(
+        self, directory: str, width: int, fd: int, live: set[int], next_file_no: int, records: int, write: Writer
+    ) -> None:
         self.directory = directory
         self.path = os.path.join(directory, NAME)
         self.width = width

@@ -191,8 +191,13 @@ def block_sums(keys: np.ndarray, rows: np.ndarray, block_rows: int) -> np.ndarra
     """``uint32`` checksum of each block of ``block_rows`` rows (keys and row values)."""
     n, width = rows.shape
     out = np.empty(n_blocks(n, block_rows), dtype=np.uint32)
-    _block_sums(np.ascontiguousarray(keys).view(np.uint32), np.ascontiguousarray(rows).reshape(-1).view(np.uint32),
-                block_rows, width, out)
+    _block_sums(
+        np.ascontiguousarray(keys).view(np.uint32),
+        np.ascontiguousarray(rows).reshape(-1).view(np.uint32),
+        block_rows,
+        width,
+        out,
+    )
     return out
 
 
@@ -226,8 +231,9 @@ def _pick_blocks(data, n, width, block_rows, table, out, idx, pos, keys):
     return 0, touched
 
 
-def pick_blocks(data: np.ndarray, h: Header, table: np.ndarray, out: np.ndarray, idx: np.ndarray,
-                pos: np.ndarray, keys: np.ndarray) -> tuple[int, int]:
+def pick_blocks(
+    data: np.ndarray, h: Header, table: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, keys: np.ndarray
+) -> tuple[int, int]:
     """See :func:`_pick_blocks`; ``data`` is the whole file as ``uint8`` (a map of it).
     Returns ``(status, blocks touched)``."""
     r, touched = _pick_blocks(data, h.n, h.width, h.block_rows, table, out, idx, pos, keys)
@@ -266,11 +272,13 @@ def _crc(*parts: Any) -> int:
     return c
 
 
-def encode_header(n: int, width: int, file_no: int, flags: int, index_crc: int, rows_crc: int,
-                  block_rows: int = 0, table_crc: int = 0) -> bytes:
+def encode_header(
+    n: int, width: int, file_no: int, flags: int, index_crc: int, rows_crc: int, block_rows: int = 0, table_crc: int = 0
+) -> bytes:
     """The 64-byte header (format 2; ``block_rows=0`` means no block table)."""
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, width, n, file_no, flags, index_crc, rows_crc,
-                        block_rows, table_crc, b"\0" * 8)
+    head = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, width, n, file_no, flags, index_crc, rows_crc, block_rows, table_crc, b"\0" * 8
+    )
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -453,8 +461,9 @@ def _check_table(table: np.ndarray, h: Header, path: str) -> None:
         raise CorruptFileError(f"{path}: block table checksum mismatch")
 
 
-def read_file(path: str, fd: int | None = None, expect_width: int | None = None,
-              buf: np.ndarray | None = None) -> ParamFile:
+def read_file(
+    path: str, fd: int | None = None, expect_width: int | None = None, buf: np.ndarray | None = None
+) -> ParamFile:
     """Read a whole parameter file with one read and verify all its checksums.
 
     ``buf`` (``uint8``, at least the file's size) is used instead of a new buffer; the

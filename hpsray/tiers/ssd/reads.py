@@ -182,13 +182,16 @@ class Reads:
             # map, checksummed blocks), in rounds of open descriptors, no read-ahead hint.
             part = groups[partial]
             for r in range(0, part.size, MAX_OPEN_FILES):
-                tasks, fds = self._open_round(keys, part[r : r + MAX_OPEN_FILES], starts, idx, pos, file_no,
-                                              mapped=True)
+                tasks, fds = self._open_round(
+                    keys, part[r : r + MAX_OPEN_FILES], starts, idx, pos, file_no, mapped=True
+                )
                 opened.append((tasks, fds))
-                futures = [pool.submit(self._read_partial, keys, out, i, p, st._path(no), fd)
-                           if isinstance(fd, FileMap) else
-                           pool.submit(self._read_rows, keys, out, i, p, st._path(no), fd)
-                           for (i, p, no), fd in zip(tasks, fds)]
+                futures = [
+                    pool.submit(self._read_partial, keys, out, i, p, st._path(no), fd)
+                    if isinstance(fd, FileMap)
+                    else pool.submit(self._read_rows, keys, out, i, p, st._path(no), fd)
+                    for (i, p, no), fd in zip(tasks, fds)
+                ]
                 wait(futures)
                 for fut in futures:
                     b, was_partial = fut.result()
@@ -203,10 +206,12 @@ class Reads:
             # r + 2 waits until round r is done (two rounds in flight, no idle threads between).
             for r in range(len(rounds)):
                 tasks, fds = whole_rounds[r]
-                pending.append([
-                    pool.submit(self._read_rows, keys, out, i, p, st._path(no), fd)
-                    for (i, p, no), fd in zip(tasks, fds)
-                ])
+                pending.append(
+                    [
+                        pool.submit(self._read_rows, keys, out, i, p, st._path(no), fd)
+                        for (i, p, no), fd in zip(tasks, fds)
+                    ]
+                )
                 n_files += len(tasks)
                 if len(pending) > 1:
                     wait(pending[0])
@@ -224,8 +229,13 @@ class Reads:
             wait(prefetch)  # before their descriptors close
             for _, fds in opened:
                 self.close_all(fds)
-        counts = {"rows_loaded": n_present, "rows_absent": int(keys.size - n_present), "files_read": n_files,
-                  "files_read_partially": n_partial, "bytes_read": n_bytes}
+        counts = {
+            "rows_loaded": n_present,
+            "rows_absent": int(keys.size - n_present),
+            "files_read": n_files,
+            "files_read_partially": n_partial,
+            "bytes_read": n_bytes,
+        }
         return out, found, counts
 
     def _acquire_map(self, no: int) -> FileMap:
@@ -252,8 +262,16 @@ class Reads:
         if m is not None:
             m.retire()
 
-    def _open_round(self, keys: np.ndarray, group_slots: np.ndarray, starts: np.ndarray, idx: np.ndarray,
-                    pos: np.ndarray, file_no: np.ndarray, mapped: bool = False) -> tuple[list, list]:
+    def _open_round(
+        self,
+        keys: np.ndarray,
+        group_slots: np.ndarray,
+        starts: np.ndarray,
+        idx: np.ndarray,
+        pos: np.ndarray,
+        file_no: np.ndarray,
+        mapped: bool = False,
+    ) -> tuple[list, list]:
         """Tasks ``(idx, pos, file number)`` for the file slots ``group_slots`` and, per task, an
         open descriptor (``mapped``: the file's kept memory map where it has a block table)."""
         st = self.store
@@ -286,8 +304,9 @@ class Reads:
                 raise
         return tasks, fds
 
-    def _read_rows(self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str,
-                   fd: int) -> tuple[int, bool]:
+    def _read_rows(
+        self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str, fd: int
+    ) -> tuple[int, bool]:
         buf = getattr(self._tls, "buf", None)  # one reused read buffer per I/O thread
         size = os.fstat(fd).st_size
         if buf is None or buf.size < size:
@@ -300,8 +319,9 @@ class Reads:
             )
         return pf.header.size, False
 
-    def _partial_groups(self, groups: np.ndarray, starts: np.ndarray, pos: np.ndarray,
-                        file_no: np.ndarray) -> np.ndarray:
+    def _partial_groups(
+        self, groups: np.ndarray, starts: np.ndarray, pos: np.ndarray, file_no: np.ndarray
+    ) -> np.ndarray:
         """Which of the file slots ``groups`` to read partially: files with a block table
         (format 3) whose requested rows lie in at most ``partial_read_share`` of their blocks."""
         st = self.store
@@ -317,8 +337,9 @@ class Reads:
             ok[np.flatnonzero(ok)[~have]] = False
         return ok
 
-    def _read_partial(self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str,
-                      m: FileMap) -> tuple[int, bool]:
+    def _read_partial(
+        self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str, m: FileMap
+    ) -> tuple[int, bool]:
         """Copy the requested rows of one file out of its read-only memory map, verifying the
         checksum of every block touched and the key at every position. Returns the bytes of the
         blocks touched (an estimate of what the device read)."""
@@ -330,10 +351,16 @@ class Reads:
             h = decode_header(data[:HEADER_BYTES], path)
             if table is None:
                 raise CorruptFileError(f"{path}: no block table to verify a partial read with")
-            if (h.width != st.width or h.size != size or h.block_rows != st._block_rows
-                    or h.version not in PARTIAL_VERSIONS):
-                raise CorruptFileError(f"{path}: size {size} bytes, header says {h.size} "
-                                       f"({h.n} rows of width {h.width}, blocks of {h.block_rows})")
+            if (
+                h.width != st.width
+                or h.size != size
+                or h.block_rows != st._block_rows
+                or h.version not in PARTIAL_VERSIONS
+            ):
+                raise CorruptFileError(
+                    f"{path}: size {size} bytes, header says {h.size} "
+                    f"({h.n} rows of width {h.width}, blocks of {h.block_rows})"
+                )
             if table.size != h.n_blocks or zlib.crc32(table.data) != h.table_crc:
                 raise CorruptFileError(f"{path}: block table checksum mismatch")
             r, touched = pick_blocks(data, h, table, out, idx, pos, keys)

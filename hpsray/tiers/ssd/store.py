@@ -139,11 +139,25 @@ class SSDPS:
         self._dump_lock = threading.Lock()  # dumps are sequential
         self._closed = False
         self._stats = {
-            "dumps": 0, "rows_dumped": 0, "bytes_written": 0, "files_written": 0, "dump_seconds": 0.0,
-            "loads": 0, "rows_loaded": 0, "rows_absent": 0, "bytes_read": 0, "files_read": 0, "load_seconds": 0.0,
+            "dumps": 0,
+            "rows_dumped": 0,
+            "bytes_written": 0,
+            "files_written": 0,
+            "dump_seconds": 0.0,
+            "loads": 0,
+            "rows_loaded": 0,
+            "rows_absent": 0,
+            "bytes_read": 0,
+            "files_read": 0,
+            "load_seconds": 0.0,
             "files_read_partially": 0,
-            "compactions": 0, "files_compacted": 0, "compaction_bytes_read": 0, "compaction_bytes_written": 0,
-            "compaction_seconds": 0.0, "backpressure_waits": 0, "garbage_files_removed": 0,
+            "compactions": 0,
+            "files_compacted": 0,
+            "compaction_bytes_read": 0,
+            "compaction_bytes_written": 0,
+            "compaction_seconds": 0.0,
+            "backpressure_waits": 0,
+            "garbage_files_removed": 0,
         }
 
         self._manifest = Manifest.open(self.directory, width, write)
@@ -155,7 +169,8 @@ class SSDPS:
         self._files = FileTable()
         self._keys = KeyMap()
         self._next_file_no, self._stats["garbage_files_removed"] = recover(
-            self.directory, self._manifest, self.width, self._block_rows, self._files, self._keys)
+            self.directory, self._manifest, self.width, self._block_rows, self._files, self._keys
+        )
         self._manifest.maybe_rewrite()
 
         self._reads = Reads(self)
@@ -178,11 +193,21 @@ class SSDPS:
             self._next_file_no += n
         return range(first, first + n)
 
-    def _write_files(self, nos: list[int], keys: np.ndarray, versions: np.ndarray, rows: np.ndarray,
-                     flags: int) -> tuple[list[int], dict[int, np.ndarray]]:
+    def _write_files(
+        self, nos: list[int], keys: np.ndarray, versions: np.ndarray, rows: np.ndarray, flags: int
+    ) -> tuple[list[int], dict[int, np.ndarray]]:
         """Write (and fsync) the files ``nos``, ``rows_per_file`` rows each: see :func:`write_files`."""
-        return write_files(self.directory, nos, keys, versions, rows, self.rows_per_file, flags, self._write,
-                           lambda paths: list(self._pool.map(fsync_path, paths)))
+        return write_files(
+            self.directory,
+            nos,
+            keys,
+            versions,
+            rows,
+            self.rows_per_file,
+            flags,
+            self._write,
+            lambda paths: list(self._pool.map(fsync_path, paths)),
+        )
 
     def _hook(self, point: str) -> None:
         """Test seam: called at named points of the write protocol (see the crash tests)."""
@@ -325,9 +350,14 @@ class SSDPS:
         with self._lock:
             f = self._files
             return [
-                {"file_no": int(f.no[s]), "rows": int(f.n[s]), "live": int(f.live[s]),
-                 "stale": int(f.n[s] - f.live[s]), "bytes": int(f.size[s]),
-                 "compacted": bool(f.flags[s] & FLAG_COMPACTED)}
+                {
+                    "file_no": int(f.no[s]),
+                    "rows": int(f.n[s]),
+                    "live": int(f.live[s]),
+                    "stale": int(f.n[s] - f.live[s]),
+                    "bytes": int(f.size[s]),
+                    "compacted": bool(f.flags[s] & FLAG_COMPACTED),
+                }
                 for s in sorted(f.slot_of.values(), key=lambda s: f.no[s])
             ]
 
