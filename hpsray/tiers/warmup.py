@@ -23,7 +23,7 @@ import numpy as np
 from hpsray.data.batch import Batch
 from hpsray.kernels.init import RowInit, initial_rows
 
-__all__ = ["warm_mem_ps", "warm_ssd_ps", "warm_trainer_step", "tiny_batch"]
+__all__ = ["warm_cpu_table", "warm_mem_ps", "warm_ssd_ps", "warm_trainer_step", "tiny_batch"]
 
 _KEYS = 96  # enough rows to evict, group duplicates and split over devices
 
@@ -59,11 +59,35 @@ class _DictStore:
             self.rows[k] = np.array(r)
 
 
+def warm_cpu_table() -> None:
+    """Every verb of a throwaway CPU hash table, with writable and read-only inputs: the engines
+    keep key maps in such tables, and grow them (an export) only once they fill up."""
+    from hpsray.kernels.cpu import CpuHashTable
+    from hpsray.kernels.optim import SGD
+
+    keys = _keys(40)
+    for k in (keys, _frozen(keys)):
+        table = CpuHashTable(64, 3, RowInit(dim=3, scale=0.1))
+        slots = table.find_or_insert(k)
+        table.find_or_insert(k[:5], initialise=False)
+        rows = table.gather(slots)
+        table.put(slots if k.flags.writeable else _frozen(slots), rows if k.flags.writeable else _frozen(rows))
+        table.scatter_add(k, rows)
+        table.assign(k, rows)
+        table.insert_or_assign(k, rows)
+        table.apply_gradients(k, rows, SGD(lr=0.1), 1)
+        table.get(k, columns=2)
+        table.export()
+        table.keys()
+        table.erase(k[:3])
+
+
 def warm_mem_ps(width: int, init: RowInit, **options: Any) -> None:
     """Pull, write back, evict and flush through a throwaway :class:`~hpsray.tiers.mem.MemPS`
     built with the real one's options."""
     from hpsray.tiers.mem import MemPS
 
+    warm_cpu_table()
     options = {k: v for k, v in options.items() if k != "capacity_bytes"}
     keys = _keys()
     half = keys.size // 2
@@ -87,15 +111,17 @@ def warm_ssd_ps(width: int, **options: Any) -> None:
     directory built with the real one's options."""
     from hpsray.tiers.ssd import SSDPS
 
-    keys = _keys()
+    warm_cpu_table()
+    keys = _keys(1500)  # files of many blocks: a sparse load reads some of their blocks only
     rows = np.arange(keys.size * width, dtype=np.float32).reshape(keys.size, width)
     with tempfile.TemporaryDirectory(prefix="hpsray-warmup-") as directory:
         store = SSDPS(directory, width, **options)
         try:
             store.dump(keys, rows)
             store.dump(_frozen(keys[: keys.size // 3]), _frozen(rows[: keys.size // 3] + 1))  # a stale row count
-            store.load(keys)
-            store.load(_frozen(keys[::7]))
+            for asked in (keys, keys[::7], keys[::97]):
+                store.load(asked)
+                store.load(_frozen(asked))
             list(store.scan())
         finally:
             store.close()
@@ -136,9 +162,12 @@ def warm_trainer_step(
     batch = tiny_batch(n_slots, n_dense)
     keys = np.unique(batch.keys)
     half = keys.size // 2
-    hbm_like.insert(keys[:half], initial_rows(keys[:half], width, init))
+    extra = keys[:half] | np.uint64(1 << 60)  # rows of an earlier batch, which retain() erases
+    first = np.r_[keys[:half], extra]
+    hbm_like.insert(first, initial_rows(first, width, init))
     hbm_like.insert(_frozen(keys), _frozen(initial_rows(keys, width, init)))
     hbm_like.retain(_frozen(keys))
+    hbm_like.insert(extra, initial_rows(extra, width, init))
     hbm_like.retain(keys)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
         # a model with dropout draws random numbers: the run's own draws must stay as they were

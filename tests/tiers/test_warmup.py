@@ -1,15 +1,18 @@
 """The warm-up compiles, before the clock, every numba kernel a real batch then runs.
 
-Checked in a fresh interpreter with an empty numba cache: after the three warm-ups, a real
-workload (MEM-PS over an SSD-PS directory with evictions and loads, and a trainer's steps on
-HBM-PS, fed read-only arrays as Ray's object store hands them to the actors) adds no compiled
-signature to any of hpsray's numba functions.
+Each stage actor is a process of its own, so each role is checked in a fresh interpreter with
+an empty numba cache: after the role's warm-up, a real workload of that role (fed read-only
+arrays, as Ray's object store hands them to the actors) adds no compiled signature to any of
+hpsray's numba functions.
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -17,13 +20,8 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     from numba.core.registry import CPUDispatcher
 
-    from hpsray.actors.trainer import Trainer
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
-    from hpsray.tiers.hbm import HbmPS
-    from hpsray.tiers.mem import MemPS
-    from hpsray.tiers.ssd import SSDPS
-    from hpsray.tiers.warmup import warm_mem_ps, warm_ssd_ps
 
     def compiled():
         out = {}
@@ -34,55 +32,84 @@ SCRIPT = textwrap.dedent(
                         out[f"{name}.{attr}"] = len(obj.signatures)
         return out
 
+    def frozen(a):  # what an actor receives through the object store
+        a = np.array(a)
+        a.setflags(write=False)
+        return a
+
+    role = sys.argv[1]
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=100, sparse_optimizer="adagrad")
     gen = PlantedCTR(n_slots=4, keys_per_slot=500, n_dense=3, seed=2)
-    warm_mem_ps(cfg.row_width, cfg.row_init())
-    warm_ssd_ps(cfg.row_width, rows_per_file=64)
-    trainer = Trainer(0, 1, cfg, gen.n_slots, gen.n_dense, 2000, n_devices=2)  # warms its step
-    before = compiled()
+    batches = [gen.generate(200, start_row=200 * t) for t in range(6)]
+    facts = {}
 
-    with tempfile.TemporaryDirectory() as d:
-        ssd = SSDPS(d, cfg.row_width, rows_per_file=64)
-        mem = MemPS(700, cfg.row_width, ssd, cfg.row_init())  # < the 2,000 keys: evictions and loads
-        def frozen(a):  # what an actor receives through the object store
-            a = np.array(a)
-            a.setflags(write=False)
-            return a
+    if role == "ssd":
+        from hpsray.tiers.ssd import SSDPS
+        from hpsray.tiers.warmup import warm_ssd_ps
 
-        for t in range(6):
-            batch = gen.generate(200, start_row=200 * t)
+        warm_ssd_ps(cfg.row_width, rows_per_file=2048)
+        before = compiled()
+        rng = np.random.default_rng(0)
+        with tempfile.TemporaryDirectory() as d:
+            ssd = SSDPS(d, cfg.row_width, rows_per_file=2048)
+            keys = np.unique(rng.integers(1, 2**62, 40_000).astype(np.uint64))  # the key map grows
+            for i in range(0, keys.size, 10_000):
+                part = keys[i : i + 10_000]
+                ssd.dump(frozen(part), frozen(np.ones((part.size, cfg.row_width), np.float32)))
+                asked = np.unique(np.r_[keys[rng.integers(0, i + part.size, 3000)], rng.integers(1, 2**62, 500)])
+                rows, found = ssd.load(frozen(asked.astype(np.uint64)))
+                facts["found"] = facts.get("found", 0) + int(found.sum())
+            ssd.close()
+    elif role == "mem":
+        from hpsray.tiers.mem import MemPS
+        from hpsray.tiers.warmup import _DictStore, warm_mem_ps
+
+        warm_mem_ps(cfg.row_width, cfg.row_init())
+        before = compiled()
+        mem = MemPS(700, cfg.row_width, _DictStore(cfg.row_width), cfg.row_init())  # < the 2,000 keys
+        for t, batch in enumerate(batches):
             keys = frozen(np.unique(batch.keys))
-            rows = frozen(mem.pull(t, keys))
+            rows = mem.pull(t, keys)
+            mem.write_back(t, keys, frozen(rows + 1))
+            mem.unpin(t)
+        mem.flush()
+        facts.update(evicted=mem.stats["evicted"], loaded=mem.stats["loaded"])
+    else:
+        from hpsray.actors.trainer import Trainer
+        from hpsray.kernels.init import initial_rows
+
+        trainer = Trainer(0, 1, cfg, gen.n_slots, gen.n_dense, 2000, n_devices=2)  # warms its step
+        before = compiled()
+        for batch in batches:
+            keys = np.unique(batch.keys)
+            rows = frozen(initial_rows(keys, cfg.row_width, cfg.row_init()))  # as MEM-PS lends them
+            keys = frozen(keys)
             trainer.hbm.insert(keys, rows)
             trainer.hbm.retain(keys)
             trainer._train_local(batch)
-            mem.write_back(t, keys, frozen(trainer.hbm.get(keys)))
-            mem.unpin(t)
-        mem.flush()
-        totals = mem.stats
-        ssd.close()
+            trainer.hbm.insert_or_assign(keys[:9], frozen(trainer.hbm.get(keys[:9])))
+        facts["steps"] = trainer.step
     after = compiled()
-    print(json.dumps({"before": before, "after": after, "evicted": totals["evicted"], "loaded": totals["loaded"]}))
+    print(json.dumps({"before": before, "after": after, "facts": facts}))
     """
 )
 
 
-def test_a_real_batch_compiles_nothing_after_the_warm_up(tmp_path):
-    env_cache = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
-    import os
-
+@pytest.mark.parametrize("role", ["ssd", "mem", "trainer"])
+def test_a_real_batch_compiles_nothing_after_the_warm_up(tmp_path, role):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **env_cache},
-        check=False,
+        [sys.executable, "-c", SCRIPT, role], capture_output=True, text=True, timeout=600, env=env, check=False
     )
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    before, after = got["before"], got["after"]
-    assert got["evicted"] > 0 and got["loaded"] > 0, "the workload should evict rows and load them back"
-    assert sum(before.values()) >= 10, before  # the warm-ups did compile the engines' kernels
+    before, after, facts = got["before"], got["after"], got["facts"]
+    assert sum(before.values()) >= 3, before  # the warm-up did compile the role's kernels
+    if role == "ssd":
+        assert facts["found"] > 0
+    elif role == "mem":
+        assert facts["evicted"] > 0 and facts["loaded"] > 0, "the workload should evict rows and load them back"
+    else:
+        assert facts["steps"] == 12
     grew = {k: (before.get(k, 0), n) for k, n in after.items() if n > before.get(k, 0)}
     assert not grew, f"compiled during the real batches (signatures before, after): {grew}"
