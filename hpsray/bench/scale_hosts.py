@@ -4,7 +4,7 @@ The nodes are network-namespace hosts (:mod:`hpsray.cluster.netns`): every byte 
 nodes crosses a veth link, which ``tc`` limits to a rate (``tbf``; ``netem`` for delay where
 the kernel has it). Per link shape the bench measures the link itself (TCP throughput and
 round trip between host 0 and host 1), then examples/s and bytes per mini-batch of an
-``n``-node run, and sets beside it the projection of the model in :mod:`hpsray.bench.scale`
+``n``-node run, and sets beside it the projection of the model in :mod:`hpsray.bench.scale_model`
 for that link (``BW`` = the shaped rate, or the measured throughput when unshaped; ``alpha`` =
 half the measured round trip), from stage costs measured by a 1-node run on host 0, at
 ``g = 1``. The hosts share this machine's cores, which the model does not know: on a 2-core
@@ -18,6 +18,8 @@ import json
 import os
 import sys
 import time
+
+from hpsray.bench.scale_model import fit_nodes, project, stage_costs, summarize
 
 _FIT_KEYS = ("rows", "batch", "minibatch", "slots", "keys", "dim", "hidden", "seed")
 
@@ -104,7 +106,6 @@ def _drive(hosts, args: argparse.Namespace, n: int) -> dict:
 
 def run_on_hosts(args: argparse.Namespace) -> dict:
     """Measured vs projected examples/s per link shape on namespace hosts (see the module doc)."""
-    from hpsray.bench.scale import _costs, project
     from hpsray.cluster.netns import NetnsHosts, NetnsUnavailable
 
     counts = sorted({int(x) for x in args.nodes.split(",")} | {1})
@@ -130,7 +131,7 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
             for n in multi:
                 print(f"[bench scale] {n} nodes, link {link} ...", file=sys.stderr, flush=True)
                 measured = _drive(hosts, args, n)
-                costs = _costs(args, {1: base, n: measured})
+                costs = stage_costs(args, {1: base, n: measured})
                 projected = project(costs, n, bw, probe["rtt_s"] / 2, 1.0)
                 train_s = measured["stage_busy_s"].get("train", 0.0) / measured["batches"]
                 per_n[str(n)] = {
@@ -168,11 +169,9 @@ def _main(spec: str) -> None:
     """Driver side (inside host 0): fit ``n`` nodes on the cluster at ``RAY_ADDRESS``, print the summary."""
     import ray
 
-    from hpsray.bench.scale import _fit, _summary
-
     fields = json.loads(spec)
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    summary = _summary(_fit(argparse.Namespace(**fields), fields["n"]))
+    summary = summarize(fit_nodes(argparse.Namespace(**fields), fields["n"]))
     print(json.dumps(summary))
 
 
