@@ -11,6 +11,8 @@ from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.timing import StageClock
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
+from hpsray.errors import PeerFailedError
+from hpsray.kernels.arrays import to_host
 from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
@@ -131,8 +133,6 @@ class Trainer:
         if n > 1 and self.group is not None:
             failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
             if error is None and float(failed[0]) > 0:
-                from hpsray.errors import PeerFailedError  # the one typed error the driver looks for
-
                 raise PeerFailedError(batch_id)  # "batch N failed on another node; see that trainer's error"
         if error is not None:
             raise error
@@ -221,7 +221,7 @@ class Trainer:
                 return flat + self.device.tensor(others["dense"]) if others["dense"] is not None else flat
 
             loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=reduce)
-            gkeys, grads = StepDevice.host(gkeys), StepDevice.host(grads)
+            gkeys, grads = to_host(gkeys), to_host(grads)
             self.step += 1
             self.board.publish.remote(self.node, clock, [ray.put((gkeys, grads, own["dense"]))])
             self.exchanged_bytes.append(gkeys.nbytes + grads.nbytes + own["dense"].nbytes)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpsray.kernels.arrays import array_module, is_device_array, to_host
+from hpsray.kernels.arrays import array_module, is_device_array
 
 __all__ = ["StepDevice"]
 
@@ -68,8 +68,3 @@ class StepDevice:
         """A detached tensor of this device as an ``xp`` array, without a copy."""
         t = t.detach()
         return self.xp.asarray(t) if self.is_cuda else t.numpy()
-
-    @staticmethod
-    def host(a: Any) -> np.ndarray:
-        """``a`` as a numpy array (a device-to-host copy for device arrays)."""
-        return to_host(a)

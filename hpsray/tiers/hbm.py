@@ -129,8 +129,8 @@ class HbmPS:
         if self._on_device(keys):
             if keys.shape[0] == 0:
                 return self.xp.zeros((0, self.width if columns is None else columns), dtype=self.xp.float32)
-            return self.tables[0].get(keys, columns)
-        keys = as_keys(to_host(keys))
+        else:
+            keys = as_keys(to_host(keys))
         if self.n_devices == 1:
             return self.tables[0].get(keys, columns)
         out = np.empty((keys.size, self.width if columns is None else columns), dtype=np.float32)
@@ -147,26 +147,17 @@ class HbmPS:
         trainer receives every node's updates and applies those to the rows it has. Device
         keys and gradients are applied on the device.
         """
-        if self._on_device(keys):
-            if keys.shape[0] == 0:
-                return
-            k: DeviceArray = keys
-            g: DeviceArray = grads  # device keys come with device gradients
-            if resident_only:
-                held = self.xp.asarray(self.tables[0].find(k)) >= 0
+        on_device = self._on_device(keys)  # then one table, and _parts leaves the keys as they are
+        ks: DeviceArray = keys if on_device else as_keys(to_host(keys))  # numpy or device arrays
+        gs: DeviceArray = grads if on_device else to_host(grads)
+        for _, table, pos in self._parts(ks):
+            k, g = (ks, gs) if pos is None else (ks[pos], gs[pos])
+            if resident_only and k.shape[0]:
+                found = table.find(k)
+                held = (self.xp.asarray(found) if on_device else found) >= 0
                 if not bool(held.all()):
                     k, g = k[held], g[held]
             if k.shape[0]:
-                self.tables[0].apply_gradients(k, g, optimizer, step)
-            return
-        keys, grads = as_keys(to_host(keys)), to_host(grads)
-        for _, table, pos in self._parts(keys):
-            k, g = (keys, grads) if pos is None else (keys[pos], grads[pos])
-            if resident_only and k.size:
-                held = table.find(k) >= 0
-                if not held.all():
-                    k, g = k[held], g[held]
-            if k.size:
                 table.apply_gradients(k, g, optimizer, step)
 
     def insert_or_assign(self, keys: npt.ArrayLike, rows: npt.NDArray[np.float32]) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hpsray.kernels.arrays import DeviceArray
+from hpsray.kernels.arrays import is_device_array as has_cuda_array_interface
 from hpsray.kernels.cuda.common import CHUNK, EMPTY, MAX_TPB, MAXI, config, cuda
 from hpsray.kernels.cuda.probing import (
     k_claim,
@@ -92,7 +93,7 @@ else:  # pragma: no cover - only without the simulator
 
 def is_device_array(x: object) -> bool:
     """True for device arrays: numba device arrays, or anything with ``__cuda_array_interface__``."""
-    return hasattr(x, "__cuda_array_interface__") or isinstance(x, _SimArray)
+    return has_cuda_array_interface(x) or isinstance(x, _SimArray)
 
 
 def _as_device(x: DeviceArray) -> DeviceArray:
