@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import ray
 
+from hpsray.actors.messages import ReadBatch
 from hpsray.actors.timing import StageClock
 from hpsray.data.batch import Batch
 from hpsray.kernels.distinct import distinct_sorted
@@ -66,15 +67,15 @@ class Reader:
         except Exception:  # noqa: BLE001,S110 - the real read reports it, as it always did
             pass
 
-    @ray.method(num_returns=3)
-    def read(self, batch_id: int):
-        """``(batch, keys of owner 0, ..., keys of owner N-1, examples)`` of the next batch,
-        keys distinct and sorted; call with ``.options(num_returns=n_nodes + 2)``. At the end of
-        the share: ``(None, empty, ..., 0)``."""
+    def read(self, batch_id: int | None) -> ReadBatch:
+        """The next batch of the share (``batch_id`` tags its busy time; ``None``: not a
+        training batch), its keys distinct, sorted and split by owner node; at the end of the
+        share a :class:`ReadBatch` of 0 examples. The batch and the keys go to the object store
+        here, so each consumer fetches only its part."""
         with self.clock.timed(batch_id):
             batch = next(self._it, None)
             if batch is None:
-                return (None, *[np.empty(0, np.uint64)] * self.n_nodes, 0)
+                return ReadBatch(0, ray.put(None), [ray.put(np.empty(0, np.uint64))] * self.n_nodes)
             for transform in self.transforms:
                 batch = transform(batch)
                 if not isinstance(batch, Batch):
@@ -82,9 +83,11 @@ class Reader:
             self.examples += len(batch)
             keys = distinct_sorted(batch.keys)
             if self.n_nodes == 1:
-                return batch, keys, len(batch)
-            owners = owner_of(keys, self.n_nodes)
-            return (batch, *[keys[owners == o] for o in range(self.n_nodes)], len(batch))
+                parts = [keys]
+            else:
+                owners = owner_of(keys, self.n_nodes)
+                parts = [keys[owners == o] for o in range(self.n_nodes)]
+            return ReadBatch(len(batch), ray.put(batch), [ray.put(p) for p in parts])
 
     def bad_input(self) -> dict:
         """Bad-row counts of file sources (empty for generated data)."""

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from hpsray.actors.livemetrics import LiveGauges
+from hpsray.actors.messages import Returned, TrainInputs, TrainOutcome
 from hpsray.actors.timing import StageClock
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
@@ -109,14 +110,13 @@ class Trainer:
             return out
         return self.group.allreduce_sum(flat)
 
-    def train(self, batch_id, inputs: list, plan: dict) -> tuple:
+    def train(self, batch_id, inputs: TrainInputs) -> tuple:
         """Train a batch on its working set and return its rows to their owners.
 
-        ``inputs`` holds the refs, unresolved, of: the batch, then per owner node ``o`` the
-        keys lent by ``o``, then the rows lent, then (when refreshed) ``o``'s refreshed rows.
-        ``plan["sizes"]`` holds every node's examples in this batch: the trainers step through
-        the same number of global mini-batches (an exhausted node contributes empty ones).
-        Returns one ``{"borrower", "keys", "rows"}`` per owner, then ``{"loss", "examples"}``.
+        Returns one :class:`Returned` per owner node, then a :class:`TrainOutcome`; call with
+        ``.options(num_returns=n_nodes + 1)`` so each owner's write-back fetches only its part.
+        Trainers of several nodes step through the same number of global mini-batches
+        (``inputs.sizes``; an exhausted node contributes empty ones).
 
         With several nodes the trainers first agree that every one of them has its inputs: if
         one failed (a bad batch, a pull over capacity), all fail this batch together instead of
@@ -124,40 +124,35 @@ class Trainer:
         """
         import ray
 
-        n = self.n_nodes
         error = None
         try:
-            batch, *parts = ray.get(list(inputs))
+            batch, key_parts, loans, refreshed = inputs.unpack(ray.get(inputs.refs()))
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the peers
             error = e
-        if n > 1 and self.group is not None:
+        if self.n_nodes > 1 and self.group is not None:
             failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
             if error is None and float(failed[0]) > 0:
                 raise PeerFailedError(batch_id)  # "batch N failed on another node; see that trainer's error"
         if error is not None:
             raise error
-        key_parts, row_parts = parts[:n], parts[n : 2 * n]
         with self.clock.timed(batch_id):
-            keys = np.concatenate(key_parts) if n > 1 else key_parts[0]
-            rows = np.concatenate(row_parts) if n > 1 else row_parts[0]
-            self.hbm.insert(keys, rows)  # rows resident from the previous batch are fresher
-            self.hbm.retain(keys)
-            for fresh in parts[2 * n :]:
-                if fresh["keys"].size:
-                    self.hbm.insert_or_assign(fresh["keys"], fresh["rows"])
-            if n == 1:
+            one = len(key_parts) == 1
+            keys = key_parts[0] if one else np.concatenate(key_parts)
+            rows = loans[0] if one else np.concatenate(loans)
+            self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed])
+            if self.n_nodes == 1:
                 losses = self._train_local(batch)
             elif self.board is None:
-                losses = self._train_steps(batch, plan["sizes"])
+                losses = self._train_steps(batch, inputs.sizes)
             else:
-                losses = self._train_stale(batch, plan["sizes"])
+                losses = self._train_stale(batch, inputs.sizes)
             self.examples += len(batch) if batch is not None else 0
             # the losses stay on the device until here: one read per batch
             self.losses[batch_id] = float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
-            out = [{"borrower": self.node, "keys": k, "rows": self.hbm.get(k)} for k in key_parts]
+            out = [Returned(self.node, k, self.hbm.get(k)) for k in key_parts]
         done = len(batch) if batch is not None else 0
         self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
-        return (*out, {"loss": self.losses[batch_id], "examples": done})
+        return (*out, TrainOutcome(self.losses[batch_id], done))
 
     def _weights(self, keys):
         return self.hbm.get(keys, columns=self.config.dim)
@@ -259,10 +254,13 @@ class Trainer:
         return {"keys": np.concatenate(keys), "grads": np.concatenate(grads), "dense": dense}
 
     @torch.no_grad()
-    def predict(self, batch, *parts) -> np.ndarray:
-        """Click probabilities of ``batch`` given, per owner, its keys then (after all keys) their rows."""
-        half = len(parts) // 2
-        keys, rows = np.concatenate(parts[:half]), np.concatenate(parts[half:])
+    def predict(self, batch, keys: list, rows: list) -> np.ndarray:
+        """Click probabilities of ``batch`` given, per owner node, refs of its keys and of their
+        current rows."""
+        import ray
+
+        values = ray.get([*keys, *rows])
+        keys, rows = np.concatenate(values[: len(keys)]), np.concatenate(values[len(keys) :])
         order = np.argsort(keys)
         keys, rows = keys[order], rows[order]
         model = self.dense.models[0]

@@ -18,7 +18,7 @@ without leaving the device. Batch-level calls (insert, retain, insert_or_assign)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import TypeGuard
 
@@ -169,3 +169,19 @@ class HbmPS:
                 if table.size + n > table.capacity:
                     self._grow(d, n)
                 self.tables[d].insert_or_assign(*((keys, rows) if pos is None else (keys[pos], rows[pos])))
+
+    def borrow(
+        self,
+        keys: npt.ArrayLike,
+        rows: npt.NDArray[np.float32],
+        refreshed: Iterable[tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]] = (),
+    ) -> None:
+        """Make the batch's loaned rows the working set: rows resident from the previous batch
+        are kept (fresher than the loan, docs/architecture.md: invariant 2), resident rows the
+        batch does not need are dropped, and ``refreshed`` ``(keys, rows)`` pairs (re-read after
+        another node's write-back) overwrite their keys."""
+        self.insert(keys, rows)
+        self.retain(keys)
+        for fresh_keys, fresh_rows in refreshed:
+            if len(fresh_keys):
+                self.insert_or_assign(fresh_keys, fresh_rows)

@@ -4,7 +4,7 @@ import pytest
 
 from hpsray.data import DataError
 from hpsray.errors import PeerFailedError, caused_by
-from hpsray.pipelines.pipeline import Pipeline
+from hpsray.pipelines.schedule import first_failure
 
 
 def test_the_root_cause_replaces_a_peer_failure(ray_local):
@@ -22,11 +22,11 @@ def test_the_root_cause_replaces_a_peer_failure(ray_local):
     wrapped = got.value
     assert caused_by(wrapped, PeerFailedError)  # Ray wraps it (RayTaskError); the type survives
     assert "batch 3 failed on another node" in str(wrapped)
-    cause = Pipeline._first_failure(wrapped, [peer, root])
+    cause = first_failure(wrapped, [peer, root])
     assert caused_by(cause, DataError) and "line 17: wrong_column_count" in str(cause)
     # an error of this node is reported as it is
     with pytest.raises(Exception) as own:
         ray.get(root)
-    assert Pipeline._first_failure(own.value, [peer, root]) is own.value
+    assert first_failure(own.value, [peer, root]) is own.value
     # only peer failures: the one given is kept
-    assert Pipeline._first_failure(wrapped, [peer]) is wrapped
+    assert first_failure(wrapped, [peer]) is wrapped

@@ -1,0 +1,180 @@
+"""The per-batch schedule of one pass (docs/architecture.md: The pipeline; paper Algorithm 1).
+
+Per batch ``t`` the driver submits, on every node::
+
+    train(t) ; read(t + read_queue) ; pull(t+1) ; write_back(t) ; refresh(t+1)
+
+A Ray actor runs one caller's calls in submission order, so MEM-PS runs ``pull(t+1)`` while
+``t`` trains and ``pull(t+2)`` only after ``write_back(t)``. The rows ``pull(t+1)`` lent early
+for keys also in ``t`` are stale: the trainer keeps its own from ``t`` resident in HBM-PS, and
+rows other nodes changed come again through ``refresh(t+1)`` (docs/architecture.md: invariants 2
+and 4). The reader runs up to ``read_queue`` batches ahead through a :class:`BoundedEdge`; at
+most two write-backs per node are in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import ray
+
+from hpsray.actors.messages import ReadBatch, TrainInputs
+from hpsray.errors import PeerFailedError, caused_by
+from hpsray.pipelines.edge import BoundedEdge
+from hpsray.pipelines.placement import NodeActors
+
+
+@dataclass
+class _Training:
+    """A batch whose trainers were called but whose write-backs are not yet submitted."""
+
+    batch_id: int
+    results: list  # per borrower: refs of Returned per owner, then of TrainOutcome
+
+
+@dataclass
+class PassSchedule:
+    """Drives one pass over the nodes' readers, from batch id ``first`` on.
+
+    ``on_batch_end(batch_id)`` (optional) runs after batch ``batch_id``'s write-backs are
+    submitted and before the next batch trains; :meth:`drain` there makes them done.
+    """
+
+    nodes: list[NodeActors]
+    first: int
+    read_queue: int
+    on_batch_end: Callable[[int], None] | None = None
+    reads: list[BoundedEdge] = field(init=False)
+    write_backs: list[BoundedEdge] = field(init=False)
+    outcomes: list = field(init=False, default_factory=list)  # every TrainOutcome ref, to find a failure's root
+    batches: int = field(init=False, default=0)
+    examples: int = field(init=False, default=0)
+    _pending: deque = field(init=False, default_factory=deque)  # per batch read ahead: ReadBatch refs by node
+    _training: _Training | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        n = len(self.nodes)
+        self.reads = [BoundedEdge(f"read→pull[node {i}]" if n > 1 else "read→pull", self.read_queue) for i in range(n)]
+        self.write_backs = [
+            BoundedEdge(f"train→write-back[node {i}]" if n > 1 else "train→write-back", 2) for i in range(n)
+        ]
+
+    @property
+    def edges(self) -> list[BoundedEdge]:
+        return [*self.reads, *self.write_backs]
+
+    def _read(self, t: int) -> None:
+        row = []
+        for node, edge in zip(self.nodes, self.reads):
+            ref = node.reader.read.remote(self.first + t)
+            edge.put(ref)
+            row.append(ref)
+        self._pending.append(row)
+
+    def _next_read(self) -> list[ReadBatch]:
+        """The oldest batch read ahead, by node; raises a reader's error (bad input, say)."""
+        return ray.get(self._pending.popleft())
+
+    def _lend(self, t: int, read: list[ReadBatch]) -> list[list]:
+        """Refs of the loans of batch ``t``: ``[borrower][owner]``, every owner lending in parallel."""
+        nodes = self.nodes
+        return [
+            [nodes[o].mem.pull.remote(self.first + t, r.keys_by_owner[o], b) for o in range(len(nodes))]
+            for b, r in enumerate(read)
+        ]
+
+    def _refresh(self, t: int) -> list[list]:
+        nodes = self.nodes
+        return [[nodes[o].mem.refresh.remote(self.first + t, b) for o in range(len(nodes))] for b in range(len(nodes))]
+
+    def _train(self, t: int, read: list[ReadBatch], loans: list[list], refreshed: list[list] | None) -> list:
+        n = len(self.nodes)
+        sizes = [r.examples for r in read]
+        results = []
+        for b, node in enumerate(self.nodes):
+            inputs = TrainInputs(
+                read[b].batch, read[b].keys_by_owner, loans[b], refreshed[b] if refreshed else [], sizes
+            )
+            refs = node.trainer.train.options(num_returns=n + 1).remote(self.first + t, inputs)
+            results.append(refs)
+            self.outcomes.append(refs[-1])
+        return results
+
+    def run(self, progress=None) -> None:
+        """Train every batch the readers yield (raises the first error; see :meth:`salvage`)."""
+        n = len(self.nodes)
+        for k in range(self.read_queue):
+            self._read(k)
+        read = self._next_read()
+        if sum(r.examples for r in read) == 0:
+            raise ValueError("the source produced no examples")
+        t, loans, refreshed = 0, self._lend(0, read), None
+        while True:
+            results = self._train(t, read, loans, refreshed)
+            self._training = _Training(self.first + t, results)
+            self._read(t + self.read_queue)
+            next_read = self._next_read()
+            more = sum(r.examples for r in next_read) > 0
+            if more:
+                next_loans = self._lend(t + 1, next_read)
+            for o, node in enumerate(self.nodes):
+                self.write_backs[o].put(node.mem.write_back.remote(self.first + t, *[results[b][o] for b in range(n)]))
+            self._training = None
+            refreshed = self._refresh(t + 1) if more and n > 1 else None
+            done = sum(r.examples for r in read)
+            self.examples += done
+            self.batches += 1
+            if progress is not None:
+                progress.update(done)
+            if self.on_batch_end is not None:
+                self.on_batch_end(self.first + t)
+            if not more:
+                break
+            t += 1
+            read, loans = next_read, next_loans
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait until every submitted write-back is done (raises their errors)."""
+        for edge in self.write_backs:
+            edge.drain()
+
+    def salvage(self) -> int:
+        """After a failure: finish the write-backs of every batch that trained, flush MEM-PS to
+        SSD-PS, and return how many batches were saved (docs/architecture.md: invariant 7)."""
+        nodes = self.nodes
+        refs = [ref for edge in self.write_backs for ref in edge.in_flight()]
+        if self._training is not None:
+            batch_id, results = self._training.batch_id, self._training.results
+            refs += [node.mem.write_back.remote(batch_id, *[r[o] for r in results]) for o, node in enumerate(nodes)]
+        saved = 0
+        for ref in refs:
+            try:
+                ray.get(ref)
+                saved += 1
+            except Exception:  # noqa: BLE001,S112 - that batch failed itself; its rows were never trained
+                continue
+        ray.get([node.mem.flush.remote() for node in nodes])
+        return saved // len(nodes)
+
+    def first_failure(self, error: BaseException) -> BaseException:
+        return first_failure(error, self.outcomes)
+
+
+def first_failure(error: BaseException, outcomes: list) -> BaseException:
+    """The error that stopped training: when trainers of other nodes failed only because one
+    of them did (see :meth:`Trainer.train <hpsray.actors.trainer.Trainer.train>`), that one's
+    error. ``outcomes`` are the trainers' outcome refs so far."""
+    if not caused_by(error, PeerFailedError):
+        return error
+    done, _ = ray.wait(outcomes, num_returns=len(outcomes), timeout=0)
+    finished = set(done)
+    for ref in [r for r in outcomes if r in finished]:
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - looking for the root cause
+            if not caused_by(e, PeerFailedError):
+                return e
+    return error

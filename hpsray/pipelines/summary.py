@@ -1,0 +1,115 @@
+"""The run report of one ``fit()``: every stage actor's figures gathered and combined.
+
+Only the batches that ``fit()`` trained count. With several nodes, a stage's busy seconds (per
+batch and in all) are those of its busiest node, so ``pipeline_efficiency`` is the slowest
+(stage, node) over wall time; ``per_node`` keeps every node's own figures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+from hpsray.pipelines.edge import BoundedEdge
+from hpsray.pipelines.placement import NodeActors
+
+SSD_TOTALS = (
+    "bytes_read",
+    "bytes_written",
+    "files",
+    "disk_bytes",
+    "live_bytes",
+    "compactions",
+    "load_seconds",
+    "dump_seconds",
+)
+
+
+def sum_counts(caches: list[dict]) -> dict:
+    """MEM-PS counters summed over nodes, the hit rate recomputed from the sums."""
+    if len(caches) == 1:
+        return caches[0]
+    out = {k: sum(c[k] for c in caches) for k, v in caches[0].items() if isinstance(v, (int, float))}
+    looked_up = out.get("hits", 0) + out.get("misses", 0)
+    out["hit_rate"] = out.get("hits", 0) / looked_up if looked_up else 0.0
+    return out
+
+
+def run_report(
+    nodes: list[NodeActors],
+    sync,
+    devices_per_node: int,
+    wall: float,
+    batches: range,
+    examples: int,
+    edges: list[BoundedEdge],
+) -> dict:
+    """The report of the ``batches`` one ``fit()`` trained in ``wall`` seconds."""
+    stats = ray.get(
+        [
+            ref
+            for node in nodes
+            for ref in (
+                node.reader.stats.remote(),
+                node.mem.stats.remote(),
+                node.ssd.stats.remote(),
+                node.trainer.stats.remote(),
+                node.reader.bad_input.remote(),
+            )
+        ]
+    )
+    per_node = [stats[5 * i : 5 * i + 5] for i in range(len(nodes))]
+    mine = set(batches)
+    node_busy, node_per_batch = [], []
+    for reader, mem, ssd, trainer, _ in per_node:
+        stages = {s["stage"]: s for s in (reader, mem, ssd, trainer)}
+        pb = {name: {b: v for b, v in s["per_batch"].items() if b in mine} for name, s in stages.items()}
+        node_per_batch.append(pb)
+        node_busy.append({name: float(sum(v.values())) for name, v in pb.items()})
+    busy = {name: max(nb[name] for nb in node_busy) for name in node_busy[0]}
+    per_batch = {
+        name: {b: max(pb[name].get(b, 0.0) for pb in node_per_batch) for b in sorted(mine)}
+        for name in node_per_batch[0]
+    }
+    mems = [r[1] for r in per_node]
+    hit_rate = {
+        b: float(np.mean([mem["hit_rate"][b] for mem in mems if b in mem["hit_rate"]]))
+        for b in sorted(mine)
+        if any(b in mem["hit_rate"] for mem in mems)
+    }
+    stores = [r[2]["store"] for r in per_node]
+    ssd_total = {k: sum(st[k] for st in stores) for k in SSD_TOTALS}
+    ssd_total["space_ratio"] = ssd_total["disk_bytes"] / ssd_total["live_bytes"] if ssd_total["live_bytes"] else 0.0
+    trainer0 = per_node[0][3]
+    report = {
+        "mode": sync.consistency if len(nodes) > 1 else "bsp",
+        "nodes": len(nodes),
+        "devices_per_node": devices_per_node,
+        "batches": len(batches),
+        "examples": examples,
+        "wall_s": wall,
+        "examples_per_s": examples / wall if wall > 0 else 0.0,
+        "stage_busy_s": busy,
+        "pipeline_efficiency": max(busy.values()) / wall if wall > 0 else 0.0,
+        "per_batch_s": {name: {str(k): v for k, v in pb.items()} for name, pb in per_batch.items()},
+        "cache_hit_rate": {str(k): v for k, v in hit_rate.items()},
+        "ssd": ssd_total,
+        "cache": sum_counts([mem["cache"] for mem in mems]),
+        "loss": {str(k): v for k, v in sorted(trainer0["losses"].items()) if k in mine},
+        "queues": {e.name: {"capacity": e.capacity, "max_depth": e.max_depth, "stalls": e.stalls} for e in edges},
+        "bad_input": per_node[0][4] if len(nodes) == 1 else {f"node {i}": r[4] for i, r in enumerate(per_node)},
+    }
+    if len(nodes) > 1:
+        trainers = [r[3] for r in per_node]
+        report["sync"] = {
+            "consistency": sync.consistency,
+            "staleness_bound": sync.staleness if sync.consistency == "ssp" else None,
+            "max_staleness_observed": max(tr.get("max_staleness", 0) for tr in trainers),
+            "dense": sync.dense,
+            "exchanged_bytes_per_minibatch": float(np.mean([tr["exchanged_bytes_per_step"] for tr in trainers])),
+        }
+        report["per_node"] = [
+            {"node": i, "stage_busy_s": nb, "examples": r[0]["examples"], "cache": r[1]["cache"]}
+            for i, (nb, r) in enumerate(zip(node_busy, per_node))
+        ]
+    return report
