@@ -8,9 +8,14 @@
     │   └── TooMuchBadInput                     lenient mode gave up
     ├── CapacityError      (also RuntimeError)  the pinned working set does not fit MEM-PS
     │   └── TableFullError                      a hash table has no free row for an insert
+    ├── DiskFullError      (also OSError)       a write refused for want of space: names directory, bytes
+    │                                           needed (``needed``) and free (``free``)
     ├── SSDError                                SSD-PS storage (closed store, ...)
     │   ├── CorruptFileError                    a parameter file or the manifest fails its checks
-    │   └── SSDFullError   (also OSError)       the disk refused a write; nothing was recorded
+    │   └── SSDFullError   (+ DiskFullError)    the disk refused a write; nothing was recorded
+    ├── CheckpointError                         a checkpoint that cannot be written or used: "PATH: reason"
+    │   └── CheckpointFullError (+ DiskFullError) the disk refused a checkpoint write; the staging
+    │                                           directory was removed, earlier checkpoints stay usable
     ├── ExportError        (also ValueError)    an export directory that cannot be read back
     ├── TrainingStopped    (also RuntimeError)  a stage failed in ``fit()``; what trained was kept
     └── PeerFailedError    (also RuntimeError)  this trainer is fine, another node's failed the batch
@@ -25,9 +30,12 @@ from __future__ import annotations
 
 __all__ = [
     "CapacityError",
+    "CheckpointError",
+    "CheckpointFullError",
     "ConfigError",
     "CorruptFileError",
     "DataError",
+    "DiskFullError",
     "ExportError",
     "HpsrayError",
     "PeerFailedError",
@@ -117,9 +125,72 @@ class CorruptFileError(SSDError):
     """A parameter file (or the manifest) fails its checks; the message names file and cause."""
 
 
-class SSDFullError(SSDError, OSError):
-    """The disk (or a file-size limit) refused a write; nothing of the failed operation was
-    recorded and the store stays readable."""
+class DiskFullError(HpsrayError, OSError):
+    """The disk (or a quota, or a file-size limit) refused a write for want of space.
+
+    ``errno`` is the refusal (ENOSPC, EDQUOT, EFBIG), ``strerror`` the message, which names the
+    directory and the bytes needed; ``directory``, ``needed`` (bytes the operation needed: a
+    lower bound where the message says "more than") and ``free`` (bytes free after the failed
+    operation was cleaned up) are kept as fields (``None`` when unknown). Catch this one class
+    for every kind below.
+    """
+
+    def __init__(
+        self,
+        errno: int,
+        message: str,
+        *,
+        directory: str | None = None,
+        needed: int | None = None,
+        free: int | None = None,
+    ) -> None:
+        super().__init__(errno, message)
+        self.directory, self.needed, self.free = directory, needed, free
+
+    def __reduce__(self):  # keep the fields across pickling (OSError's reduce keeps only errno, message)
+        return (_rebuild_disk_full, (type(self), self.errno, self.strerror, self.directory, self.needed, self.free))
+
+
+def _rebuild_disk_full(cls, errno, message, directory, needed, free):
+    return cls(errno, message, directory=directory, needed=needed, free=free)
+
+
+class SSDFullError(SSDError, DiskFullError):
+    """The disk (or a file-size limit) refused an SSD-PS write; nothing of the failed operation
+    was recorded and the store stays readable."""
+
+
+class CheckpointError(HpsrayError):
+    """A checkpoint that cannot be written or used: ``str(e)`` is ``"PATH: reason"`` (the
+    checkpoint or checkpoint directory, then e.g. a missing file, a size or checksum mismatch,
+    an unknown format, another job's fingerprint)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"{path}: {reason}")
+
+    def __reduce__(self):  # keep the fields across pickling
+        return (type(self), (self.path, self.reason))
+
+
+class CheckpointFullError(CheckpointError, DiskFullError):
+    """The disk refused a checkpoint write; the staging directory was removed and the earlier
+    checkpoints stay usable. Constructed like :class:`DiskFullError`; ``path`` is the
+    directory, ``reason`` the message."""
+
+    def __init__(
+        self,
+        errno: int,
+        message: str,
+        *,
+        directory: str | None = None,
+        needed: int | None = None,
+        free: int | None = None,
+    ) -> None:
+        DiskFullError.__init__(self, errno, message, directory=directory, needed=needed, free=free)
+        self.path, self.reason = directory or "", message
+
+    __reduce__ = DiskFullError.__reduce__
 
 
 class ExportError(HpsrayError, ValueError):

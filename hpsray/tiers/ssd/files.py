@@ -12,8 +12,17 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from hpsray.errors import SSDFullError
-from hpsray.tiers.ssd.paramfile import FULL_ERRNOS, Writer, file_name, fsync_dir, fsync_path, unlink_quiet, write_tmp
+from hpsray.tiers.ssd.paramfile import (
+    FULL_ERRNOS,
+    Writer,
+    file_bytes,
+    file_name,
+    fsync_dir,
+    fsync_path,
+    full_error,
+    unlink_quiet,
+    write_tmp,
+)
 
 __all__ = ["FileTable", "remove_files", "write_files"]
 
@@ -156,7 +165,8 @@ def write_files(
     Returns their sizes and block tables (by file number), for :meth:`FileTable.add_written`.
 
     On failure removes what it wrote and raises; a refusal for want of space is an
-    :class:`SSDFullError` (nothing of the write was recorded; the store stays readable).
+    :class:`~hpsray.errors.SSDFullError` naming the directory, the bytes the whole write needs
+    and the bytes free (nothing of the write was recorded; the store stays readable).
     """
     rpf = rows_per_file
     tmps, sizes, tables = [], [], []
@@ -178,12 +188,12 @@ def write_files(
         for tmp in tmps:
             unlink_quiet(tmp)
         remove_files(directory, nos)
-        if isinstance(e, OSError) and not isinstance(e, SSDFullError) and e.errno in FULL_ERRNOS:
-            raise SSDFullError(
-                e.errno,
-                f"SSD-PS {directory}: no space left: {e.strerror}; "
-                "nothing of this write was recorded and the store stays readable",
-            ) from e
+        if isinstance(e, OSError) and e.errno in FULL_ERRNOS:
+            width = rows.shape[1]
+            needed = sum(file_bytes(min(rpf, keys.size - i * rpf), width) for i in range(len(nos)))
+            what = f"writing {keys.size} rows in {len(nos)} parameter files"
+            after = "nothing of this write was recorded and the store stays readable"
+            raise full_error(e, directory, needed, what, after) from e
         raise
     return sizes, dict(zip(nos, tables))
 

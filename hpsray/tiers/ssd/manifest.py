@@ -22,10 +22,10 @@ import threading
 import zlib
 from collections.abc import Iterable
 
-from hpsray.errors import CorruptFileError, SSDError, SSDFullError
-from hpsray.tiers.ssd.paramfile import FULL_ERRNOS, Writer, _write_all, fsync_dir
+from hpsray.errors import CorruptFileError, SSDError
+from hpsray.tiers.ssd.paramfile import FULL_ERRNOS, Writer, _write_all, fsync_dir, full_error
 
-__all__ = ["FORMAT_VERSION", "NAME", "Manifest"]
+__all__ = ["FORMAT_VERSION", "NAME", "Manifest", "write_manifest"]
 
 NAME = "MANIFEST"
 FORMAT_VERSION = 1
@@ -151,7 +151,7 @@ class Manifest:
             os.close(fd)
             os.unlink(tmp)
             if e.errno in FULL_ERRNOS:
-                raise SSDFullError(e.errno, f"SSD-PS: no space left rewriting {path}: {e.strerror}") from e
+                raise full_error(e, directory, len(data), f"writing {path}", "the old manifest stays in place") from e
             raise
         os.close(fd)
         os.rename(tmp, path)
@@ -188,8 +188,8 @@ class Manifest:
                     "reopen the store to recover"
                 ) from e
             if e.errno in FULL_ERRNOS:
-                raise SSDFullError(
-                    e.errno, f"SSD-PS: no space left appending to {self.path}: {e.strerror}; the edit was not recorded"
+                raise full_error(
+                    e, self.directory, len(record), f"appending to {self.path}", "the edit was not recorded"
                 ) from e
             raise
         self.live.update(add)
@@ -222,3 +222,9 @@ class Manifest:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+def write_manifest(directory: str, width: int, live: set[int], next_file_no: int, write: Writer = os.write) -> None:
+    """Write a fresh manifest naming ``live`` files (temporary file, fsync, atomic rename,
+    directory fsync): a store opened on ``directory`` then holds exactly those files' rows."""
+    Manifest._write_snapshot(directory, width, live, next_file_no, write)

@@ -70,7 +70,9 @@ __all__ = [
     "file_bytes",
     "file_name",
     "fsync_dir",
+    "free_bytes",
     "fsync_path",
+    "full_error",
     "n_blocks",
     "parse_file_name",
     "pick_blocks",
@@ -390,16 +392,39 @@ def write_tmp(
             fd = None
         unlink_quiet(tmp)
         if e.errno in FULL_ERRNOS:
-            raise SSDFullError(
-                e.errno,
-                f"SSD-PS: no space left writing {tmp} ({file_bytes(n, width)} bytes): {e.strerror}; "
-                "nothing of this write was recorded and the store stays readable",
-            ) from e
+            after = "nothing of this write was recorded and the store stays readable"
+            raise full_error(e, directory, file_bytes(n, width), f"writing {tmp}", after) from e
         raise
     finally:
         if fd is not None:
             os.close(fd)
     return tmp, file_bytes(n, width), table
+
+
+def free_bytes(directory: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``directory`` (``None``:
+    unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def full_error(e: OSError, directory: str, needed: int, what: str, after: str) -> SSDFullError:
+    """The :class:`SSDFullError` for a write of ``needed`` bytes into ``directory`` that the disk
+    refused (``e``); call it after the failed write was cleaned up, so that "free" is what the
+    store can use. ``what`` says what was written, ``after`` what state it left."""
+    free = free_bytes(directory)
+    return SSDFullError(
+        e.errno or errno.ENOSPC,
+        f"SSD-PS {directory}: no space left: {what} needs {needed} bytes, "
+        f"{'an unknown number of' if free is None else free} bytes are free "
+        f"({os.strerror(e.errno or errno.ENOSPC)}); {after}",
+        directory=directory,
+        needed=needed,
+        free=free,
+    )
 
 
 def unlink_quiet(path: str) -> None:

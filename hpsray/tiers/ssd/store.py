@@ -58,6 +58,7 @@ from hpsray.tiers.ssd.paramfile import (
     record_bytes,
 )
 from hpsray.tiers.ssd.reads import MAX_OPEN_FILES, ROUND_BYTES, Reads
+from hpsray.tiers.ssd.snapshot import restore_snapshot, take_snapshot
 
 __all__ = ["DEFAULT_FILE_BYTES", "SSDPS", "CorruptFileError", "SSDError", "SSDFullError", "default_rows_per_file"]
 
@@ -392,6 +393,21 @@ class SSDPS:
     def verify(self) -> int:
         """Read every file and check its checksums; returns the number of files checked."""
         return sum(1 for _ in self.scan())
+
+    # -- snapshots (snapshot.py) ---------------------------------------------------------
+
+    def snapshot(self, dest: str | os.PathLike, *, link: bool = True) -> dict:
+        """Reference this store's current rows in the directory ``dest`` by hard links to its
+        immutable parameter files (copies where linking fails), consistent while dumps and
+        compaction run; see :func:`~hpsray.tiers.ssd.snapshot.take_snapshot`. Returns
+        ``{"files", "bytes", "rows", "linked", "copied", "dumps", "seconds"}``."""
+        return take_snapshot(self, dest, link=link)
+
+    @staticmethod
+    def restore(snapshot_dir: str | os.PathLike, directory: str | os.PathLike, **options: bool) -> dict:
+        """Build a store directory from a snapshot (``SSDPS(directory)`` then opens exactly its
+        rows); see :func:`~hpsray.tiers.ssd.snapshot.restore_snapshot` for ``options``."""
+        return restore_snapshot(snapshot_dir, directory, **options)
 
     # -- lifecycle -----------------------------------------------------------------------
 
