@@ -4,7 +4,9 @@ It writes a synthetic click log (Parquet, from a planted model) into a work dire
 job file for it, starts an embedded Ray, and trains with a MEM-PS budget well below the number
 of distinct keys, so rows are evicted to SSD-PS and loaded back while training. It prints the
 held-out AUC, throughput and the stage table; the job file it leaves behind reruns the same
-training with ``hpsray train WORKDIR/job.toml``.
+training with ``hpsray train WORKDIR/job.toml``. While it trains, the embedded Ray's dashboard is
+up: the demo prints its URL and, as Ray 2.60 asks for a token there, where the token is
+(``hpsray.cluster.runtime.dashboard_hint``; docs/operations.md, "Getting into the dashboard").
 """
 
 from __future__ import annotations

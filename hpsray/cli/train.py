@@ -121,7 +121,7 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
 
     import ray
 
-    from hpsray.cluster.runtime import connect
+    from hpsray.cluster.runtime import connect, dashboard_hint
     from hpsray.job import build
     from hpsray.pipelines.export import export, schema_of_source
 
@@ -130,6 +130,9 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
         logging_level=logging.WARNING if quiet else logging.INFO,
         log_to_driver=not quiet,
     )
+    hint = dashboard_hint() if started and not quiet else None
+    if hint:  # the local Ray's dashboard, and where its auth token is (docs/operations.md)
+        print(f"hpsray: {hint}", file=sys.stderr)
     model = None
     try:
         with build.pipeline(job, address=address) as pipe:

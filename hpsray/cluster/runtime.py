@@ -2,7 +2,8 @@
 
 With no address (and no ``RAY_ADDRESS``) hpsray starts a local Ray. Ray 2.60 then turns on
 token authentication and writes ``~/.ray/auth_token``; later ``ray start`` / ``ray job submit``
-against such a cluster need ``RAY_AUTH_MODE=token`` (docs/operations.md).
+against such a cluster need ``RAY_AUTH_MODE=token`` (docs/operations.md). :func:`dashboard_hint`
+says where the local Ray's dashboard is and, with token authentication on, where its token is.
 """
 
 from __future__ import annotations
@@ -19,14 +20,52 @@ def connect(address: str | None = None, **init_options) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     options = {"log_to_driver": True, **init_options}
+    _local.clear()
     if address:
         ray.init(address=address, **options)
     else:
         # Ray starts its workers at niceness 15; the embedded instance exists only for this job,
         # whose trainer must not yield its cores to whatever else runs on the machine
         options.setdefault("_system_config", {"worker_niceness": 0})
-        ray.init(address="local", **options)
+        context = ray.init(address="local", **options)
+        _local["dashboard_url"] = getattr(context, "dashboard_url", None) or None
     return True
+
+
+_local: dict = {}  # what connect() learnt of the local Ray it started
+
+
+def _token_auth_on() -> bool:
+    try:  # Ray's own check (reads RAY_AUTH_MODE, which ray.init sets to "token" by default)
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        return bool(is_token_auth_enabled())
+    except Exception:  # noqa: BLE001 - a Ray without this module: the variable decides
+        return os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+
+
+def token_location() -> str:
+    """Where Ray finds the auth token, as Ray looks: the ``RAY_AUTH_TOKEN`` variable, the file
+    ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "$RAY_AUTH_TOKEN"
+    return os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+
+
+def dashboard_hint() -> str | None:
+    """One line for the user of the local Ray that :func:`connect` started: its dashboard URL
+    (there while the job runs) and, when Ray's token authentication is on, where the token the
+    dashboard asks for is and the command that prints it. ``None`` without a local dashboard."""
+    url = _local.get("dashboard_url")
+    if not url:
+        return None
+    url = url if "://" in url else f"http://{url}"
+    line = f"Ray dashboard at {url} while this job runs"
+    if _token_auth_on():
+        where = token_location()
+        what = "the value of $RAY_AUTH_TOKEN" if where.startswith("$") else f"the contents of {where}"
+        line += f"; its 'Authentication Token Required' dialog takes {what} (`ray get-auth-token` prints it)"
+    return line
 
 
 def alive_nodes() -> list[dict]:
