@@ -146,6 +146,7 @@ ENGINES = (
     "hpsray.reference",
     "hpsray.config",
     "hpsray.errors",
+    "hpsray.checkpoint",
 )
 RAY_LAYERS = (
     "hpsray.actors",

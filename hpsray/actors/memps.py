@@ -51,8 +51,10 @@ class MemPSShard:
     ) -> None:
         self.node = node
         self.store = _RemoteStore(ssd_actor, width)
-        mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)
-        self.lender = Lender(mem, node, init)
+        self._make = lambda: Lender(
+            MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options), node, init
+        )
+        self.lender = self._make()
         warm_mem_ps(width, init, **options)  # numba compiles here, before the pipeline's clock
         self.clock = StageClock("pull", node)
         self.gauges = LiveGauges(stage="pull", node=node)
@@ -90,6 +92,11 @@ class MemPSShard:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Current rows of ``keys`` for evaluation, nothing pinned."""
         return self.lender.lookup(keys)
+
+    def reset(self) -> None:
+        """Drop every cached row and lease unwritten (a recovery: SSD-PS is restored to the
+        checkpoint next, and this cache must not write newer rows into it)."""
+        self.lender = self._make()
 
     def flush(self) -> int:
         """Write every changed row to SSD-PS (after training, before export)."""

@@ -35,20 +35,25 @@ class Reader:
         count: int = 1,
         transforms: Sequence[Transform] = (),
         n_nodes: int = 1,
+        skip: int = 0,
     ) -> None:
         self.node, self.n_nodes = node, n_nodes
         self.transforms = list(transforms)
         self.clock = StageClock("read", node)
-        self.open(source, batch_size, index, count)
+        self.open(source, batch_size, index, count, skip)
         self._warm_up(source, index, count)
 
-    def open(self, source, batch_size: int, index: int = 0, count: int = 1) -> None:
+    def open(self, source, batch_size: int, index: int = 0, count: int = 1, skip: int = 0) -> None:
         """Read ``source`` from now on (share ``index`` of ``count``), counting examples and
-        bad rows afresh; busy times stay per batch id."""
+        bad rows afresh; busy times stay per batch id. ``skip``: batches of the share already
+        trained (a resume): they are read and dropped, before any transform runs."""
         self.source, self.index = source, index
         # file sources expose their DataReader, whose report counts bad rows
         self._data_reader = source.reader(batch_size, index, count) if hasattr(source, "reader") else None
         self._it = iter(self._data_reader) if self._data_reader is not None else source.open(batch_size, index, count)
+        for _ in range(skip):
+            if next(self._it, None) is None:
+                break
         self.examples = 0
 
     def __repr__(self) -> str:

@@ -6,15 +6,19 @@ import numpy as np
 
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.timing import StageClock
-from hpsray.tiers.ssd import SSDPS
+from hpsray.tiers.ssd import SSDPS, restore_snapshot
+from hpsray.tiers.ssd.snapshot import take_snapshot
 from hpsray.tiers.warmup import warm_ssd_ps
 
 
 class SSDPSShard:
     """Owns one node's parameter-file directory; MEM-PS loads from and dumps to it."""
 
-    def __init__(self, node: int, directory: str, width: int, **options) -> None:
+    def __init__(self, node: int, directory: str, width: int, restore_from: str | None = None, **options) -> None:
+        """``restore_from``: a snapshot (:meth:`snapshot`) that replaces ``directory`` first."""
         self.node = node
+        self.directory, self.width, self.options = directory, width, options
+        self.restored = restore_snapshot(restore_from, directory, replace=True) if restore_from else None
         self.store = SSDPS(directory, width, **options)
         warm_ssd_ps(width, **options)  # numba compiles here, before the pipeline's clock
         self.clock = StageClock("load", node)
@@ -45,6 +49,17 @@ class SSDPSShard:
         with self.clock.timed(batch):
             self.store.dump(keys, rows)
         self._export()
+
+    def snapshot(self, dest: str) -> dict:
+        """Reference the store's current state in ``dest`` (a checkpoint's node directory)."""
+        return take_snapshot(self.store, dest)
+
+    def restore(self, snapshot: str) -> dict:
+        """Replace the store with a snapshot's state (a recovery that keeps this process)."""
+        self.store.close()
+        self.restored = restore_snapshot(snapshot, self.directory, replace=True)
+        self.store = SSDPS(self.directory, self.width, **self.options)
+        return self.restored
 
     def scan(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every live row, file by file."""

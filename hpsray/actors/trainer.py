@@ -57,6 +57,7 @@ class Trainer:
         self.optimizer = config.optimizer()
         self.device = StepDevice(device)
         self.hbm = HbmPS(capacity, config.row_width, config.row_init(), n_devices, n_nodes, device)
+        self._capacity = capacity
         model = model if model is not None else DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
         self.dense = DenseReplicas(model, n_devices, config.dense_optimizer, config.dense_lr, self.device)
         self.n_nodes = n_nodes
@@ -152,6 +153,7 @@ class Trainer:
             out = [Returned(self.node, k, self.hbm.get(k)) for k in key_parts]
         done = len(batch) if batch is not None else 0
         self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
+        self.gauges.set_sync(self.max_staleness, self.exchanged_bytes)
         return (*out, TrainOutcome(self.losses[batch_id], done))
 
     def _weights(self, keys):
@@ -276,6 +278,43 @@ class Trainer:
     def dense_state(self) -> dict:
         """The dense model's parameters (replica 0; all replicas are equal)."""
         return {k: v.detach().cpu().clone() for k, v in self.dense.models[0].state_dict().items()}
+
+    def save_state(self, path: str) -> int:
+        """Write what continuing exactly needs to ``path`` (a checkpoint's file): the dense
+        weights and optimizer state of every replica, the mini-batch step, the losses so far
+        and torch's random state; returns the bytes written."""
+        state = {
+            "models": [m.state_dict() for m in self.dense.models],
+            "optimizers": [o.state_dict() for o in self.dense.optimizers],
+            "step": self.step,
+            "examples": self.examples,
+            "losses": dict(self.losses),
+            "rng": torch.get_rng_state(),
+        }
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torch.save(state, path)
+        return os.path.getsize(path)
+
+    def reset(self, path: str) -> int:
+        """Forget the working set and continue from :meth:`save_state`'s file (a recovery that
+        keeps this process); returns the step restored."""
+        c = self.config
+        self.hbm = HbmPS(self._capacity, c.row_width, c.row_init(), self.hbm.n_devices, self.n_nodes, self.hbm.device)
+        self._seen = dict.fromkeys(self._seen, 0)
+        self._pending_dense = None
+        return self.load_state(path)
+
+    def load_state(self, path: str) -> int:
+        """Continue from :meth:`save_state`'s file; returns the step restored."""
+        state = torch.load(path, map_location=self.device.torch, weights_only=False)
+        for model, saved in zip(self.dense.models, state["models"], strict=True):
+            model.load_state_dict(saved)
+        for optimizer, saved in zip(self.dense.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        self.step, self.examples = int(state["step"]), int(state["examples"])
+        self.losses = dict(state["losses"])
+        torch.set_rng_state(state["rng"])
+        return self.step
 
     def replicas_equal(self) -> bool:
         ref = self.dense.models[0].state_dict()

@@ -4,10 +4,11 @@ metrics and the run report."""
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.pipeline import Pipeline, TrainingStopped
 from hpsray.pipelines.sources import FileSource, SyntheticSource
-from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
+from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
 __all__ = [
     "BoundedEdge",
+    "CheckpointStage",
     "FileSource",
     "MemPSStage",
     "Pipeline",

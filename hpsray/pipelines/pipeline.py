@@ -17,14 +17,24 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import ray
 
+from hpsray.checkpoint import Checkpoint, Checkpoints, job_fingerprint
 from hpsray.cluster.runtime import connect, training_nodes
 from hpsray.data.batch import Batch
-from hpsray.errors import TrainingStopped
+from hpsray.errors import CheckpointError, TrainingStopped
 from hpsray.models.metrics import auc, logloss
 from hpsray.pipelines.placement import NodeActors, join_group, open_reader, place_node
 from hpsray.pipelines.progress import known_examples, progress_bar
+from hpsray.pipelines.recovery import (
+    CheckpointCosts,
+    actor_lost,
+    dead_actors,
+    load_trainers,
+    restart_from,
+    snapshot_of,
+    write_checkpoint,
+)
 from hpsray.pipelines.schedule import PassSchedule
-from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
+from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
 from hpsray.pipelines.summary import run_report
 
 
@@ -45,6 +55,8 @@ class Pipeline:
             every alive node).
         sync: how the nodes' trainers stay consistent (BSP, SSP, ASP) and combine dense
             gradients (all-reduce or PHub-style chunks).
+        checkpoint: where and how often to checkpoint, and how often to recover from a dead
+            actor (``None``: no checkpoints; a dead actor stops ``fit()``).
     """
 
     def __init__(
@@ -60,6 +72,7 @@ class Pipeline:
         name: str | None = None,
         nodes: int | None = 1,
         sync: SyncStage | None = None,
+        checkpoint: CheckpointStage | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -84,16 +97,45 @@ class Pipeline:
         self._tmp: str | None = None
         self._started_ray = False
         self._next_batch = 0  # batch ids continue across fit() calls
+        self._pass_first: int | None = None  # first batch id of a pass in progress (a resume's)
+        self.checkpoint_stage = checkpoint
+        self._checkpoints = Checkpoints(checkpoint.directory, checkpoint.keep) if checkpoint else None
+        self._checkpointed: int | None = None  # batches trained at the newest checkpoint
+        self._costs = CheckpointCosts()
+        self._generation = 0  # collective groups formed by recoveries
+        self.recovery: list[dict] = []
         self.report: dict = {}
+
+    @property
+    def fingerprint(self) -> str:
+        """What a checkpoint must match to be resumed by this pipeline: the model, optimizers,
+        source, batch size and nodes."""
+        return job_fingerprint(
+            {
+                "config": repr(self.config),
+                "source": repr(self.source),
+                "batch_size": self.batch_size,
+                "nodes": self.n_nodes,
+                "row_width": self.config.row_width,
+            }
+        )
 
     # -- actors --------------------------------------------------------------------------
 
-    def _start(self) -> None:
+    def _start(self, restore: Checkpoint | None = None) -> None:
+        """Start the stage actors (once); with ``restore``, in that checkpoint's state."""
         if self._nodes:
             return
         self._started_ray = connect(self.address)
+        stage = self.checkpoint_stage
+        if restore is None and stage is not None and stage.resume and self._checkpoints is not None:
+            restore = self._checkpoints.latest(self.fingerprint)
+            if restore is None:
+                raise CheckpointError(str(self._checkpoints.directory), "no checkpoint to resume from")
         alive = training_nodes()
         n_nodes = self.n_nodes or len(alive)
+        if restore is not None:
+            n_nodes = int(restore.meta["nodes"])
         if n_nodes > len(alive):
             raise ValueError(
                 f"the pipeline asks for {n_nodes} nodes but the Ray cluster has {len(alive)} alive; "
@@ -101,16 +143,19 @@ class Pipeline:
             )
         ssd_path = self.ssd_stage.path
         if ssd_path is None:
-            self._tmp = ssd_path = tempfile.mkdtemp(prefix="hpsray-ssd-")
-        t = self.trainer_stage
-        capacity = t.hbm_capacity or 2 * self.batch_size * max(self.source.n_slots, 1)
+            self._tmp = ssd_path = self._tmp or tempfile.mkdtemp(prefix="hpsray-ssd-")
         for i, node in enumerate(alive[:n_nodes]):
-            self._nodes.append(place_node(self, i, node, n_nodes, f"{ssd_path}/node-{i}", capacity))
+            snapshot = snapshot_of(restore, i) if restore is not None else None
+            self._nodes.append(place_node(self, i, node, n_nodes, f"{ssd_path}/node-{i}", snapshot))
         if n_nodes > 1:
             self._aggregators = join_group(self.name, self._nodes, self.sync)
+        if restore is not None:
+            load_trainers(restore, self._nodes)
+            self._next_batch, self._pass_first = restore.batch, int(restore.meta["pass_first"])
+            self._checkpointed = restore.batch
 
-    def _open_reader(self, node: NodeActors, source, index: int, count: int):
-        return open_reader(self, node, source, index, count, len(self._nodes))
+    def _open_reader(self, node: NodeActors, source, index: int, count: int, skip: int = 0):
+        return open_reader(self, node, source, index, count, len(self._nodes), skip)
 
     # -- training ------------------------------------------------------------------------
 
@@ -118,35 +163,114 @@ class Pipeline:
         """Train one pass over the source; returns the run report (also ``self.report``).
 
         Each node's reader reads that node's share of the source; the batches run on the
-        schedule of :class:`~hpsray.pipelines.schedule.PassSchedule`. A failure stops training
-        with :class:`TrainingStopped` after every batch that trained is written back.
+        schedule of :class:`~hpsray.pipelines.schedule.PassSchedule`. With checkpoints, a dead
+        actor (or node) restarts the stages from the newest checkpoint, up to
+        ``max_failures`` times (the report's ``recovery`` lists each). Any other failure stops
+        training with :class:`TrainingStopped` after every batch that trained is written back.
         """
         self._start()
-        nodes = self._nodes
-        for node in nodes:
-            self._open_reader(node, self.source, node.index, len(nodes))
-        first = self._next_batch
-        # the actors' processes start (seconds, on the first pass) before the clock does
-        t_start = time.perf_counter()
-        ray.get([a.__ray_ready__.remote() for node in nodes for a in node.stage_actors()])
-        t0 = time.perf_counter()
-        schedule = PassSchedule(nodes, first, self.read_queue)
+        if self._pass_first is None:
+            self._pass_first = self._next_batch
+        first = self._pass_first
         bar = progress_bar(known_examples(self.source), progress)
+        recovery: list[dict] = []
+        self.recovery = recovery  # grows while fit() runs: one entry per recovery
+        self._costs = CheckpointCosts()
+        startup, wall, examples = 0.0, 0.0, {}
         try:
-            schedule.run(bar)
-        except Exception as e:
-            saved = schedule.salvage()
-            raise TrainingStopped(schedule.first_failure(e), saved) from e
+            while True:
+                t_start = t0 = time.perf_counter()
+                nodes = self._nodes
+                schedule = PassSchedule(nodes, self._next_batch, self.read_queue, self._after_batch)
+                try:
+                    for node in nodes:  # a resumed pass skips the batches already trained
+                        self._open_reader(node, self.source, node.index, len(nodes), self._next_batch - first)
+                    # the actors' processes start (seconds, on the first pass) before the clock does
+                    ray.get([a.__ray_ready__.remote() for node in nodes for a in node.stage_actors()])
+                    t0 = time.perf_counter()
+                    startup += t0 - t_start
+                    if self._checkpoints is not None and self._checkpointed != self._next_batch:
+                        self._checkpoint(self._next_batch)  # where a failure before the first interval returns
+                    schedule.run(bar)
+                except Exception as e:
+                    wall += time.perf_counter() - t0
+                    examples.update(schedule.examples_by_batch)
+                    self._recover_or_stop(e, schedule, recovery, self._next_batch + schedule.batches)
+                    continue
+                wall += time.perf_counter() - t0
+                examples.update(schedule.examples_by_batch)
+                self._next_batch += schedule.batches
+                break
         finally:
             bar.close()
-        wall = time.perf_counter() - t0
-        trained = range(first, first + schedule.batches)
-        self._next_batch = first + schedule.batches
+        self._pass_first = None
+        trained = range(first, self._next_batch)
         self.report = run_report(
-            nodes, self.sync, self.trainer_stage.n_devices, wall, trained, schedule.examples, schedule.edges
+            self._nodes,
+            self.sync,
+            self.trainer_stage.n_devices,
+            wall,
+            trained,
+            sum(examples.get(b, 0) for b in trained),
+            schedule.edges,
         )
-        self.report["startup_s"] = t0 - t_start
+        self.report["startup_s"] = startup
+        if self._checkpoints is not None:
+            self.report["checkpoints"] = self._costs.summary(wall)
+            self.report["recovery"] = recovery
         return self.report
+
+    def _after_batch(self, batch_id: int, schedule: PassSchedule) -> None:
+        """Checkpoint every ``every_batches`` batches of the pass (after the write-backs)."""
+        stage = self.checkpoint_stage
+        done = batch_id + 1
+        if stage is None or (done - (self._pass_first or 0)) % stage.every_batches:
+            return
+        schedule.drain()
+        self._checkpoint(done)
+
+    def _checkpoint(self, batch: int) -> None:
+        assert self._checkpoints is not None
+        meta = {"pass_first": self._pass_first, "name": self.name}
+        _, seconds, size = write_checkpoint(self._checkpoints, self._nodes, batch, meta, self.fingerprint)
+        self._costs.seconds.append(seconds)
+        self._costs.bytes.append(size)
+        self._checkpointed = batch
+
+    def _recover_or_stop(self, error: Exception, schedule: PassSchedule, recovery: list, failed_at: int) -> None:
+        """Restart the stages from the newest checkpoint when an actor died (and failures are
+        left); otherwise salvage what trained and raise :class:`TrainingStopped`."""
+        stage = self.checkpoint_stage
+        root = schedule.first_failure(error)
+        actors = self.actors()
+        dead = dead_actors(actors) if stage is not None else []
+        if stage is None or not (dead or actor_lost(root)) or len(recovery) >= stage.max_failures:
+            try:
+                saved = schedule.salvage()
+            except Exception:  # noqa: BLE001 - an actor is gone: what it held is in the last checkpoint
+                saved = 0
+            raise TrainingStopped(root, saved) from error
+        t0 = time.perf_counter()
+        assert self._checkpoints is not None
+        restore = self._checkpoints.latest(self.fingerprint)
+        if restore is None:
+            raise TrainingStopped(root, 0) from error
+        try:
+            done = restart_from(self, restore, dead)
+        except Exception as e:  # noqa: BLE001 - no way back: say why, keep the checkpoint
+            raise TrainingStopped(e, 0) from error
+        self._next_batch, self._checkpointed = restore.batch, restore.batch
+        recovery.append(
+            {
+                "error": f"{type(root).__name__}: {root}".splitlines()[0][:300],
+                "dead": dead,
+                "failed_at_batch": failed_at,
+                "resumed_from_batch": restore.batch,
+                "replayed_batches": max(failed_at - restore.batch, 0),
+                "restart_s": time.perf_counter() - t0,
+                **done,
+            }
+        )
 
     # -- using the trained model ---------------------------------------------------------
 

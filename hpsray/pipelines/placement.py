@@ -30,71 +30,96 @@ class NodeActors:
     ssd: Any
     mem: Any
     trainer: Any
+    ssd_dir: str
     reader: Any = None  # created by the first pass, then reopened for each later one
 
     def stage_actors(self) -> list:
         return [self.ssd, self.mem, self.trainer, *([self.reader] if self.reader is not None else [])]
 
 
+def _options(node_id: str) -> dict:
+    return dict(num_cpus=0, scheduling_strategy=on_node(node_id), max_concurrency=1)
+
+
+def start_ssd(pipeline, index: int, node_id: str, directory: str, restore_from: str | None = None):
+    """Node ``index``'s SSD-PS actor over ``directory`` (rebuilt from a snapshot first when
+    ``restore_from`` names one)."""
+    return (
+        ray.remote(SSDPSShard)
+        .options(name=f"{pipeline.name}:SSDPS[node {index}]", **_options(node_id))
+        .remote(index, directory, pipeline.config.row_width, restore_from, **pipeline.ssd_stage.options)
+    )
+
+
+def start_mem(pipeline, index: int, node_id: str, ssd):
+    """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd``."""
+    config, stage = pipeline.config, pipeline.mem_stage
+    return (
+        ray.remote(MemPSShard)
+        .options(name=f"{pipeline.name}:MemPS[node {index}]", **_options(node_id))
+        .remote(
+            index, ssd, config.row_width, config.row_init(), stage.capacity_rows, stage.capacity_bytes, **stage.options
+        )
+    )
+
+
+def start_trainer(pipeline, index: int, node: dict, n_nodes: int):
+    """Node ``index``'s trainer actor on Ray node ``node`` (one GPU of it on CUDA)."""
+    t, source = pipeline.trainer_stage, pipeline.source
+    capacity = t.hbm_capacity or 2 * pipeline.batch_size * max(source.n_slots, 1)
+    threads = t.threads or max(1, int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1))
+    return (
+        ray.remote(Trainer)
+        .options(
+            name=f"{pipeline.name}:Trainer[node {index}]", **trainer_resources(_options(node["NodeID"]), t.device, node)
+        )
+        .remote(
+            index,
+            n_nodes,
+            pipeline.config,
+            source.n_slots,
+            source.n_dense,
+            capacity,
+            t.n_devices,
+            t.device,
+            t.model,
+            threads,
+        )
+    )
+
+
 def place_node(
-    pipeline, index: int, node: dict, n_nodes: int, ssd_dir: str, capacity: int, ssd_options: dict | None = None
+    pipeline, index: int, node: dict, n_nodes: int, ssd_dir: str, restore_from: str | None = None
 ) -> NodeActors:
     """Start node ``index``'s SSD-PS (over ``ssd_dir``), MEM-PS and trainer on Ray node ``node``.
 
-    ``pipeline`` gives the stages, config, source shape and the actor-name prefix;
-    ``ssd_options`` overrides the SSD-PS stage's options (a restore, say).
+    ``pipeline`` gives the stages, config, source shape and the actor-name prefix.
     """
-    t, name = pipeline.trainer_stage, pipeline.name
-    config = pipeline.config
-    opts = dict(num_cpus=0, scheduling_strategy=on_node(node["NodeID"]), max_concurrency=1)
-    threads = t.threads or max(1, int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1))
-    ssd = (
-        ray.remote(SSDPSShard)
-        .options(name=f"{name}:SSDPS[node {index}]", **opts)
-        .remote(index, ssd_dir, config.row_width, **(pipeline.ssd_stage.options | (ssd_options or {})))
-    )
-    mem_stage = pipeline.mem_stage
-    mem = (
-        ray.remote(MemPSShard)
-        .options(name=f"{name}:MemPS[node {index}]", **opts)
-        .remote(
-            index,
-            ssd,
-            config.row_width,
-            config.row_init(),
-            mem_stage.capacity_rows,
-            mem_stage.capacity_bytes,
-            **mem_stage.options,
-        )
-    )
-    source = pipeline.source
-    trainer = (
-        ray.remote(Trainer)
-        .options(name=f"{name}:Trainer[node {index}]", **trainer_resources(opts, t.device, node))
-        .remote(
-            index, n_nodes, config, source.n_slots, source.n_dense, capacity, t.n_devices, t.device, t.model, threads
-        )
-    )
-    return NodeActors(index, node["NodeID"], ssd, mem, trainer)
+    node_id = node["NodeID"]
+    ssd = start_ssd(pipeline, index, node_id, ssd_dir, restore_from)
+    mem = start_mem(pipeline, index, node_id, ssd)
+    return NodeActors(index, node_id, ssd, mem, start_trainer(pipeline, index, node, n_nodes), ssd_dir)
 
 
-def open_reader(pipeline, node: NodeActors, source, index: int, count: int, n_nodes: int):
-    """Node ``node``'s reader, reading share ``index`` of ``count`` of ``source`` from now on."""
+def open_reader(pipeline, node: NodeActors, source, index: int, count: int, n_nodes: int, skip: int = 0):
+    """Node ``node``'s reader, reading share ``index`` of ``count`` of ``source`` from now on,
+    past its first ``skip`` batches."""
     if node.reader is None:
         opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
         node.reader = (
             ray.remote(Reader)
             .options(name=f"{pipeline.name}:Reader[node {node.index}]", **opts)
-            .remote(source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes)
+            .remote(source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip)
         )
     else:  # actor tasks from this driver run in order: the pass's reads come after this
-        node.reader.open.remote(source, pipeline.batch_size, index, count)
+        node.reader.open.remote(source, pipeline.batch_size, index, count, skip)
     return node.reader
 
 
-def join_group(name: str, nodes: list[NodeActors], sync) -> list:
+def join_group(name: str, nodes: list[NodeActors], sync, generation: int = 0) -> list:
     """Form the trainers' collective group (and the chunk aggregators or the clock board that
-    ``sync`` asks for); returns those helper actors, for shutdown."""
+    ``sync`` asks for); returns those helper actors, for shutdown. A recovery that restarts
+    the trainers forms a new group: ``generation`` counts them."""
     helpers: list = []
     aggregators = None
     if sync.dense == "chunked":
@@ -117,7 +142,7 @@ def join_group(name: str, nodes: list[NodeActors], sync) -> list:
             .remote(len(nodes))
         )
         helpers.append(board)
-    group = f"{name}:trainers"
+    group = f"{name}:trainers" + (f"#{generation}" if generation else "")
     ray.get([n.trainer.join.remote(len(nodes), group, sync, aggregators, board) for n in nodes])
     return helpers
 

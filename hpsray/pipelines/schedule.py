@@ -38,19 +38,18 @@ class _Training:
 class PassSchedule:
     """Drives one pass over the nodes' readers, from batch id ``first`` on.
 
-    ``on_batch_end(batch_id)`` (optional) runs after batch ``batch_id``'s write-backs are
-    submitted and before the next batch trains; :meth:`drain` there makes them done.
+    ``on_batch_end(batch_id, schedule)`` (optional) runs after batch ``batch_id``'s write-backs
+    are submitted and before the next batch trains; :meth:`drain` there makes them done.
     """
 
     nodes: list[NodeActors]
     first: int
     read_queue: int
-    on_batch_end: Callable[[int], None] | None = None
+    on_batch_end: Callable[[int, PassSchedule], None] | None = None
     reads: list[BoundedEdge] = field(init=False)
     write_backs: list[BoundedEdge] = field(init=False)
     outcomes: list = field(init=False, default_factory=list)  # every TrainOutcome ref, to find a failure's root
-    batches: int = field(init=False, default=0)
-    examples: int = field(init=False, default=0)
+    examples_by_batch: dict[int, int] = field(init=False, default_factory=dict)
     _pending: deque = field(init=False, default_factory=deque)  # per batch read ahead: ReadBatch refs by node
     _training: _Training | None = field(init=False, default=None)
 
@@ -60,6 +59,15 @@ class PassSchedule:
         self.write_backs = [
             BoundedEdge(f"train→write-back[node {i}]" if n > 1 else "train→write-back", 2) for i in range(n)
         ]
+
+    @property
+    def batches(self) -> int:
+        """Batches trained (their write-backs submitted)."""
+        return len(self.examples_by_batch)
+
+    @property
+    def examples(self) -> int:
+        return sum(self.examples_by_batch.values())
 
     @property
     def edges(self) -> list[BoundedEdge]:
@@ -124,12 +132,11 @@ class PassSchedule:
             self._training = None
             refreshed = self._refresh(t + 1) if more and n > 1 else None
             done = sum(r.examples for r in read)
-            self.examples += done
-            self.batches += 1
+            self.examples_by_batch[self.first + t] = done
             if progress is not None:
                 progress.update(done)
             if self.on_batch_end is not None:
-                self.on_batch_end(self.first + t)
+                self.on_batch_end(self.first + t, self)
             if not more:
                 break
             t += 1

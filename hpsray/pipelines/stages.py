@@ -80,3 +80,29 @@ class SyncStage:
             raise ValueError(f"SyncStage.staleness must be >= 0, got {self.staleness}")
         if self.chunk_bytes < 4:
             raise ValueError(f"SyncStage.chunk_bytes must be >= 4, got {self.chunk_bytes}")
+
+
+@dataclass
+class CheckpointStage:
+    """Checkpoints and recovery (docs/operations.md: Checkpoints and recovery).
+
+    Every ``every_batches`` batches (and at the start of each pass) the pipeline writes a
+    checkpoint to ``directory``, keeping the ``keep`` newest. When a stage actor dies during
+    ``fit()`` the pipeline restarts the stages from the newest checkpoint and replays the
+    batches since, up to ``max_failures`` times per ``fit()``. ``resume``: the first ``fit()``
+    continues from the newest checkpoint in ``directory`` (a job whose driver died).
+    """
+
+    directory: str
+    every_batches: int = 50
+    keep: int = 2
+    max_failures: int = 3
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every_batches < 1:
+            raise ValueError(f"CheckpointStage.every_batches must be >= 1, got {self.every_batches}")
+        if self.keep < 1:
+            raise ValueError(f"CheckpointStage.keep must be >= 1, got {self.keep}")
+        if self.max_failures < 0:
+            raise ValueError(f"CheckpointStage.max_failures must be >= 0, got {self.max_failures}")

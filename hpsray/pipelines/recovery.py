@@ -1,0 +1,233 @@
+"""Checkpoints of a running pipeline and recovery from a dead actor (docs/operations.md:
+Checkpoints and recovery).
+
+A checkpoint is taken at a batch boundary where every trained batch is written back: MEM-PS
+flushes its changed rows to SSD-PS, each node's SSD-PS references its (immutable) parameter
+files in the checkpoint, each trainer saves its dense state, and the driver commits the
+checkpoint atomically (:mod:`hpsray.checkpoint`). Everything else is derived: HBM-PS and the
+MEM-PS cache refill from SSD-PS, and the readers skip the batches already trained.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    NodeDiedError,
+    ObjectLostError,
+    OwnerDiedError,
+    RayActorError,
+    WorkerCrashedError,
+)
+
+from hpsray.checkpoint import Checkpoint, Checkpoints, node_dir
+from hpsray.cluster.runtime import training_nodes
+from hpsray.errors import HpsrayError, caused_by
+from hpsray.pipelines.placement import NodeActors, join_group, start_mem, start_ssd, start_trainer
+
+ACTOR_LOST = (
+    ActorDiedError,
+    ActorUnavailableError,
+    NodeDiedError,
+    ObjectLostError,
+    OwnerDiedError,
+    RayActorError,
+    WorkerCrashedError,
+)
+TRAINER_STATE = "trainer.pt"
+SSD_SNAPSHOT = "ssd"
+
+
+@dataclass
+class CheckpointCosts:
+    """Seconds and bytes of the checkpoints one ``fit()`` wrote."""
+
+    seconds: list[float] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+
+    def summary(self, wall: float) -> dict:
+        total = sum(self.seconds)
+        return {
+            "count": len(self.seconds),
+            "seconds": total,
+            "mean_seconds": total / len(self.seconds) if self.seconds else 0.0,
+            "share_of_wall": total / wall if wall > 0 else 0.0,
+            "bytes": sum(self.bytes),
+        }
+
+
+def write_checkpoint(
+    checkpoints: Checkpoints, nodes: list[NodeActors], batch: int, meta: dict, fingerprint: str
+) -> tuple[Checkpoint, float, int]:
+    """Checkpoint the state after ``batch`` batches (every write-back done): returns the
+    checkpoint, its seconds and bytes referenced."""
+    t0 = time.perf_counter()
+    with checkpoints.staged(batch) as staging:
+        ray.get([n.mem.flush.remote() for n in nodes])
+        snaps = [n.ssd.snapshot.remote(str(node_dir(staging, n.index) / SSD_SNAPSHOT)) for n in nodes]
+        states = [n.trainer.save_state.remote(str(node_dir(staging, n.index) / TRAINER_STATE)) for n in nodes]
+        snapped, saved = ray.get(snaps), ray.get(states)
+        ckpt = checkpoints.commit(staging, batch, {**meta, "nodes": len(nodes)}, fingerprint=fingerprint)
+    return ckpt, time.perf_counter() - t0, sum(s["bytes"] for s in snapped) + sum(saved)
+
+
+def snapshot_of(checkpoint: Checkpoint, node: int) -> str:
+    """Node ``node``'s SSD-PS snapshot in ``checkpoint``."""
+    return str(checkpoint.node(node) / SSD_SNAPSHOT)
+
+
+def trainer_state_of(checkpoint: Checkpoint, node: int) -> str:
+    return str(checkpoint.node(node) / TRAINER_STATE)
+
+
+def load_trainers(checkpoint: Checkpoint, nodes: list[NodeActors]) -> None:
+    ray.get([n.trainer.load_state.remote(trainer_state_of(checkpoint, n.index)) for n in nodes])
+
+
+class NoSpareNode(HpsrayError, RuntimeError):
+    """A node of the job is gone and the cluster has no other node to take its place."""
+
+
+def restart_from(pipeline, checkpoint: Checkpoint, dead: list[str], timeout: float = 60.0) -> dict:
+    """Bring ``pipeline``'s actors to ``checkpoint``'s state after the ``dead`` ones died.
+
+    Dead actors (and every actor of a node that is gone, moved to a spare node) start again;
+    the others are reset in place, which costs no process start: MEM-PS drops its cache unwritten
+    first, then SSD-PS is restored from the checkpoint's snapshot (so no stale row reaches it),
+    and trainers reload their state. A MEM-PS whose SSD-PS restarted restarts with it. With
+    several nodes, a dead trainer restarts every trainer (the others may wait in a collective
+    for it) and the group is formed anew; so does SSP/ASP (the clock board starts over). A
+    survivor that does not answer within ``timeout`` is restarted too. Returns what was
+    ``restarted`` and ``reset``, by actor name.
+    """
+    nodes: list[NodeActors] = pipeline._nodes
+    n = len(nodes)
+    kinds = ("SSDPS", "MemPS", "Trainer", "Reader")
+    restart = {(kind, node.index) for node in nodes for kind in kinds if f"{kind}[node {node.index}]" in dead}
+    alive = {node["NodeID"]: node for node in training_nodes()}
+    spare = [node_id for node_id in alive if node_id not in {nd.node_id for nd in nodes}]
+    for node in nodes:
+        if node.node_id not in alive:
+            if not spare:
+                raise NoSpareNode(
+                    f"node {node.index} of the job (Ray node {node.node_id}) is gone and the cluster has no other "
+                    "alive node to take its place; add a node (ray start --address=...) and resume"
+                )
+            node.node_id = spare.pop(0)
+            restart |= {(kind, node.index) for kind in kinds}
+    sync = pipeline.sync
+    trainers_together = n > 1 and (
+        any(kind == "Trainer" for kind, _ in restart) or sync.consistency != "bsp" or sync.dense != "allreduce"
+    )
+    if trainers_together:
+        restart |= {("Trainer", node.index) for node in nodes}
+    restart |= {("MemPS", i) for kind, i in list(restart) if kind == "SSDPS"}
+
+    def handle(kind: str, node: NodeActors):
+        return {"SSDPS": node.ssd, "MemPS": node.mem, "Trainer": node.trainer, "Reader": node.reader}[kind]
+
+    def reset_or_restart(kind: str, calls: dict) -> None:
+        """Wait for the survivors' reset calls; a failed or silent one joins the restarts."""
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout) if calls else ([], [])
+        for i, ref in calls.items():
+            try:
+                if ref not in ready:
+                    raise TimeoutError
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - it goes the way of the dead
+                restart.add((kind, i))
+                stop_actors([handle(kind, nodes[i])])
+
+    stop_actors([handle(kind, nodes[i]) for kind, i in restart if handle(kind, nodes[i]) is not None])
+    if trainers_together:
+        stop_actors(pipeline._aggregators or [])
+        pipeline._aggregators = None
+    reset_or_restart("MemPS", {nd.index: nd.mem.reset.remote() for nd in nodes if ("MemPS", nd.index) not in restart})
+    ssd_calls = {
+        nd.index: nd.ssd.restore.remote(snapshot_of(checkpoint, nd.index))
+        for nd in nodes
+        if ("SSDPS", nd.index) not in restart
+    }
+    reset_or_restart("SSDPS", ssd_calls)
+    restart |= {("MemPS", i) for kind, i in list(restart) if kind == "SSDPS"}
+    started = set()
+    for node in nodes:
+        if ("SSDPS", node.index) in restart:
+            node.ssd = start_ssd(pipeline, node.index, node.node_id, node.ssd_dir, snapshot_of(checkpoint, node.index))
+        if ("MemPS", node.index) in restart:
+            stop_actors([node.mem])
+            node.mem = start_mem(pipeline, node.index, node.node_id, node.ssd)
+        if ("Trainer", node.index) in restart:
+            node.trainer = start_trainer(pipeline, node.index, alive[node.node_id], n)
+            started.add(node.index)
+        if ("Reader", node.index) in restart:
+            node.reader = None  # the pass opens a new one
+    reset_or_restart(
+        "Trainer",
+        {
+            nd.index: nd.trainer.reset.remote(trainer_state_of(checkpoint, nd.index))
+            for nd in nodes
+            if ("Trainer", nd.index) not in restart
+        },
+    )
+    for node in nodes:  # survivors that failed their reset
+        if ("Trainer", node.index) in restart and node.index not in started:
+            node.trainer = start_trainer(pipeline, node.index, alive[node.node_id], n)
+            started.add(node.index)
+    if started:
+        load_trainers(checkpoint, [nd for nd in nodes if nd.index in started])
+    if n > 1 and (trainers_together or started):
+        pipeline._generation += 1
+        pipeline._aggregators = join_group(pipeline.name, nodes, sync, pipeline._generation)
+    return {
+        "restarted": sorted(f"{kind}[node {i}]" for kind, i in restart),
+        "reset": sorted(
+            f"{kind}[node {nd.index}]" for nd in nodes for kind in kinds[:3] if (kind, nd.index) not in restart
+        ),
+    }
+
+
+def actor_lost(error: BaseException) -> bool:
+    """Whether ``error`` says an actor, its node or an object it owned is gone."""
+    return caused_by(error, ACTOR_LOST)  # type: ignore[arg-type]
+
+
+def dead_actors(actors: dict, timeout: float = 10.0) -> list[str]:
+    """Names of the ``{name: handle}`` actors that are dead (a call to them fails as lost).
+    An actor busy past ``timeout`` (e.g. waiting in a collective for a dead peer) counts as alive."""
+    probes = {name: a.__ray_ready__.remote() for name, a in actors.items()}
+    ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=timeout)
+    finished = set(ready)
+    dead = []
+    for name, ref in probes.items():
+        if ref in finished:
+            try:
+                ray.get(ref)
+            except ACTOR_LOST:
+                dead.append(name)
+    return dead
+
+
+def stop_actors(actors: list, timeout: float = 30.0) -> None:
+    """Kill ``actors`` and wait until Ray has them dead (their names are free again)."""
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # noqa: BLE001,S112 - already gone
+            continue
+    probes = []
+    for a in actors:
+        try:
+            probes.append(a.__ray_ready__.remote())
+        except Exception:  # noqa: BLE001,S112 - already gone
+            continue
+    deadline = time.monotonic() + timeout
+    for ref in probes:
+        try:
+            ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
+        except Exception:  # noqa: BLE001,S112 - dead, as asked
+            continue

@@ -1,0 +1,105 @@
+"""Recovery from dead actors: SIGKILL of each stage actor's process at seeded instants during
+``fit()``; the run finishes by itself and ends equal to the reference trainer (rows and dense)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from hpsray.config import TrainConfig
+from hpsray.data import PlantedCTR
+from hpsray.pipelines import (
+    CheckpointStage,
+    MemPSStage,
+    Pipeline,
+    SSDPSStage,
+    SyntheticSource,
+    TrainerStage,
+    TrainingStopped,
+)
+from hpsray.reference import ReferenceTrainer
+
+from recovery_drivers import KINDS, Killer
+
+GEN = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=3, seed=5)
+SOURCE = SyntheticSource(GEN, rows=15000)
+BATCH = 500
+CFG = TrainConfig(dim=4, hidden=(8,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = ReferenceTrainer(SOURCE.n_slots, SOURCE.n_dense, CFG)
+    ref.fit(SOURCE.open(BATCH))
+    return ref.export()
+
+
+def assert_equal_to_reference(pipeline, reference) -> None:
+    keys, rows = pipeline.export_rows()
+    dense = pipeline.dense_state()
+    ref_keys, ref_rows, ref_dense = reference
+    np.testing.assert_array_equal(keys, ref_keys)
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
+    for name, value in ref_dense.items():
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def kill_plan(seed: int, nodes: int, batches: int) -> list[tuple[str, int, int]]:
+    """Every actor kind once, in a seeded order, each on a seeded node, after seeded batches."""
+    rng = random.Random(seed)
+    kinds = list(KINDS)
+    rng.shuffle(kinds)
+    spread = sorted(rng.sample(range(2, batches - 6), len(kinds)))
+    return [(kind, rng.randrange(nodes), at) for kind, at in zip(kinds, spread)]
+
+
+def run_with_kills(tmp_path, seed: int, nodes: int):
+    ckpt = tmp_path / "ckpt"
+    batches = SOURCE.rows // BATCH // nodes
+    plan = kill_plan(seed, nodes, batches)
+    pipeline = Pipeline(
+        SOURCE,
+        TrainerStage(CFG),
+        MemPSStage(capacity_rows=1500),  # rows travel to SSD-PS and back
+        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        batch_size=BATCH,
+        nodes=nodes,
+        checkpoint=CheckpointStage(str(ckpt), every_batches=2, keep=2, max_failures=len(plan)),
+    )
+    pipeline._start()
+    killer = Killer(pipeline, ckpt, plan, seed)
+    killer.start()
+    try:
+        report = pipeline.fit(progress=False)
+    finally:
+        killer.stop.set()
+        killer.join()
+    return pipeline, report, killer
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_one_node_recovers_from_every_actor_kind_killed(ray_local, tmp_path, reference, seed):
+    pipeline, report, killer = run_with_kills(tmp_path, seed, nodes=1)
+    with pipeline:
+        assert [k for k, _, _ in killer.killed] == [k for k, _, _ in kill_plan(seed, 1, 30)]
+        assert len(report["recovery"]) == len(killer.killed)
+        for entry in report["recovery"]:
+            assert entry["resumed_from_batch"] <= entry["failed_at_batch"] and entry["restart_s"] > 0
+        assert report["batches"] == 30 and report["examples"] == SOURCE.rows
+        assert report["checkpoints"]["count"] >= 15
+        assert_equal_to_reference(pipeline, reference)
+
+
+def test_killing_a_busy_pipeline_without_checkpoints_still_stops_with_the_cause(ray_local, tmp_path):
+    """No [checkpoint]: a dead actor ends fit() with TrainingStopped naming it (as before)."""
+    pipeline = Pipeline(SOURCE, TrainerStage(CFG), MemPSStage(capacity_rows=20000), batch_size=BATCH, name="no-ckpt")
+    with pipeline:
+        pipeline._start()
+        killer = Killer(pipeline, tmp_path / "none", [("Trainer", 0, -1)], seed=1)
+        killer.start()
+        with pytest.raises(TrainingStopped) as stopped:
+            pipeline.fit(progress=False)
+        killer.join(timeout=30)
+    assert "died" in str(stopped.value) or "Actor" in str(stopped.value)
