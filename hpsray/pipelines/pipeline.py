@@ -9,7 +9,9 @@ and serves the trained model back (evaluate, export).
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -177,6 +179,8 @@ class Pipeline:
         self.recovery = recovery  # grows while fit() runs: one entry per recovery
         self._costs = CheckpointCosts()
         startup, wall, examples = 0.0, 0.0, {}
+        self._interrupted = False
+        previous = _catch_interrupt(self)
         try:
             while True:
                 t_start = t0 = time.perf_counter()
@@ -203,6 +207,8 @@ class Pipeline:
                 break
         finally:
             bar.close()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         self._pass_first = None
         trained = range(first, self._next_batch)
         self.report = run_report(
@@ -221,9 +227,19 @@ class Pipeline:
         return self.report
 
     def _after_batch(self, batch_id: int, schedule: PassSchedule) -> None:
-        """Checkpoint every ``every_batches`` batches of the pass (after the write-backs)."""
+        """Checkpoint every ``every_batches`` batches of the pass (after the write-backs); after
+        a Ctrl-C, checkpoint (or flush, without checkpoints) and stop."""
         stage = self.checkpoint_stage
         done = batch_id + 1
+        if self._interrupted:
+            schedule.drain()
+            self._next_batch = done
+            if self._checkpoints is not None:
+                self._checkpoint(done)
+            else:
+                ray.get([n.mem.flush.remote() for n in self._nodes])
+            where = f"; resume from the checkpoint of batch {done}" if self._checkpoints is not None else ""
+            raise KeyboardInterrupt(f"stopped after batch {batch_id}, every trained row written back{where}")
         if stage is None or (done - (self._pass_first or 0)) % stage.every_batches:
             return
         schedule.drain()
@@ -351,3 +367,16 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _catch_interrupt(pipeline: Pipeline):
+    """In the main thread, make the first Ctrl-C ask ``pipeline`` to stop at the next batch
+    boundary (a second one interrupts at once); returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def ask_to_stop(signum, frame):
+        pipeline._interrupted = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    return signal.signal(signal.SIGINT, ask_to_stop)
