@@ -29,3 +29,9 @@ def two_nodes_cluster():
 @pytest.fixture(scope="module")
 def three_nodes_cluster():
     yield from _cluster(3)
+
+
+@pytest.fixture(scope="module")
+def own_three_nodes_cluster():
+    """A 3-node cluster for one module alone (its tests may remove nodes)."""
+    yield from _cluster(3)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
@@ -21,7 +19,7 @@ from hpsray.pipelines import (
 )
 from hpsray.reference import ReferenceTrainer
 
-from recovery_drivers import KINDS, Killer
+from recovery_drivers import Killer, kill_plan  # tests/recovery_drivers.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=3, seed=5)
 SOURCE = SyntheticSource(GEN, rows=15000)
@@ -44,15 +42,6 @@ def assert_equal_to_reference(pipeline, reference) -> None:
     np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
     for name, value in ref_dense.items():
         np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
-
-
-def kill_plan(seed: int, nodes: int, batches: int) -> list[tuple[str, int, int]]:
-    """Every actor kind once, in a seeded order, each on a seeded node, after seeded batches."""
-    rng = random.Random(seed)
-    kinds = list(KINDS)
-    rng.shuffle(kinds)
-    spread = sorted(rng.sample(range(2, batches - 6), len(kinds)))
-    return [(kind, rng.randrange(nodes), at) for kind, at in zip(kinds, spread)]
 
 
 def run_with_kills(tmp_path, seed: int, nodes: int):

@@ -69,3 +69,12 @@ class Killer(threading.Thread):
                 continue
             self.killed.append((kind, node, pid))
             plan.pop(0)
+
+
+def kill_plan(seed: int, nodes: int, batches: int) -> list[tuple[str, int, int]]:
+    """Every actor kind once, in a seeded order, each on a seeded node, after seeded batches."""
+    rng = random.Random(seed)
+    kinds = list(KINDS)
+    rng.shuffle(kinds)
+    spread = sorted(rng.sample(range(2, batches - 6), len(kinds)))
+    return [(kind, rng.randrange(nodes), at) for kind, at in zip(kinds, spread)]
