@@ -173,7 +173,7 @@ class Pipeline:
         self._start()
         if self._pass_first is None:
             self._pass_first = self._next_batch
-        first = self._pass_first
+        first, started_at = self._pass_first, self._next_batch  # a resumed pass started before this call
         bar = progress_bar(known_examples(self.source), progress)
         recovery: list[dict] = []
         self.recovery = recovery  # grows while fit() runs: one entry per recovery
@@ -210,7 +210,7 @@ class Pipeline:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
         self._pass_first = None
-        trained = range(first, self._next_batch)
+        trained = range(started_at, self._next_batch)
         self.report = run_report(
             self._nodes,
             self.sync,

@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 
+from hpsray.checkpoint import Checkpoints
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
+from hpsray.errors import DiskFullError, caused_by
 from hpsray.pipelines import (
     CheckpointStage,
     MemPSStage,
@@ -92,3 +98,58 @@ def test_killing_a_busy_pipeline_without_checkpoints_still_stops_with_the_cause(
             pipeline.fit(progress=False)
         killer.join(timeout=30)
     assert "died" in str(stopped.value) or "Actor" in str(stopped.value)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 192 KiB tmpfs for the test (root only; skipped where mounting is not permitted)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+def test_a_full_checkpoint_disk_stops_clearly_and_the_last_checkpoint_resumes(ray_local, tmp_path, small_fs, reference):
+    ckpt = small_fs / "ckpt"
+    stages = (TrainerStage(CFG), MemPSStage(capacity_rows=1500), SSDPSStage(str(tmp_path / "ssd")))
+    with Pipeline(
+        SOURCE, *stages, batch_size=BATCH, checkpoint=CheckpointStage(str(ckpt), every_batches=2, keep=1)
+    ) as p:
+        with pytest.raises(TrainingStopped) as stopped:
+            p.fit(progress=False)
+    assert caused_by(stopped.value, DiskFullError)
+    message = str(stopped.value)
+    assert str(small_fs) in message and "bytes" in message
+    last = Checkpoints(ckpt).latest()
+    assert last is not None and last.batch >= 2
+    last.verify(deep=True)
+    # the last checkpoint, moved to a disk with room, resumes and ends with the reference's model
+    roomy = tmp_path / "roomy"
+    shutil.copytree(ckpt, roomy)
+    with Pipeline(
+        SOURCE, *stages, batch_size=BATCH, checkpoint=CheckpointStage(str(roomy), every_batches=10, resume=True)
+    ) as p:
+        report = p.fit(progress=False)
+        assert report["batches"] == 30 - last.batch
+        assert_equal_to_reference(p, reference)
+
+
+def test_a_full_ssd_disk_stops_naming_the_directory(ray_local, small_fs):
+    with Pipeline(
+        SOURCE,
+        TrainerStage(CFG),
+        MemPSStage(capacity_rows=1500),
+        SSDPSStage(str(small_fs / "ssd")),
+        batch_size=BATCH,
+    ) as p:
+        with pytest.raises(TrainingStopped) as stopped:
+            p.fit(progress=False)
+    assert caused_by(stopped.value, DiskFullError)
+    assert str(small_fs / "ssd") in str(stopped.value)
