@@ -16,4 +16,5 @@ BENCHMARKS = {
     "scale": "hpsray.bench.scale",
     "serve": "hpsray.bench.serve",
     "plan": "hpsray.bench.plan",
+    "recovery": "hpsray.bench.recovery",
 }
