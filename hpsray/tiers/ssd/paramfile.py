@@ -1,5 +1,8 @@
 """SSD-PS parameter files: an immutable, checksummed block of rows.
 
+One concept, the on-disk format (its writer, its readers and their checks), so one module though
+it is over 500 lines: split, a reader and the writer it must match would live apart.
+
 Layout (little-endian)::
 
     offset  size         field
