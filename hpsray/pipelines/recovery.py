@@ -196,7 +196,7 @@ def actor_lost(error: BaseException) -> bool:
     return caused_by(error, ACTOR_LOST)  # type: ignore[arg-type]
 
 
-def dead_actors(actors: dict, timeout: float = 10.0) -> list[str]:
+def dead_actors(actors: dict, timeout: float = 3.0) -> list[str]:
     """Names of the ``{name: handle}`` actors that are dead (a call to them fails as lost).
     An actor busy past ``timeout`` (e.g. waiting in a collective for a dead peer) counts as alive."""
     probes = {name: a.__ray_ready__.remote() for name, a in actors.items()}
