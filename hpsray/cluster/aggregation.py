@@ -1,4 +1,4 @@
-"""Dense-gradient aggregation across trainers: PHub-style key chunks, or a collective all-reduce.
+"""Dense-gradient aggregation across trainers: PHub-style streamed chunks, or a collective all-reduce.
 
 Every trainer holds the same replicated dense parameters; after each mini-batch the trainers
 sum their flat ``float32`` dense gradients. Two interchangeable :class:`DenseReducer`\\ s do it:
@@ -6,37 +6,57 @@ sum their flat ``float32`` dense gradients. Two interchangeable :class:`DenseRed
 - :class:`AllReduceDense` — ``ray.util.collective.allreduce`` on an existing group (gloo on
   CPU, NCCL on GPU). The summation order is the backend's, so ranks agree only within float
   rounding of the rank-ordered sum.
-- :class:`ChunkedAggregator` — PHub's scheme: the flat gradient is cut into fixed chunks
-  (default 32 KiB = 8192 ``float32``), each chunk has exactly one aggregator actor
-  (:func:`assign_chunks`, a fixed balanced assignment), every trainer pushes each aggregator
-  its chunks, the aggregator waits for all ``world`` contributions of the step, sums them in
-  rank order (rank 0 + rank 1 + ...) and returns the sum to every trainer. Every rank gets a
-  bit-identical result, equal to the rank-ordered sum.
+- :class:`ChunkedAggregator` — PHub's scheme as a sharded parameter server inside the trainers:
+  the flat gradient is cut into fixed chunks (default 32 KiB), each chunk is owned by one
+  aggregation worker of one node (``workers`` per node, a balanced contiguous assignment:
+  :mod:`~hpsray.cluster.aggregation_topology`); ranks on one node are summed there first, the
+  node sums travel over plain TCP to each chunk's owner, which sums a chunk as soon as every node's
+  part has arrived and streams it back while the next chunks are still on the wire
+  (:mod:`~hpsray.cluster.aggregation_stream`). Every rank gets bit-identical results in one
+  documented order: within a node in rank order, then across nodes in node order (nodes
+  numbered by their lowest rank) — the rank-ordered sum when every rank has its own node.
+  With an optimizer (``optimizer=``, :meth:`ChunkedAggregator.update` / ``step_models``) the
+  owner also steps the optimizer on its chunks (in runs of ``optimizer_bytes``) as they are
+  reduced and streams back weights (PHub's aggregation + optimization on the PS): each chunk is
+  optimized once instead of on every replica.
 
-Aggregators are async Ray actors (:func:`start_aggregators`), one per node by default, placed
-with :func:`hpsray.cluster.runtime.on_node`. An aggregator holds a *contiguous* run of chunks,
-so a trainer sends one message per aggregator and step by default (``message_bytes`` splits it).
+:func:`start_aggregators` starts the one actor the scheme needs: a directory where the ranks
+find each other's address once (:mod:`~hpsray.cluster.aggregation_mesh`); no gradient passes
+through Ray.
 """
 
 from __future__ import annotations
 
-import asyncio
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-DEFAULT_CHUNK_BYTES = 32 * 1024
-"""PHub's chunk: 32 KiB, 8192 ``float32`` values."""
+from hpsray.cluster.aggregation_topology import (
+    DEFAULT_CHUNK_BYTES,
+    ELEMENT_BYTES,
+    ChunkPlan,
+    Topology,
+    assign_chunks,
+    chunk_elements,
+    hierarchical_sum,
+    n_chunks,
+)
 
-DEFAULT_MESSAGE_BYTES: int | None = None
-"""Most gradient bytes a trainer sends an aggregator in one call; ``None``: all its chunks in one
-call, because Ray's per-call cost outweighs the object-store hop (docs/benchmarks.md, "Notes from
+DEFAULT_WORKERS = 2
+"""Aggregation workers per node (worker 0 in the caller's thread, the others in threads of their
+own, each with its own connections and chunks): on the loaded 2-core development machine two
+kept ≥ 1.3× gloo in every run, one ranged 0.9–2.2× (docs/benchmarks.md, "Notes from the code");
+nodes with cores to spare may take more."""
+
+
+DEFAULT_OPTIMIZER_BYTES = 256 * 1024
+"""With the optimizer at the owners, how many bytes of chunks one optimizer call steps: a torch
+optimizer costs ~0.2 ms a call beyond its arithmetic, so stepping every 32 KiB chunk alone took
+4× as long as the replicas' optimizers over the model's tensors (docs/benchmarks.md, "Notes from
 the code")."""
-
-ELEMENT_BYTES = 4  # float32
 
 
 @runtime_checkable
@@ -51,217 +71,27 @@ class DenseReducer(Protocol):
         ...
 
 
-# -- the fixed chunk -> aggregator assignment (pure functions) ------------------------------------
-
-
-def chunk_elements(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """``float32`` values per chunk; ``chunk_bytes`` must be a positive multiple of 4."""
-    if not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < ELEMENT_BYTES or chunk_bytes % ELEMENT_BYTES:
-        raise ValueError(f"chunk_bytes must be a positive multiple of {ELEMENT_BYTES}, got {chunk_bytes!r}")
-    return int(chunk_bytes) // ELEMENT_BYTES
-
-
-def n_chunks(n_elements: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Chunks of a flat gradient of ``n_elements`` values (the last one may be short)."""
-    if n_elements < 0:
-        raise ValueError(f"n_elements must be >= 0, got {n_elements}")
-    per = chunk_elements(chunk_bytes)
-    return -(-int(n_elements) // per)
-
-
-def assign_chunks(n_chunks_: int, n_aggregators: int) -> np.ndarray:
-    """Owner aggregator of every chunk: ``int64[n_chunks]``, non-decreasing.
-
-    Aggregator ``a`` gets the contiguous run of chunks ``[start_a, start_a + count_a)`` where
-    the last ``n_chunks % n_aggregators`` aggregators take one chunk more than the others. So
-    every chunk has exactly one aggregator and chunk counts differ by at most one; the short last
-    chunk (if any) lands on the last aggregator, which holds as many chunks as any other, so byte
-    loads differ by at most one chunk's bytes.
-    """
-    if n_aggregators < 1:
-        raise ValueError(f"need at least one aggregator, got {n_aggregators}")
-    if n_chunks_ < 0:
-        raise ValueError(f"n_chunks must be >= 0, got {n_chunks_}")
-    base, extra = divmod(int(n_chunks_), int(n_aggregators))
-    counts = np.full(n_aggregators, base, dtype=np.int64)
-    counts[n_aggregators - extra :] += 1
-    return np.repeat(np.arange(n_aggregators, dtype=np.int64), counts)
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """How a flat gradient of ``n_elements`` ``float32`` values is spread over the aggregators.
-
-    ``owner[c]`` is chunk ``c``'s aggregator; aggregator ``a`` reduces the element range
-    ``bounds[a] = (lo, hi)`` (empty when ``lo == hi``: more aggregators than chunks).
-    """
-
-    n_elements: int
-    chunk_bytes: int
-    n_aggregators: int
-    owner: np.ndarray
-    bounds: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def build(cls, n_elements: int, n_aggregators: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkPlan:
-        """The plan of :func:`assign_chunks` for this gradient size."""
-        per = chunk_elements(chunk_bytes)
-        owner = assign_chunks(n_chunks(n_elements, chunk_bytes), n_aggregators)
-        counts = np.bincount(owner, minlength=n_aggregators)
-        first = np.concatenate([[0], np.cumsum(counts)])
-        bounds = tuple(
-            (min(int(first[a]) * per, n_elements), min(int(first[a + 1]) * per, n_elements))
-            for a in range(n_aggregators)
-        )
-        return cls(int(n_elements), int(chunk_bytes), int(n_aggregators), owner, bounds)
-
-    @property
-    def n_chunks(self) -> int:
-        """Number of chunks."""
-        return len(self.owner)
-
-    def chunk_counts(self) -> list[int]:
-        """Chunks per aggregator."""
-        return np.bincount(self.owner, minlength=self.n_aggregators).tolist()
-
-    def byte_loads(self) -> list[int]:
-        """Gradient bytes per aggregator (per trainer and step)."""
-        return [(hi - lo) * ELEMENT_BYTES for lo, hi in self.bounds]
-
-
-# -- the aggregator actor -------------------------------------------------------------------------
-
-
-class _Round:
-    """One step's contributions at one aggregator."""
-
-    __slots__ = ("arrived", "done", "parts", "result", "served")
-
-    def __init__(self, world: int) -> None:
-        self.parts: list[np.ndarray | None] = [None] * world
-        self.arrived = 0
-        self.done = asyncio.Event()
-        self.result: np.ndarray | BaseException | None = None
-        self.served = 0
-
-
-class ChunkAggregatorActor:
-    """Reduces its chunks of every step over ``world`` trainers (use as an async Ray actor).
-
-    ``push(step, rank, payload)`` returns, once all ``world`` ranks pushed ``step``, the sum of
-    the payloads in rank order. Payloads of one step must have equal lengths; a rank may push a
-    step once. A step not completed within ``timeout_s`` fails for every waiting rank.
-    """
-
-    def __init__(self, index: int, world: int, node: int | None = None, timeout_s: float = 300.0) -> None:
-        if world < 1:
-            raise ValueError(f"world must be >= 1, got {world}")
-        self.index, self.world, self.node, self.timeout_s = index, world, node, timeout_s
-        self._rounds: dict[tuple[int, int], _Round] = {}
-        self.steps_reduced = 0
-        self.bytes_in = 0
-
-    def __repr__(self) -> str:
-        where = f"node {self.node}" if self.node is not None else f"#{self.index}"
-        return f"Aggregator[{where}]"
-
-    async def push(self, step: int, rank: int, payload: np.ndarray, part: int = 0) -> np.ndarray:
-        """Contribute ``rank``'s chunks of ``step``; returns their sum over all ranks.
-
-        ``part`` tells apart several messages of one step (e.g. the first chunk's index).
-        """
-        if not 0 <= rank < self.world:
-            raise ValueError(f"{self!r}: rank {rank} outside world of {self.world}")
-        key = (step, part)
-        r = self._rounds.get(key)
-        if r is None:
-            r = self._rounds[key] = _Round(self.world)
-        if r.done.is_set():
-            raise ValueError(f"{self!r}: step {step} is already closed (rank {rank} came too late)")
-        if r.parts[rank] is not None:
-            raise ValueError(f"{self!r}: rank {rank} pushed step {step} twice")
-        payload = np.asarray(payload)
-        if payload.dtype != np.float32 or payload.ndim != 1:
-            raise TypeError(f"{self!r}: payload must be 1-D float32, got {payload.dtype}{list(payload.shape)}")
-        r.parts[rank] = payload
-        r.arrived += 1
-        self.bytes_in += payload.nbytes
-        if r.arrived == self.world:
-            r.result = self._sum(step, r.parts)
-            r.parts = []
-            r.done.set()
-        else:
-            try:
-                await asyncio.wait_for(r.done.wait(), self.timeout_s)
-            except asyncio.TimeoutError:
-                missing = [i for i, p in enumerate(r.parts) if p is None]
-                r.result = TimeoutError(
-                    f"{self!r}: step {step} incomplete after {self.timeout_s:g} s; no contribution from ranks {missing}"
-                )
-                r.done.set()
-        r.served += 1
-        if r.served == r.arrived or r.served == self.world:
-            self._rounds.pop(key, None)
-        if isinstance(r.result, BaseException):
-            raise r.result
-        return r.result
-
-    def _sum(self, step: int, parts: list[np.ndarray | None]) -> np.ndarray | BaseException:
-        sizes = {p.shape[0] for p in parts if p is not None}
-        if len(sizes) != 1:
-            return ValueError(f"{self!r}: step {step}: ranks pushed different lengths {[len(p) for p in parts]}")
-        total = np.array(parts[0], dtype=np.float32, copy=True)
-        for p in parts[1:]:
-            np.add(total, p, out=total)  # fixed rank order: identical result for every rank
-        self.steps_reduced += 1
-        return total
-
-    def stats(self) -> dict:
-        """Steps reduced, bytes received and steps still open."""
-        return {
-            "aggregator": repr(self),
-            "steps_reduced": self.steps_reduced,
-            "bytes_in": self.bytes_in,
-            "open_steps": sorted(self._rounds),
-        }
-
-
 def start_aggregators(
     world: int,
     node_ids: Sequence[str] | None = None,
-    n: int | None = None,
     name_prefix: str | None = None,
-    num_cpus: float = 0,
+    workers: int = DEFAULT_WORKERS,
     timeout_s: float = 300.0,
 ) -> list:
-    """Start the aggregator actors; returns their handles in aggregator order.
+    """Start what chunked aggregation needs for ``world`` trainers; returns the handles to give
+    every :class:`ChunkedAggregator` (and to ``ray.kill`` at the end).
 
-    With ``node_ids``, aggregator ``i`` is pinned to ``node_ids[i]`` (one per node, shown as
-    ``Aggregator[node i]``); otherwise ``n`` aggregators (default 1) go wherever Ray puts them.
-    ``num_cpus=0`` by default: aggregators mostly wait on messages and must fit beside a node's
-    trainer. Named ``{name_prefix}:Aggregator[node i]`` when ``name_prefix`` is given.
+    That is one :class:`~hpsray.cluster.aggregation_mesh.AggregatorDirectory` actor (on
+    ``node_ids[0]`` when given; no CPU reserved), holding the default ``workers`` per node. The
+    aggregation itself runs in the trainers. Named ``{name_prefix}:AggregatorDirectory``.
     """
-    import ray
+    from hpsray.cluster.aggregation_mesh import start_directory
 
-    from hpsray.cluster.runtime import on_node
-
-    cls = ray.remote(ChunkAggregatorActor)
-    count = len(node_ids) if node_ids is not None else (n or 1)
-    if count < 1:
-        raise ValueError("need at least one aggregator")
-    handles = []
-    for i in range(count):
-        opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": max(1000, 4 * world)}
-        if node_ids is not None:
-            opts["scheduling_strategy"] = on_node(node_ids[i])
-        label = f"node {i}" if node_ids is not None else f"#{i}"
-        if name_prefix:
-            opts["name"] = f"{name_prefix}:Aggregator[{label}]"
-        handles.append(cls.options(**opts).remote(i, world, i if node_ids is not None else None, timeout_s))
-    return handles
-
-
-# -- the reducers a trainer uses ------------------------------------------------------------------
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    name = f"{name_prefix}:AggregatorDirectory" if name_prefix else None
+    node = node_ids[0] if node_ids else None
+    return [start_directory(world, workers, node, name)]
 
 
 def _check_flat(flat: torch.Tensor) -> None:
@@ -270,15 +100,24 @@ def _check_flat(flat: torch.Tensor) -> None:
         raise TypeError(f"dense reduce needs a 1-D float32 tensor, got {got}")
 
 
+def _host(flat: torch.Tensor) -> np.ndarray:
+    return flat.detach().to("cpu").contiguous().numpy()
+
+
 class ChunkedAggregator:
-    """A trainer's side of chunked aggregation (a :class:`DenseReducer`).
+    """A trainer's side of streamed chunked aggregation (a :class:`DenseReducer`).
 
     Args:
-        handles: the aggregator actors (:func:`start_aggregators`), the same list on every rank.
+        handles: what :func:`start_aggregators` returned, the same on every rank.
         world: number of trainers; rank: this trainer, ``0 <= rank < world``.
         chunk_bytes: chunk size, a multiple of 4 (default 32 KiB).
-        message_bytes: most gradient bytes in one push (rounded down to whole chunks, at least
-            one chunk); ``None``: one push per aggregator and step with all its chunks.
+        workers: aggregation workers per node; ``None``: the directory's.
+        optimizer, lr: the dense optimizer (``adam``, ``adagrad``, ``sgd``) the owners step for
+            :meth:`update` / :meth:`step_models`; the same on every rank.
+        optimizer_bytes: the owners step their chunks in runs of this many bytes (whole chunks,
+            at least one), each once it is reduced; 0: :data:`DEFAULT_OPTIMIZER_BYTES`.
+
+    Every rank connects on its first call (or :meth:`connect`, which every rank calls at once).
     """
 
     def __init__(
@@ -287,46 +126,119 @@ class ChunkedAggregator:
         world: int,
         rank: int,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
+        workers: int | None = None,
+        optimizer: str | None = None,
+        lr: float | None = None,
+        optimizer_bytes: int = 0,
+        timeout_s: float = 300.0,
     ) -> None:
-        if not handles:
-            raise ValueError("ChunkedAggregator needs at least one aggregator handle")
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world of {world}")
-        per = chunk_elements(chunk_bytes)  # validates
+        if world > 1 and not handles:
+            raise ValueError("ChunkedAggregator needs the handles of start_aggregators")
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        chunk_elements(chunk_bytes)  # validates
+        if optimizer is not None and lr is None:
+            raise ValueError("an optimizer at the aggregators needs its lr")
         self.handles, self.world, self.rank, self.chunk_bytes = list(handles), world, rank, chunk_bytes
-        self.message_elements = None if message_bytes is None else per * max(1, message_bytes // chunk_bytes)
-        self._plan: ChunkPlan | None = None
-        self._messages: list[tuple[int, int, int]] = []
+        self.workers, self.timeout_s = workers, timeout_s
+        self.optimizer, self.lr = optimizer, lr
+        self._engine = None
+        self._opt = None
+        if optimizer is not None:
+            from hpsray.cluster.aggregation_stream import OwnerOptimizer
+
+            per = chunk_elements(chunk_bytes)
+            segment = per * max(1, (optimizer_bytes or DEFAULT_OPTIMIZER_BYTES) // chunk_bytes)
+            self._opt = OwnerOptimizer(optimizer, float(lr), segment)
+
+    def connect(self) -> ChunkedAggregator:
+        """Open this rank's connections (every rank at once); a no-op when open."""
+        if self._engine is None:
+            from hpsray.cluster.aggregation_mesh import Mesh, build_mesh
+            from hpsray.cluster.aggregation_stream import StreamEngine
+
+            if self.world == 1:
+                w = self.workers or DEFAULT_WORKERS
+                mesh = Mesh(Topology((0,)), 0, w, [{}] * w, [{}] * w, [{}] * w, [None] * w)
+            else:
+                mesh = build_mesh(self.handles[0], self.rank, self.world, self.workers, self.timeout_s)
+            self._engine = StreamEngine(mesh, self.chunk_bytes, self.timeout_s)
+            self._finalizer = weakref.finalize(self, self._engine.close)
+        return self
+
+    @property
+    def workers_per_node(self) -> int:
+        """Aggregation workers per node (after :meth:`connect`)."""
+        return self.connect()._engine.mesh.workers
+
+    @property
+    def topology(self) -> Topology:
+        """The ranks' nodes (after :meth:`connect`)."""
+        return self.connect()._engine.mesh.topology
 
     def plan(self, n_elements: int) -> ChunkPlan:
-        """The (cached) chunk plan for a gradient of ``n_elements`` values."""
-        if self._plan is None or self._plan.n_elements != n_elements:
-            self._plan = ChunkPlan.build(n_elements, len(self.handles), self.chunk_bytes)
-            self._messages = []
-            for a, (lo, hi) in enumerate(self._plan.bounds):
-                step = self.message_elements or max(hi - lo, 1)
-                self._messages += [(a, m, min(m + step, hi)) for m in range(lo, hi, step)]
-        return self._plan
-
-    def messages(self, n_elements: int) -> list[tuple[int, int, int]]:
-        """``(aggregator, lo, hi)`` of every push of a step, for a gradient of ``n_elements``."""
-        self.plan(n_elements)
-        return list(self._messages)
+        """The chunk plan for a gradient of ``n_elements`` values (slot ``w * n_nodes + k``)."""
+        engine = self.connect()._engine
+        return engine.mesh.topology.plan(n_elements, engine.mesh.workers, self.chunk_bytes)
 
     def reduce(self, flat: torch.Tensor, step: int) -> torch.Tensor:
-        """Sum ``flat`` over all ranks: the rank-ordered sum, bit-identical on every rank."""
-        import ray
-
+        """Sum ``flat`` over all ranks, bit-identical on every rank (order: module docstring)."""
         _check_flat(flat)
-        host = flat.detach().to("cpu").contiguous().numpy()
-        self.plan(host.shape[0])
-        refs = [self.handles[a].push.remote(step, self.rank, host[lo:hi], lo) for a, lo, hi in self._messages]
-        out = np.empty(host.shape[0], dtype=np.float32)
-        for (_, lo, hi), part in zip(self._messages, ray.get(refs)):
-            out[lo:hi] = part
-        result = torch.from_numpy(out)
-        return result if flat.device.type == "cpu" else result.to(flat.device)
+        out = torch.from_numpy(self.connect()._engine.run(step, _host(flat)))
+        return out if flat.device.type == "cpu" else out.to(flat.device)
+
+    def update(self, grad: torch.Tensor, params: torch.Tensor, step: int) -> torch.Tensor:
+        """One optimizer step at the owners: the weights after stepping ``params`` (equal on every
+        rank) with the summed ``grad``; bit-identical on every rank."""
+        if self.optimizer is None:
+            raise ValueError("update needs ChunkedAggregator(..., optimizer=..., lr=...)")
+        _check_flat(grad)
+        _check_flat(params)
+        if params.shape != grad.shape:
+            raise ValueError(f"params {list(params.shape)} and grad {list(grad.shape)} differ")
+        self.connect()
+        out = torch.from_numpy(self._engine.run(step, _host(grad), _host(params), self._opt))
+        return out if grad.device.type == "cpu" else out.to(grad.device)
+
+    def step_models(self, models: Sequence[torch.nn.Module], step: int) -> None:
+        """The dense step of a trainer's replicas with the optimizer at the aggregators: sum the
+        replicas' gradients (zeros for parameters without one), :meth:`update`, and write the
+        weights into every replica (their own optimizers are not used)."""
+        params = [list(m.parameters()) for m in models]
+        with torch.no_grad():
+            flat = torch.cat(
+                [
+                    sum((p.grad for p in group if p.grad is not None), torch.zeros_like(group[0])).reshape(-1)
+                    for group in zip(*params)
+                ]
+            )
+            weights = torch.cat([p.detach().reshape(-1) for p in params[0]])
+            new = self.update(flat, weights, step)
+            offset = 0
+            for group in zip(*params):
+                n = group[0].numel()
+                piece = new[offset : offset + n].view_as(group[0])
+                for p in group:
+                    p.copy_(piece)
+                offset += n
+
+    def optimizer_state(self) -> dict:
+        """The state of the optimizer steps this rank ran as an owner (for a checkpoint)."""
+        return self._opt.state_dict() if self._opt is not None else {}
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Continue from this rank's :meth:`optimizer_state` (same world, ranks, chunks, workers)."""
+        if self._opt is None:
+            raise ValueError("no optimizer at the aggregators to load a state into")
+        self._opt.load_state_dict(state)
+
+    def close(self) -> None:
+        """Close the connections (also done when the aggregator is collected)."""
+        if self._engine is not None:
+            self._finalizer()
+            self._engine = None
 
 
 class AllReduceDense:
@@ -351,13 +263,17 @@ class AllReduceDense:
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_OPTIMIZER_BYTES",
+    "DEFAULT_WORKERS",
+    "ELEMENT_BYTES",
     "AllReduceDense",
-    "ChunkAggregatorActor",
     "ChunkPlan",
     "ChunkedAggregator",
     "DenseReducer",
+    "Topology",
     "assign_chunks",
     "chunk_elements",
+    "hierarchical_sum",
     "n_chunks",
     "start_aggregators",
 ]

@@ -1,33 +1,37 @@
-"""Dense aggregation: the chunk assignment, the aggregator's rank-ordered sum, and both reducers
-on a real two-node Ray cluster (``ray.cluster_utils.Cluster``), plus ``hpsray bench exchange``."""
+"""Chunked aggregation without a cluster: the chunk assignment, the ranks' nodes and summation
+order, the streaming engine on real sockets between threads (every topology shape: one rank per
+node, several, idle workers, tiny chunks), its failures, and the optimizer at the owners. On a
+simulated Ray cluster, with ``hpsray bench exchange``: test_aggregation_cluster.py."""
 
-import asyncio
-import itertools
-import json
-import subprocess
-import sys
+import copy
+import socket
+import threading
 
 import numpy as np
 import pytest
+import torch
 
 from hpsray.cluster.aggregation import (
     DEFAULT_CHUNK_BYTES,
     AllReduceDense,
-    ChunkAggregatorActor,
     ChunkedAggregator,
     ChunkPlan,
     DenseReducer,
+    Topology,
     assign_chunks,
     chunk_elements,
+    hierarchical_sum,
     n_chunks,
 )
+from hpsray.cluster.aggregation_mesh import Mesh
+from hpsray.cluster.aggregation_stream import StreamEngine
 
 # -- the assignment: a pure function --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("chunks", [0, 1, 2, 3, 7, 47, 64, 1000, 1001])
 @pytest.mark.parametrize("aggs", [1, 2, 3, 5, 8, 64])
-def test_every_chunk_has_one_aggregator_and_counts_differ_by_at_most_one(chunks, aggs):
+def test_every_chunk_has_one_owner_and_counts_differ_by_at_most_one(chunks, aggs):
     owner = assign_chunks(chunks, aggs)
     assert owner.shape == (chunks,) and owner.dtype == np.int64
     assert np.all((owner >= 0) & (owner < aggs))
@@ -43,7 +47,7 @@ def test_every_chunk_has_one_aggregator_and_counts_differ_by_at_most_one(chunks,
 def test_plan_covers_the_gradient_and_balances_bytes(n, aggs, chunk_bytes):
     plan = ChunkPlan.build(n, aggs, chunk_bytes)
     assert plan.n_chunks == n_chunks(n, chunk_bytes) == -(-n // chunk_elements(chunk_bytes))
-    # the bounds tile [0, n) in aggregator order, each a whole number of chunks (but the tail)
+    # the bounds tile [0, n) in slot order, each a whole number of chunks (but the tail)
     edges = [lo for lo, _ in plan.bounds] + [plan.bounds[-1][1]]
     assert edges[0] == 0 and edges[-1] == n and edges == sorted(edges)
     assert all(hi == plan.bounds[a + 1][0] for a, (_, hi) in enumerate(plan.bounds[:-1]))
@@ -55,242 +59,248 @@ def test_plan_covers_the_gradient_and_balances_bytes(n, aggs, chunk_bytes):
     assert plan.chunk_counts() == np.bincount(plan.owner, minlength=aggs).tolist()
 
 
-def test_default_chunk_is_32_kib_and_bad_sizes_are_refused():
+def test_default_chunk_is_32_kib_and_bad_arguments_are_refused():
     assert chunk_elements() == 8192
     for bad in (0, 3, 6, -4):
         with pytest.raises(ValueError, match="chunk_bytes"):
             chunk_elements(bad)
     with pytest.raises(ValueError):
         assign_chunks(3, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="outside world"):
         ChunkedAggregator([object()], world=2, rank=2)
+    with pytest.raises(ValueError, match="handles"):
+        ChunkedAggregator([], world=2, rank=0)
+    with pytest.raises(ValueError, match="lr"):
+        ChunkedAggregator([], world=1, rank=0, optimizer="adam")
+    with pytest.raises(ValueError, match="unknown dense optimizer"):
+        ChunkedAggregator([], world=1, rank=0, optimizer="lion", lr=0.1)
+    with pytest.raises(ValueError, match="optimizer"):
+        ChunkedAggregator([], world=1, rank=0).update(torch.ones(3), torch.ones(3), 0)
 
 
 def test_both_reducers_satisfy_the_protocol():
     assert isinstance(AllReduceDense("g"), DenseReducer)
-    assert isinstance(ChunkedAggregator([object()], world=1, rank=0), DenseReducer)
+    assert isinstance(ChunkedAggregator([object()], world=2, rank=0), DenseReducer)
 
 
-def test_messages_split_an_aggregators_run_into_whole_chunks():
-    agg = ChunkedAggregator([object(), object()], world=2, rank=0, chunk_bytes=16, message_bytes=40)
-    msgs = agg.messages(21)  # 6 chunks of 4 values (last has 1): aggregator 0 gets 3, aggregator 1 gets 3
-    assert msgs == [(0, 0, 8), (0, 8, 12), (1, 12, 20), (1, 20, 21)]
-    whole = ChunkedAggregator([object(), object()], world=2, rank=0, chunk_bytes=16, message_bytes=None)
-    assert whole.messages(21) == [(0, 0, 12), (1, 12, 21)]
-    assert whole.messages(17) == [(0, 0, 8), (1, 8, 17)]  # 5 chunks: the short tail's aggregator has 3
+# -- the ranks' nodes and the documented order ------------------------------------------------------
 
 
-# -- the aggregator actor's logic, without Ray -------------------------------------------------------
+def test_nodes_are_numbered_by_their_lowest_rank_and_stripes_are_contiguous():
+    topo = Topology.from_keys(["b", "a", "b", "c", "a"])
+    assert topo.node_of == (0, 1, 0, 2, 1) and topo.n_nodes == 3 and topo.world == 5
+    assert topo.members(0) == [0, 2] and topo.members(1) == [1, 4] and topo.leader(2) == 3
+    plan = topo.plan(100_000, workers=2, chunk_bytes=4096)  # 25 chunks over 6 slots
+    assert plan.n_aggregators == 6 and max(plan.chunk_counts()) - min(plan.chunk_counts()) <= 1
+    stripes = [topo.stripe(plan, w) for w in range(2)]
+    for blocks in stripes:  # a stripe: one contiguous block per node, in node order
+        assert len(blocks) == 3 and all(blocks[k][1] == blocks[k + 1][0] for k in range(2))
+    assert stripes[0][0][0] == 0 and stripes[0][-1][1] == stripes[1][0][0] and stripes[1][-1][1] == 100_000
 
 
-def rank_ordered_sum(parts):
-    total = np.array(parts[0], dtype=np.float32, copy=True)
-    for p in parts[1:]:
-        total = total + p
-    return total
-
-
-def test_aggregator_sums_in_rank_order_whatever_the_arrival_order():
-    rng = np.random.default_rng(0)
-    # magnitudes chosen so float32 addition is not associative: the order shows in the bits
-    parts = [(rng.standard_normal(1000) * 10.0 ** rng.integers(-3, 4, 1000)).astype(np.float32) for _ in range(4)]
-    expected = rank_ordered_sum(parts)
-    assert not np.array_equal(expected, rank_ordered_sum(parts[::-1]))
-
-    async def main():
-        agg = ChunkAggregatorActor(0, world=4)
-        outs = await asyncio.gather(*(agg.push(7, r, parts[r]) for r in (2, 0, 3, 1)))
-        return agg, outs
-
-    agg, outs = asyncio.run(main())
-    for out in outs:
-        assert out.dtype == np.float32 and np.array_equal(out, expected)
-    assert agg.stats()["open_steps"] == [] and agg.stats()["steps_reduced"] == 1
-
-
-def test_aggregator_refuses_duplicates_mismatches_and_times_out():
-    async def duplicate():
-        agg = ChunkAggregatorActor(0, world=2, timeout_s=0.5)
-        first = asyncio.ensure_future(agg.push(0, 0, np.ones(3, np.float32)))
-        await asyncio.sleep(0)
-        with pytest.raises(ValueError, match="twice"):
-            await agg.push(0, 0, np.ones(3, np.float32))
-        with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
-            await first
-
-    asyncio.run(duplicate())
-
-    async def mismatch():
-        agg = ChunkAggregatorActor(0, world=2)
-        return await asyncio.gather(
-            agg.push(0, 0, np.ones(3, np.float32)), agg.push(0, 1, np.ones(4, np.float32)), return_exceptions=True
-        )
-
-    outs = asyncio.run(mismatch())
-    assert all(isinstance(o, ValueError) and "different lengths" in str(o) for o in outs)
-
-    async def bad_rank_and_dtype():
-        agg = ChunkAggregatorActor(0, world=2)
-        with pytest.raises(ValueError, match="outside world"):
-            await agg.push(0, 2, np.ones(3, np.float32))
-        with pytest.raises(TypeError, match="float32"):
-            await agg.push(0, 0, np.ones(3, np.float64))
-
-    asyncio.run(bad_rank_and_dtype())
-
-
-# -- the benchmark command (its own simulated cluster, in a subprocess; runs before the fixture) ---
-
-
-@pytest.mark.slow
-def test_bench_exchange_json_emits_both_modes():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hpsray",
-            "bench",
-            "exchange",
-            "--json",
-            "--steps",
-            "5",
-            "--warmup",
-            "1",
-            "--rounds",
-            "1",
-            "--dense-bytes",
-            "40004",
-            "--chunk-bytes",
-            "4096",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
-    assert report["benchmark"] == "exchange" and report["nodes"] == 2 and report["distinct_ray_nodes"] == 2
-    for mode in ("allreduce", "chunked"):
-        assert report[mode]["steps_per_s"] > 0 and report[mode]["bytes_per_s"] > 0
-    assert report["chunked_vs_allreduce"] > 0
-    chunked = report["chunked"]
-    assert chunked["chunks"] == 10 and chunked["aggregator_chunk_loads"] == [5, 5]
-    assert sum(chunked["aggregator_byte_loads"]) == report["dense_bytes"] == 40004
-    assert chunked["bit_identical_across_ranks"] and chunked["equals_rank_ordered_sum"]
-    assert report["allreduce"]["max_abs_diff_vs_rank_ordered_sum"] <= 1e-5
-
-
-# -- both reducers on a real two-node cluster --------------------------------------------------------
-
-WORLD = 3  # three ranks (nodes 0, 1, 0): with two, a + b == b + a and the order would not show
-
-
-@pytest.fixture(scope="module")
-def two_nodes():
-    """A two-node ``ray.cluster_utils.Cluster`` (one CPU each) for this module only.
-
-    A session's local Ray (the ``ray_local`` fixture) cannot coexist in this process: it is shut
-    down here and started again afterwards with the same options as ``tests/conftest.py``.
-    """
-    import ray
-    from ray.cluster_utils import Cluster
-
-    had_local = ray.is_initialized()
-    if had_local:
-        ray.shutdown()
-    node_args = {"num_cpus": 1, "object_store_memory": 100 * 1024**2}
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
-    try:
-        cluster.add_node(**node_args)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if had_local:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-
-
-@pytest.fixture(scope="module")
-def ranks(two_nodes):
-    """``WORLD`` exchange actors over the two nodes, in one gloo group and using two aggregators."""
-    import ray
-
-    from hpsray.bench.exchange import Exchanger
-    from hpsray.cluster.aggregation import start_aggregators
-    from hpsray.cluster.runtime import alive_nodes, on_node
-
-    nodes = [n["NodeID"] for n in alive_nodes()]
-    assert len(nodes) == 2
-    actor = ray.remote(Exchanger)
-    actors = [
-        actor.options(num_cpus=0, scheduling_strategy=on_node(nodes[r % 2])).remote(r, WORLD, 1, 0)
-        for r in range(WORLD)
-    ]
-    aggregators = start_aggregators(WORLD, node_ids=nodes, name_prefix="test")
-    small = start_aggregators(WORLD, n=3)  # more aggregators than chunks for tiny gradients
-    ray.get([a.join_group.remote("test-dense") for a in actors])
-    yield {"actors": actors, "aggregators": aggregators, "small": small, "nodes": nodes}
-    ray.get([a.leave_group.remote("test-dense") for a in actors])
-    for h in actors + aggregators + small:
-        ray.kill(h)
-
-
-_steps = itertools.count()
-
-
-def exchange(ranks, mode, grads):
-    import ray
-
-    step = next(_steps)
-    return ray.get([a.reduce_once.remote(mode, g, step) for a, g in zip(ranks["actors"], grads)])
-
-
-def gradients(n, seed):
+def parts_of(world, n, seed):
     rng = np.random.default_rng(seed)
-    return [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(np.float32) for _ in range(WORLD)]
+    # magnitudes chosen so float32 addition is not associative: the order shows in the bits
+    return [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(np.float32) for _ in range(world)]
 
 
-@pytest.mark.slow
-def test_actors_and_aggregators_sit_on_both_nodes(ranks):
-    import ray
-
-    where = ray.get([a.node_id.remote() for a in ranks["actors"]])
-    assert where == [ranks["nodes"][r % 2] for r in range(WORLD)]
-    assert ray.get(ranks["aggregators"][1].__ray_call__.remote(lambda self: repr(self))) == "Aggregator[node 1]"
+def test_the_documented_order_sums_within_nodes_first():
+    g = parts_of(3, 1000, 0)
+    assert np.array_equal(hierarchical_sum(g, [0, 1, 2]), (g[0] + g[1]) + g[2])  # one rank per node: rank order
+    assert np.array_equal(hierarchical_sum(g, ["x", "y", "x"]), (g[0] + g[2]) + g[1])
+    assert not np.array_equal((g[0] + g[2]) + g[1], (g[0] + g[1]) + g[2])  # the orders differ in the bits
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("n", [1, 5, 8191, 8192, 8193, 2 * 8192 + 1, 40_000])
-@pytest.mark.parametrize("chunk_bytes", [DEFAULT_CHUNK_BYTES, 4096])
-def test_chunked_gives_every_rank_exactly_the_rank_ordered_sum(ranks, n, chunk_bytes):
-    import ray
-
-    ray.get([a.use_aggregators.remote(ranks["aggregators"], chunk_bytes, None) for a in ranks["actors"]])
-    grads = gradients(n, seed=n)
-    expected = rank_ordered_sum(grads)
-    for out in exchange(ranks, "chunked", grads):
-        assert out.shape == (n,) and np.array_equal(out, expected)
-    # gloo sums in its own order: within float rounding, i.e. 1e-6 of the summed magnitudes
-    bound = 1e-6 * np.maximum(1.0, np.sum(np.abs(grads), axis=0))
-    for out in exchange(ranks, "allreduce", grads):
-        assert out.shape == (n,) and np.all(np.abs(out - expected) <= bound)
+# -- the streaming engine on real sockets, ranks as threads -------------------------------------------
 
 
-@pytest.mark.slow
-def test_chunked_with_split_messages_and_idle_aggregators(ranks):
-    import ray
+def socket_meshes(node_of, workers):
+    """Every rank's :class:`Mesh` as ``build_mesh`` makes it, over socket pairs in this process."""
+    topo = Topology.from_keys(list(node_of))
+    meshes = [
+        Mesh(topo, r, workers, [{} for _ in range(workers)], [{} for _ in range(workers)], [{} for _ in range(workers)])
+        for r in range(topo.world)
+    ]
+    for m in meshes:
+        m.up = [None] * workers
+    for w in range(workers):
+        for k in range(topo.n_nodes):
+            for j in range(topo.n_nodes):
+                if k != j:  # owner k, client j
+                    a, b = socket.socketpair()
+                    meshes[topo.leader(j)].owner_out[w][k] = a
+                    meshes[topo.leader(k)].owner_in[w][j] = b
+            for r in topo.members(k)[1:]:
+                a, b = socket.socketpair()
+                meshes[topo.leader(k)].local[w][r] = a
+                meshes[r].up[w] = b
+    for m in meshes:
+        for s in m.sockets():
+            s.setblocking(False)
+    return meshes
 
-    # 3 aggregators, 2 chunks: one aggregator idle; then 16-byte messages of 4-byte chunks
-    ray.get([a.use_aggregators.remote(ranks["small"], 8, None) for a in ranks["actors"]])
-    grads = gradients(3, seed=1)
-    for out in exchange(ranks, "chunked", grads):
-        assert np.array_equal(out, rank_ordered_sum(grads))
-    ray.get([a.use_aggregators.remote(ranks["small"], 4, 16) for a in ranks["actors"]])
-    grads = gradients(37, seed=2)
-    outs = exchange(ranks, "chunked", grads)
-    assert all(np.array_equal(o, rank_ordered_sum(grads)) for o in outs)
-    stats = ray.get([h.stats.remote() for h in ranks["small"]])
-    assert all(s["open_steps"] == [] for s in stats)
+
+def run_ranks(engines, step, inputs, params=None, owners=None):
+    """Every rank's ``engine.run`` at once (one thread each): results or exceptions, in rank order."""
+    outs = [None] * len(engines)
+
+    def go(r):
+        try:
+            extra = (params.copy(), owners[r]) if owners else ()
+            outs[r] = engines[r].run(step, inputs[r], *extra)
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            outs[r] = e
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return outs
+
+
+@pytest.mark.parametrize(
+    "node_of",
+    [(0,), (0, 1), (0, 1, 2), (0, 1, 0), (0, 0, 1, 2, 1)],
+    ids=["1-rank", "2-nodes", "3-nodes", "2-ranks-on-node-0", "5-ranks-on-3-nodes"],
+)
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_every_rank_gets_exactly_the_documented_sum(node_of, workers):
+    engines = [StreamEngine(m, 4096, timeout_s=20) for m in socket_meshes(node_of, workers)]
+    try:
+        step = 0
+        # lengths around the chunk (1024 values) and the slots: short tails, idle workers
+        for n in (0, 1, 5, 1023, 1024, 1025, 7 * 1024 + 3, 40_000):
+            parts = parts_of(len(node_of), n, n)
+            expected = hierarchical_sum(parts, node_of)
+            for out in run_ranks(engines, step, parts):
+                assert isinstance(out, np.ndarray) and out.dtype == np.float32 and np.array_equal(out, expected)
+            step += 1
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_four_byte_chunks_and_more_workers_than_chunks():
+    node_of = (0, 1, 0)
+    engines = [StreamEngine(m, 4, timeout_s=20) for m in socket_meshes(node_of, 3)]
+    for step, n in enumerate((2, 37)):
+        parts = parts_of(3, n, step)
+        for out in run_ranks(engines, step, parts):
+            assert np.array_equal(out, hierarchical_sum(parts, node_of))
+
+
+def test_ranks_disagreeing_on_step_or_length_fail_all_together():
+    engines = [StreamEngine(m, 4096, timeout_s=20) for m in socket_meshes((0, 1, 2), 2)]
+    outs = run_ranks(engines, 0, [np.ones(10, np.float32), np.ones(11, np.float32), np.ones(10, np.float32)])
+    assert all(isinstance(o, (ValueError, ConnectionError)) for o in outs)
+    assert any("n_elements" in str(o) for o in outs)
+    with pytest.raises(RuntimeError, match="failed earlier"):  # a broken mesh is not reused
+        engines[0].run(1, np.ones(10, np.float32))
+
+
+def test_a_missing_rank_times_out_and_a_closed_one_fails_its_peers():
+    engines = [StreamEngine(m, 4096, timeout_s=0.3) for m in socket_meshes((0, 1), 1)]
+    with pytest.raises(TimeoutError, match="node 1"):
+        engines[0].run(0, np.ones(10, np.float32))
+    engines = [StreamEngine(m, 4096, timeout_s=20) for m in socket_meshes((0, 1, 0), 2)]
+    engines[1].close()
+    with pytest.raises(ConnectionError, match="closed"):
+        engines[0].run(0, np.ones(10, np.float32))
+
+
+# -- the optimizer at the owners -----------------------------------------------------------------------
+
+
+def test_reduce_and_update_on_one_rank_need_no_cluster():
+    agg = ChunkedAggregator([], world=1, rank=0, chunk_bytes=16)
+    flat = torch.arange(11, dtype=torch.float32)
+    out = agg.reduce(flat, 0)
+    assert torch.equal(out, flat) and out.data_ptr() != flat.data_ptr()
+    with pytest.raises(TypeError, match="float32"):
+        agg.reduce(flat.double(), 1)
+
+
+@pytest.mark.parametrize("optimizer,lr", [("adam", 1e-3), ("adagrad", 0.05), ("sgd", 0.1)])
+@pytest.mark.parametrize("chunk_bytes,optimizer_bytes", [(DEFAULT_CHUNK_BYTES, 0), (400, 400), (400, 1200)])
+def test_owner_side_optimizer_equals_the_replicas_optimizer_bit_for_bit(optimizer, lr, chunk_bytes, optimizer_bytes):
+    """One rank, two replicas: the optimizer stepped per chunk of the flat weights ends where the
+    replicas' own optimizers over the model's tensors end (the cluster version in
+    test_aggregation_cluster.py)."""
+    from hpsray.models.dnn import DNN
+    from hpsray.models.step import DenseReplicas
+
+    ref = DenseReplicas(DNN(4, 8, 3, (64, 32), seed=0), 2, optimizer, lr)
+    ours = DenseReplicas(DNN(4, 8, 3, (64, 32), seed=0), 2, optimizer, lr)
+    agg = ChunkedAggregator(
+        [], world=1, rank=0, chunk_bytes=chunk_bytes, optimizer=optimizer, lr=lr, optimizer_bytes=optimizer_bytes
+    )
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        scale = [10.0 ** torch.randint(-3, 3, p.shape, generator=g) for p in ref.models[0].parameters()]
+        grads = [[torch.randn(s.shape, generator=g) * s for s in scale] for _ in ref.models]
+        for reps in (ref, ours):
+            for model, gs in zip(reps.models, grads):
+                for p, gr in zip(model.parameters(), gs):
+                    p.grad = gr.clone()
+        ref._allreduce_and_step(lambda flat: flat.clone())  # the replicas' optimizers, as a trainer steps
+        agg.step_models(ours.models, step)  # the owners' optimizer
+    for model in ref.models[1:] + ours.models:
+        for pa, pb in zip(ref.models[0].parameters(), model.parameters()):
+            assert torch.equal(pa, pb)
+    assert not torch.equal(next(ours.models[0].parameters()), next(DNN(4, 8, 3, (64, 32), seed=0).parameters()))
+
+
+@pytest.mark.parametrize("node_of,workers", [((0, 1), 1), ((0, 1, 0), 2), ((0, 0, 1, 2, 1), 3)])
+def test_owners_stream_back_the_weights_of_one_optimizer_over_the_documented_sum(node_of, workers):
+    """Through the engine: each owner steps its segments (3 chunks of 256 values) as they are
+    reduced; every rank gets the weights torch's Adam computes from the summed gradient."""
+    from hpsray.cluster.aggregation_stream import OwnerOptimizer
+
+    n = 10_000
+    engines = [StreamEngine(m, 1024, timeout_s=20) for m in socket_meshes(node_of, workers)]
+    owners = [OwnerOptimizer("adam", 0.01, 3 * 256) for _ in node_of]
+    ref = torch.nn.Parameter(torch.linspace(-1, 1, n))
+    adam = torch.optim.Adam([ref], lr=0.01)
+    weights = ref.detach().numpy().copy()
+    for step in range(3):
+        parts = parts_of(len(node_of), n, step)
+        ref.grad = torch.from_numpy(hierarchical_sum(parts, node_of))
+        adam.step()
+        outs = run_ranks(engines, step, parts, weights, owners)
+        for out in outs:
+            assert np.array_equal(out, ref.detach().numpy())
+        weights = outs[0]
+    for e in engines:
+        e.close()
+
+
+def test_the_owners_optimizer_state_continues_from_a_checkpoint():
+    def run(agg, params, steps):
+        for s in steps:
+            params = agg.update(torch.sin(torch.arange(50, dtype=torch.float32) * (s + 1)), params, s)
+        return params
+
+    def adam():
+        return ChunkedAggregator([], 1, 0, chunk_bytes=64, optimizer="adam", lr=0.1)
+
+    straight = run(adam(), torch.ones(50), range(6))
+    first = adam()
+    halfway = run(first, torch.ones(50), range(3))
+    resumed = adam()
+    resumed.load_optimizer_state(first.optimizer_state())
+    assert torch.equal(run(resumed, halfway, range(3, 6)), straight)
+    assert not torch.equal(run(adam(), halfway, range(3, 6)), straight)  # the state is what made the difference
+
+
+def test_an_updated_copy_is_not_the_callers_buffer():
+    agg = ChunkedAggregator([], world=1, rank=0, optimizer="sgd", lr=1.0)
+    params, grad = torch.ones(5), torch.full((5,), 0.5)
+    new = agg.update(grad, params, 0)
+    assert torch.equal(new, torch.full((5,), 0.5)) and torch.equal(params, torch.ones(5))
+    model = copy.deepcopy(torch.nn.Linear(2, 1))
+    model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
+    before = model.weight.detach().clone()
+    agg.step_models([model], 1)
+    assert torch.equal(model.weight.detach(), before - 1.0)

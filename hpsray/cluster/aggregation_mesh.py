@@ -1,0 +1,194 @@
+"""The aggregation mesh: every rank's TCP connections, found through one small directory actor.
+
+Every rank listens on its node's address (the address Ray assigned to the node, or the one in
+``HPSRAY_NETWORK``: :mod:`hpsray.cluster.netaddr`), tells the :class:`AggregatorDirectory` actor
+its Ray node and port, and gets everyone's back once all ``world`` ranks have registered. Then,
+per worker ``w`` (stripe):
+
+- every node leader connects to every other node leader: the connection ``(owner k, client j)``
+  carries leader ``j``'s node sums of the chunks node ``k`` owns, and back ``k``'s results;
+- every other rank connects to its node's leader: it carries the rank's values of the stripe,
+  and back the stripe's results.
+
+So each direction of a connection carries, every step, a 16-byte header ``(step, n_elements)``
+and one contiguous run of ``float32`` values in a fixed order: no framing beyond the header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+
+from hpsray.cluster.aggregation_topology import Topology
+
+OWNER, LOCAL = 1, 2  # connection kinds
+_IDENT = struct.Struct("<qqqq")  # magic, kind, worker, peer (client's node for OWNER, rank for LOCAL)
+_MAGIC = 0x68707372_61677267  # "hpsragrg"
+
+
+class AggregatorDirectory:
+    """Rendezvous of one aggregation mesh (use as an async Ray actor: :func:`start_directory`).
+
+    ``register(rank, entry)`` returns, once all ``world`` ranks registered the same round,
+    every rank's entry in rank order and the default workers per node. A rank's ``i``-th call
+    joins round ``i``, so ranks building several meshes on one directory (one after the other)
+    meet in the right one.
+    """
+
+    def __init__(self, world: int, workers: int, timeout_s: float = 300.0) -> None:
+        if world < 1 or workers < 1:
+            raise ValueError(f"world and workers must be >= 1, got {world}, {workers}")
+        self.world, self.workers, self.timeout_s = world, workers, timeout_s
+        self._calls = [0] * world
+        self._rounds: dict[int, dict] = {}
+
+    def __repr__(self) -> str:
+        return "AggregatorDirectory"
+
+    async def register(self, rank: int, entry: dict) -> dict:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"{self!r}: rank {rank} outside world of {self.world}")
+        i = self._calls[rank]
+        self._calls[rank] += 1
+        r = self._rounds.get(i)
+        if r is None:
+            r = self._rounds[i] = {"entries": [None] * self.world, "done": asyncio.Event(), "served": 0}
+        r["entries"][rank] = entry
+        if all(e is not None for e in r["entries"]):
+            r["done"].set()
+        try:
+            await asyncio.wait_for(r["done"].wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            missing = [k for k, e in enumerate(r["entries"]) if e is None]
+            raise TimeoutError(f"{self!r}: ranks {missing} did not register within {self.timeout_s:g} s") from None
+        finally:
+            r["served"] += 1
+            if r["served"] == self.world:
+                self._rounds.pop(i, None)
+        return {"entries": list(r["entries"]), "workers": self.workers}
+
+
+def start_directory(world: int, workers: int, node_id: str | None = None, name: str | None = None):
+    """Start the directory actor (no CPU reserved; on ``node_id`` when given)."""
+    import ray
+
+    from hpsray.cluster.runtime import on_node
+
+    opts: dict = {"num_cpus": 0, "max_concurrency": max(64, 4 * world)}
+    if node_id is not None:
+        opts["scheduling_strategy"] = on_node(node_id)
+    if name:
+        opts["name"] = name
+    return ray.remote(AggregatorDirectory).options(**opts).remote(world, workers)
+
+
+def local_address() -> str:
+    """The address this node's aggregation listens on (``HPSRAY_NETWORK``'s, else Ray's)."""
+    from hpsray.cluster import netaddr
+
+    if os.environ.get(netaddr.NETWORK_ENV):
+        return netaddr.interface_in(os.environ[netaddr.NETWORK_ENV])[1]
+    return netaddr.node_address()
+
+
+@dataclass
+class Mesh:
+    """One rank's connections: per worker, ``owner_out[k]`` (to owner node ``k``, as client),
+    ``owner_in[j]`` (from client node ``j``, as owner) and ``local[r]`` (leader: to rank ``r`` of
+    its node) or ``up`` (non-leader: to its leader)."""
+
+    topology: Topology
+    rank: int
+    workers: int
+    owner_out: list[dict[int, socket.socket]] = field(default_factory=list)
+    owner_in: list[dict[int, socket.socket]] = field(default_factory=list)
+    local: list[dict[int, socket.socket]] = field(default_factory=list)
+    up: list[socket.socket | None] = field(default_factory=list)
+
+    def sockets(self) -> list[socket.socket]:
+        out = [s for d in self.owner_out + self.owner_in + self.local for s in d.values()]
+        return out + [s for s in self.up if s is not None]
+
+    def close(self) -> None:
+        for s in self.sockets():
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def _tune(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("aggregation peer closed the connection during setup")
+        buf += got
+    return bytes(buf)
+
+
+def build_mesh(directory, rank: int, world: int, workers: int | None = None, timeout_s: float = 120.0) -> Mesh:
+    """Register with ``directory`` and open this rank's connections (every rank calls it at once).
+
+    ``workers`` per node: ``None`` takes the directory's. Blocks until every rank registered.
+    """
+    import ray
+
+    address = local_address()
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.create_server((address, 0), family=family, backlog=max(128, 4 * world))
+    try:
+        host, port = listener.getsockname()[:2]
+        entry = {"node": ray.get_runtime_context().get_node_id(), "host": host, "port": port}
+        reply = ray.get(directory.register.remote(rank, entry), timeout=timeout_s)
+        entries = reply["entries"]
+        workers = int(workers or reply["workers"])
+        topo = Topology.from_keys([e["node"] for e in entries])
+        mesh = Mesh(topo, rank, workers)
+        me = topo.node_of[rank]
+        leader = topo.leader(me)
+        mesh.owner_out = [{} for _ in range(workers)]
+        mesh.owner_in = [{} for _ in range(workers)]
+        mesh.local = [{} for _ in range(workers)]
+        mesh.up = [None] * workers
+        try:
+            # connect first (the peers' listeners queue us), then accept what is owed to us
+            for w in range(workers):
+                if rank == leader:
+                    for k in range(topo.n_nodes):
+                        if k != me:
+                            e = entries[topo.leader(k)]
+                            s = _tune(socket.create_connection((e["host"], e["port"]), timeout=timeout_s))
+                            s.sendall(_IDENT.pack(_MAGIC, OWNER, w, me))
+                            mesh.owner_out[w][k] = s
+                else:
+                    e = entries[leader]
+                    s = _tune(socket.create_connection((e["host"], e["port"]), timeout=timeout_s))
+                    s.sendall(_IDENT.pack(_MAGIC, LOCAL, w, rank))
+                    mesh.up[w] = s
+            expected = workers * (topo.n_nodes - 1 + len(topo.members(me)) - 1) if rank == leader else 0
+            listener.settimeout(timeout_s)
+            for _ in range(expected):
+                s, _addr = listener.accept()
+                s.settimeout(timeout_s)
+                magic, kind, w, peer = _IDENT.unpack(_recv_exact(s, _IDENT.size))
+                if magic != _MAGIC or not 0 <= w < workers:
+                    s.close()
+                    raise ConnectionError(f"aggregation rank {rank}: a stray connection from {_addr}")
+                (mesh.owner_in if kind == OWNER else mesh.local)[w][peer] = _tune(s)
+            for s in mesh.sockets():
+                s.setblocking(False)
+        except BaseException:
+            mesh.close()
+            raise
+        return mesh
+    finally:
+        listener.close()
