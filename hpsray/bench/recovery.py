@@ -9,7 +9,7 @@ Same planted data, model and tiers (a MEM-PS budget that sends rows to SSD-PS) i
 - one more run with checkpoints in which the trainer's process is killed (SIGKILL) after
   ``--kill-after`` batches: ``restart_s`` is the time from the failure reaching the driver to
   the restarted stages (training again), ``replayed_batches`` the batches trained since the
-  checkpoint, trained again, and ``replay_s`` their estimated time.
+  checkpoint, trained again, and ``replay_s`` their time at the baseline's pace.
 """
 
 from __future__ import annotations
@@ -121,14 +121,14 @@ def run(args: argparse.Namespace) -> dict:
             killer.start()
             report = p.fit(progress=False)
             done.set()
-            per_batch = [float(v) for v in report["per_batch_s"]["train"].values()]
+            seconds_per_batch = float(np.median([r["baseline_wall_s"] for r in runs])) / n_batches
             rec = report["recovery"][0] if report["recovery"] else {}
             kill = {
                 "killed_after_batches": kill_after,
                 "recoveries": len(report["recovery"]),
                 "restart_s": rec.get("restart_s"),
                 "replayed_batches": rec.get("replayed_batches"),
-                "replay_s": (rec.get("replayed_batches") or 0) * (float(np.median(per_batch)) if per_batch else 0.0),
+                "replay_s": (rec.get("replayed_batches") or 0) * seconds_per_batch,  # at the baseline's pace
                 "restarted": rec.get("restarted"),
                 "reset": rec.get("reset"),
                 "wall_s": report["wall_s"],
