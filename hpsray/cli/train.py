@@ -9,6 +9,12 @@ Checking losslessness (docs/architecture.md: invariant 1) takes two runs of the 
 
     hpsray train job.toml --export out/hps
     hpsray train job.toml --reference --compare out/hps
+
+With a ``[checkpoint]`` section the pipeline checkpoints every ``every_batches`` batches and
+recovers from dead actors; ``--resume`` continues a job whose driver died (or was stopped with
+Ctrl-C, exit code 130) from its newest checkpoint. ``--export DIR --incremental`` adds the rows
+changed since the export already in DIR as a delta beside it (docs/operations.md: Checkpoints,
+recovery and resume; docs/export.md).
 """
 
 from __future__ import annotations
@@ -18,14 +24,22 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-HELP = "train a TOML job file (data, model, optimizer, tiers, pipeline, cluster); --reference trains the oracle"
+if TYPE_CHECKING:
+    from hpsray.checkpoint import Checkpoint
+    from hpsray.job import JobConfig
+
+HELP = (
+    "train a TOML job file (data, model, optimizer, tiers, pipeline, cluster, checkpoint); "
+    "--resume continues from its newest checkpoint, --reference trains the oracle"
+)
 
 EXIT_CONFIG = 2  # bad job file or arguments
 EXIT_FAILED = 1  # training failed, or --compare found a difference
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         default=None,
         help="write the trained rows (Parquet) and dense weights to DIR (docs/export.md)",
+    )
+    parser.add_argument(
+        "--incremental",
+        action="store_true",
+        help="with --export DIR holding an earlier export: write only the rows changed since then, "
+        "as DIR/delta-NNNNNN beside it (load_export and hpsray serve apply the deltas)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the job from the newest checkpoint in its [checkpoint] dir (after its driver "
+        "died or was stopped with Ctrl-C)",
     )
     parser.add_argument(
         "--reference",
@@ -89,6 +115,49 @@ def check_fresh_ssd(path: str | None) -> None:
         )
 
 
+def check_checkpoints(job: JobConfig, resume: bool) -> Checkpoint | None:
+    """Before Ray starts: with ``resume`` the checkpoint the run will continue from (raises
+    :class:`~hpsray.errors.CheckpointError` naming the directory when there is none, none that
+    verifies, or another job's); without, refuse a ``[checkpoint] dir`` that already holds
+    checkpoints: the run's first checkpoint would remove them. ``None`` without ``[checkpoint]``."""
+    import dataclasses
+
+    from hpsray.checkpoint import Checkpoint, Checkpoints
+    from hpsray.errors import CheckpointError
+    from hpsray.job import build
+
+    stage = build.checkpoint(job, resume)  # ConfigError: --resume of a job without [checkpoint]
+    if stage is None:
+        return None
+    directory = stage.directory
+    if not os.path.isdir(directory):
+        if resume:
+            raise CheckpointError(directory, "no such directory: no checkpoint to resume from")
+        return None
+    # the job's fingerprint, as its Pipeline computes it (built without checkpoints: no directory is touched)
+    fingerprint = build.pipeline(dataclasses.replace(job, checkpoint=None)).fingerprint
+    checkpoints = Checkpoints(directory, stage.keep)
+    if resume:
+        latest = checkpoints.latest(fingerprint)  # refuses another job's, or when none verifies
+        if latest is None:
+            raise CheckpointError(
+                directory, "no checkpoint to resume from (the run stopped before its first); run it without --resume"
+            )
+        return latest
+    committed = checkpoints.committed()
+    if committed:
+        try:
+            theirs = Checkpoint.open(committed[0]).fingerprint
+        except CheckpointError:
+            theirs = None
+        if theirs == fingerprint:
+            what = "this job's earlier run", "continue it with --resume, or remove them to start over"
+        else:
+            what = "another job (or of this job file before a change)", "choose another directory, or remove them"
+        raise CheckpointError(directory, f"holds checkpoints of {what[0]} (newest: {committed[0].name}); {what[1]}")
+    return None
+
+
 def check_capacity(job, quiet: bool) -> None:
     """``hpsray plan``'s check (its sample, no calibration): raise the
     :class:`~hpsray.errors.CapacityError` the run would hit, with the fix; print warnings."""
@@ -111,11 +180,21 @@ def _cause(e: BaseException) -> BaseException:
     return e
 
 
-def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None = None) -> tuple[dict, Any]:
+def train_pipeline(
+    job: JobConfig,
+    address: str | None,
+    quiet: bool,
+    export_dir: str | None = None,
+    *,
+    resume: bool = False,
+    incremental: bool = False,
+) -> tuple[dict, Any]:
     """Fit ``job`` with the :class:`~hpsray.pipelines.Pipeline`, evaluate, optionally export.
 
     Returns ``(report, model)`` where ``model`` is ``(keys, rows, dense_state)`` when exported
     (else ``None``). Ray is started (and stopped) here unless the process is already connected.
+    ``resume``: continue from the newest checkpoint of ``[checkpoint] dir``; ``incremental``:
+    export a delta beside an earlier export in ``export_dir``.
     """
     import logging
 
@@ -135,7 +214,7 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
         print(f"hpsray: {hint}", file=sys.stderr)
     model = None
     try:
-        with build.pipeline(job, address=address) as pipe:
+        with build.pipeline(job, address=address, resume=resume) as pipe:
             report = dict(pipe.fit(progress=not quiet))
             report["trainer"] = "hpsray"
             _evaluate(report, job, pipe.evaluate)
@@ -152,6 +231,7 @@ def train_pipeline(job, address: str | None, quiet: bool, export_dir: str | None
                     n_dense=source.n_dense,
                     extra={"trainer": "hpsray"},
                     schema=schema_of_source(source),
+                    incremental=incremental,
                 )
                 report["rows"] = int(keys.size)
     finally:
@@ -241,6 +321,16 @@ def _evaluate(report: dict, job, evaluate) -> None:
     report.update(auc=result["auc"], logloss=result["logloss"], eval_examples=result["examples"])
 
 
+def export_line(manifest: dict, directory: str) -> str:
+    """What ``--export`` wrote: a full export, or (``--incremental``) a delta beside one."""
+    if "sequence" in manifest:
+        return (
+            f"export: delta-{manifest['sequence']:06d} in {directory}: {manifest['changed']:,} of "
+            f"{manifest['rows']:,} rows changed, {manifest['removed']:,} removed"
+        )
+    return f"export: {manifest['rows']:,} rows to {directory}"
+
+
 def summary(report: dict) -> str:
     """The human-readable result: AUC, throughput and the stage table."""
     from hpsray.pipelines.report import format_stage_table
@@ -258,8 +348,62 @@ def summary(report: dict) -> str:
         )
     else:
         lines.append("no evaluation data in the job (data.eval_paths or data.synthetic.eval_rows)")
+    resumed = report.get("resumed_from")
+    if resumed:
+        lines.append(f"resumed from {resumed['checkpoint']} (batch {resumed['batch']})")
+    ckpt = report.get("checkpoints")
+    if ckpt is not None:
+        lines.append(
+            f"checkpoints: {ckpt['count']} written in {ckpt['seconds']:.1f} s, "
+            f"{100 * ckpt['share_of_wall']:.1f} % of wall, {_megabytes(ckpt['bytes'])} referenced"
+        )
+    for r in report.get("recovery") or []:
+        dead = ", ".join(r.get("dead") or []) or "an actor"
+        lines.append(
+            f"recovery: {dead} lost at batch {r['failed_at_batch']} ({r['error']}); resumed from the checkpoint "
+            f"of batch {r['resumed_from_batch']}, {_batches(r['replayed_batches'])} replayed, "
+            f"restarted in {r['restart_s']:.1f} s"
+        )
     lines.append(format_stage_table(report))
     return "\n".join(lines)
+
+
+def _batches(n: int) -> str:
+    return f"{n} batch" if n == 1 else f"{n} batches"
+
+
+def _megabytes(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run from its checkpoint."""
+    import shlex
+
+    words = ["hpsray", "train", args.config, "--resume"]
+    for flag, value in (("--address", args.address), ("--report", args.report), ("--export", args.export)):
+        if value:
+            words += [flag, value]
+    if args.incremental:
+        words.append("--incremental")
+    return shlex.join(words)
+
+
+def interrupted(job: JobConfig, args: argparse.Namespace, e: KeyboardInterrupt) -> int:
+    """Ctrl-C: say what was kept and how to go on; exit code 130."""
+    why = f"interrupted: {e}" if str(e) else "interrupted"
+    if job.checkpoint is None:
+        return error(f"{why}; the job has no [checkpoint] dir, so a new run starts over", EXIT_INTERRUPTED)
+    from hpsray.checkpoint import Checkpoints
+
+    directory = job.checkpoint.dir
+    committed = Checkpoints(directory).committed() if os.path.isdir(directory) else []
+    if not committed:
+        return error(f"{why}; no checkpoint in {directory} yet, so a new run starts over", EXIT_INTERRUPTED)
+    print(f"hpsray train: {why}", file=sys.stderr)
+    print(f"hpsray train: the newest checkpoint is {committed[0]}", file=sys.stderr)
+    print(f"hpsray train: continue with: {resume_command(args)}", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
     from ray.exceptions import RayError
 
     from hpsray.data import DataError
-    from hpsray.errors import CapacityError
+    from hpsray.errors import CapacityError, CheckpointError
     from hpsray.job import ConfigError, JobConfig, build
     from hpsray.pipelines import TrainingStopped
 
@@ -276,19 +420,31 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--compare {args.compare}: no manifest.json there (not an hpsray export)")
     if not (args.tolerance >= 0 and math.isfinite(args.tolerance)):
         return error(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
+    if args.incremental and not args.export:
+        return error("--incremental needs --export DIR (the earlier export to add the changed rows to)")
+    if args.resume and args.reference:
+        return error("--resume continues a pipeline run from its checkpoint; the reference trainer has none")
+    resumed = None
     try:
         job = JobConfig.load(args.config)
         build.source(job)  # resolves the schema: configuration errors surface before Ray starts
         build.eval_source(job)
         if not args.reference:
             build.cluster_kwargs(job)
-            check_fresh_ssd(job.tiers.ssd_path)
+            if not args.resume:  # a resume replaces the SSD-PS directories by the checkpoint's snapshot
+                check_fresh_ssd(job.tiers.ssd_path)
+            try:
+                resumed = check_checkpoints(job, args.resume)
+            except CheckpointError as e:
+                return error(f"--resume: {e}" if args.resume else f"{args.config}: checkpoint.dir: {e}")
             if not args.no_plan:  # before any actor starts: refuse a job that cannot fit, naming the fix
                 check_capacity(job, args.quiet)
     except (ConfigError, DataError, CapacityError) as e:
         return error(str(e))
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         return error(f"{args.config}: {e}")
+    if resumed is not None and not args.quiet:
+        print(f"hpsray train: resuming from {resumed.path} ({resumed.batch} batches trained)", file=sys.stderr)
 
     try:
         if args.reference:
@@ -304,6 +460,7 @@ def run(args: argparse.Namespace) -> int:
                     n_dense=build.source(job).n_dense,
                     extra={"trainer": "reference"},
                     schema=schema_of_source(build.source(job)),
+                    incremental=args.incremental,
                 )
         else:
             export_dir = args.export
@@ -311,23 +468,27 @@ def run(args: argparse.Namespace) -> int:
                 import tempfile
 
                 export_dir = tempfile.mkdtemp(prefix="hpsray-export-")
-            report, model = train_pipeline(job, args.address, args.quiet, export_dir)
+            report, model = train_pipeline(
+                job, args.address, args.quiet, export_dir, resume=args.resume, incremental=args.incremental
+            )
             if export_dir and not args.export:
                 import shutil
 
                 shutil.rmtree(export_dir, ignore_errors=True)
                 report.pop("export", None)
-    except KeyboardInterrupt:
-        return error("interrupted", 130)
+    except KeyboardInterrupt as e:
+        return interrupted(job, args, e)
     except TrainingStopped as e:
         return error(f"training failed: {e}", EXIT_FAILED)
-    except (DataError, ValueError, OSError, RayError) as e:  # actor errors arrive wrapped in RayTaskError
+    except (DataError, ValueError, OSError, RayError, CheckpointError) as e:  # actor errors: wrapped in RayTaskError
         cause = _cause(e)
         return error(f"training failed: {type(cause).__name__}: {cause}", EXIT_FAILED)
 
     report["bad_rows"] = int((report.get("bad_input") or {}).get("rows_bad", 0))
     report["config"] = job.to_dict()
     report["config_file"] = os.path.abspath(args.config)
+    if resumed is not None:
+        report["resumed_from"] = {"checkpoint": str(resumed.path), "batch": resumed.batch}
     code = 0
     if args.compare:
         from hpsray.pipelines.export import compare_exports, load_export
@@ -353,7 +514,7 @@ def run(args: argparse.Namespace) -> int:
         if args.report:
             print(f"report: {written[0]} (plots: {', '.join(os.path.basename(p) for p in written[1:])})")
         if args.export:
-            print(f"export: {report['export']['rows']:,} rows to {args.export}")
+            print(export_line(report["export"], args.export))
         if args.compare:
             d = report["compare"]
             verdict = "EQUAL" if d["equal"] else "DIFFERENT"

@@ -12,9 +12,9 @@ from hpsray.errors import ConfigError
 from hpsray.job.jobconfig import JobConfig
 from hpsray.pipelines.pipeline import Pipeline
 from hpsray.pipelines.sources import FileSource, SyntheticSource
-from hpsray.pipelines.stages import MemPSStage, SSDPSStage, SyncStage, TrainerStage
+from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
-__all__ = ["cluster_kwargs", "eval_source", "pipeline", "source", "stages"]
+__all__ = ["checkpoint", "cluster_kwargs", "eval_source", "pipeline", "source", "stages"]
 
 
 def source(job: JobConfig) -> SyntheticSource | FileSource:
@@ -65,10 +65,29 @@ def cluster_kwargs(job: JobConfig) -> dict:
     }
 
 
+def checkpoint(job: JobConfig, resume: bool = False) -> CheckpointStage | None:
+    """The :class:`~hpsray.pipelines.CheckpointStage` of ``[checkpoint]`` (``None`` without the
+    section). ``resume``: the first ``fit()`` continues from the newest checkpoint in its
+    directory; a job without ``[checkpoint]`` cannot resume (:class:`ConfigError`)."""
+    c = job.checkpoint
+    if c is None:
+        if resume:
+            raise ConfigError(job.where, "checkpoint.dir", "missing: the job has no [checkpoint] dir to resume from")
+        return None
+    return CheckpointStage(
+        c.dir, every_batches=c.every_batches, keep=c.keep, max_failures=c.max_failures, resume=resume
+    )
+
+
 def pipeline(
-    job: JobConfig, address: str | None = None, name: str | None = None, transforms: Sequence[Callable] = ()
+    job: JobConfig,
+    address: str | None = None,
+    name: str | None = None,
+    transforms: Sequence[Callable] = (),
+    resume: bool = False,
 ) -> Pipeline:
-    """A :class:`~hpsray.pipelines.Pipeline` for ``job`` (``address`` overrides ``cluster.address``)."""
+    """A :class:`~hpsray.pipelines.Pipeline` for ``job`` (``address`` overrides ``cluster.address``);
+    ``resume``: its first ``fit()`` continues from the newest checkpoint of ``[checkpoint] dir``."""
     kwargs = cluster_kwargs(job)
     src = source(job)
     trainer, mem, ssd = stages(job, src.n_slots)
@@ -82,5 +101,6 @@ def pipeline(
         read_queue=job.pipeline.read_queue,
         address=address or job.cluster.address,
         name=name,
+        checkpoint=checkpoint(job, resume),
         **kwargs,
     )

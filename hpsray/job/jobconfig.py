@@ -20,12 +20,14 @@ from hpsray.data.generate import SCHEMA_FILE
 from hpsray.errors import ConfigError
 from hpsray.job import validate as chk
 from hpsray.job.sections import (
+    CheckpointSection,
     ClusterSection,
     DataSection,
     ModelSection,
     OptimizerSection,
     PipelineSection,
     TiersSection,
+    parse_checkpoint,
     parse_cluster,
     parse_data,
     parse_model,
@@ -51,6 +53,7 @@ class JobConfig:
     tiers: TiersSection = field(default_factory=TiersSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    checkpoint: CheckpointSection | None = None  # no [checkpoint]: no checkpoints
     where: str = "<config>"
     base_dir: str = "."
 
@@ -84,6 +87,7 @@ class JobConfig:
                 where, "data", "missing section: give [data] with paths = [...] or a [data.synthetic] table"
             )
         pipeline = parse_pipeline(top.sub("pipeline") or chk.Table({}, "pipeline", where))
+        checkpoint_t = top.sub("checkpoint")
         job = cls(
             data=parse_data(data_t, base_dir),
             model=parse_model(top.sub("model") or chk.Table({}, "model", where)),
@@ -91,6 +95,7 @@ class JobConfig:
             tiers=parse_tiers(top.sub("tiers") or chk.Table({}, "tiers", where), base_dir),
             pipeline=pipeline,
             cluster=parse_cluster(top.sub("cluster") or chk.Table({}, "cluster", where)),
+            checkpoint=parse_checkpoint(checkpoint_t, base_dir) if checkpoint_t is not None else None,
             where=where,
             base_dir=base_dir,
         )
@@ -172,6 +177,7 @@ class JobConfig:
             data["bad_input"] = asdict(d.bad_input)
         out["data"] = data
         out["model"]["hidden"] = list(self.model.hidden)
+        out["checkpoint"] = asdict(self.checkpoint) if self.checkpoint is not None else None
         return out
 
 

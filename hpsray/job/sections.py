@@ -1,5 +1,5 @@
 """The sections of a job file (``[data]``, ``[model]``, ``[optimizer]``, ``[tiers]``, ``[pipeline]``,
-``[cluster]``): one frozen dataclass each, and the function that reads and validates its table.
+``[cluster]``, ``[checkpoint]``): one frozen dataclass each, and the function that reads and validates its table.
 
 Every rejection raises :class:`~hpsray.errors.ConfigError` naming the file, the dotted key and the
 reason. The choices offered (optimizers, devices, consistency modes) are those of
@@ -19,6 +19,7 @@ from hpsray.job import validate as chk
 from hpsray.kernels.optim import make_optimizer
 
 __all__ = [
+    "CheckpointSection",
     "ClusterSection",
     "DataSection",
     "ModelSection",
@@ -27,6 +28,7 @@ __all__ = [
     "SyntheticSection",
     "TiersSection",
     "optimizer_params",
+    "parse_checkpoint",
     "parse_cluster",
     "parse_data",
     "parse_model",
@@ -150,6 +152,29 @@ class ClusterSection:
     staleness: int = 2
     dense_sync: str = "allreduce"
     chunk_bytes: int = 32768
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """``[checkpoint]``: where and how often the pipeline checkpoints (docs/operations.md:
+    Checkpoints, recovery and resume).
+
+    - ``dir``: the checkpoint directory (required; relative paths resolve against the job file's
+      directory). On several hosts it must be a shared file system mounted at the same path on
+      every node; on the file system of ``tiers.ssd_path`` the SSD-PS snapshots are hard links,
+      elsewhere copies.
+    - ``every_batches``: a checkpoint every that many batches (and at the start of each pass).
+    - ``keep``: how many of the newest checkpoints stay.
+    - ``max_failures``: dead actors (or nodes) one ``fit()`` recovers from before it gives up.
+
+    Without the section there are no checkpoints, a dead actor stops training and
+    ``hpsray train --resume`` has nothing to continue from.
+    """
+
+    dir: str
+    every_batches: int = 50
+    keep: int = 2
+    max_failures: int = 3
 
 
 # -- reading each section's table ---------------------------------------------------------
@@ -304,6 +329,23 @@ def parse_cluster(t: chk.Table) -> ClusterSection:
     )
     t.done()
     return c
+
+
+def parse_checkpoint(t: chk.Table, base: str) -> CheckpointSection:
+    directory = t.take("dir", chk.string, required=True)
+    every_batches = t.take("every_batches", chk.integer(1), 50)
+    keep = t.take("keep", chk.integer(1), 2)
+    max_failures = t.take("max_failures", chk.integer(0), 3)
+    t.done()
+    if not directory.strip():
+        t.fail("dir", "must not be empty (leave out the [checkpoint] section for no checkpoints)")
+    if chk.is_uri(directory):
+        t.fail(
+            "dir",
+            "must be a directory on a file system every node mounts at the same path (a checkpoint is "
+            f"committed by renaming a directory), got {directory!r}",
+        )
+    return CheckpointSection(chk.resolve_path(directory, base), every_batches, keep, max_failures)
 
 
 def optimizer_params(name: str) -> tuple[str, ...]:

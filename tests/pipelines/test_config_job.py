@@ -80,6 +80,17 @@ def test_the_message_names_file_key_and_reason():
         ({"data": {"paths": ["x"], "synthetic": {"rows": 3}}}, "data.paths", "not both"),
         ({"data": {"paths": ["x"], "format": "csv", "schema": {"format": "parquet"}}}, "data.format", "contradicts"),
         (with_("tiers", ssd_path="s3://bucket/ssd"), "tiers.ssd_path", "must be a local directory"),
+        # [checkpoint]
+        (with_("checkpoint", every_batches=5), "checkpoint.dir", "missing (required)"),
+        (with_("checkpoint", dir=""), "checkpoint.dir", "must not be empty"),
+        (with_("checkpoint", dir=7), "checkpoint.dir", "must be a string, got integer 7"),
+        (with_("checkpoint", dir="s3://bucket/ckpt"), "checkpoint.dir", "mounts at the same path"),
+        (with_("checkpoint", dir="c", every_batches=0), "checkpoint.every_batches", "positive integer, got 0"),
+        (with_("checkpoint", dir="c", every_batches=2.5), "checkpoint.every_batches", "positive integer"),
+        (with_("checkpoint", dir="c", keep=0), "checkpoint.keep", "must be a positive integer, got 0"),
+        (with_("checkpoint", dir="c", max_failures=-1), "checkpoint.max_failures", "non-negative integer, got -1"),
+        (with_("checkpoint", dir="c", every=3), "checkpoint.every", "unknown key (known: dir, every_batches"),
+        ({**SYN, "checkpoint": "ckpt"}, "checkpoint", "must be a table"),
         # missing values
         ({}, "data", "missing section"),
         ({"data": {}}, "data.paths", "missing"),
@@ -208,6 +219,43 @@ def test_the_example_job_file_is_valid():
     assert job.data.synthetic.rows > 0 and build.eval_source(job) is not None
     mem = build.stages(job)[1]
     assert mem.capacity_rows == job.tiers.mem_rows
+
+
+def test_the_checkpoint_section_builds_the_checkpoint_stage(tmp_path, monkeypatch):
+    from hpsray.job.sections import CheckpointSection
+    from hpsray.pipelines import CheckpointStage
+
+    sub = tmp_path / "jobs"
+    sub.mkdir()
+    write(sub, '[data.synthetic]\nrows = 100\n[checkpoint]\ndir = "ckpt"\nevery_batches = 7\nkeep = 3\n')
+    monkeypatch.chdir(tmp_path)  # not the job's directory
+    job = JobConfig.load("jobs/job.toml")
+    assert job.checkpoint == CheckpointSection(str(sub / "ckpt"), every_batches=7, keep=3, max_failures=3)
+    assert job.to_dict()["checkpoint"] == {"dir": str(sub / "ckpt"), "every_batches": 7, "keep": 3, "max_failures": 3}
+    assert build.checkpoint(job) == CheckpointStage(str(sub / "ckpt"), 7, 3, 3, resume=False)
+    assert build.checkpoint(job, resume=True).resume
+    pipeline = build.pipeline(job, resume=True)  # no Ray yet: the actors start in fit()
+    assert pipeline.checkpoint_stage == CheckpointStage(str(sub / "ckpt"), 7, 3, 3, resume=True)
+    job = JobConfig.from_dict(with_("checkpoint", dir="/abs/ckpt", max_failures=0), where="j.toml")
+    assert job.checkpoint.dir == "/abs/ckpt" and job.checkpoint.max_failures == 0
+    # no section: no checkpoints, and nothing to resume from
+    job = JobConfig.from_dict(SYN, where="j.toml")
+    assert job.checkpoint is None and job.to_dict()["checkpoint"] is None and build.checkpoint(job) is None
+    assert build.pipeline(job).checkpoint_stage is None
+    with pytest.raises(ConfigError) as e:
+        build.checkpoint(job, resume=True)
+    assert str(e.value) == "j.toml: checkpoint.dir: missing: the job has no [checkpoint] dir to resume from"
+
+
+def test_the_example_checkpoint_section_is_valid_once_uncommented(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "..", "..", "examples", "train.toml")) as f:
+        lines = f.read().splitlines()
+    start = lines.index("# [checkpoint]")
+    block = [line[2:] for line in lines[start:] if line.startswith("# ")]
+    text = "\n".join(lines[:start] + block) + "\n"
+    job = JobConfig.load(write(tmp_path, text))
+    assert job.checkpoint.dir == str(tmp_path / "ckpt") and job.checkpoint.every_batches == 50
 
 
 def test_more_nodes_than_the_pipeline_supports_is_a_config_error():
