@@ -10,6 +10,7 @@
 from hpsray.errors import ConfigError
 from hpsray.job.jobconfig import JobConfig
 from hpsray.job.sections import (
+    CheckpointSection,
     ClusterSection,
     DataSection,
     ModelSection,
@@ -20,6 +21,7 @@ from hpsray.job.sections import (
 )
 
 __all__ = [
+    "CheckpointSection",
     "ClusterSection",
     "ConfigError",
     "DataSection",
