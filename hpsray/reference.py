@@ -5,6 +5,12 @@ initialiser (:func:`~hpsray.kernels.init.initial_rows`), the same sparse-optimiz
 (:func:`~hpsray.kernels.optim.apply_to_rows`) and the same model as the distributed system, but
 none of its tables, tiers or actors: rows live in a sorted key array with a growable row
 array. Tiering, pipelining, devices and nodes must not change what it computes (docs/architecture.md: invariant 1).
+
+With ``admit_after`` / ``expire_after_batches`` it applies the pipeline's admission and expiry
+rules (docs/architecture.md: Admission and expiry) with the same exact counter
+(:class:`~hpsray.tiers.admission.Admission`): per batch, its distinct keys are counted; a key not
+admitted trains the batch from its initial row and its row is dropped at the batch's end; then
+the rows expiring at that end are dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from hpsray.models.dnn import DNN
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
+from hpsray.tiers.admission import Admission
 
 
 class SortedRowStore:
@@ -35,10 +42,10 @@ class SortedRowStore:
         self._keys = np.empty(0, dtype=np.uint64)  # sorted
         self._pos = np.empty(0, dtype=np.int64)  # row of each sorted key
         self._rows = np.empty((1024, width), dtype=np.float32)
-        self._n = 0
+        self._n = 0  # rows appended (dropped ones included until the next compaction)
 
     def __len__(self) -> int:
-        return self._n
+        return int(self._keys.size)
 
     def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.searchsorted(self._keys, keys)
@@ -78,6 +85,24 @@ class SortedRowStore:
     def write(self, pos: np.ndarray, rows: np.ndarray) -> None:
         self._rows[pos] = rows
 
+    def drop(self, keys: np.ndarray) -> int:
+        """Forget the rows of ``keys`` (absent ones are skipped); returns how many were held."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if keys.size == 0 or self._keys.size == 0:
+            return 0
+        idx, found = self._locate(keys)
+        gone = np.unique(idx[found])
+        if gone.size == 0:
+            return 0
+        self._keys = np.delete(self._keys, gone)
+        self._pos = np.delete(self._pos, gone)
+        if self._n - self._keys.size > max(1024, self._keys.size):  # reclaim the dropped rows
+            m = self._keys.size
+            self._rows[:m] = self._rows[self._pos]
+            self._pos = np.arange(m, dtype=np.int64)
+            self._n = m
+        return int(gone.size)
+
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """All ``(keys, rows)`` sorted by key."""
         return self._keys.copy(), self._rows[self._pos].copy()
@@ -101,10 +126,21 @@ class ReferenceTrainer:
         config: model shape, optimizers, mini-batch size and seed.
         model: any module ``(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]``;
             the paper's :class:`~hpsray.models.DNN` when ``None``.
+        admit_after: a key gets a row from the batch in which it is seen for the
+            ``admit_after``-th time on (counting batches; ``0``: every key).
+        expire_after_batches: rows of keys not seen for this many batches are dropped
+            (``None``: never).
     """
 
     def __init__(
-        self, n_slots: int, n_dense: int, config: TrainConfig | None = None, model: torch.nn.Module | None = None
+        self,
+        n_slots: int,
+        n_dense: int,
+        config: TrainConfig | None = None,
+        model: torch.nn.Module | None = None,
+        *,
+        admit_after: int = 0,
+        expire_after_batches: int | None = None,
     ):
         self.config = config or TrainConfig()
         self.n_slots, self.n_dense = n_slots, n_dense
@@ -113,8 +149,27 @@ class ReferenceTrainer:
         self.model = model or DNN(n_slots, self.config.dim, n_dense, self.config.hidden, seed=self.config.seed)
         self.dense = DenseReplicas(self.model, 1, self.config.dense_optimizer, self.config.dense_lr)
         self.step = 0  # mini-batches trained; the sparse optimizer's global step
+        self.batches = 0  # batches trained: the next batch's id, as the pipeline numbers them
         self.examples = 0
         self.train_seconds = 0.0
+        admission = Admission(admit_after, expire_after_batches)
+        self.admission = admission if admission.enabled else None
+
+    def _begin_batch(self, minibatches: list[Batch]) -> np.ndarray:
+        """Count the batch's distinct keys; returns those not admitted (trained, then dropped)."""
+        if self.admission is None:
+            return np.empty(0, np.uint64)
+        keys = np.unique(np.concatenate([mb.keys for mb in minibatches])) if minibatches else np.empty(0, np.uint64)
+        self.store.drop(self.admission.expire(self.batches - 1))  # done at the last batch's end already
+        admitted = self.admission.see(self.batches, keys)
+        return keys[~admitted]
+
+    def _end_batch(self, rejected: np.ndarray) -> None:
+        """Drop the rows of keys not admitted and of keys expiring now; the batch is done."""
+        if self.admission is not None:
+            self.store.drop(rejected)
+            self.store.drop(self.admission.expire(self.batches))
+        self.batches += 1
 
     def _check(self, batch: Batch) -> None:
         if batch.n_slots != self.n_slots or batch.n_dense != self.n_dense:
@@ -144,8 +199,20 @@ class ReferenceTrainer:
         self._check(batch)
         t0 = time.perf_counter()
         self.model.train()
-        losses = [self.train_minibatch(mb) for mb in batch.minibatches(self.config.minibatch_size)]
+        loss = self.train_minibatches(list(batch.minibatches(self.config.minibatch_size)))
         self.train_seconds += time.perf_counter() - t0
+        return loss
+
+    def train_minibatches(self, minibatches: list[Batch]) -> float:
+        """Train one batch given as its mini-batches, in order (several nodes': its global
+        mini-batches, :func:`global_batches`); returns the mean loss. Admission and expiry
+        count the batch as one."""
+        rejected = self._begin_batch(minibatches)
+        losses = []
+        for mb in minibatches:
+            self._check(mb)
+            losses.append(self.train_minibatch(mb))
+        self._end_batch(rejected)
         return float(np.mean(losses)) if losses else float("nan")
 
     def fit(self, batches: Iterable[Batch], progress=None) -> None:
@@ -158,9 +225,8 @@ class ReferenceTrainer:
     def fit_nodes(self, source, batch_size: int, n_nodes: int) -> None:
         """Train what ``n_nodes`` nodes train on ``source`` (see :func:`global_minibatches`)."""
         self.model.train()
-        for mb in global_minibatches(source, batch_size, n_nodes, self.config.minibatch_size):
-            self._check(mb)
-            self.train_minibatch(mb)
+        for minibatches in global_batches(source, batch_size, n_nodes, self.config.minibatch_size):
+            self.train_minibatches(minibatches)
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:

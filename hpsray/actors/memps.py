@@ -9,6 +9,7 @@ from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Refresh, Returned
 from hpsray.actors.timing import StageClock
 from hpsray.kernels.init import RowInit
+from hpsray.tiers.admission import Admission
 from hpsray.tiers.lending import Lender
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.warmup import warm_mem_ps
@@ -33,11 +34,19 @@ class _RemoteStore:
     def dump(self, keys, rows) -> None:
         ray.get(self.actor.dump.remote(keys, rows, self.batch))
 
+    def delete(self, keys) -> int:
+        return ray.get(self.actor.delete.remote(keys, self.batch))
+
 
 class MemPSShard:
     """The owner of one node's rows, lending them to the trainers of batches (the rules are
     :class:`~hpsray.tiers.lending.Lender`'s; this actor adds timing, metrics and the SSD-PS
-    actor as the backing store)."""
+    actor as the backing store).
+
+    ``admit_after`` and ``expire_after_batches``: feature admission and expiry
+    (:class:`~hpsray.tiers.admission.Admission`; off by default). ``admission_from``: a file
+    :meth:`save_admission` wrote, whose counts this owner starts from (a checkpoint's).
+    """
 
     def __init__(
         self,
@@ -47,15 +56,26 @@ class MemPSShard:
         init: RowInit,
         capacity_rows: int | None = None,
         capacity_bytes: int | None = None,
+        admit_after: int = 0,
+        expire_after_batches: int | None = None,
+        admission_from: str | None = None,
         **options,
     ) -> None:
         self.node = node
         self.store = _RemoteStore(ssd_actor, width)
-        self._make = lambda: Lender(
-            MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options), node, init
-        )
-        self.lender = self._make()
+
+        def make(admission_from: str | None = None) -> Lender:
+            admission = Admission(admit_after, expire_after_batches)
+            if admission_from is not None:
+                admission.load(admission_from)
+            mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)
+            return Lender(mem, node, init, admission)
+
+        self._make = make
+        self.lender = make(admission_from)
         warm_mem_ps(width, init, **options)  # numba compiles here, before the pipeline's clock
+        if self.lender.admission is not None:
+            warm_admission()
         self.clock = StageClock("pull", node)
         self.gauges = LiveGauges(stage="pull", node=node)
 
@@ -93,14 +113,35 @@ class MemPSShard:
         """Current rows of ``keys`` for evaluation, nothing pinned."""
         return self.lender.lookup(keys)
 
-    def reset(self) -> None:
+    def reset(self, admission_from: str | None = None) -> None:
         """Drop every cached row and lease unwritten (a recovery: SSD-PS is restored to the
-        checkpoint next, and this cache must not write newer rows into it)."""
-        self.lender = self._make()
+        checkpoint next, and this cache must not write newer rows into it); the admission
+        counts start again from ``admission_from`` (:meth:`save_admission`'s file) or empty."""
+        self.lender = self._make(admission_from)
+
+    def save_admission(self, path: str) -> int:
+        """Write the admission counts to ``path`` (for a checkpoint: take it where every batch
+        is written back); returns its bytes, 0 (nothing written) with admission off."""
+        adm = self.lender.admission
+        return adm.save(path) if adm is not None else 0
 
     def flush(self) -> int:
         """Write every changed row to SSD-PS (after training, before export)."""
         return self.lender.mem.flush()
 
     def stats(self) -> dict:
-        return {**self.clock.snapshot(), "hit_rate": dict(self.lender.hit_rate), "cache": self.lender.mem.stats}
+        cache = self.lender.mem.stats
+        if self.lender.admission is not None:
+            cache.update(self.lender.admission.stats)
+        return {**self.clock.snapshot(), "hit_rate": dict(self.lender.hit_rate), "cache": cache}
+
+
+def warm_admission() -> None:
+    """Compile what admission and expiry run (numba: the key table's verbs) on a throwaway table."""
+    keys = np.arange(1, 40, dtype=np.uint64)
+    for k in (keys, np.frombuffer(keys.tobytes(), dtype=np.uint64)):  # writable, then read-only
+        adm = Admission(2, 1, capacity=16)  # grows
+        adm.see(0, k)
+        adm.see(1, k[:5])
+        adm.admitted(k)
+        adm.expire(2)

@@ -50,6 +50,13 @@ class SSDPSShard:
             self.store.dump(keys, rows)
         self._export()
 
+    def delete(self, keys: np.ndarray, batch=None) -> int:
+        """Delete the rows of ``keys`` (expiry); returns how many were stored."""
+        with self.clock.timed(batch):
+            n = self.store.delete(keys)
+        self._export()
+        return n
+
     def snapshot(self, dest: str) -> dict:
         """Reference the store's current state in ``dest`` (a checkpoint's node directory)."""
         return take_snapshot(self.store, dest)

@@ -185,7 +185,9 @@ class Pipeline:
             while True:
                 t_start = t0 = time.perf_counter()
                 nodes = self._nodes
-                schedule = PassSchedule(nodes, self._next_batch, self.read_queue, self._after_batch)
+                schedule = PassSchedule(
+                    nodes, self._next_batch, self.read_queue, self._after_batch, self.mem_stage.admit_after > 1
+                )
                 try:
                     for node in nodes:  # a resumed pass skips the batches already trained
                         self._open_reader(node, self.source, node.index, len(nodes), self._next_batch - first)

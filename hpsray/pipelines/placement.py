@@ -58,7 +58,15 @@ def start_mem(pipeline, index: int, node_id: str, ssd):
         ray.remote(MemPSShard)
         .options(name=f"{pipeline.name}:MemPS[node {index}]", **_options(node_id))
         .remote(
-            index, ssd, config.row_width, config.row_init(), stage.capacity_rows, stage.capacity_bytes, **stage.options
+            index,
+            ssd,
+            config.row_width,
+            config.row_init(),
+            stage.capacity_rows,
+            stage.capacity_bytes,
+            admit_after=stage.admit_after,
+            expire_after_batches=stage.expire_after_batches,
+            **stage.options,
         )
     )
 

@@ -40,12 +40,15 @@ class PassSchedule:
 
     ``on_batch_end(batch_id, schedule)`` (optional) runs after batch ``batch_id``'s write-backs
     are submitted and before the next batch trains; :meth:`drain` there makes them done.
+    ``refresh_alone``: refresh on one node too (feature admission: a key lent without a row
+    that stays resident in the trainer must be reset; docs/architecture.md, Admission and expiry).
     """
 
     nodes: list[NodeActors]
     first: int
     read_queue: int
     on_batch_end: Callable[[int, PassSchedule], None] | None = None
+    refresh_alone: bool = False
     reads: list[BoundedEdge] = field(init=False)
     write_backs: list[BoundedEdge] = field(init=False)
     outcomes: list = field(init=False, default_factory=list)  # every TrainOutcome ref, to find a failure's root
@@ -118,7 +121,9 @@ class PassSchedule:
         read = self._next_read()
         if sum(r.examples for r in read) == 0:
             raise ValueError("the source produced no examples")
-        t, loans, refreshed = 0, self._lend(0, read), None
+        t, loans = 0, self._lend(0, read)
+        # a later pass under admission: the last pass's rows are still resident in the trainers
+        refreshed = self._refresh(0) if self.refresh_alone and self.first > 0 else None
         while True:
             results = self._train(t, read, loans, refreshed)
             self._training = _Training(self.first + t, results)
@@ -130,7 +135,7 @@ class PassSchedule:
             for o, node in enumerate(self.nodes):
                 self.write_backs[o].put(node.mem.write_back.remote(self.first + t, *[results[b][o] for b in range(n)]))
             self._training = None
-            refreshed = self._refresh(t + 1) if more and n > 1 else None
+            refreshed = self._refresh(t + 1) if more and (n > 1 or self.refresh_alone) else None
             done = sum(r.examples for r in read)
             self.examples_by_batch[self.first + t] = done
             if progress is not None:

@@ -8,19 +8,32 @@ from dataclasses import dataclass, field
 import torch
 
 from hpsray.config import CONSISTENCY_MODES, DENSE_SYNC, DEVICES, TrainConfig
+from hpsray.tiers.admission import check_admission
 
 
 @dataclass
 class MemPSStage:
-    """Host-memory tier: budget in rows or bytes (exactly one), plus cache options."""
+    """Host-memory tier: budget in rows or bytes (exactly one), plus cache options.
+
+    ``admit_after`` and ``expire_after_batches``: feature admission and expiry, off by default
+    (docs/architecture.md: Admission and expiry): a key gets a row from the ``admit_after``-th
+    batch it is seen in, and rows of keys not seen for ``expire_after_batches`` batches are
+    dropped from every tier. The reference trainer takes the same two arguments.
+    """
 
     capacity_rows: int | None = None
     capacity_bytes: int | None = None
     options: dict = field(default_factory=dict)  # lru_fraction, aging, history
+    admit_after: int = 0
+    expire_after_batches: int | None = None
 
     def __post_init__(self) -> None:
         if (self.capacity_rows is None) == (self.capacity_bytes is None):
             raise ValueError("MemPSStage: give exactly one of capacity_rows and capacity_bytes")
+        try:
+            check_admission(self.admit_after, self.expire_after_batches)
+        except ValueError as e:
+            raise ValueError(f"MemPSStage: {e}") from None
 
 
 @dataclass

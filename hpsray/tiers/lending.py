@@ -13,6 +13,13 @@ held in ``t`` was lent for ``t+1`` before ``t``'s write-back: stale. The borrowe
 
 :class:`Lender` holds that logic over a :class:`~hpsray.tiers.mem.MemPS`; the Ray actor
 ``MemPSShard`` only adds timing, metrics and the remote store.
+
+With an :class:`~hpsray.tiers.admission.Admission` (docs/architecture.md: Admission and expiry)
+the owner also decides, per batch, which keys get a row. A key not admitted is lent its initial
+row, is neither stored nor pinned, and its returned row is dropped; since a borrower keeps rows
+resident across batches, :meth:`Lender.refresh` sends the initial row again to every borrower
+that held it in the batch before. Keys that expire are dropped from MEM-PS and deleted from
+SSD-PS at the first loan of the next batch (before it is counted) and again at the take-back.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hpsray.kernels.init import RowInit, initial_rows
-from hpsray.tiers.mem import BackingStore, MemPS
+from hpsray.tiers.admission import Admission
+from hpsray.tiers.mem import BackingStore, DeletingStore, MemPS
 
 Lease = tuple[Hashable, int]  # (batch id, borrower node)
 
@@ -53,11 +61,21 @@ class Lender:
         mem: the node's MEM-PS engine (cache over the backing store).
         node: this owner's node index (the default borrower).
         init: initial rows of keys that were never trained (for :meth:`lookup`).
+        admission: the admission and expiry rules (``None``, or one with neither rule on:
+            every key gets a row and none expires). Expiry needs a store that deletes.
     """
 
-    def __init__(self, mem: MemPS, node: int, init: RowInit) -> None:
+    def __init__(self, mem: MemPS, node: int, init: RowInit, admission: Admission | None = None) -> None:
         self.mem, self.node, self.init = mem, node, init
+        self.admission = admission if admission is not None and admission.enabled else None
+        if (
+            self.admission is not None
+            and self.admission.expire_after is not None
+            and not callable(getattr(mem.ssd, "delete", None))
+        ):
+            raise TypeError(f"expiry deletes rows from the backing store, and {type(mem.ssd).__name__} has no delete")
         self.lent: dict[Lease, npt.NDArray[np.uint64]] = {}
+        self.rejected: dict[Lease, npt.NDArray[np.uint64]] = {}  # keys lent without a row
         self.hit_rate: dict[Hashable, float] = {}
         self._hits: dict[Hashable, list[int]] = {}  # batch -> [hits, misses] over its leases
 
@@ -69,7 +87,10 @@ class Lender:
         """Rows of the distinct sorted ``keys`` (all owned here), pinned for ``(batch_id,
         borrower)`` until :meth:`take_back`; ``borrower`` defaults to this node."""
         lease = (batch_id, self.node if borrower is None else borrower)
-        rows = self.mem.pull(lease, keys)
+        if self.admission is None:
+            rows = self.mem.pull(lease, keys)
+        else:
+            rows = self._lend_admitted(lease, keys)
         self.lent[lease] = keys
         s = self.mem.batch_stats(lease)
         counts = self._hits.setdefault(batch_id, [0, 0])
@@ -78,17 +99,55 @@ class Lender:
         self.hit_rate[batch_id] = counts[0] / max(counts[0] + counts[1], 1)
         return rows
 
+    def _lend_admitted(self, lease: Lease, keys: npt.NDArray[np.uint64]) -> np.ndarray:
+        """:meth:`lend` under admission: expire what the previous batch's end expires, count
+        the keys, and lend admitted keys their rows and the others their initial rows."""
+        adm = self.admission
+        assert adm is not None
+        batch_id = lease[0]
+        if not isinstance(batch_id, int):
+            raise TypeError(f"admission counts batches: batch ids must be integers, got {batch_id!r}")
+        self._expire(batch_id - 1)  # before counting: an expired key starts afresh
+        admitted = adm.see(batch_id, keys)
+        if admitted.all():
+            return self.mem.pull(lease, keys)
+        rows = np.empty((keys.size, self.mem.width), dtype=np.float32)
+        rows[admitted] = self.mem.pull(lease, keys[admitted])
+        rejected = keys[~admitted]
+        rows[~admitted] = initial_rows(rejected, self.mem.width, self.init)
+        self.rejected[lease] = rejected
+        return rows
+
+    def _expire(self, through: int) -> int:
+        """Drop the rows that expire at the end of batch ``through`` from MEM-PS and SSD-PS."""
+        assert self.admission is not None
+        keys = self.admission.expire(through)
+        if keys.size:
+            self.mem.drop(keys)
+            store: DeletingStore = self.mem.ssd  # type: ignore[assignment]  # checked in __init__
+            store.delete(keys)
+        return int(keys.size)
+
     def take_back(self, batch_id: Hashable, returned: Iterable[Returned]) -> int:
         """Store every borrower's rows of ``batch_id`` and release their pins; returns the rows
-        stored. Leases of earlier batches are forgotten: their refresh is done."""
+        stored (not those of keys lent without a row). Leases of earlier batches are forgotten:
+        their refresh is done. Under expiry, then drops the rows expiring at this batch's end."""
         n = 0
         for part in returned:
             lease = (batch_id, part.borrower)
-            self.mem.write_back(lease, part.keys, part.rows)
+            keys, rows = part.keys, part.rows
+            rejected = self.rejected.get(lease)
+            if rejected is not None:
+                keep = ~np.isin(keys, rejected)
+                keys, rows = keys[keep], rows[keep]
+            self.mem.write_back(lease, keys, rows)
             self.mem.unpin(lease)
-            n += int(part.keys.size)
-        for lease in [k for k in self.lent if _older(k[0], batch_id)]:
-            del self.lent[lease]
+            n += int(keys.size)
+        for table in (self.lent, self.rejected):
+            for lease in [k for k in table if _older(k[0], batch_id)]:
+                del table[lease]
+        if self.admission is not None and isinstance(batch_id, int):
+            self._expire(batch_id)
         return n
 
     def stale(self, batch_id: Hashable, borrower: int) -> npt.NDArray[np.uint64]:
@@ -104,10 +163,30 @@ class Lender:
         mine = self.lent.get((previous, borrower))
         return stale[~np.isin(stale, mine)] if mine is not None and stale.size else stale
 
+    def reset(self, batch_id: Hashable, borrower: int) -> npt.NDArray[np.uint64]:
+        """Keys lent to ``borrower`` for ``batch_id`` that were lent without a row in the batch
+        before: whoever held them trained them, and those updates are dropped, so every copy
+        starts again from the initial row (the borrower's own copy is still resident)."""
+        previous = _previous(batch_id)
+        before = [k for (b, _), k in self.rejected.items() if b == previous]
+        keys = self.lent[(batch_id, borrower)]
+        if not before or not keys.size:
+            return keys[:0]
+        return keys[np.isin(keys, np.concatenate(before))]
+
     def refresh(self, batch_id: Hashable, borrower: int) -> Refresh:
-        """Current rows of :meth:`stale` keys; call after the previous batch's :meth:`take_back`."""
+        """Current rows of :meth:`stale` keys, and the initial rows of :meth:`reset` keys; call
+        after the previous batch's :meth:`take_back`."""
         keys = self.stale(batch_id, borrower)
+        reset = self.reset(batch_id, borrower) if self.admission is not None else keys[:0]
+        if reset.size:
+            keys = keys[~np.isin(keys, reset)]
         rows = self.mem.peek(keys) if keys.size else np.empty((0, self.mem.width), np.float32)
+        if reset.size:
+            keys = np.concatenate([keys, reset])
+            rows = np.concatenate([rows, initial_rows(reset, self.mem.width, self.init)])
+            order = np.argsort(keys)
+            keys, rows = keys[order], rows[order]
         return Refresh(keys, rows)
 
     def lookup(self, keys: npt.NDArray[np.uint64]) -> np.ndarray:

@@ -39,7 +39,7 @@ from hpsray.tiers.cache_policy import (
     LruLfuPolicy,
 )
 
-__all__ = ["BackingStore", "CapacityError", "MemPS", "rows_for_bytes"]
+__all__ = ["BackingStore", "CapacityError", "DeletingStore", "MemPS", "rows_for_bytes"]
 
 # per-row bookkeeping besides the row and the hash buckets: table row_keys/free/first (24),
 # our slot keys (8), policy region/tick/freq/pins (21), dirty flag (1)
@@ -55,6 +55,12 @@ class BackingStore(Protocol):
     def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
     def dump(self, keys: np.ndarray, rows: np.ndarray) -> None: ...
+
+
+class DeletingStore(BackingStore, Protocol):
+    """A backing store that also deletes rows (expiry: docs/architecture.md, Admission and expiry)."""
+
+    def delete(self, keys: np.ndarray) -> int: ...
 
 
 def rows_for_bytes(capacity_bytes: int, width: int, history: float | None = DEFAULT_HISTORY) -> int:
@@ -140,6 +146,7 @@ class MemPS:
             "write_backs": 0,
             "rows_written_back": 0,
             "flushed": 0,
+            "dropped": 0,
         }
 
     # -- the batch cycle -----------------------------------------------------------------
@@ -236,6 +243,29 @@ class MemPS:
                 raise KeyError(f"unpin: batch {batch_id!r} has no pinned rows")
             for slots in held:
                 self._policy.unpin(slots)
+
+    def drop(self, keys: ArrayLike) -> int:
+        """Forget the resident rows of ``keys`` without writing them (expired keys, whose rows
+        the caller also deletes from SSD-PS); absent keys are skipped. Returns the rows dropped.
+        Raises ``ValueError`` (changing nothing) when one of them is pinned by a batch in flight."""
+        keys = as_keys(keys)
+        with self._lock:
+            slots = self._table.find(keys)
+            slots = slots[slots >= 0]
+            if slots.size == 0:
+                return 0
+            pinned = self._policy.pins[slots] > 0
+            if pinned.any():
+                raise ValueError(
+                    f"drop: {int(pinned.sum())} of {keys.size} keys are pinned by batches in flight "
+                    f"{list(self._pins)[:8]} (first: {int(self._slot_key[slots[np.argmax(pinned)]])})"
+                )
+            self._table.erase(self._slot_key[slots])
+            self._policy.release(slots)  # forgotten: a later return starts afresh
+            self._slot_key[slots] = EMPTY_KEY
+            self._dirty[slots] = False
+            self._totals["dropped"] += int(slots.size)
+            return int(slots.size)
 
     # -- eviction and flushing -----------------------------------------------------------
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from hpsray.tiers.ssd.paramfile import (
+    FLAG_TOMBSTONE,
     FULL_ERRNOS,
     Writer,
     file_bytes,
@@ -122,8 +123,10 @@ class FileTable:
         return np.flatnonzero(mask)
 
     def small_slots(self, rows_per_file: int) -> np.ndarray:
-        """Files with fewer than half of ``rows_per_file`` rows (small dumps write them)."""
-        return np.flatnonzero((self.no >= 0) & (self.n < max(2, rows_per_file // 2)))
+        """Files with fewer than half of ``rows_per_file`` rows (small dumps write them); never
+        tombstone files (their rows are not live rows: the store retires them)."""
+        rows = (self.no >= 0) & ((self.flags & FLAG_TOMBSTONE) == 0)
+        return np.flatnonzero(rows & (self.n < max(2, rows_per_file // 2)))
 
     def victims(
         self,

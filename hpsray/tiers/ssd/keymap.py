@@ -5,6 +5,11 @@ The map is a width-0 :class:`~hpsray.kernels.cpu.CpuHashTable` (key → index sl
 :class:`~hpsray.tiers.ssd.files.FileTable`) and the row's position in the file. Recovery rebuilds
 both from the manifest's live files and their key/version indexes: the highest version of a key
 wins, so a compacted copy never shadows a newer dump written while the compaction ran.
+
+A deleted key's newest entry is a *tombstone* (a row in a file flagged
+:data:`~hpsray.tiers.ssd.paramfile.FLAG_TOMBSTONE`): when it wins, the key is not mapped. A
+tombstone file lives while some file that may hold an older copy of its keys does (its
+*dependencies*); recovery finds them exactly (the files holding the entries it beat).
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ from hpsray.kernels.cpu import CpuHashTable
 from hpsray.tiers.ssd.files import FileTable
 from hpsray.tiers.ssd.manifest import NAME as MANIFEST_NAME
 from hpsray.tiers.ssd.manifest import Manifest
-from hpsray.tiers.ssd.paramfile import PARTIAL_VERSIONS, TMP_SUFFIX, file_name, parse_file_name, read_index
+from hpsray.tiers.ssd.paramfile import (
+    FLAG_TOMBSTONE,
+    PARTIAL_VERSIONS,
+    TMP_SUFFIX,
+    file_name,
+    parse_file_name,
+    read_index,
+)
 
 __all__ = ["KeyMap", "recover"]
 
@@ -63,6 +75,19 @@ class KeyMap:
         self.pos[slots] = positions
         return slots
 
+    def remove(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Unmap ``keys`` (absent ones are skipped); returns ``(the keys removed, the file slots
+        their rows were in)``."""
+        slots = self.index.find(keys)
+        present = slots >= 0
+        s = slots[present]
+        gone = keys[present]
+        file_slots = self.file_slot[s].copy()
+        self.index.erase(gone)
+        self.file_slot[s] = -1
+        self.pos[s] = 0
+        return gone, file_slots
+
     def lives_at(
         self, keys: np.ndarray, file_slot: int | np.ndarray, positions: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -78,9 +103,17 @@ class KeyMap:
 
 
 def recover(
-    directory: str, manifest: Manifest, width: int, block_rows: int, files: FileTable, keys_map: KeyMap
+    directory: str,
+    manifest: Manifest,
+    width: int,
+    block_rows: int,
+    files: FileTable,
+    keys_map: KeyMap,
+    tombstones: dict[int, np.ndarray] | None = None,
 ) -> tuple[int, int]:
-    """Rebuild ``files`` and ``keys_map`` (both empty) from the manifest's live files.
+    """Rebuild ``files`` and ``keys_map`` (both empty) from the manifest's live files; fills
+    ``tombstones`` (when given) with each tombstone file's dependencies: the file numbers
+    holding older entries of the keys whose newest entry it holds.
 
     Removes files a crash left behind (never acknowledged: not in the manifest, or temporary).
     Returns ``(next file number, garbage files removed)``. Raises :class:`CorruptFileError` for a
@@ -94,7 +127,8 @@ def recover(
         if garbage and name != MANIFEST_NAME:  # a crash left it: never acknowledged
             os.unlink(os.path.join(directory, name))
             removed += 1
-    keys, vers, fslots, poss = [], [], [], []
+    keys, vers, fslots, poss, marks = [], [], [], [], []
+    tomb_slots = []
     for no in sorted(live):
         path = os.path.join(directory, file_name(no))
         if not os.path.exists(path):
@@ -106,6 +140,10 @@ def recover(
             pf.blocks is not None and pf.header.block_rows == block_rows and pf.header.version in PARTIAL_VERSIONS
         )  # format 2 files: whole reads only
         s = files.add(no, pf.header.n, pf.header.size, 0, pf.header.flags, pf.blocks if partial else None)
+        tomb = bool(pf.header.flags & FLAG_TOMBSTONE)
+        if tomb:
+            tomb_slots.append(s)
+        marks.append(np.full(pf.header.n, tomb, dtype=bool))
         keys.append(pf.keys)
         vers.append(pf.versions)
         fslots.append(np.full(pf.header.n, s, dtype=np.int32))
@@ -115,12 +153,26 @@ def recover(
         return next_file_no, removed
     all_keys, all_vers = np.concatenate(keys), np.concatenate(vers)
     all_fslots, all_poss = np.concatenate(fslots), np.concatenate(poss)
+    all_tomb = np.concatenate(marks)
     order = np.lexsort((all_vers, all_keys))  # by key, then version: the last of each key wins
     ks = all_keys[order]
     last = np.ones(ks.size, dtype=bool)
     last[:-1] = ks[1:] != ks[:-1]
     win = order[last]
-    keys_map.grow(win.size)
-    keys_map.place(all_keys[win], all_fslots[win], all_poss[win])
-    files.live[:] = np.bincount(all_fslots[win], minlength=files.capacity)
+    dead = all_tomb[win]  # the newest entry is a tombstone: deleted
+    if tombstones is not None and dead.any():
+        group = np.cumsum(np.concatenate([[0], last[:-1]]))  # key group of each sorted entry
+        by_tomb = all_fslots[win][group]  # per entry: its key's winning file slot
+        older = dead[group] & ~last & ~all_tomb[order]  # older row entries of deleted keys
+        pairs = np.unique(np.stack([by_tomb[older], all_fslots[order][older]]), axis=1)
+        for s in np.unique(all_fslots[win][dead]).tolist():
+            tombstones[int(files.no[s])] = files.no[pairs[1][pairs[0] == s]].astype(np.int64)
+    if tombstones is not None:
+        for s in tomb_slots:
+            tombstones.setdefault(int(files.no[s]), np.empty(0, np.int64))
+    keys_map.grow(int(np.count_nonzero(~dead)))
+    keys_map.place(all_keys[win[~dead]], all_fslots[win[~dead]], all_poss[win[~dead]])
+    files.live[:] = np.bincount(all_fslots[win[~dead]], minlength=files.capacity)
+    for s in tomb_slots:
+        files.live[s] = files.n[s]  # never a compaction victim: retired when its dependencies are gone
     return next_file_no, removed

@@ -11,7 +11,7 @@ Layout (little-endian)::
     12      4            width  (floats per row)
     16      8            n      (rows)
     24      8            file number (unique, increasing; also the file name)
-    32      4            flags  (bit 0: written by compaction)
+    32      4            flags  (bit 0: written by compaction, bit 1: tombstones)
     36      4            crc32 of the index section (keys + versions)
     40      4            crc32 of the rows section
     44      16           reserved, zero
@@ -52,6 +52,7 @@ from hpsray.errors import CorruptFileError, SSDError, SSDFullError
 __all__ = [
     "BLOCK_BYTES",
     "FLAG_COMPACTED",
+    "FLAG_TOMBSTONE",
     "FORMAT_VERSION",
     "FULL_ERRNOS",
     "HEADER_BYTES",
@@ -94,6 +95,7 @@ PARTIAL_VERSIONS = (3,)  # formats whose block tables partial loads use (format 
 BLOCK_BYTES = 1024  # target bytes of row data per checksummed block
 HEADER_BYTES = 64
 FLAG_COMPACTED = 1
+FLAG_TOMBSTONE = 2  # every row is a deletion (zeros): the key is absent from this version on
 SUFFIX = ".hps"
 TMP_SUFFIX = ".tmp"
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space

@@ -22,6 +22,12 @@
 * **Versions.** Every row in a file carries the number of the dump file that produced its
   value; compaction copies it unchanged. On reopen the highest version of a key wins, so a
   compacted copy never shadows a newer dump written while the compaction ran.
+* **delete(keys)** (expiry) writes *tombstones*: a file flagged ``FLAG_TOMBSTONE`` whose
+  entries, newer than any copy of their keys, say "absent" on reopen and in snapshots; it is
+  recorded like a dump, then the keys leave the mapping and their rows count stale, so
+  compaction reclaims them. A tombstone file is never a compaction victim; it is retired (one
+  manifest edit) once every file that held rows stale at its writing is gone, since only those
+  can hold an older copy of its keys.
 
 The parts, one idea per module (like LevelDB's version set, table cache and compaction):
 ``store`` (this facade: dump, the public API, lifecycle), ``keymap`` (key → file and position;
@@ -49,6 +55,7 @@ from hpsray.tiers.ssd.keymap import KeyMap, recover
 from hpsray.tiers.ssd.manifest import Manifest
 from hpsray.tiers.ssd.paramfile import (
     FLAG_COMPACTED,
+    FLAG_TOMBSTONE,
     HEADER_BYTES,
     Writer,
     block_rows_for,
@@ -56,6 +63,7 @@ from hpsray.tiers.ssd.paramfile import (
     fsync_path,
     read_file,
     record_bytes,
+    unlink_quiet,
 )
 from hpsray.tiers.ssd.reads import MAX_OPEN_FILES, ROUND_BYTES, Reads
 from hpsray.tiers.ssd.snapshot import restore_snapshot, take_snapshot
@@ -159,6 +167,10 @@ class SSDPS:
             "compaction_seconds": 0.0,
             "backpressure_waits": 0,
             "garbage_files_removed": 0,
+            "deletes": 0,
+            "rows_deleted": 0,
+            "tombstone_files_written": 0,
+            "tombstone_files_retired": 0,
         }
 
         self._manifest = Manifest.open(self.directory, width, write)
@@ -169,8 +181,9 @@ class SSDPS:
         self._round_files = int(min(MAX_OPEN_FILES, max(2, ROUND_BYTES // (self._rec * self.rows_per_file))))
         self._files = FileTable()
         self._keys = KeyMap()
+        self._tombstones: dict[int, np.ndarray] = {}  # tombstone file number -> its dependencies
         self._next_file_no, self._stats["garbage_files_removed"] = recover(
-            self.directory, self._manifest, self.width, self._block_rows, self._files, self._keys
+            self.directory, self._manifest, self.width, self._block_rows, self._files, self._keys, self._tombstones
         )
         self._manifest.maybe_rewrite()
 
@@ -300,6 +313,75 @@ class SSDPS:
         if self.max_space_ratio is not None and ratio > self.max_space_ratio:
             self._compaction.backpressure()
 
+    def delete(self, keys: ArrayLike) -> int:
+        """Durably delete the rows of ``keys`` (absent keys are skipped); returns the rows deleted.
+
+        Writes tombstones for the stored keys as a dump writes rows (files fsynced, then one
+        manifest record), so a reopen or a snapshot never brings them back; their rows count
+        stale from then on and compaction reclaims them. Waits for a compaction pass in progress.
+        """
+        keys = np.unique(as_keys(keys))
+        if keys.size == 0:
+            return 0
+        t0 = time.perf_counter()
+        rpf = self.rows_per_file
+        with self._dump_lock, self._compaction.lock:  # no pass may copy a row it is deleting
+            self._check_open()
+            with self._lock:
+                keys = keys[self._keys.find(keys) >= 0]
+            if keys.size == 0:
+                return 0
+            n_files = -(-keys.size // rpf)
+            nos = self._allocate_file_numbers(n_files)
+            versions = np.repeat(np.asarray(nos, dtype=np.uint64), rpf)[: keys.size]
+            zeros = np.zeros((keys.size, self.width), dtype=np.float32)
+            sizes, tables = self._write_files(list(nos), keys, versions, zeros, FLAG_TOMBSTONE)
+            self._hook("delete:written")
+            try:
+                self._manifest.append(add=list(nos), next_file_no=nos.stop)
+            except BaseException:
+                remove_files(self.directory, nos)
+                raise
+            self._hook("delete:recorded")
+            with self._lock:
+                _, file_slots = self._keys.remove(keys)
+                f = self._files
+                f.kill(file_slots)
+                slots = f.add_written(nos, sizes, tables, int(keys.size), rpf, None, FLAG_TOMBSTONE)
+                # any older copy of a deleted key is a stale row, so it sits in a file with stale rows
+                rows_files = (f.no >= 0) & ((f.flags & FLAG_TOMBSTONE) == 0) & (f.n > f.live)
+                deps = f.no[rows_files].copy()
+                for s in slots.tolist():
+                    self._tombstones[int(f.no[s])] = deps
+                st = self._stats
+                st["deletes"] += 1
+                st["rows_deleted"] += int(keys.size)
+                st["tombstone_files_written"] += n_files
+                st["bytes_written"] += sum(sizes)
+                st["dump_seconds"] += time.perf_counter() - t0
+            self._manifest.maybe_rewrite()
+        self._compaction.wake.set()
+        return int(keys.size)
+
+    def _retire_tombstones(self) -> int:
+        """Remove the tombstone files none of whose dependencies is live any more (the caller
+        holds the compaction lock); returns how many."""
+        with self._lock:
+            live = np.fromiter(self._files.slot_of, dtype=np.int64, count=len(self._files.slot_of))
+            done = [no for no, deps in self._tombstones.items() if not np.isin(deps, live).any()]
+        if not done:
+            return 0
+        self._manifest.append(delete=done)
+        with self._lock:
+            for no in done:
+                self._files.remove(self._files.slot_of[no])
+                self._reads.drop_map(no)
+                unlink_quiet(self._path(no))
+                del self._tombstones[no]
+            self._stats["tombstone_files_retired"] += len(done)
+        self._manifest.maybe_rewrite()
+        return len(done)
+
     # -- compaction (compaction.py) ------------------------------------------------------
 
     def needs_compaction(self) -> bool:
@@ -319,7 +401,11 @@ class SSDPS:
             done += n
 
     def _compact_pass(self, full: bool = False) -> int:
-        return self._compaction.run_pass(full)
+        done = self._compaction.run_pass(full)
+        if self._tombstones:
+            with self._compaction.lock:
+                done += self._retire_tombstones()
+        return done
 
     def wait_compaction(self, timeout: float | None = None) -> bool:
         """Block until compaction has nothing left to do (per ``compact_trigger``); compacts
@@ -337,6 +423,7 @@ class SSDPS:
             return dict(
                 self._stats,
                 files=len(f),
+                tombstone_files=len(self._tombstones),
                 live_rows=self._keys.size,
                 live_bytes=live,
                 disk_bytes=f.disk_bytes,
