@@ -26,8 +26,6 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:
     from hpsray.checkpoint import Checkpoint
     from hpsray.job import JobConfig
@@ -258,7 +256,13 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
         it = source.open(bs)
     else:  # what N nodes train: per batch, the global mini-batches of every node's share
         it = global_batches(source, bs, n_nodes, job.train_config().minibatch_size)
-    trainer = ReferenceTrainer(source.n_slots, source.n_dense, job.train_config())
+    trainer = ReferenceTrainer(
+        source.n_slots,
+        source.n_dense,
+        job.train_config(),
+        admit_after=job.tiers.admit_after,
+        expire_after_batches=job.tiers.expire_after_batches,
+    )
     per_read, per_train, losses = {}, {}, {}
     t0 = time.perf_counter()
     t = 0
@@ -272,7 +276,7 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
         s0 = time.perf_counter()
         if isinstance(batch, list):
             trainer.model.train()
-            losses[str(t)] = float(np.mean([trainer.train_minibatch(mb) for mb in batch]))
+            losses[str(t)] = trainer.train_minibatches(batch)  # one batch, as admission counts it
         else:
             losses[str(t)] = trainer.train_batch(batch)
         per_train[str(t)] = time.perf_counter() - s0

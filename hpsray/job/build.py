@@ -39,16 +39,17 @@ def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerStage, Me
     """``(TrainerStage, MemPSStage, SSDPSStage)`` of ``job``. ``n_slots`` sizes the default
     MEM-PS budget (read from the schema when not given)."""
     t, p = job.tiers, job.pipeline
+    admission = {"admit_after": t.admit_after, "expire_after_batches": t.expire_after_batches}
     trainer = TrainerStage(
         config=job.train_config(), n_devices=p.n_devices, device=p.device, threads=p.threads, hbm_capacity=p.hbm_rows
     )
     if t.mem_bytes is not None:
-        mem = MemPSStage(capacity_bytes=t.mem_bytes, options=dict(t.mem))
+        mem = MemPSStage(capacity_bytes=t.mem_bytes, options=dict(t.mem), **admission)
     else:
         if t.mem_rows is None and n_slots is None:
             n_slots = source(job).n_slots
         rows = t.mem_rows if t.mem_rows is not None else 4 * p.batch_size * max(n_slots or 1, 1)
-        mem = MemPSStage(capacity_rows=rows, options=dict(t.mem))
+        mem = MemPSStage(capacity_rows=rows, options=dict(t.mem), **admission)
     return trainer, mem, SSDPSStage(path=t.ssd_path, options=dict(t.ssd))
 
 

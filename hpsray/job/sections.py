@@ -115,7 +115,9 @@ class TiersSection:
     """``[tiers]``: the MEM-PS budget (``mem_rows`` or ``mem_bytes``), the SSD-PS directory, and
     engine options in ``[tiers.mem]`` (``lru_fraction``, ``aging``, ``history``) and ``[tiers.ssd]``
     (``rows_per_file``, ``stale_threshold``, ``compact_trigger``, ``max_space_ratio``,
-    ``background``, ``io_threads``, ``compact_pass_bytes``).
+    ``background``, ``io_threads``, ``compact_pass_bytes``); feature admission and expiry
+    (``admit_after``: a key gets a row from the ``admit_after``-th batch it is seen in;
+    ``expire_after_batches``: rows not seen for that many batches are dropped; both off by default).
 
     With neither budget given, MEM-PS holds ``4 × batch_size × slots`` rows. With no
     ``ssd_path`` the SSD-PS files go to a temporary directory removed at the end.
@@ -126,6 +128,8 @@ class TiersSection:
     ssd_path: str | None = None
     mem: dict = field(default_factory=dict)
     ssd: dict = field(default_factory=dict)
+    admit_after: int = 0
+    expire_after_batches: int | None = None
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,8 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
             if v is not chk.UNSET:
                 ssd[k] = v
         ssd_t.done()
+    admit_after = t.take("admit_after", chk.integer(0), 0)
+    expire_after_batches = t.take("expire_after_batches", chk.integer(1))
     t.done()
     if mem_rows is not None and mem_bytes is not None:
         t.fail("mem_bytes", "give either tiers.mem_rows or tiers.mem_bytes, not both")
@@ -301,7 +307,8 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
         t.fail("ssd_path", "must not be empty (leave it out for a temporary directory)")
     if ssd_path is not None and chk.is_uri(ssd_path):
         t.fail("ssd_path", f"must be a local directory (SSD-PS files live on the node's disk), got {ssd_path!r}")
-    return TiersSection(mem_rows, mem_bytes, chk.resolve_path(ssd_path, base) if ssd_path else None, mem, ssd)
+    ssd_dir = chk.resolve_path(ssd_path, base) if ssd_path else None
+    return TiersSection(mem_rows, mem_bytes, ssd_dir, mem, ssd, admit_after, expire_after_batches)
 
 
 def parse_pipeline(t: chk.Table) -> PipelineSection:

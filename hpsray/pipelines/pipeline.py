@@ -8,6 +8,7 @@ and serves the trained model back (evaluate, export).
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import tempfile
@@ -29,6 +30,7 @@ from hpsray.pipelines.progress import known_examples, progress_bar
 from hpsray.pipelines.recovery import (
     CheckpointCosts,
     actor_lost,
+    admission_of,
     dead_actors,
     load_trainers,
     restart_from,
@@ -115,7 +117,8 @@ class Pipeline:
         return job_fingerprint(
             {
                 "config": repr(self.config),
-                "source": repr(self.source),
+                "source": re.sub(r" at 0x[0-9a-fA-F]+", "", repr(self.source)),  # a default repr: class only
+                "admission": [self.mem_stage.admit_after, self.mem_stage.expire_after_batches],
                 "batch_size": self.batch_size,
                 "nodes": self.n_nodes,
                 "row_width": self.config.row_width,
@@ -148,7 +151,8 @@ class Pipeline:
             self._tmp = ssd_path = self._tmp or tempfile.mkdtemp(prefix="hpsray-ssd-")
         for i, node in enumerate(alive[:n_nodes]):
             snapshot = snapshot_of(restore, i) if restore is not None else None
-            self._nodes.append(place_node(self, i, node, n_nodes, f"{ssd_path}/node-{i}", snapshot))
+            counts = admission_of(restore, i) if restore is not None else None
+            self._nodes.append(place_node(self, i, node, n_nodes, f"{ssd_path}/node-{i}", snapshot, counts))
         if n_nodes > 1:
             self._aggregators = join_group(self.name, self._nodes, self.sync)
         if restore is not None:

@@ -51,8 +51,9 @@ def start_ssd(pipeline, index: int, node_id: str, directory: str, restore_from: 
     )
 
 
-def start_mem(pipeline, index: int, node_id: str, ssd):
-    """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd``."""
+def start_mem(pipeline, index: int, node_id: str, ssd, admission_from: str | None = None):
+    """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd`` (its admission counts
+    from ``admission_from``, a checkpoint's, when given)."""
     config, stage = pipeline.config, pipeline.mem_stage
     return (
         ray.remote(MemPSShard)
@@ -66,6 +67,7 @@ def start_mem(pipeline, index: int, node_id: str, ssd):
             stage.capacity_bytes,
             admit_after=stage.admit_after,
             expire_after_batches=stage.expire_after_batches,
+            admission_from=admission_from,
             **stage.options,
         )
     )
@@ -97,7 +99,13 @@ def start_trainer(pipeline, index: int, node: dict, n_nodes: int):
 
 
 def place_node(
-    pipeline, index: int, node: dict, n_nodes: int, ssd_dir: str, restore_from: str | None = None
+    pipeline,
+    index: int,
+    node: dict,
+    n_nodes: int,
+    ssd_dir: str,
+    restore_from: str | None = None,
+    admission_from: str | None = None,
 ) -> NodeActors:
     """Start node ``index``'s SSD-PS (over ``ssd_dir``), MEM-PS and trainer on Ray node ``node``.
 
@@ -105,7 +113,7 @@ def place_node(
     """
     node_id = node["NodeID"]
     ssd = start_ssd(pipeline, index, node_id, ssd_dir, restore_from)
-    mem = start_mem(pipeline, index, node_id, ssd)
+    mem = start_mem(pipeline, index, node_id, ssd, admission_from)
     return NodeActors(index, node_id, ssd, mem, start_trainer(pipeline, index, node, n_nodes), ssd_dir)
 
 

@@ -40,6 +40,7 @@ ACTOR_LOST = (
 )
 TRAINER_STATE = "trainer.pt"
 SSD_SNAPSHOT = "ssd"
+ADMISSION = "admission.npz"  # the owner's admission counts (only with admission on)
 
 
 @dataclass
@@ -71,6 +72,7 @@ def write_checkpoint(
         snaps = [n.ssd.snapshot.remote(str(node_dir(staging, n.index) / SSD_SNAPSHOT)) for n in nodes]
         states = [n.trainer.save_state.remote(str(node_dir(staging, n.index) / TRAINER_STATE)) for n in nodes]
         snapped, saved = ray.get(snaps), ray.get(states)
+        saved += ray.get([n.mem.save_admission.remote(str(node_dir(staging, n.index) / ADMISSION)) for n in nodes])
         ckpt = checkpoints.commit(staging, batch, {**meta, "nodes": len(nodes)}, fingerprint=fingerprint)
     return ckpt, time.perf_counter() - t0, sum(s["bytes"] for s in snapped) + sum(saved)
 
@@ -78,6 +80,12 @@ def write_checkpoint(
 def snapshot_of(checkpoint: Checkpoint, node: int) -> str:
     """Node ``node``'s SSD-PS snapshot in ``checkpoint``."""
     return str(checkpoint.node(node) / SSD_SNAPSHOT)
+
+
+def admission_of(checkpoint: Checkpoint, node: int) -> str | None:
+    """Node ``node``'s admission counts in ``checkpoint`` (``None`` when admission was off)."""
+    path = checkpoint.node(node) / ADMISSION
+    return str(path) if path.exists() else None
 
 
 def trainer_state_of(checkpoint: Checkpoint, node: int) -> str:
@@ -146,7 +154,14 @@ def restart_from(pipeline, checkpoint: Checkpoint, dead: list[str], timeout: flo
     if trainers_together:
         stop_actors(pipeline._aggregators or [])
         pipeline._aggregators = None
-    reset_or_restart("MemPS", {nd.index: nd.mem.reset.remote() for nd in nodes if ("MemPS", nd.index) not in restart})
+    reset_or_restart(
+        "MemPS",
+        {
+            nd.index: nd.mem.reset.remote(admission_of(checkpoint, nd.index))
+            for nd in nodes
+            if ("MemPS", nd.index) not in restart
+        },
+    )
     ssd_calls = {
         nd.index: nd.ssd.restore.remote(snapshot_of(checkpoint, nd.index))
         for nd in nodes
@@ -160,7 +175,7 @@ def restart_from(pipeline, checkpoint: Checkpoint, dead: list[str], timeout: flo
             node.ssd = start_ssd(pipeline, node.index, node.node_id, node.ssd_dir, snapshot_of(checkpoint, node.index))
         if ("MemPS", node.index) in restart:
             stop_actors([node.mem])
-            node.mem = start_mem(pipeline, node.index, node.node_id, node.ssd)
+            node.mem = start_mem(pipeline, node.index, node.node_id, node.ssd, admission_of(checkpoint, node.index))
         if ("Trainer", node.index) in restart:
             node.trainer = start_trainer(pipeline, node.index, alive[node.node_id], n)
             started.add(node.index)

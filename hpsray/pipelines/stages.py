@@ -70,7 +70,8 @@ class SyncStage:
     ``consistency``: ``"bsp"`` (lossless: every mini-batch synchronised), ``"ssp"`` (a trainer
     runs at most ``staleness`` mini-batches ahead of the slowest), ``"asp"`` (no waiting).
     ``dense``: ``"allreduce"`` (the collective group) or ``"chunked"`` (PHub-style: fixed
-    ``chunk_bytes`` chunks, each summed by one aggregator actor).
+    ``chunk_bytes`` chunks, each owned by one aggregation worker of one node, streamed between
+    the trainers and summed as they arrive; docs/architecture.md: Chunked aggregation).
 
     ``before_minibatch``: an injection point for tests and experiments, ``None`` in production:
     under ``ssp``/``asp`` every trainer calls ``before_minibatch(node, clock)`` before computing
@@ -97,7 +98,7 @@ class SyncStage:
 
 @dataclass
 class CheckpointStage:
-    """Checkpoints and recovery (docs/operations.md: Checkpoints and recovery).
+    """Checkpoints and recovery (docs/operations.md: Checkpoints, recovery and resume).
 
     Every ``every_batches`` batches (and at the start of each pass) the pipeline writes a
     checkpoint to ``directory``, keeping the ``keep`` newest. When a stage actor dies during
