@@ -33,11 +33,18 @@ BATCH = 500
 CFG = TrainConfig(dim=4, hidden=(8,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    ref = ReferenceTrainer(SOURCE.n_slots, SOURCE.n_dense, CFG)
+ADMISSION = {"admit_after": 2, "expire_after_batches": 3}  # training state a checkpoint must keep too
+
+
+def reference_of(**rules) -> tuple:
+    ref = ReferenceTrainer(SOURCE.n_slots, SOURCE.n_dense, CFG, **rules)
     ref.fit(SOURCE.open(BATCH))
     return ref.export()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_of()
 
 
 def assert_equal_to_reference(pipeline, reference) -> None:
@@ -50,14 +57,14 @@ def assert_equal_to_reference(pipeline, reference) -> None:
         np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-def run_with_kills(tmp_path, seed: int, nodes: int):
+def run_with_kills(tmp_path, seed: int, nodes: int, **rules):
     ckpt = tmp_path / "ckpt"
     batches = SOURCE.rows // BATCH // nodes
     plan = kill_plan(seed, nodes, batches)
     pipeline = Pipeline(
         SOURCE,
         TrainerStage(CFG),
-        MemPSStage(capacity_rows=1500),  # rows travel to SSD-PS and back
+        MemPSStage(capacity_rows=1500, **rules),  # rows travel to SSD-PS and back
         SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
         batch_size=BATCH,
         nodes=nodes,
@@ -74,9 +81,9 @@ def run_with_kills(tmp_path, seed: int, nodes: int):
     return pipeline, report, killer
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
-def test_one_node_recovers_from_every_actor_kind_killed(ray_local, tmp_path, reference, seed):
-    pipeline, report, killer = run_with_kills(tmp_path, seed, nodes=1)
+@pytest.mark.parametrize("seed,rules", [(11, {}), (12, {}), (13, ADMISSION)], ids=["11", "12", "13-admission"])
+def test_one_node_recovers_from_every_actor_kind_killed(ray_local, tmp_path, reference, seed, rules):
+    pipeline, report, killer = run_with_kills(tmp_path, seed, nodes=1, **rules)
     with pipeline:
         assert [k for k, _, _ in killer.killed] == [k for k, _, _ in kill_plan(seed, 1, 30)]
         assert len(report["recovery"]) == len(killer.killed)
@@ -84,7 +91,7 @@ def test_one_node_recovers_from_every_actor_kind_killed(ray_local, tmp_path, ref
             assert entry["resumed_from_batch"] <= entry["failed_at_batch"] and entry["restart_s"] > 0
         assert report["batches"] == 30 and report["examples"] == SOURCE.rows
         assert report["checkpoints"]["count"] >= 15
-        assert_equal_to_reference(pipeline, reference)
+        assert_equal_to_reference(pipeline, reference_of(**rules) if rules else reference)
 
 
 def test_killing_a_busy_pipeline_without_checkpoints_still_stops_with_the_cause(ray_local, tmp_path):
