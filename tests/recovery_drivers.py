@@ -71,10 +71,12 @@ class Killer(threading.Thread):
             plan.pop(0)
 
 
-def kill_plan(seed: int, nodes: int, batches: int) -> list[tuple[str, int, int]]:
-    """Every actor kind once, in a seeded order, each on a seeded node, after seeded batches."""
+def kill_plan(seed: int, nodes: int, batches: int, kills: int = len(KINDS)) -> list[tuple[str, int, int]]:
+    """Every actor kind once (then seeded host-side kinds up to ``kills``: a trainer's restart
+    costs a process start with torch and numba, seconds), in a seeded order, each on a seeded
+    node, after seeded batches."""
     rng = random.Random(seed)
-    kinds = list(KINDS)
+    kinds = list(KINDS) + [rng.choice(KINDS[:3]) for _ in range(kills - len(KINDS))]
     rng.shuffle(kinds)
     spread = sorted(rng.sample(range(2, batches - 6), len(kinds)))
     return [(kind, rng.randrange(nodes), at) for kind, at in zip(kinds, spread)]
