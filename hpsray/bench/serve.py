@@ -18,6 +18,14 @@ busy shared machine slows all of them alike, instead of whichever ran at the wro
 The headline (``examples_per_s``, ``p50_ms``, ``p99_ms`` and the baselines' rates) is the point of
 the largest batch and concurrency. The client runs on the same machine as the server.
 
+Each point also reports ``cpu_ms_per_request``: CPU seconds (user + system, from ``/proc``) that
+the system's replica, the Serve HTTP proxy and this process (the client) spent per answered
+request, medians over the rounds. On a shared machine these move less with the neighbours' load
+than the rates do, and they show which part of a request is the store's and which the endpoint's.
+
+``--delta`` adds ``delta``: what following one incremental export costs (:func:`follow_delta`);
+``--systems '' --delta`` measures only that.
+
 ``in_process`` repeats the comparison without HTTP: each system's :meth:`ServableModel.predict`
 (dedupe, lookup, pooling, dense model) on the same pre-parsed batches of the largest size, in this
 process, with one torch thread, the systems round-robin, best of ``--repeat`` rounds: what the
@@ -56,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8777)
     parser.add_argument("--dir", default=None, help="directory for the model (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="also time following an incremental export (5 %% of rows changed, 1 %% removed, 1 %% new): "
+        "the point store merged from the base's vs laid out from load_export, the swap's load, the hit rate after "
+        "it (with --systems '' only this)",
+    )
 
 
 # -- the model and its traffic ----------------------------------------------------------------
@@ -227,6 +242,87 @@ def in_process(model_dir: str, bodies: list[bytes], mem_fraction: float, systems
     }
 
 
+def follow_delta(model_dir: str, gen, dim: int, mem_fraction: float, seed: int = 0, repeat: int = 3) -> dict:
+    """What serving pays to follow one incremental export of the model in ``model_dir``.
+
+    A delta of the bench model (5 % of rows changed, 1 % removed, 1 % new keys) is exported
+    beside it; then, medians of ``repeat``: the delta's point store merged from the base's
+    (:func:`~hpsray.serving.layout.build_point_store`) against the same layout written from
+    :func:`~hpsray.pipelines.export.load_export`'s arrays and against a rebuild from the Parquet
+    files; the replica's load of the new model (5 % tiered, the old model's hot rows carried;
+    all in memory); and the cache hit rate of the first requests after the swap, carried against
+    cold. Leaves the delta in ``model_dir``.
+    """
+    from hpsray.config import TrainConfig
+    from hpsray.pipelines.export import export, load_export
+    from hpsray.serving import LoadOptions, ServableModel
+    from hpsray.serving.layout import _padded, point_store_dir, row_stride
+
+    keys, rows, dense = load_export(model_dir)
+    rng = np.random.default_rng(seed + 1)
+    rows = rows.copy()
+    rows[rng.random(keys.size) < 0.05, :dim] += 1.0
+    keep = rng.random(keys.size) >= 0.01
+    new = np.setdiff1d(rng.integers(1, 2**63, keys.size // 100, dtype=np.uint64), keys)
+    keys2 = np.concatenate([keys[keep], new])
+    rows2 = np.concatenate([rows[keep], np.full((new.size, rows.shape[1]), 0.01, np.float32)])
+    config = TrainConfig(dim=dim, sparse_optimizer="sgd", seed=seed)
+    opts = LoadOptions(mem_fraction=mem_fraction)
+    old = ServableModel.load(model_dir, opts)
+    batches = [old.parser.parse_body(b) for b in request_bodies(gen, 256, 60)]
+    for b in batches:  # the old model's cache warm, as on a serving replica
+        old.predict(b)
+    t0 = time.perf_counter()
+    manifest = export((keys2, rows2, dense), model_dir, config, incremental=True)
+    export_s = time.perf_counter() - t0
+    delta_dir = os.path.join(model_dir, f"delta-{manifest['sequence']:06d}")
+    scratch = os.path.join(os.path.dirname(os.path.abspath(model_dir)), "layout-from-load-export")
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn):
+        t = time.perf_counter()
+        out = fn()
+        times.setdefault(name, []).append(time.perf_counter() - t)
+        return out
+
+    def from_load_export() -> None:
+        k, r, _ = load_export(model_dir)
+        os.makedirs(scratch, exist_ok=True)
+        with open(os.path.join(scratch, "keys.u64"), "wb") as f:
+            f.write(k.data)
+        with open(os.path.join(scratch, "rows.f32"), "wb") as f:
+            f.write(_padded(r[:, :dim], row_stride(dim)).data)
+
+    from hpsray.serving.layout import build_point_store
+
+    for _ in range(repeat):
+        shutil.rmtree(point_store_dir(delta_dir), ignore_errors=True)
+        timed("merge_s", lambda: build_point_store(model_dir))
+        timed("layout_from_load_export_s", from_load_export)
+        timed("rebuild_from_parquet_s", lambda: build_point_store(model_dir, rebuild=True))
+        new_model = timed("swap_load_tiered_s", lambda: ServableModel.load(model_dir, opts, previous=old))
+        timed("swap_load_memory_s", lambda: ServableModel.load(model_dir))
+    shutil.rmtree(scratch, ignore_errors=True)
+    cold = ServableModel.load(model_dir, opts)
+    hit = {}
+    for name, model in (("carried", new_model), ("cold", cold)):
+        c = model.lookup.cache
+        h0, n0 = c.hits, c.lookups
+        for b in batches[:10]:
+            model.predict(b)
+        hit[name] = (c.hits - h0) / max(1, c.lookups - n0)
+    return {
+        "rows": int(manifest["rows"]),
+        "changed": int(manifest["changed"]),
+        "removed": int(manifest["removed"]),
+        "export_delta_s": export_s,
+        **{k: float(np.median(v)) for k, v in times.items()},
+        "carried_rows": int(new_model.lookup.carried),
+        "cache_rows": int(new_model.lookup.cache.capacity),
+        "hit_rate_first_10_requests": hit,
+    }
+
+
 def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
     from ray import serve
 
@@ -247,11 +343,51 @@ def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
     return serve.run(app, name=opts.name, route_prefix=opts.route_prefix)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far; 0 where ``/proc`` cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _proxy_pids() -> list[int]:
+    """The Serve HTTP proxy actors' processes on this machine."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"ProxyActor" in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _measured(url: str, bodies: list[bytes], concurrency: int, seconds: float, replica: int, proxies: list[int]):
+    """:func:`drive`, plus ``cpu_ms_per_request`` of the replica, the proxy and this process."""
+    before = (_cpu_s(replica), sum(map(_cpu_s, proxies)), sum(os.times()[:2]))
+    result = drive(url, bodies, concurrency, seconds=seconds)
+    after = (_cpu_s(replica), sum(map(_cpu_s, proxies)), sum(os.times()[:2]))
+    n = max(1, result["requests"])
+    result["cpu_ms_per_request"] = {
+        name: 1e3 * (a - b) / n for name, a, b in zip(("replica", "proxy", "client"), after, before)
+    }
+    return result
+
+
 def _median(points: list[dict]) -> dict:
     """Per-key medians of a point's rounds (errors summed, one sample kept)."""
     out = {
         k: float(np.median([p[k] for p in points])) for k in ("examples_per_s", "requests_per_s", "p50_ms", "p99_ms")
     }
+    if all("cpu_ms_per_request" in p for p in points):
+        out["cpu_ms_per_request"] = {
+            k: float(np.median([p["cpu_ms_per_request"][k] for p in points])) for k in points[0]["cpu_ms_per_request"]
+        }
     out["requests"] = int(sum(p["requests"] for p in points))
     out["errors"] = int(sum(p["errors"] for p in points))
     out["error_samples"] = [e for p in points for e in p["error_samples"]][:3]
@@ -259,10 +395,43 @@ def _median(points: list[dict]) -> dict:
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
+def _serve_runs(args, model_dir: str, systems: list[str], bodies: dict, batch_sizes: list[int], concurrency: list[int]):
+    """The curves over HTTP (one Serve instance, the systems round-robin) and the replicas' stats."""
     import ray
     from ray import serve
 
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    curves: dict[str, list[dict]] = {}
+    try:
+        handles = {system: _deploy(model_dir, system, args.mem_fraction, args.port) for system in systems}
+        urls = {system: f"http://127.0.0.1:{args.port}/{system}/predict" for system in systems}
+        replicas = {system: handles[system].stats.remote().result()["pid"] for system in systems}
+        proxies = _proxy_pids()
+        for system in systems:  # warm-up: caches filled, code paths compiled
+            drive(urls[system], bodies[batch_sizes[-1]], max(concurrency), seconds=min(3.0, args.seconds))
+        curves = {system: [] for system in systems}
+        for b in batch_sizes:
+            for c in concurrency:
+                rounds: dict[str, list[dict]] = {system: [] for system in systems}
+                for _ in range(args.repeat):
+                    for system in systems:
+                        rounds[system].append(
+                            _measured(urls[system], bodies[b], c, args.seconds, replicas[system], proxies)
+                        )
+                for system in systems:
+                    curves[system].append({"batch": b, "concurrency": c, **_median(rounds[system])})
+        stats = {system: handles[system].stats.remote().result() for system in systems}
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+    return curves, stats
+
+
+def run(args: argparse.Namespace) -> dict:
     systems = [s for s in args.systems.split(",") if s]
     bad = set(systems) - set(SYSTEMS)
     if bad:
@@ -279,32 +448,17 @@ def run(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     bodies = {b: request_bodies(gen, b, max(8, min(400, 20_000 // b))) for b in batch_sizes}
 
-    local = in_process(model_dir, bodies[batch_sizes[-1]], args.mem_fraction, systems, args.repeat)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    local: dict = {}
     curves: dict[str, list[dict]] = {}
     stats: dict[str, dict] = {}
+    delta = None
     try:
-        handles = {system: _deploy(model_dir, system, args.mem_fraction, args.port) for system in systems}
-        urls = {system: f"http://127.0.0.1:{args.port}/{system}/predict" for system in systems}
-        for system in systems:  # warm-up: caches filled, code paths compiled
-            drive(urls[system], bodies[batch_sizes[-1]], max(concurrency), seconds=min(3.0, args.seconds))
-        curves = {system: [] for system in systems}
-        for b in batch_sizes:
-            for c in concurrency:
-                rounds: dict[str, list[dict]] = {system: [] for system in systems}
-                for _ in range(args.repeat):
-                    for system in systems:
-                        rounds[system].append(drive(urls[system], bodies[b], c, seconds=args.seconds))
-                for system in systems:
-                    curves[system].append({"batch": b, "concurrency": c, **_median(rounds[system])})
-        stats = {system: handles[system].stats.remote().result() for system in systems}
+        if systems:
+            local = in_process(model_dir, bodies[batch_sizes[-1]], args.mem_fraction, systems, args.repeat)
+            curves, stats = _serve_runs(args, model_dir, systems, bodies, batch_sizes, concurrency)
+        if args.delta:
+            delta = follow_delta(model_dir, gen, args.dim, args.mem_fraction, args.seed, args.repeat)
     finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -326,6 +480,7 @@ def run(args: argparse.Namespace) -> dict:
     report["memory_examples_per_s"] = m.get("examples_per_s")
     report["rocksdb_examples_per_s"] = r.get("examples_per_s")
     report["rocksdb_p50_ms"] = r.get("p50_ms")
+    report["cpu_ms_per_request"] = {s: head(s).get("cpu_ms_per_request") for s in systems}
     report["in_memory_bound_examples_per_s"] = bnd.get("examples_per_s")
     if t and r:
         report["vs_rocksdb"] = t["examples_per_s"] / r["examples_per_s"]
@@ -346,4 +501,6 @@ def run(args: argparse.Namespace) -> dict:
     report["replica_stats"] = {
         s: {k: v for k, v in st.items() if k not in ("load", "pid", "directory")} for s, st in stats.items()
     }
+    if delta is not None:
+        report["delta"] = delta
     return report

@@ -108,6 +108,26 @@ class HotCache:
         """``out[i] = row of slots[i]`` where ``slots[i] >= 0`` (others untouched)."""
         _gather(self.rows, slots, out, self.dim)
 
+    def carry(self, old: HotCache, read_rows) -> int:
+        """Take over ``old``'s keys (a cache of an earlier model, maybe still in use by another
+        thread), with their rows as they are now: ``read_rows(keys) -> (found bool[n],
+        float32[n, dim])`` gives them (from the new model's store). Keys it does not find are
+        dropped. Same geometry: the entries stay in their slots, counts kept; otherwise the keys
+        are admitted afresh. Returns the entries carried."""
+        if not self.n_sets or not old.n_sets or old.dim != self.dim:
+            return 0
+        keys, counts = old.keys.copy(), old.counts.copy()  # a snapshot; its rows are re-read below
+        slots = np.flatnonzero(keys != EMPTY_KEY)
+        found, rows = read_rows(keys[slots])
+        slots, rows = slots[found], rows[found]
+        if old.n_sets == self.n_sets:
+            self.keys[slots] = keys[slots]
+            self.counts[slots] = counts[slots]
+            self.rows[slots, : self.dim] = rows
+            return int(slots.size)
+        order = np.argsort(counts[slots], kind="stable")[::-1]  # the hottest first
+        return self.admit(keys[slots][order], np.ascontiguousarray(rows[order]))
+
     def admit(self, keys: np.ndarray, rows: np.ndarray) -> int:
         """Offer missed rows to the cache; returns how many were taken in."""
         if not self.n_sets or not keys.size:

@@ -5,11 +5,13 @@ parsing, handle calls as they come) meet in one ``@serve.batch`` method, which c
 into one :class:`Batch` (so keys are deduplicated across the requests of a batch), predicts in a
 worker thread (one batch at a time) and splits the result.
 
-Hot swap: a background task polls the model directory every ``watch_s`` seconds; a newer export
-is loaded beside the serving one and swapped in by one reference assignment; batches in flight
-finish on the model they started with (each request is parsed and predicted by the same model,
-even across exports with different schemas), so no request fails during a swap. A newer export
-that fails to load is logged and not retried until it changes. ``reload()`` forces a look.
+Hot swap: a background task polls the model directory every ``watch_s`` seconds; a newer export, or
+a new incremental delta of the served one (:func:`~hpsray.serving.model.export_version`), is loaded
+beside the serving one (its hot rows carried over, re-read from the new state) and swapped in by
+one reference assignment; batches in flight finish on the model they started with (each request is
+parsed and predicted by the same model, even across exports with different schemas), so no request
+fails during a swap. A newer export that fails to load is logged and not retried until it changes.
+``reload()`` forces a look.
 """
 
 from __future__ import annotations
@@ -115,14 +117,14 @@ class Predictor:
             version = export_version(directory)
             if version != self._model.version and version != self._failed:
                 try:
-                    model = await asyncio.to_thread(ServableModel.load, directory, self._load)
+                    model = await asyncio.to_thread(ServableModel.load, directory, self._load, self._model)
                 except Exception:
                     self._failed = version  # not retried until that export changes again
                     raise
                 self._model = model  # batches in flight keep the model they started with
                 self._root = root
                 self.swaps += 1
-                log.info("hpsray serve: now serving %s", directory)
+                log.info("hpsray serve: now serving %s (delta %d)", directory, model.delta)
             return self._model.directory
 
     # -- predictions --------------------------------------------------------------------------
@@ -167,13 +169,14 @@ class Predictor:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return JSONResponse({"error": f"body of {declared} bytes exceeds the limit of {limit}"}, status_code=400)
-        body = bytearray()
+        chunks, size = [], 0
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
                 return JSONResponse({"error": f"body exceeds the limit of {limit} bytes"}, status_code=400)
         try:
-            batch = parser.parse_body(bytes(body))
+            batch = parser.parse_body(chunks[0] if len(chunks) == 1 else b"".join(chunks))
         except BadRequest as e:
             return JSONResponse({"error": str(e)}, status_code=400)
         try:

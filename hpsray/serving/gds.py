@@ -1,10 +1,11 @@
-"""SSD rows straight into device memory: kvikio (GPUDirect Storage) where present, else pread.
+"""SSD rows straight into device memory: kvikio (GPUDirect Storage) where present, else a host copy.
 
 :class:`DeviceRowReader` reads rows of a :class:`~hpsray.serving.pointstore.PointStore` into rows
 of a device array. With kvikio, each row is one ``CuFile.pread`` into its device row (GDS DMA
 where the file system and driver allow it; kvikio's own POSIX fallback, through its bounce
-buffers, where they do not). Without kvikio, the rows are ``pread`` into a pinned host buffer and
-scattered to their device rows by one copy and one kernel.
+buffers, where they do not). Without kvikio, the rows are copied from the point store's mapped
+file (:meth:`~hpsray.serving.pointstore.PointStore.read_into`) into a pinned host buffer and
+scattered to their device rows by one copy and one kernel (``path`` says ``host``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class DeviceRowReader:
 
     @property
     def path(self) -> str:
-        return "kvikio" if self.use_kvikio else "pread"
+        return "kvikio" if self.use_kvikio else "host"
 
     def read(self, file_rows: np.ndarray, out, out_rows: np.ndarray) -> None:
         """``out[out_rows[i]] = row file_rows[i]`` with ``out`` a device float32[m, dim]."""

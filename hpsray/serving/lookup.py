@@ -78,17 +78,37 @@ class MemoryLookup:
 class TieredLookup:
     """Hot rows in a :class:`HotCache`, the rest read from a :class:`PointStore` on SSD.
 
-    Per batch: probe the cache; gather the hits; find the misses in the store's key index and
-    ``pread`` them straight into the output; give unseen keys their initial rows; offer the rows
-    read from SSD to the cache.
+    Per batch: probe the cache; gather the hits; find the misses in the store's key index and copy
+    them from the store's mapped rows file straight into the output; give unseen keys their
+    initial rows; offer the rows read from SSD to the cache.
+
+    ``warm_from``: the lookup of the model served before this one (an earlier export, or the
+    state before a delta); its hot keys start in this cache with their rows read from ``store``,
+    so a swap does not start cold and no row is served as it was before the delta.
     """
 
-    def __init__(self, store: PointStore, capacity: int, init: RowInit, cache: HotCache | None = None) -> None:
+    def __init__(
+        self,
+        store: PointStore,
+        capacity: int,
+        init: RowInit,
+        cache: HotCache | None = None,
+        warm_from: TieredLookup | None = None,
+    ) -> None:
         self.store = store
         self.dim = store.dim
         self.cache = cache if cache is not None else HotCache(capacity, store.dim)
         self.init = init
         self.ssd_reads = self.unseen = 0
+        self.carried = self.cache.carry(warm_from.cache, self._read) if warm_from is not None else 0
+
+    def _read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(found, rows)`` of ``keys`` in the store (rows of keys not found: zeros)."""
+        pos = self.store.find(keys)
+        found = pos >= 0
+        out = np.zeros((keys.size, self.dim), np.float32)
+        self.store.read_into(pos[found], out, np.flatnonzero(found))
+        return found, out
 
     def rows(self, unique_keys: np.ndarray) -> np.ndarray:
         out = np.empty((unique_keys.size, self.dim), np.float32)
@@ -120,4 +140,5 @@ class TieredLookup:
             "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
             "ssd_reads": self.ssd_reads,
             "unseen": self.unseen,
+            "carried": self.carried,
         }

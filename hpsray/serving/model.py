@@ -1,15 +1,17 @@
 """A servable model: an export's dense network, its row lookup and its request parser.
 
 :meth:`ServableModel.load` opens an export directory (or the newest export under a directory of
-exports, :func:`resolve_export`), builds its point store if needed (:mod:`hpsray.serving.layout`),
-and holds ``mem_rows`` rows in memory: all of them by default (:class:`MemoryLookup`), otherwise a
-hot-row cache in front of SSD point reads (:class:`TieredLookup`). :meth:`predict` computes what
-:meth:`hpsray.reference.ReferenceTrainer.predict` computes for the same rows: sum-pooled
-embeddings of the batch's distinct keys through the dense model, then a sigmoid.
+exports, :func:`resolve_export`) with its incremental deltas applied (dense weights from the newest
+one), builds the point store of that state if needed (:mod:`hpsray.serving.layout`), and holds
+``mem_rows`` rows in memory: all of them by default (:class:`MemoryLookup`), otherwise a hot-row
+cache in front of SSD point reads (:class:`TieredLookup`). :meth:`predict` computes what
+:meth:`hpsray.reference.ReferenceTrainer.predict` computes for the same rows: sum-pooled embeddings
+of the batch's distinct keys through the dense model, then a sigmoid.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -29,16 +31,35 @@ from hpsray.serving.request import InputSpec, Limits, RequestParser
 __all__ = ["LoadOptions", "ServableModel", "export_version", "resolve_export"]
 
 
-def export_version(directory: str) -> tuple[str, int]:
-    """``(path, mtime_ns of manifest.json)``: changes whenever an export lands there."""
-    return directory, os.stat(os.path.join(directory, "manifest.json")).st_mtime_ns
+def export_version(directory: str) -> tuple[str, int, tuple[int, ...]]:
+    """``(path, mtime_ns of manifest.json, (mtime_ns of each delta's manifest.json, ...))``:
+    changes whenever an export or a delta lands there.
+
+    The deltas are ``delta-000001``, ``delta-000002`` ... up to the first without a
+    ``manifest.json`` (one being written): a stat each, quiet, cheap enough to poll. Whether a
+    delta applies (its base, its sequence) is checked when the model is loaded
+    (:func:`~hpsray.pipelines.export.export_chain`); a version names the directory's state, so a
+    delta that does not apply is not loaded again and again.
+    """
+    stamps = []
+    while True:
+        try:
+            stamps.append(os.stat(os.path.join(directory, f"delta-{len(stamps) + 1:06d}", "manifest.json")).st_mtime_ns)
+        except OSError:
+            break
+    return directory, os.stat(os.path.join(directory, "manifest.json")).st_mtime_ns, tuple(stamps)
+
+
+def _newest_ns(version: tuple[str, int, tuple[int, ...]]) -> int:
+    return max(version[1], *version[2]) if version[2] else version[1]
 
 
 def resolve_export(path: str | os.PathLike) -> str:
     """``path`` itself when it is an export; else its newest sub-directory that is one.
 
-    "Newest" is the latest ``manifest.json`` (written last by an export), so a directory of
-    versioned exports (``models/v1``, ``models/v2`` ...) serves the latest complete one.
+    "Newest" is the latest ``manifest.json`` (written last by an export, and by each of its
+    deltas), so a directory of versioned exports (``models/v1``, ``models/v2`` ...) serves the
+    latest complete one, and an export that a delta just landed in counts as new.
     """
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, "manifest.json")):
@@ -49,9 +70,11 @@ def resolve_export(path: str | os.PathLike) -> str:
     except OSError as e:
         raise ServingError(f"{path}: cannot list: {e}") from None
     for entry in entries:
-        m = os.path.join(entry.path, "manifest.json")
-        if entry.is_dir() and os.path.isfile(m):
-            t = os.stat(m).st_mtime_ns
+        if entry.is_dir() and os.path.isfile(os.path.join(entry.path, "manifest.json")):
+            try:
+                t = _newest_ns(export_version(entry.path))
+            except OSError:  # replaced meanwhile
+                continue
             if t > best_t:
                 best, best_t = entry.path, t
     if best is None:
@@ -82,21 +105,54 @@ class LoadOptions:
 
 
 class ServableModel:
-    """One loaded export; :meth:`predict` is safe to call from one thread at a time."""
+    """One loaded export (its deltas applied); :meth:`predict` is safe to call from one thread at a time.
+
+    ``manifest`` is the base export's; ``chain`` the directories applied (the base, then each
+    delta, :func:`~hpsray.pipelines.export.export_chain`); ``version`` the
+    :func:`export_version` of the directory when it was loaded; ``rows`` the rows of the state
+    served.
+    """
 
     def __init__(
-        self, directory: str, manifest: dict, dense: torch.nn.Module, lookup, parser: RequestParser, device: str = "cpu"
+        self,
+        directory: str,
+        manifest: dict,
+        dense: torch.nn.Module,
+        lookup,
+        parser: RequestParser,
+        device: str = "cpu",
+        *,
+        chain: list[str] | None = None,
+        version: tuple | None = None,
+        rows: int | None = None,
     ) -> None:
         self.directory, self.manifest = directory, manifest
         self.dense, self.lookup, self.parser, self.device = dense, lookup, parser, device
-        self.version = export_version(directory)
+        self.chain = chain or [directory]
+        self.version = version if version is not None else export_version(directory)
+        self.rows = int(manifest["rows"]) if rows is None else rows
+
+    @property
+    def delta(self) -> int:
+        """The sequence number of the newest delta applied (0: the base export alone)."""
+        return len(self.chain) - 1
 
     @classmethod
-    def load(cls, path: str | os.PathLike, options: LoadOptions = LoadOptions()) -> ServableModel:
-        from hpsray.pipelines.export import read_manifest  # here: hpsray.pipelines imports Ray
+    def load(
+        cls, path: str | os.PathLike, options: LoadOptions = LoadOptions(), previous: ServableModel | None = None
+    ) -> ServableModel:
+        """Load the export at ``path`` (or the newest under it) with its deltas applied.
+
+        ``previous``: the model served until now; its hot rows are carried over into the new
+        model's cache (re-read from the new state, so a row a delta changed is served new).
+        """
+        from hpsray.pipelines.export import export_chain, read_manifest  # here: hpsray.pipelines imports Ray
 
         directory = resolve_export(path)
+        version = export_version(directory)  # before reading: a delta landing meanwhile is seen at the next look
         m = read_manifest(directory)
+        chain = export_chain(directory)
+        last = m if len(chain) == 1 else _read_json(os.path.join(chain[-1], "manifest.json"))
         where = os.path.join(directory, "manifest.json")
         spec = InputSpec.from_manifest(m, where)
         shape = m.get("model") or {}
@@ -107,12 +163,12 @@ class ServableModel:
                 f"schema ({len(spec.categorical)} categorical, {len(spec.dense)} dense columns)"
             )
         dim = int(m["dim"])
-        state = torch.load(os.path.join(directory, m["dense"]), map_location="cpu", weights_only=True)
+        state = torch.load(os.path.join(chain[-1], last["dense"]), map_location="cpu", weights_only=True)
         dense = DNN(n_slots, dim, n_dense, tuple(shape.get("hidden", ())))
         dense.load_state_dict(state)
         dense.eval()
         init = RowInit(dim=dim, scale=float(m["init_scale"]), seed=int(m["seed"]))
-        store = PointStore(build_point_store(directory))
+        store = PointStore(build_point_store(directory, chain=chain))
         mem = mem_rows_for(len(store), options.mem_rows, options.mem_fraction)
         if options.backend != "hpsray":
             from hpsray.serving.baselines import EmbeddingBagLookup, RocksDBLookup
@@ -127,8 +183,10 @@ class ServableModel:
             lookup = MemoryLookup(np.array(store.keys), store.read_all(), init)
             store.close()
         else:
-            lookup = TieredLookup(store, mem, init)
-        return cls(directory, m, dense, lookup, RequestParser(spec, options.limits), options.device)
+            warm = previous.lookup if previous is not None and isinstance(previous.lookup, TieredLookup) else None
+            lookup = TieredLookup(store, mem, init, warm_from=warm)
+        parser = RequestParser(spec, options.limits)
+        return cls(directory, m, dense, lookup, parser, options.device, chain=chain, version=version, rows=len(store))
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
@@ -158,4 +216,12 @@ class ServableModel:
         return torch.sigmoid(self.dense(pooled, dense)).cpu().numpy()
 
     def stats(self) -> dict:
-        return {"directory": self.directory, "rows": int(self.manifest["rows"]), **self.lookup.stats()}
+        return {"directory": self.directory, "rows": self.rows, "delta": self.delta, **self.lookup.stats()}
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ServingError(f"{path}: cannot read: {e}") from None

@@ -20,6 +20,7 @@ import json
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,16 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _getter(names: tuple[str, ...]) -> Callable[[dict], tuple]:
+    """``example -> tuple of its values of names`` (a 1-tuple for one name, ``()`` for none)."""
+    if len(names) > 1:
+        return operator.itemgetter(*names)
+    if len(names) == 1:
+        name = names[0]
+        return lambda ex: (ex[name],)
+    return lambda ex: ()
+
+
 def _kind(v) -> str:
     return "null" if v is None else type(v).__name__
 
@@ -118,10 +129,59 @@ class RequestParser:
             delimiter="\t" if spec.multi_hot_separator != "\t" else ",",
         )  # unused: no text here
         self._converter = Converter(schema, [_LABEL, *spec.columns])
-        names = spec.columns
-        self._row = operator.itemgetter(*names) if len(names) > 1 else (lambda ex: (ex[names[0]],))
+        self._row = _getter(spec.columns)
+        self._dense_row, self._cat_row = _getter(spec.dense), _getter(spec.categorical)
         self._salts = slot_salt(np.arange(len(spec.categorical)))
-        self.fast = True  # the integer fast path (tests switch it off to compare with the converter)
+        self.fast = True  # the integer fast paths (tests switch them off to compare with the converter)
+        self.vector = True  # the first of them (tests switch it off to compare with the second)
+
+    def _vector_batch(self, examples: list) -> Batch | None:
+        """The batch straight from the decoded examples, when every example is an object of
+        exactly the model's columns, every categorical value one integer of the int64 range and
+        every dense value a number (the common case: a client sending what a Parquet-trained
+        model reads); ``None`` otherwise, and the checked path (:meth:`parse_examples`) decides.
+
+        Two row gathers (``operator.itemgetter`` over the examples), one type census of all values
+        (``set(map(type, ...))``, so a ``bool``, string, float or null anywhere leaves this path)
+        and one ``np.fromiter`` per block: no Python-level work per value (a quarter of the
+        per-column pyarrow conversion's cost). Bit-equal to the converter: keys are
+        mix64(value ^ slot salt), the empty marker moved down by one; dense values go to float32
+        through float64, which is exact for integers while their magnitude is below 2**53 (larger
+        ones take the checked path), then the dense transform.
+        """
+        n = len(examples)
+        if not n or not self.spec.categorical:
+            return None
+        try:
+            if set(map(len, examples)) != {len(self._columns)}:
+                return None
+            dense_rows = list(map(self._dense_row, examples))  # KeyError: a column missing
+            cat_rows = list(map(self._cat_row, examples))  # TypeError: an example that is no object
+        except (KeyError, TypeError):
+            return None
+        if set(map(type, chain.from_iterable(cat_rows))) != {int}:
+            return None
+        dense_types = set(map(type, chain.from_iterable(dense_rows)))
+        if not dense_types <= {int, float}:
+            return None
+        n_slots, n_dense = len(self.spec.categorical), len(self.spec.dense)
+        try:
+            values = np.fromiter(chain.from_iterable(cat_rows), np.int64, n * n_slots)
+            block = np.fromiter(chain.from_iterable(dense_rows), np.float64, n * n_dense)
+        except OverflowError:  # integers past int64: the checked path (uint64 values, or a 400)
+            return None
+        if int in dense_types and not np.all(np.abs(block) < 2.0**53):
+            return None  # an integer whose float64 is inexact: the converter casts int64 to float32 directly
+        x = block.astype(np.float32).reshape(n, n_dense)
+        if not np.isfinite(x).all():
+            return None  # the converter names the bad value
+        keys = mix64_array(values.view(np.uint64).reshape(n, n_slots) ^ self._salts).reshape(-1)
+        keys[keys == EMPTY_KEY] = EMPTY_KEY - np.uint64(1)
+        if self.spec.dense_transform == "log1p" and x.size:
+            np.log1p(np.maximum(x, 0, out=x), out=x)
+        offsets = np.arange(0, n * n_slots + 1, n_slots, dtype=np.int64)
+        slots = np.tile(np.arange(n_slots, dtype=np.int32), n)
+        return Batch(np.zeros(n, np.float32), x, keys, offsets, slots, n_slots)
 
     def _integer_batch(self, dense: list[pa.Array], cats: list[pa.Array], n: int) -> Batch | None:
         """The batch, without the converter, when every categorical value is one integer and every
@@ -172,6 +232,10 @@ class RequestParser:
             raise BadRequest(f"'examples' must be a list, got {_kind(examples)}")
         if len(examples) > self.limits.max_examples:
             raise BadRequest(f"{len(examples)} examples exceed the limit of {self.limits.max_examples} per request")
+        if self.fast and self.vector:
+            batch = self._vector_batch(examples)
+            if batch is not None:
+                return batch
         cols = self._columns
         for i, ex in enumerate(examples):
             if not isinstance(ex, dict):
@@ -197,7 +261,10 @@ class RequestParser:
         arrays.update(zip(self.spec.dense, dense))
         arrays.update(zip(self.spec.categorical, cats))
         table = pa.RecordBatch.from_pydict(arrays)
-        converted = self._converter.convert(table)
+        try:
+            converted = self._converter.convert(table)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # e.g. a dense integer past float32's exact range
+            raise BadRequest(f"a value the model's inputs cannot take: {e}") from None
         if converted.bad_index.size:
             row = int(converted.bad_index[0])
             why = self._converter.describe(table, row, converted.bad_reason[0])

@@ -32,6 +32,17 @@ def trained(planted):
 
 
 @pytest.fixture(scope="session")
+def retrained(planted, trained):
+    """``trained`` trained further on 6k more examples: rows changed, keys added, dense moved
+    (the state an incremental export of the same job writes as a delta)."""
+    import copy
+
+    t = copy.deepcopy(trained)
+    t.fit(planted.batches(6_000, 3_000, start_row=40_000))
+    return t
+
+
+@pytest.fixture(scope="session")
 def exports(tmp_path_factory, planted, trained):
     """``{"parquet": DIR, "criteo": DIR}``: the model exported with each schema of its data."""
     from hpsray.data.generate import dataset_schema

@@ -85,7 +85,7 @@ def scatter_matches_numpy():
 
 @case
 def device_reader_matches_point_store():
-    """SSD rows into device rows (kvikio where installed, else pread + scatter) equal CPU reads."""
+    """SSD rows into device rows (kvikio where installed, else a host copy + scatter) equal CPU reads."""
     from numba import cuda
 
     from hpsray.serving.gds import DeviceRowReader

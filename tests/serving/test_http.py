@@ -1,8 +1,9 @@
 """The model on a real Ray Serve over real HTTP (aiohttp/requests clients on loopback).
 
-One Serve instance for the module, four applications: ``mem`` (all rows in memory), ``ssd``
+One Serve instance for the module, five applications: ``mem`` (all rows in memory), ``ssd``
 (5 % in memory, the rest read from the point store), ``hex`` (the same model exported with the
-Criteo schema: hex strings in, multi-hot as "a,b"), ``swap`` (a directory of exports, watched).
+Criteo schema: hex strings in, multi-hot as "a,b"), ``swap`` (a directory of exports, watched),
+``delta`` (one export, 5 % in memory, watched for incremental deltas).
 """
 
 from __future__ import annotations
@@ -39,17 +40,20 @@ def served(ray_local, exports, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     root = tmp_path_factory.mktemp("swap-root")
     shutil.copytree(exports["parquet"], root / "v1")
+    delta = tmp_path_factory.mktemp("delta-root") / "model"  # an export that gets a delta
+    shutil.copytree(exports["parquet"], delta)
     apps = {
         "mem": (exports["parquet"], ServeOptions(port=port)),
         "ssd": (exports["parquet"], ServeOptions(port=port, mem_fraction=0.05, limits=Limits(max_examples=64))),
         "hex": (exports["criteo"], ServeOptions(port=port)),
         "swap": (str(root), ServeOptions(port=port, watch_s=0.3)),
+        "delta": (str(delta), ServeOptions(port=port, watch_s=0.3, mem_fraction=0.05)),
     }
     handles = {}
     for name, (path, opts) in apps.items():
         opts = ServeOptions(**{**opts.__dict__, "replica_cpus": 0, "name": name, "route_prefix": f"/{name}"})
         handles[name] = serve.run(build_app(path, opts), name=name, route_prefix=f"/{name}")
-    yield {"base": f"http://127.0.0.1:{port}", "handles": handles, "root": root}
+    yield {"base": f"http://127.0.0.1:{port}", "handles": handles, "root": root, "delta": str(delta)}
     serve.shutdown()
 
 
@@ -104,9 +108,49 @@ def test_bad_requests_answer_400_with_the_reason(served, planted):
     assert r.status_code == 200 and len(r.json()["probabilities"]) == 3
 
 
+def _swap_under_a_request_stream(served, app: str, examples, old, new, publish) -> list[str]:
+    """Three clients send ``examples`` to ``app`` continuously; after 1.5 s ``publish()`` lands a
+    newer model. Every request must be answered 200, each by the old or the new model (never a
+    mix), and the new one must take over (at most the requests in flight finish on the old one).
+    Returns which model answered each request."""
+    results: list[tuple[int, list | str]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        s = requests.Session()
+        while not stop.is_set():
+            r = s.post(f"{served['base']}/{app}/predict", json={"examples": examples}, timeout=60)
+            results.append((r.status_code, r.json()["probabilities"] if r.status_code == 200 else r.text))
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.5)
+        n_before = len(results)
+        publish()
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if sum(1 for code, p in results[n_before:] if code == 200 and close(p, new)) >= 10:
+                break
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert n_before > 0 and len(results) > n_before
+    failed = [(code, p) for code, p in results if code != 200]
+    assert not failed, failed[:3]
+    which = ["old" if close(p, old) else "new" if close(p, new) else "neither" for _, p in results]
+    assert "neither" not in which
+    assert which.count("new") >= 10
+    first_new = which.index("new")
+    assert "old" not in which[first_new + 3 :]  # at most the requests already in flight finish on the old model
+    return which
+
+
 def test_hot_swap_under_a_request_stream_loses_no_request(served, planted, trained, exports):
-    """A newer export lands in the watched directory while clients keep sending: every request is
-    answered 200, each by either the old or the new model, and the new one takes over."""
+    """A newer export lands in the watched directory while clients keep sending."""
     from hpsray.data.generate import dataset_schema
     from hpsray.pipelines.export import export
 
@@ -127,41 +171,30 @@ def test_hot_swap_under_a_request_stream_loses_no_request(served, planted, train
     new = ServableModel.load(staging).predict(batch)
     assert not close(old, new)
 
-    results: list[tuple[int, list | str]] = []
-    stop = threading.Event()
-
-    def client() -> None:
-        s = requests.Session()
-        while not stop.is_set():
-            r = s.post(f"{served['base']}/swap/predict", json={"examples": examples}, timeout=60)
-            results.append((r.status_code, r.json()["probabilities"] if r.status_code == 200 else r.text))
-
-    threads = [threading.Thread(target=client) for _ in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(1.5)
-        n_before = len(results)
+    def publish() -> None:
         shutil.copytree(staging, served["root"] / "v2")  # manifest.json lands last, as export writes it
         os.utime(served["root"] / "v2" / "manifest.json")
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            if sum(1 for code, p in results[n_before:] if code == 200 and close(p, new)) >= 10:
-                break
-            time.sleep(0.2)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
-    assert n_before > 0 and len(results) > n_before
-    failed = [(code, p) for code, p in results if code != 200]
-    assert not failed, failed[:3]
-    which = ["old" if close(p, old) else "new" if close(p, new) else "neither" for _, p in results]
-    assert "neither" not in which
-    assert which.count("new") >= 10
-    first_new = which.index("new")
-    assert "old" not in which[first_new + 3 :]  # at most the requests already in flight finish on the old model
+
+    _swap_under_a_request_stream(served, "swap", examples, old, new, publish)
     assert served["handles"]["swap"].stats.remote().result()["swaps"] == 1
+
+
+def test_hot_swap_to_a_new_delta_loses_no_request(served, planted, trained, retrained):
+    """``hpsray train --export DIR --incremental`` adds a delta to the served export (5 % of its
+    rows in memory) while clients keep sending: no request fails, and the answers after the swap
+    are the reference trainer's in its new state."""
+    from hpsray.pipelines.export import export
+
+    batch, examples = raw_examples(planted, 16, start_block=100_003)
+    old, new = trained.predict(batch), retrained.predict(batch)
+    assert not close(old, new)
+
+    def publish() -> None:
+        export(retrained.export(), served["delta"], retrained.config, incremental=True)
+
+    _swap_under_a_request_stream(served, "delta", examples, old, new, publish)
+    stats = served["handles"]["delta"].stats.remote().result()
+    assert stats["swaps"] == 1 and stats["delta"] == 1 and stats["carried"] > 0
 
 
 def _rss_mb(pid: int) -> float:

@@ -65,6 +65,11 @@ def test_point_store_reads_what_the_export_holds(exports, tmp_path):
     dst = rng.permutation(500)
     store.read_into(pos[:-2], out, dst)
     assert np.array_equal(out[dst], rows[want, :8])
+    out2 = np.full((500, 8), np.nan, np.float32)
+    store.pread_rows(pos[:-2], out2, dst)  # the same rows by one pread each
+    assert np.array_equal(out2, out)
+    with pytest.raises(ValueError, match="out of range"):
+        store.read_into(np.array([keys.size]), out, np.array([0]))
     assert np.array_equal(store.read_all(), rows[:, :8])
     store.close()
     # a new export into the same directory replaces the store of the old one
@@ -243,3 +248,84 @@ def test_integer_fast_path_equals_the_converter(transform):
     with_null = [dict(examples[0], x=None), *examples[1:3]]  # not all single integers: the converter
     a, b = fast.parse_examples(with_null), slow.parse_examples(with_null)
     assert np.array_equal(a.keys, b.keys) and a.nnz == 3 * 3 - 1
+
+
+def _census_cases():
+    """``(name, examples, vector path taken)`` over a spec of 2 dense, 3 categorical columns."""
+    rng = np.random.default_rng(7)
+    base = [
+        {
+            "a": float(rng.standard_normal()),
+            "b": int(rng.integers(-5, 50)),
+            "x": int(rng.integers(0, 1000)),
+            "y": int(rng.integers(-(2**63), 2**63 - 1)),
+            "z": int(rng.integers(0, 2**40)),
+        }
+        for _ in range(200)
+    ]
+    return [
+        ("numbers and integers", base, True),
+        ("dense integers only", [dict(e, a=int(e["b"]) * 3) for e in base], True),
+        ("a dense integer past 2**53", [dict(base[0], b=2**60 + 1), *base[1:5]], False),
+        ("a categorical integer past int64", [dict(base[0], z=2**64 - 1), *base[1:5]], False),
+        ("a string categorical", [dict(base[0], x="17"), *base[1:5]], False),
+        ("a null dense", [dict(base[0], a=None), *base[1:5]], False),
+        ("an empty list", [dict(base[0], y=[]), *base[1:5]], False),
+        ("a bool dense", [dict(base[0], a=True), *base[1:5]], False),
+        ("a bool categorical", [dict(base[0], x=False), *base[1:5]], False),
+        ("a float categorical", [dict(base[0], x=2.5), *base[1:5]], False),
+        ("a dense float past float32", [dict(base[0], a=1e39), *base[1:5]], False),
+        ("a column missing", [{k: v for k, v in base[0].items() if k != "z"}, *base[1:5]], False),
+        ("a column renamed", [{**{k: v for k, v in base[0].items() if k != "z"}, "w": 1}, *base[1:5]], False),
+        ("an example that is a list", [list(base[0].values()), *base[1:5]], False),
+    ]
+
+
+@pytest.mark.parametrize("transform", ["none", "log1p"])
+@pytest.mark.parametrize("case", range(len(_census_cases())), ids=[c[0] for c in _census_cases()])
+def test_vector_path_equals_the_converter_or_steps_aside(transform, case):
+    """Requests of single numbers skip per-column conversion; anything else (nulls, strings, bools,
+    lists, integers past int64, wrong columns) takes the checked path: the batch is bit-equal to
+    the one the parser made before the vector path existed (per-column pyarrow arrays, then the
+    integer path or the converter), or the same 400 reason comes back."""
+    from hpsray.serving import InputSpec, RequestParser
+
+    name, examples, vector = _census_cases()[case]
+    spec = InputSpec(dense=("a", "b"), categorical=("x", "y", "z"), dense_transform=transform)
+    fast, slow = RequestParser(spec), RequestParser(spec)
+    slow.vector = False
+    assert (fast._vector_batch(examples) is not None) == vector, name
+    try:
+        want = slow.parse_examples(examples)
+    except BadRequest as e:
+        with pytest.raises(BadRequest) as got:
+            fast.parse_examples(examples)
+        assert str(got.value) == str(e)
+        return
+    got = fast.parse_examples(examples)
+    for f in ("keys", "offsets", "slots", "dense", "labels"):
+        assert np.array_equal(getattr(got, f), getattr(want, f)), f
+    assert got.n_slots == want.n_slots
+
+
+def test_a_dense_integer_the_converter_cannot_cast_is_a_400():
+    """The converter casts int64 to float32 safely and refuses integers past 2**24 (ArrowInvalid);
+    on the checked path that is a 400 naming the value, not a failed model."""
+    from hpsray.serving import InputSpec, RequestParser
+
+    p = RequestParser(InputSpec(dense=("a",), categorical=("x",)))
+    with pytest.raises(BadRequest, match="16777216"):
+        p.parse_examples([{"a": 2**30, "x": None}])
+
+
+def test_vector_path_with_one_column_of_each_kind():
+    from hpsray.serving import InputSpec, RequestParser
+
+    for spec in (InputSpec(dense=("a",), categorical=("x",)), InputSpec(dense=(), categorical=("x", "y"))):
+        examples = [{c: i + j for j, c in enumerate(spec.columns)} for i in range(20)]
+        fast, slow = RequestParser(spec), RequestParser(spec)
+        slow.fast = False  # the converter
+        assert fast._vector_batch(examples) is not None
+        a, b = fast.parse_examples(examples), slow.parse_examples(examples)
+        assert np.array_equal(a.keys, b.keys) and np.array_equal(a.dense, b.dense)
+        assert a.dense.shape == (20, len(spec.dense))
