@@ -1,12 +1,44 @@
 """hpsray: a hierarchical (HBM / host memory / SSD) parameter server on Ray for CTR models.
 
-The public API; see the README for a tour.
+The public API; see the README for a tour. Its names are imported on first use (PEP 562), so a
+process that needs only part of hpsray (a MEM-PS or SSD-PS actor, a reader) does not import
+torch: every actor process of a pipeline imports ``hpsray`` first.
 """
 
-from hpsray.config import TrainConfig
-from hpsray.data import Batch, PlantedCTR
-from hpsray.models import DNN, auc, logloss
-from hpsray.reference import ReferenceTrainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from hpsray.version import __version__
 
+if TYPE_CHECKING:
+    from hpsray.config import TrainConfig
+    from hpsray.data import Batch, PlantedCTR
+    from hpsray.models import DNN, auc, logloss
+    from hpsray.reference import ReferenceTrainer
+
 __all__ = ["DNN", "Batch", "PlantedCTR", "ReferenceTrainer", "TrainConfig", "__version__", "auc", "logloss"]
+
+_HOMES = {
+    "TrainConfig": "hpsray.config",
+    "Batch": "hpsray.data",
+    "PlantedCTR": "hpsray.data",
+    "DNN": "hpsray.models",
+    "auc": "hpsray.models",
+    "logloss": "hpsray.models",
+    "ReferenceTrainer": "hpsray.reference",
+}
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'hpsray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
