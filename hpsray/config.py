@@ -19,6 +19,7 @@ __all__ = [
     "DENSE_OPTIMIZERS",
     "DENSE_SYNC",
     "DEVICES",
+    "PROPAGATIONS",
     "SPARSE_OPTIMIZERS",
     "ConfigError",
     "TrainConfig",
@@ -28,8 +29,10 @@ SPARSE_OPTIMIZERS = ("sgd", "adagrad", "adagrad_row", "adam")
 """Row optimizers (:func:`~hpsray.kernels.optim.make_optimizer`)."""
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 """Optimizers of the replicated dense model (:func:`~hpsray.models.make_dense_optimizer`)."""
-CONSISTENCY_MODES = ("bsp", "ssp", "asp")
+CONSISTENCY_MODES = ("bsp", "ssp", "absp", "asp")
 """How the trainers of several nodes stay consistent (see docs/architecture.md, "Consistency")."""
+PROPAGATIONS = ("push", "pull", "relay")
+"""How relaxed-consistency updates travel between trainers (:mod:`hpsray.cluster.consistency`)."""
 DENSE_SYNC = ("allreduce", "chunked")
 """How dense gradients are summed over nodes: the collective group, or PHub-style chunks."""
 # DEVICES = ("cpu", "cuda"): where the tables and the model live, from hpsray.kernels (its backends).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import torch
@@ -10,6 +11,7 @@ import torch
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Returned, TrainInputs, TrainOutcome
 from hpsray.actors.timing import StageClock
+from hpsray.cluster.consistency import merge_payloads
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import PeerFailedError
@@ -63,7 +65,8 @@ class Trainer:
         self.n_nodes = n_nodes
         self.group = None  # the collective group, when n_nodes > 1 (see join)
         self.dense_reducer = None
-        self.sync, self.board = None, None  # SSP / ASP: the clock board (see join)
+        self._mailbox = None
+        self.sync, self.board, self.exchange = None, None, None  # relaxed modes: how updates propagate (see join)
         self.max_staleness = 0
         self._seen = {r: 0 for r in range(n_nodes) if r != node}  # newest clock applied per other trainer
         self._pending_dense = None
@@ -92,12 +95,26 @@ class Trainer:
 
     def join(self, world: int, group: str, sync, aggregators=None, board=None) -> int:
         """Join the trainers' collective group (every trainer calls this at once); ``sync`` is
-        the pipeline's :class:`~hpsray.pipelines.SyncStage`."""
+        the pipeline's :class:`~hpsray.pipelines.SyncStage`. Under a relaxed mode this also
+        sets up how updates propagate (:mod:`hpsray.cluster.consistency`): push and pull start
+        this trainer's mailbox and find the others'; relay uses ``board``."""
         from hpsray.cluster.collective import CollectiveGroup
 
         backend = "nccl" if self.hbm.device == "cuda" else "gloo"
         self.group = CollectiveGroup(world, self.node, group, backend)
         self.sync, self.board = sync, board
+        self.exchange = None
+        if sync.consistency != "bsp":
+            from hpsray.cluster import consistency
+
+            propagation = getattr(sync, "propagation", "relay")
+            boxes = None
+            if propagation != "relay":
+                self._mailbox = consistency.start_mailbox(group, world, self.node)
+                boxes = consistency.find_mailboxes(group, world)
+            self.exchange = consistency.make_exchange(propagation, self.node, world, board, boxes)
+            self._seen = {r: 0 for r in range(world) if r != self.node}
+            self._seen_dense = dict(self._seen)
         if sync.dense == "chunked":
             from hpsray.cluster.aggregation import ChunkedAggregator
 
@@ -143,7 +160,7 @@ class Trainer:
             self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed])
             if self.n_nodes == 1:
                 losses = self._train_local(batch)
-            elif self.board is None:
+            elif self.exchange is None:
                 losses = self._train_steps(batch, inputs.sizes)
             else:
                 losses = self._train_stale(batch, inputs.sizes)
@@ -175,6 +192,7 @@ class Trainer:
         self.dense.train(True)
         losses = []
         for mb, total in self._global_minibatches(batch, sizes):
+            self._straggle(self.step + 1)
             loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=self._reduce_dense)
             all_keys, all_grads = self.group.allgather_sparse(gkeys, grads)
             self.step += 1
@@ -195,63 +213,118 @@ class Trainer:
             total = sum(min(max(s - k * m, 0), m) for s in sizes)
             yield (batch.slice(k * m, min((k + 1) * m, n)) if k * m < n else self._empty), total
 
-    def _train_stale(self, batch, sizes: list[int]) -> list[torch.Tensor]:
-        """SSP / ASP across nodes (:mod:`hpsray.cluster.consistency`): publish each mini-batch's
-        update, apply the others' as they arrive, wait only when beyond the staleness bound."""
-        import ray
+    def _straggle(self, clock: int) -> None:
+        """``SyncStage(straggler_delay_s=...)``: the trainer of ``straggler_node`` sleeps before
+        mini-batch ``clock`` for a seeded delay, ``delay * U(0, 2)`` with probability
+        ``straggler_probability`` (the same delays in every mode, for experiments)."""
+        sync = self.sync
+        delay = getattr(sync, "straggler_delay_s", 0.0) if sync is not None else 0.0
+        if not delay or self.node != sync.straggler_node:
+            return
+        rng = np.random.default_rng([sync.straggler_seed, self.node, clock])
+        if rng.random() < sync.straggler_probability:
+            time.sleep(delay * rng.uniform(0.0, 2.0))
 
+    def _train_stale(self, batch, sizes: list[int]) -> list[torch.Tensor]:
+        """SSP, A-BSP and ASP across nodes (:mod:`hpsray.cluster.consistency`): publish each
+        mini-batch's update (A-BSP: each clock's ``k``), apply the others' as they arrive, wait
+        only when beyond the slack: ``staleness`` for the embeddings, ``dense_staleness`` (when
+        given) for the dense parameters."""
         self.dense.train(True)
-        bound = self.sync.staleness if self.sync.consistency == "ssp" else None
-        hook = self.sync.before_minibatch  # an injection point for tests (a straggler); None otherwise
+        sync = self.sync
+        mode = sync.consistency
+        k = max(1, getattr(sync, "work_per_clock", 1)) if mode == "absp" else 1
+        bound = sync.staleness if mode == "ssp" else (k - 1 if mode == "absp" else None)
+        dense_bound = getattr(sync, "dense_staleness", None)
+        hook = sync.before_minibatch  # an injection point for tests (a straggler); None otherwise
+        steps = list(self._global_minibatches(batch, sizes))
         losses = []
-        for mb, total in self._global_minibatches(batch, sizes):
+        out_keys, out_grads, out_dense = [], [], None  # own updates of the clock not published yet
+        for i, (mb, total) in enumerate(steps):
             clock = self.step + 1
-            # ssp: every other trainer must have published clock - 1 - s; asp: take what is there
-            others = self._fetch(clock - 1 - bound if bound is not None else -1)
+            if mode != "absp":
+                # ssp: every other trainer's update of clock - 1 - s must be in; asp: take what is there
+                others = self._fetch(clock - 1 - bound if bound is not None else -1, upto=clock - 1)
+            elif i % k == 0 and i > 0:  # A-BSP: a clock's start is a barrier
+                others = self._fetch(clock - 1, upto=clock - 1)
+            else:
+                others = self._no_update()
+            if others["keys"].size:  # fetched updates reach the rows before this mini-batch reads them
+                self.hbm.apply_gradients(others["keys"], others["grads"], self.optimizer, self.step, resident_only=True)
             self.max_staleness = max(self.max_staleness, clock - 1 - min(self._seen.values()))
+            self._straggle(clock)
             if hook is not None:
                 hook(self.node, clock)
-            own = {}
+            own: dict = {}
 
-            def reduce(flat: torch.Tensor, own=own, others=others) -> torch.Tensor:  # through the host
+            def reduce(flat: torch.Tensor, own=own, others=others, clock=clock) -> torch.Tensor:  # via the host
                 own["dense"] = flat.detach().cpu().numpy().copy()
-                return flat + self.device.tensor(others["dense"]) if others["dense"] is not None else flat
+                if dense_bound is None:  # the dense gradient travels with the sparse update
+                    return flat + self.device.tensor(others["dense"]) if others["dense"] is not None else flat
+                return self.device.tensor(self._dense_with_slack(own["dense"], clock, dense_bound))
 
             loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=reduce)
             gkeys, grads = to_host(gkeys), to_host(grads)
             self.step += 1
-            self.board.publish.remote(self.node, clock, [ray.put((gkeys, grads, own["dense"]))])
-            self.exchanged_bytes.append(gkeys.nbytes + grads.nbytes + own["dense"].nbytes)
-            self.hbm.apply_gradients(
-                np.concatenate([gkeys, others["keys"]]),
-                np.concatenate([grads, others["grads"]]),
-                self.optimizer,
-                self.step,
-                resident_only=True,
-            )
+            self.hbm.apply_gradients(gkeys, grads, self.optimizer, self.step, resident_only=True)
+            out_keys.append(gkeys)
+            out_grads.append(grads)
+            if dense_bound is None:
+                out_dense = own["dense"] if out_dense is None else out_dense + own["dense"]
+            if (i + 1) % k == 0 or i + 1 == len(steps):
+                if len(out_keys) == 1:
+                    payload = (out_keys[0], out_grads[0], out_dense)
+                else:  # A-BSP: the clock's k updates as one
+                    merged = merge_payloads([(kk, gg, None) for kk, gg in zip(out_keys, out_grads, strict=True)])
+                    payload = (merged[0], merged[1], out_dense)
+                self.exchange.publish("all", clock, payload)
+                out_keys, out_grads, out_dense = [], [], None
+            self.exchanged_bytes.append(self.exchange.received_bytes - self._sent)
+            self._sent = self.exchange.received_bytes
             if len(mb):
                 losses.append(loss * total / len(mb))
         # the batch end is a barrier: every update of the batch reaches the rows before write-back
-        rest = self._fetch(self.step)
+        rest = self._fetch(self.step, upto=self.step)
         if rest["keys"].size:
             self.hbm.apply_gradients(rest["keys"], rest["grads"], self.optimizer, self.step, resident_only=True)
         if rest["dense"] is not None:
             self._pending_dense = rest["dense"]
+        if self.exchanged_bytes:
+            self.exchanged_bytes[-1] += self.exchange.received_bytes - self._sent
+            self._sent = self.exchange.received_bytes
         return losses
 
-    def _fetch(self, oldest: int) -> dict:
-        """The others' updates not applied yet (waiting for clock ``oldest``), combined."""
-        import ray
+    def _no_update(self) -> dict:
+        return {"keys": np.empty(0, np.uint64), "grads": np.empty((0, self.config.dim), np.float32), "dense": None}
 
-        got = ray.get(self.board.fetch.remote(self.node, oldest))
+    def _dense_with_slack(self, mine: np.ndarray, clock: int, slack: int) -> np.ndarray:
+        """The dense gradient to step with at ``clock`` when the dense parameters have their own
+        slack: this trainer's and the others' versions up to ``clock`` it has not used, after
+        waiting for everyone's version ``clock - slack``, summed in (clock, rank) order. With
+        slack 0 that is every trainer's gradient of ``clock`` in rank order: the same sum, so
+        the same dense weights, on every node."""
+        self.exchange.publish("dense", clock, (None, None, mine))
+        got = self.exchange.fetch("dense", clock - slack, clock, self._seen_dense)
+        for rank, c, _ in got:
+            self._seen_dense[rank] = max(self._seen_dense[rank], c)
+        parts = sorted([(self.node, clock, mine), *((r, c, p[2]) for r, c, p in got)], key=lambda u: (u[1], u[0]))
+        total = parts[0][2].copy()
+        for _, _, d in parts[1:]:
+            total = total + d
+        return total
+
+    def _fetch(self, oldest: int, upto: int | None = None) -> dict:
+        """The others' updates not applied yet (waiting for clock ``oldest``), combined."""
+        got = self.exchange.fetch("all", oldest, upto, self._seen)
         keys, grads, dense = [np.empty(0, np.uint64)], [np.empty((0, self.config.dim), np.float32)], None
         if self._pending_dense is not None:
             dense, self._pending_dense = self._pending_dense, None
-        for rank, clock, (ref,) in got:
-            k, g, d = ray.get(ref)
-            keys.append(k)
-            grads.append(g)
-            dense = d.copy() if dense is None else dense + d
+        for rank, clock, (k, g, d) in got:
+            if k is not None and k.size:
+                keys.append(k)
+                grads.append(g)
+            if d is not None:
+                dense = d.copy() if dense is None else dense + d
             self._seen[rank] = max(self._seen[rank], clock)
         return {"keys": np.concatenate(keys), "grads": np.concatenate(grads), "dense": dense}
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpsray.config import CONSISTENCY_MODES, DENSE_SYNC, DEVICES, TrainConfig
+from hpsray.config import CONSISTENCY_MODES, DENSE_SYNC, DEVICES, PROPAGATIONS, TrainConfig
 from hpsray.tiers.admission import check_admission
 
 
@@ -65,16 +65,30 @@ class TrainerStage:
 @dataclass
 class SyncStage:
     """How the trainers of several nodes stay consistent and combine dense gradients
-    (docs/architecture.md: Consistency).
+    (docs/architecture.md: Consistency; docs/operations.md: Consistency modes).
 
     ``consistency``: ``"bsp"`` (lossless: every mini-batch synchronised), ``"ssp"`` (a trainer
-    runs at most ``staleness`` mini-batches ahead of the slowest), ``"asp"`` (no waiting).
+    runs at most ``staleness`` mini-batches ahead of the slowest), ``"absp"`` (A-BSP: BSP whose
+    clock is ``work_per_clock`` mini-batches: a trainer applies its own updates at once and
+    everyone's at each clock's end, a barrier), ``"asp"`` (no waiting).
+    ``dense_staleness``: the dense parameters' own slack under the relaxed modes (Lapser's
+    per-item slack); ``None``: they travel with the embeddings' updates. ``0`` makes the dense
+    weights identical on every node at every mini-batch (BSP for dense, SSP for embeddings).
+    ``propagation`` (relaxed modes): ``"push"`` (every update sent to the other trainers at
+    once), ``"pull"`` (fetched from its producer only when a trainer's copy is too old for the
+    slack) or ``"relay"`` (through one clock-board actor; the baseline).
     ``dense``: ``"allreduce"`` (the collective group) or ``"chunked"`` (PHub-style: fixed
     ``chunk_bytes`` chunks, each owned by one aggregation worker of one node, streamed between
     the trainers and summed as they arrive; docs/architecture.md: Chunked aggregation).
 
+    ``straggler_delay_s``: an experiment option, ``0`` (off) by default: the trainer of
+    ``straggler_node`` sleeps before each mini-batch, with probability ``straggler_probability``,
+    ``straggler_delay_s * U(0, 2)`` seconds drawn from a generator seeded by
+    (``straggler_seed``, node, mini-batch), so every mode meets the same delays (``hpsray bench
+    consistency``).
+
     ``before_minibatch``: an injection point for tests and experiments, ``None`` in production:
-    under ``ssp``/``asp`` every trainer calls ``before_minibatch(node, clock)`` before computing
+    under the relaxed modes every trainer calls ``before_minibatch(node, clock)`` before computing
     each mini-batch (e.g. a straggler that sleeps on one node). It travels to the trainers'
     processes, so it must pickle (a closure or lambda does).
     """
@@ -84,16 +98,36 @@ class SyncStage:
     dense: str = "allreduce"
     chunk_bytes: int = 32768
     before_minibatch: Callable[[int, int], None] | None = None
+    work_per_clock: int = 4
+    dense_staleness: int | None = None
+    propagation: str = "push"
+    straggler_delay_s: float = 0.0
+    straggler_node: int = 1
+    straggler_probability: float = 1.0
+    straggler_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCY_MODES:
             raise ValueError(f"SyncStage.consistency must be one of {CONSISTENCY_MODES}, got {self.consistency!r}")
         if self.dense not in DENSE_SYNC:
             raise ValueError(f"SyncStage.dense must be one of {DENSE_SYNC}, got {self.dense!r}")
+        if self.propagation not in PROPAGATIONS:
+            raise ValueError(f"SyncStage.propagation must be one of {PROPAGATIONS}, got {self.propagation!r}")
         if self.staleness < 0:
             raise ValueError(f"SyncStage.staleness must be >= 0, got {self.staleness}")
+        if self.dense_staleness is not None and self.dense_staleness < 0:
+            raise ValueError(f"SyncStage.dense_staleness must be >= 0 or None, got {self.dense_staleness}")
+        if self.work_per_clock < 1:
+            raise ValueError(f"SyncStage.work_per_clock must be >= 1, got {self.work_per_clock}")
         if self.chunk_bytes < 4:
             raise ValueError(f"SyncStage.chunk_bytes must be >= 4, got {self.chunk_bytes}")
+        if self.straggler_delay_s < 0 or not 0 <= self.straggler_probability <= 1:
+            raise ValueError("SyncStage: straggler_delay_s must be >= 0 and straggler_probability in [0, 1]")
+
+    @property
+    def slack(self) -> int | None:
+        """The embeddings' staleness bound in mini-batches (``None``: unbounded, ASP)."""
+        return {"bsp": 0, "ssp": self.staleness, "absp": self.work_per_clock - 1}.get(self.consistency)
 
 
 @dataclass
