@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpsray.serving import LoadOptions, ServeOptions
 
 HELP = "serve an exported model on Ray Serve: POST /predict with raw feature values (docs/serving.md)"
 
@@ -33,6 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mem-fraction", type=float, default=None, metavar="F", help="fraction of the rows held in memory, e.g. 0.05"
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    parser.add_argument(
+        "--device-rows",
+        type=int,
+        default=None,
+        metavar="R",
+        help="with --device cuda: the hottest rows held in device memory, in front of the memory rows "
+        "(default: the memory rows, at most a quarter of the GPU's free memory; 0: none)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     parser.add_argument("--max-examples", type=int, default=1024, help="most examples per request (default 1024)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests per dynamic batch (default 16)")
@@ -47,9 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpsray.serving import Limits, ServeOptions, ServingError, resolve_export, start
+    from hpsray.serving import Limits, LoadOptions, ServeOptions, ServingError, resolve_export, start
 
     try:
+        limits = Limits(args.max_body_bytes, args.max_examples)
+        load = LoadOptions(args.mem_rows, args.mem_fraction, args.device, limits, device_rows=args.device_rows)
         resolve_export(args.model_dir)  # before Ray starts: a wrong directory fails in a second
         options = ServeOptions(
             host=args.host,
@@ -58,11 +72,14 @@ def run(args: argparse.Namespace) -> int:
             mem_rows=args.mem_rows,
             mem_fraction=args.mem_fraction,
             device=args.device,
-            limits=Limits(args.max_body_bytes, args.max_examples),
+            limits=limits,
             max_batch_size=args.max_batch_size,
             watch_s=args.watch,
         )
-        start(args.model_dir, options, address=args.address)
+        if args.device_rows is None:
+            start(args.model_dir, options, address=args.address)
+        else:  # ServeOptions has no device_rows: the replicas get the LoadOptions themselves
+            _start_with(args.model_dir, options, load, args.address)
     except (ServingError, ValueError) as e:
         print(f"hpsray serve: {e}", file=sys.stderr)
         return 2
@@ -75,3 +92,16 @@ def run(args: argparse.Namespace) -> int:
 
         stop()
     return 0
+
+
+def _start_with(model_dir: str, options: ServeOptions, load: LoadOptions, address: str | None) -> None:
+    """:func:`hpsray.serving.start` with explicit :class:`~hpsray.serving.LoadOptions`."""
+    import ray
+    from ray import serve
+
+    from hpsray.serving import build_app
+
+    if not ray.is_initialized():
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": options.host, "port": options.port})
+    serve.run(build_app(model_dir, options, load=load), name=options.name, route_prefix=options.route_prefix)

@@ -1,74 +1,147 @@
-"""The GPU lookup: hot rows in mapped pinned host memory (UVA gathers), the rest from SSD to device.
+"""The GPU lookup, three tiers: hot rows in device memory, warm rows in mapped pinned host memory, the rest on SSD.
 
-Per batch of distinct keys: the host-side :class:`~hpsray.serving.cache.HotCache` finds the hot
-slots; the UVA kernel (:func:`hpsray.serving.uva.gather_rows`) reads those rows from host memory
-into the device output; misses found in the point store are read straight to their device rows
-(:class:`~hpsray.serving.gds.DeviceRowReader`); unseen keys get their initial rows. Rows read
-from SSD are copied back to the host cache for admission. Returns a CUDA ``torch.Tensor``.
+Per batch of distinct keys:
+
+1. **device tier** (:class:`~hpsray.serving.device_cache.DeviceCache`, ``device_rows`` rows in
+   device memory, directory on the host): hits are gathered device to device into the output by
+   the aligned warp kernel (:func:`hpsray.serving.uva.gather_rows`);
+2. **host tier** (a :class:`~hpsray.serving.cache.HotCache` whose rows are pinned host memory
+   mapped into the device, :func:`hpsray.serving.uva.mapped_rows`, ``capacity`` rows): the keys
+   the device tier missed are probed there and its hits gathered over the bus by the same kernel
+   (UVA zero-copy);
+3. **SSD**: the rest found in the point store are read straight into their output rows
+   (:class:`~hpsray.serving.gds.DeviceRowReader`: kvikio/GDS, else a host copy and a scatter) and
+   offered to the host tier; keys absent from the model get their initial rows.
+
+Then the rows the device tier missed and the other tiers supplied (host hits first, then SSD
+rows) are offered to the device tier: its directory admits them by use (a free entry of the
+set, otherwise the set ages) and one device-to-device scatter kernel copies the admitted rows
+from the output into their device slots. Each tier counts its hits: ``stats()`` gives
+``device_hits``, ``host_hits`` and ``ssd_reads``. :meth:`CudaTieredLookup.rows` returns a CUDA
+``torch.Tensor``; :meth:`CudaTieredLookup.rows_device` the numba device array (what the tests
+read under ``NUMBA_ENABLE_CUDASIM=1``).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numba import cuda
 
 from hpsray.kernels.init import RowInit, initial_rows
-from hpsray.serving.cache import HotCache
+from hpsray.serving.cache import WAYS, HotCache
+from hpsray.serving.device_cache import DeviceCache, device_rows_for
 from hpsray.serving.gds import DeviceRowReader, scatter_rows
 from hpsray.serving.pointstore import PointStore
-from hpsray.serving.uva import gather_rows, mapped_rows
+from hpsray.serving.uva import gather_rows, host_view, mapped_rows
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CudaTieredLookup"]
 
 
-class CudaTieredLookup:
-    """Hot rows in mapped host memory + SSD rows to device; see the module docstring."""
+def _dev(a: np.ndarray) -> Any:
+    return cuda.to_device(np.ascontiguousarray(a, np.int64))
 
-    def __init__(self, store: PointStore, capacity: int, init: RowInit) -> None:
+
+class CudaTieredLookup:
+    """Device rows + mapped host rows + SSD rows to device; see the module docstring.
+
+    ``capacity``: rows of the host tier (``--mem-rows``); ``device_rows``: rows of the device tier
+    (``None``: :func:`~hpsray.serving.device_cache.device_rows_for`'s default, the smaller of
+    ``capacity`` and a quarter of the device's free memory; 0: no device tier). ``warm_from``: the
+    lookup of the model served before; both tiers start with its keys, their rows re-read from
+    ``store``.
+    """
+
+    def __init__(
+        self,
+        store: PointStore,
+        capacity: int,
+        init: RowInit,
+        device_rows: int | None = None,
+        warm_from: CudaTieredLookup | None = None,
+    ) -> None:
         self.store, self.dim, self.init = store, store.dim, init
         capacity = min(capacity, len(store))
-        probe = HotCache(capacity, store.dim)  # sizes the sets
-        self.host_rows = mapped_rows(max(1, probe.capacity), store.dim)
-        self.cache = HotCache(capacity, store.dim, rows=self.host_rows)
+        self.device = DeviceCache(device_rows_for(len(store), capacity, device_rows, store.dim), store.dim)
+        n = -(-capacity // WAYS) * WAYS  # the host tier's entries (whole sets)
+        self.host_rows = mapped_rows(max(1, n), store.dim)  # read by the device over the bus
+        self.cache = HotCache(capacity, store.dim, rows=host_view(self.host_rows))
         self.reader = DeviceRowReader(store)
         self.ssd_reads = self.unseen = 0
+        self.carried = 0
+        if warm_from is not None:
+            self.carried = self.cache.carry(warm_from.cache, self._read)
+            self.carried += self.device.carry(warm_from.device, self._read)
 
-    def rows(self, unique_keys: np.ndarray):
+    def _read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(found, rows)`` of ``keys`` in the store, on the host (rows of keys not found: zeros)."""
+        pos = self.store.find(keys)
+        found = pos >= 0
+        out = np.zeros((keys.size, self.dim), np.float32)
+        self.store.read_into(pos[found], out, np.flatnonzero(found))
+        return found, out
+
+    def rows_device(self, unique_keys: np.ndarray) -> Any:
+        """A numba device array ``float32[U, dim]``: the rows of the distinct keys, through the tiers."""
+        keys = np.ascontiguousarray(unique_keys, np.uint64)
+        out = cuda.device_array((keys.size, self.dim), np.float32)
+        dslots = self.device.probe(keys)
+        dhit = np.flatnonzero(dslots >= 0)
+        self.device.gather(dslots[dhit], dhit, out)
+        rest = np.flatnonzero(dslots < 0)
+        if rest.size:
+            hslots = self.cache.probe(keys[rest])
+            on_host = hslots >= 0
+            host_idx = rest[on_host]
+            if host_idx.size:
+                gather_rows(self.host_rows, _dev(hslots[on_host]), _dev(host_idx), out, self.dim)
+            miss = rest[~on_host]
+            ssd_idx = miss[:0]
+            if miss.size:
+                pos = self.store.find(keys[miss])
+                found = pos >= 0
+                ssd_idx = miss[found]
+                if ssd_idx.size:
+                    host = self.reader.read(pos[found], out, ssd_idx, want_host=self.cache.n_sets > 0)
+                    self.ssd_reads += int(ssd_idx.size)
+                    if host is not None:
+                        self.cache.admit(keys[ssd_idx], host)
+                if not found.all():
+                    idx = miss[~found]
+                    init = initial_rows(keys[idx], self.dim, self.init)
+                    scatter_rows(cuda.to_device(init), _dev(idx), out, self.dim)
+                    self.unseen += int(idx.size)
+            gathered = np.concatenate([host_idx, ssd_idx])  # host hits first: rows seen before
+            self.device.promote(keys[gathered], out, gathered)
+        cuda.synchronize()
+        return out
+
+    def rows(self, unique_keys: np.ndarray) -> torch.Tensor:
+        """A CUDA ``torch.Tensor`` ``float32[U, dim]`` (see :meth:`rows_device`)."""
         import torch
 
-        u = unique_keys.size
-        out = cuda.device_array((u, self.dim), np.float32)
-        slots = self.cache.probe(unique_keys)
-        hit = np.flatnonzero(slots >= 0)
-        if hit.size:
-            gather_rows(self.host_rows, cuda.to_device(slots[hit]), cuda.to_device(hit.astype(np.int64)), out, self.dim)
-        miss = np.flatnonzero(slots < 0)
-        if miss.size:
-            pos = self.store.find(unique_keys[miss])
-            found = pos >= 0
-            if found.any():
-                rows_idx = miss[found]
-                self.reader.read(pos[found], out, rows_idx)
-                self.ssd_reads += rows_idx.size
-                host = out.copy_to_host()[rows_idx]
-                self.cache.admit(unique_keys[rows_idx], host)
-            if not found.all():
-                idx = miss[~found]
-                init = initial_rows(unique_keys[idx], self.dim, self.init)
-                scatter_rows(cuda.to_device(init), cuda.to_device(idx.astype(np.int64)), out, self.dim)
-                self.unseen += idx.size
-        cuda.synchronize()
-        return torch.as_tensor(out, device="cuda")
+        return torch.as_tensor(self.rows_device(unique_keys), device="cuda")
 
     def stats(self) -> dict:
-        c = self.cache
+        d, c = self.device, self.cache
+        hits = d.hits + c.hits
         return {
             "mode": "cuda-tiered",
+            "rows_on_device": d.capacity,
             "rows_in_memory": c.capacity,
             "rows_on_ssd": len(self.store),
-            "lookups": c.lookups,
-            "hits": c.hits,
+            "lookups": d.lookups,
+            "device_hits": d.hits,
+            "host_hits": c.hits,
+            "hits": hits,
+            "hit_rate": hits / d.lookups if d.lookups else 0.0,
             "ssd_reads": self.ssd_reads,
             "unseen": self.unseen,
+            "promoted": d.promoted,
+            "carried": self.carried,
             "ssd_path": self.reader.path,
         }

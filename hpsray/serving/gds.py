@@ -11,6 +11,7 @@ scattered to their device rows by one copy and one kernel (``path`` says ``host`
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 from numba import cuda
@@ -60,10 +61,15 @@ class DeviceRowReader:
     def path(self) -> str:
         return "kvikio" if self.use_kvikio else "host"
 
-    def read(self, file_rows: np.ndarray, out, out_rows: np.ndarray) -> None:
-        """``out[out_rows[i]] = row file_rows[i]`` with ``out`` a device float32[m, dim]."""
+    def read(self, file_rows: np.ndarray, out: Any, out_rows: np.ndarray, want_host: bool = False) -> np.ndarray | None:
+        """``out[out_rows[i]] = row file_rows[i]`` with ``out`` a device float32[m, dim].
+
+        ``want_host``: also return the rows read on the host, ``float32[n, dim]`` in the order of
+        ``file_rows`` (for the host tier's admission): the staging buffer on the host path; on the
+        kvikio path the rows are packed on the device by one kernel and copied back in one copy.
+        """
         if not file_rows.size:
-            return
+            return np.empty((0, self.store.dim), np.float32) if want_host else None
         dim, nbytes = self.store.dim, 4 * self.store.dim
         if self._file is not None:
             order = np.argsort(file_rows, kind="stable")
@@ -74,10 +80,18 @@ class DeviceRowReader:
             for fut in futures:
                 if fut.get() != nbytes:
                     raise OSError(f"{self.store.directory}/rows.f32: short read through kvikio")
-            return
+            if not want_host:
+                return None
+            from hpsray.serving.device_cache import copy_rows
+
+            packed = cuda.device_array((file_rows.size, dim), np.float32)
+            idx = np.ascontiguousarray(out_rows, np.int64)
+            copy_rows(out, cuda.to_device(idx), packed, cuda.to_device(np.arange(idx.size, dtype=np.int64)), dim)
+            return packed.copy_to_host()
         staging = cuda.pinned_array((file_rows.size, dim), np.float32)
         self.store.read_into(file_rows, staging, np.arange(file_rows.size, dtype=np.int64))
         scatter_rows(cuda.to_device(staging), cuda.to_device(np.ascontiguousarray(out_rows, np.int64)), out, dim)
+        return staging if want_host else None
 
     def close(self) -> None:
         if self._file is not None:

@@ -86,13 +86,17 @@ def resolve_export(path: str | os.PathLike) -> str:
 class LoadOptions:
     """How a replica holds a model: rows in memory (``mem_rows`` or ``mem_fraction``; all when
     neither), device, request limits; ``backend`` other than ``hpsray`` picks a benchmark baseline
-    (:mod:`hpsray.serving.baselines`)."""
+    (:mod:`hpsray.serving.baselines`). ``device_rows`` (``device="cuda"`` only): the hottest rows
+    held in device memory in front of the ``mem_rows`` of mapped host memory; ``None``: the
+    smaller of the memory rows and a quarter of the device's free memory
+    (:func:`hpsray.serving.device_cache.device_rows_for`), 0: none."""
 
     mem_rows: int | None = None
     mem_fraction: float | None = None
     device: str = "cpu"
     limits: Limits = Limits()
     backend: str = "hpsray"
+    device_rows: int | None = None
 
     def __post_init__(self) -> None:
         from hpsray.serving.baselines import BACKENDS
@@ -102,6 +106,11 @@ class LoadOptions:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         mem_rows_for(0, self.mem_rows, self.mem_fraction)  # checks the pair
+        if self.device_rows is not None:
+            if self.device != "cuda":
+                raise ValueError("device_rows (--device-rows) needs device 'cuda'")
+            if self.device_rows < 0:
+                raise ValueError(f"device_rows must be >= 0, got {self.device_rows}")
 
 
 class ServableModel:
@@ -177,7 +186,9 @@ class ServableModel:
         elif options.device == "cuda":
             from hpsray.serving.cuda_lookup import CudaTieredLookup
 
-            lookup = CudaTieredLookup(store, mem, init)
+            was = previous.lookup if previous is not None else None
+            warm_gpu = was if isinstance(was, CudaTieredLookup) else None
+            lookup = CudaTieredLookup(store, mem, init, device_rows=options.device_rows, warm_from=warm_gpu)
             dense = dense.to("cuda")
         elif mem >= len(store):
             lookup = MemoryLookup(np.array(store.keys), store.read_all(), init)

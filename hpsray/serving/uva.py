@@ -12,12 +12,14 @@ simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the tests check it without 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import cuda
 
 from hpsray.serving.layout import row_stride
 
-__all__ = ["WARP", "gather_rows", "mapped_rows", "stride_words"]
+__all__ = ["WARP", "gather_rows", "host_view", "mapped_rows", "stride_words"]
 
 WARP = 32
 TPB = 128  # threads per block: 4 warps
@@ -31,6 +33,13 @@ def stride_words(dim: int) -> int:
 def mapped_rows(n: int, dim: int) -> np.ndarray:
     """``float32[n, stride_words(dim)]`` in pinned host memory mapped into the current device."""
     return cuda.mapped_array((n, stride_words(dim)), dtype=np.float32)
+
+
+def host_view(mapped: Any) -> np.ndarray:
+    """The host side of :func:`mapped_rows` as a plain ``np.ndarray`` (for numba's CPU code, e.g.
+    a :class:`~hpsray.serving.cache.HotCache` writing rows in): a view of the same memory on a
+    GPU (a mapped array is an ``ndarray`` subclass), the array it wraps in the CUDA simulator."""
+    return np.ndarray.view(mapped, np.ndarray) if isinstance(mapped, np.ndarray) else mapped._ary
 
 
 @cuda.jit

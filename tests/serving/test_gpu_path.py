@@ -65,3 +65,19 @@ def test_gpu_path_on_a_real_gpu(tmp_path):
     assert not report["simulator"]
     failed = {k: v for k, v in report["results"].items() if v != "ok"}
     assert not failed, "\n".join(f"--- {k}\n{v}" for k, v in failed.items())
+
+
+def test_device_rows_needs_the_cuda_device(tmp_path, capsys):
+    from hpsray.__main__ import main
+    from hpsray.serving import LoadOptions
+
+    assert LoadOptions(device="cuda", device_rows=5).device_rows == 5
+    assert LoadOptions(device="cuda").device_rows is None  # default: sized at load (device_rows_for)
+    with pytest.raises(ValueError, match="needs device 'cuda'"):
+        LoadOptions(device_rows=5)
+    with pytest.raises(ValueError, match=">= 0"):
+        LoadOptions(device="cuda", device_rows=-1)
+    assert main(["serve", str(tmp_path), "--device-rows", "5"]) == 2  # before any Ray starts
+    assert "needs device 'cuda'" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--device", "cuda", "--device-rows", "5"]) == 2
+    assert "no export here" in capsys.readouterr().err
