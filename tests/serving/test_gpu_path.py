@@ -81,3 +81,15 @@ def test_device_rows_needs_the_cuda_device(tmp_path, capsys):
     assert "needs device 'cuda'" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--device", "cuda", "--device-rows", "5"]) == 2
     assert "no export here" in capsys.readouterr().err
+
+
+def test_device_rows_reach_the_replicas():
+    """``build_app(..., load=...)`` hands the replicas their LoadOptions as a dict (what
+    ``hpsray serve --device-rows`` does); the replica's side rebuilds the same options."""
+    from dataclasses import asdict
+
+    from hpsray.serving import Limits, LoadOptions
+    from hpsray.serving.deployment import _options
+
+    load = LoadOptions(mem_fraction=0.05, device="cuda", limits=Limits(4096, 8), device_rows=1000)
+    assert _options(asdict(load)) == load
