@@ -6,7 +6,8 @@ actor fetches exactly the parts it needs: a MEM-PS gets one owner's keys, never 
 Per batch ``t`` (docs/architecture.md: The pipeline)::
 
     Reader.read            -> ReadBatch      (the batch and its keys split by owner, as refs)
-    MemPSShard.pull        -> rows           (a loan: the owner's rows of the borrower's keys)
+    MemPSShard.pull        -> Pulled         (a loan: the rows the owner holds, the keys it lacks)
+    SSDPSShard.load(Pulled) -> rows          (the whole loan: the owner's rows of the borrower's keys)
     MemPSShard.refresh     -> Refresh        (rows other borrowers changed since the loan)
     Trainer.train(TrainInputs) -> Returned per owner, then TrainOutcome
     MemPSShard.write_back(*Returned)
@@ -17,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpsray.tiers.lending import Refresh, Returned
+from hpsray.tiers.lending import Pulled, Refresh, Returned
 
-__all__ = ["ReadBatch", "Refresh", "Returned", "TrainInputs", "TrainOutcome"]
+__all__ = ["Pulled", "ReadBatch", "Refresh", "Returned", "TrainInputs", "TrainOutcome"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class ReadBatch:
 class TrainInputs:
     """What a trainer needs for one batch, as refs it resolves itself.
 
-    ``keys[o]`` and ``loans[o]`` are the keys and rows owner ``o`` lent; ``refreshed[o]`` (empty
+    ``keys[o]`` and ``loans[o]`` are the keys and rows owner ``o`` lent (``loans[o]``: the load
+    stage's output, ``SSDPSShard.load``, on ``o``'s node); ``refreshed[o]`` (empty
     on one node and for a pass's first batch) its :class:`Refresh`. ``sizes`` holds every node's
     examples in this batch: all trainers step through the same number of global mini-batches.
     """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpsray.actors.livemetrics import LiveGauges
+from hpsray.actors.messages import Pulled
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.ssd import SSDPS, restore_snapshot
 from hpsray.tiers.ssd.snapshot import take_snapshot
@@ -12,7 +13,12 @@ from hpsray.tiers.warmup import warm_ssd_ps
 
 
 class SSDPSShard:
-    """Owns one node's parameter-file directory; MEM-PS loads from and dumps to it."""
+    """Owns one node's parameter-file directory: the load stage (:meth:`load`: the rows a pull
+    left missing), and MEM-PS's backing store (:meth:`dump`, :meth:`delete`, :meth:`read`).
+
+    Two clocks: ``load`` times the load stage (its events are the stage's intervals), ``dump``
+    the writes MEM-PS hands down (tagged with the batch whose pull or write-back made them).
+    """
 
     def __init__(self, node: int, directory: str, width: int, restore_from: str | None = None, **options) -> None:
         """``restore_from``: a snapshot (:meth:`snapshot`) that replaces ``directory`` first."""
@@ -22,6 +28,8 @@ class SSDPSShard:
         self.store = SSDPS(directory, width, **options)
         warm_ssd_ps(width, **options)  # numba compiles here, before the pipeline's clock
         self.clock = StageClock("load", node)
+        self.writes = StageClock("dump", node)
+        self.counts = {"loads": 0, "loaded": 0, "initialised": 0}
         self.gauges = LiveGauges(stage="load", node=node)
 
     def _export(self) -> None:
@@ -37,22 +45,36 @@ class SSDPSShard:
     def __repr__(self) -> str:
         return f"SSDPS[node {self.node}]"
 
-    def load(self, keys: np.ndarray, batch=None) -> tuple[np.ndarray, np.ndarray]:
-        """``(rows of the keys found, found mask)``: only found rows cross to MEM-PS (a first
-        pass finds none, and its zero rows would have been 40 MB per pull of 300k misses)."""
+    def load(self, batch_id, pulled: Pulled) -> np.ndarray:
+        """The load stage: ``pulled``'s whole loan, its missing rows read from the parameter
+        files (initial rows for keys never stored); the trainer's input. Every write MEM-PS
+        saw done before the pull has run here, and a row still in flight was not missing."""
+        with self.clock.timed(batch_id):
+            rows, loaded = pulled.complete(self.store.load)
+        missing = int(pulled.missing.size)
+        self.counts["loads"] += 1
+        self.counts["loaded"] += loaded
+        self.counts["initialised"] += missing - loaded
+        if missing:
+            self._export()
+        return rows
+
+    def read(self, keys: np.ndarray, batch=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows of the keys found, found mask)`` (MEM-PS's own reads, for evaluation): only
+        found rows cross to MEM-PS (a first pass finds none)."""
         with self.clock.timed(batch):
             rows, found = self.store.load(keys)
         self._export()
         return (rows, found) if found.all() else (rows[found], found)
 
     def dump(self, keys: np.ndarray, rows: np.ndarray, batch=None) -> None:
-        with self.clock.timed(batch):
+        with self.writes.timed(batch):
             self.store.dump(keys, rows)
         self._export()
 
     def delete(self, keys: np.ndarray, batch=None) -> int:
         """Delete the rows of ``keys`` (expiry); returns how many were stored."""
-        with self.clock.timed(batch):
+        with self.writes.timed(batch):
             n = self.store.delete(keys)
         self._export()
         return n
@@ -73,7 +95,9 @@ class SSDPSShard:
         return list(self.store.scan())
 
     def stats(self) -> dict:
-        return {**self.clock.snapshot(), "store": self.store.stats}
+        """The load clock's figures, the dump clock's (``dump``), the store's, and the rows the
+        load stage ``loaded`` from files or ``initialised``."""
+        return {**self.clock.snapshot(), "dump": self.writes.snapshot(), "store": self.store.stats, **self.counts}
 
     def close(self) -> None:
         self.store.close()

@@ -3,6 +3,9 @@
 Every stage actor is pinned to its node (``NodeAffinitySchedulingStrategy``), named for the Ray
 dashboard (``<pipeline>:<Stage>[node i]``), and runs one call at a time: the order of a
 driver's calls on an actor is what keeps training BSP-exact (docs/architecture.md: invariant 2).
+The SSD-PS actor is the load stage too: the driver's loads and MEM-PS's writes reach it as two
+callers, whose calls Ray does not order against each other (``actors/memps.py`` says why that
+is safe).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def start_mem(pipeline, index: int, node_id: str, ssd, admission_from: str | Non
             admit_after=stage.admit_after,
             expire_after_batches=stage.expire_after_batches,
             admission_from=admission_from,
+            dumps_in_flight=stage.dumps_in_flight,
             **stage.options,
         )
     )

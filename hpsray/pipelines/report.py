@@ -126,7 +126,8 @@ def _bytes(n: float) -> str:
 
 
 def format_stage_table(report: Mapping[str, Any]) -> str:
-    """A plain-text summary: per-stage busy time, pipeline efficiency, cache hit rate, SSD bytes."""
+    """A plain-text summary: per-stage busy time, pipeline efficiency, cache hit rate, SSD bytes,
+    the edges between the stages and how often the stages overlapped."""
     wall = float(report.get("wall_s") or 0.0)
     busy = report.get("stage_busy_s") or {}
     per = report.get("per_batch_s") or {}
@@ -165,6 +166,19 @@ def format_stage_table(report: Mapping[str, Any]) -> str:
             f"SSD-PS: {_bytes(ssd.get('bytes_read', 0))} read in {ssd.get('load_seconds', 0.0):.2f} s, "
             f"{_bytes(ssd.get('bytes_written', 0))} written in {ssd.get('dump_seconds', 0.0):.2f} s, "
             f"{ssd.get('files', 0)} files, {ssd.get('compactions', 0)} compactions"
+        )
+    queues = report.get("queues") or {}
+    if queues:
+        lines.append(
+            "edges (max depth/capacity, stalls): "
+            + ", ".join(f"{name} {q['max_depth']}/{q['capacity']} {q['stalls']}" for name, q in queues.items())
+        )
+    ov = report.get("overlap") or {}
+    if ov.get("batches"):
+        lines.append(
+            f"overlap over {ov['batches']} batches: load of t+1 during train of t "
+            f"{100 * ov['load_during_train']:.0f}%, read of t+2 + load of t+1 + train of t at once "
+            f"{100 * ov['read_load_train']:.0f}%"
         )
     bad = report.get("bad_input") or {}
     if bad:

@@ -2,14 +2,21 @@
 
 Per batch ``t`` the driver submits, on every node::
 
-    train(t) ; read(t + read_queue) ; pull(t+1) ; write_back(t) ; refresh(t+1)
+    train(t) ; read(t + read_queue) ; pull(t+1) ; load(t+1) ; write_back(t) ; refresh(t+1)
 
-A Ray actor runs one caller's calls in submission order, so MEM-PS runs ``pull(t+1)`` while
-``t`` trains and ``pull(t+2)`` only after ``write_back(t)``. The rows ``pull(t+1)`` lent early
-for keys also in ``t`` are stale: the trainer keeps its own from ``t`` resident in HBM-PS, and
-rows other nodes changed come again through ``refresh(t+1)`` (docs/architecture.md: invariants 2
-and 4). The reader runs up to ``read_queue`` batches ahead through a :class:`BoundedEdge`; at
-most two write-backs per node are in flight.
+Four stages on four resources: the reader (read), MEM-PS (pull: the rows it holds, the keys it
+lacks), SSD-PS (load: those rows from the parameter files, into the loan the trainer takes) and
+the trainer (train). MEM-PS never waits on SSD-PS inside a call: its evictions are written
+behind. A Ray actor runs one caller's calls in submission order, so MEM-PS runs ``pull(t+1)``
+while ``t`` trains and ``pull(t+2)`` only after ``write_back(t)``; SSD-PS loads ``t+1`` while
+``t`` trains. The rows ``pull(t+1)`` lent early for keys also in ``t`` are stale: the trainer
+keeps its own from ``t`` resident in HBM-PS, and rows other nodes changed come again through
+``refresh(t+1)`` (docs/architecture.md: invariants 2 and 4).
+
+Four bounded edges per node join the stages (:class:`BoundedEdge`): read→pull (``read_queue``
+batches), pull→load (``pull_queue``), load→train (``load_queue``) and train→write-back
+(``write_back_queue``). A batch is on an edge from its producer's submission until its consumer
+is done, so with ``read_queue = 1`` batch ``t+2`` is read while ``t+1`` loads and ``t`` trains.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from hpsray.actors.messages import ReadBatch, TrainInputs
 from hpsray.errors import PeerFailedError, caused_by
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.placement import NodeActors
+
+EDGES = ("read→pull", "pull→load", "load→train", "train→write-back")
 
 
 @dataclass
@@ -42,6 +51,8 @@ class PassSchedule:
     are submitted and before the next batch trains; :meth:`drain` there makes them done.
     ``refresh_alone``: refresh on one node too (feature admission: a key lent without a row
     that stays resident in the trainer must be reset; docs/architecture.md, Admission and expiry).
+    ``pull_queue``, ``load_queue``, ``write_back_queue``: the capacities of the other three
+    edges (``load_queue`` >= 2 lets ``t+1`` load while ``t`` trains).
     """
 
     nodes: list[NodeActors]
@@ -49,8 +60,13 @@ class PassSchedule:
     read_queue: int
     on_batch_end: Callable[[int, PassSchedule], None] | None = None
     refresh_alone: bool = False
+    pull_queue: int = 2
+    load_queue: int = 2
+    write_back_queue: int = 2
     reads: list[BoundedEdge] = field(init=False)
-    write_backs: list[BoundedEdge] = field(init=False)
+    pulls: list[BoundedEdge] = field(init=False)  # by owner
+    loads: list[BoundedEdge] = field(init=False)  # by borrower
+    write_backs: list[BoundedEdge] = field(init=False)  # by owner
     outcomes: list = field(init=False, default_factory=list)  # every TrainOutcome ref, to find a failure's root
     examples_by_batch: dict[int, int] = field(init=False, default_factory=dict)
     _pending: deque = field(init=False, default_factory=deque)  # per batch read ahead: ReadBatch refs by node
@@ -58,10 +74,14 @@ class PassSchedule:
 
     def __post_init__(self) -> None:
         n = len(self.nodes)
-        self.reads = [BoundedEdge(f"read→pull[node {i}]" if n > 1 else "read→pull", self.read_queue) for i in range(n)]
-        self.write_backs = [
-            BoundedEdge(f"train→write-back[node {i}]" if n > 1 else "train→write-back", 2) for i in range(n)
-        ]
+
+        def edges(k: int, capacity: int) -> list[BoundedEdge]:
+            return [BoundedEdge(f"{EDGES[k]}[node {i}]" if n > 1 else EDGES[k], capacity) for i in range(n)]
+
+        self.reads = edges(0, self.read_queue)
+        self.pulls = edges(1, self.pull_queue)
+        self.loads = edges(2, self.load_queue)
+        self.write_backs = edges(3, self.write_back_queue)
 
     @property
     def batches(self) -> int:
@@ -74,13 +94,14 @@ class PassSchedule:
 
     @property
     def edges(self) -> list[BoundedEdge]:
-        return [*self.reads, *self.write_backs]
+        return [*self.reads, *self.pulls, *self.loads, *self.write_backs]
 
     def _read(self, t: int) -> None:
         row = []
         for node, edge in zip(self.nodes, self.reads):
+            edge.wait_room()
             ref = node.reader.read.remote(self.first + t)
-            edge.put(ref)
+            edge.put([ref])
             row.append(ref)
         self._pending.append(row)
 
@@ -89,12 +110,25 @@ class PassSchedule:
         return ray.get(self._pending.popleft())
 
     def _lend(self, t: int, read: list[ReadBatch]) -> list[list]:
-        """Refs of the loans of batch ``t``: ``[borrower][owner]``, every owner lending in parallel."""
-        nodes = self.nodes
-        return [
-            [nodes[o].mem.pull.remote(self.first + t, r.keys_by_owner[o], b) for o in range(len(nodes))]
-            for b, r in enumerate(read)
-        ]
+        """Refs of the loans of batch ``t``: ``[borrower][owner]``, every owner pulling and then
+        loading in parallel (the load stage runs on the owner's SSD-PS actor)."""
+        nodes, bid = self.nodes, self.first + t
+        n = len(nodes)
+        for edge in self.pulls:
+            edge.wait_room()
+        pulled = [[nodes[o].mem.pull.remote(bid, r.keys_by_owner[o], b) for o in range(n)] for b, r in enumerate(read)]
+        for o, edge in enumerate(self.pulls):
+            edge.put([pulled[b][o] for b in range(n)])
+        for b, edge in enumerate(self.reads):
+            edge.taken(pulled[b])
+        for edge in self.loads:
+            edge.wait_room()
+        loans = [[nodes[o].ssd.load.remote(bid, pulled[b][o]) for o in range(n)] for b in range(n)]
+        for b, edge in enumerate(self.loads):
+            edge.put(loans[b])
+        for o, edge in enumerate(self.pulls):
+            edge.taken([loans[b][o] for b in range(n)])
+        return loans
 
     def _refresh(self, t: int) -> list[list]:
         nodes = self.nodes
@@ -104,6 +138,8 @@ class PassSchedule:
         n = len(self.nodes)
         sizes = [r.examples for r in read]
         results = []
+        for edge in self.write_backs:
+            edge.wait_room()
         for b, node in enumerate(self.nodes):
             inputs = TrainInputs(
                 read[b].batch, read[b].keys_by_owner, loans[b], refreshed[b] if refreshed else [], sizes
@@ -111,6 +147,9 @@ class PassSchedule:
             refs = node.trainer.train.options(num_returns=n + 1).remote(self.first + t, inputs)
             results.append(refs)
             self.outcomes.append(refs[-1])
+            self.loads[b].taken([refs[-1]])
+        for edge in self.write_backs:
+            edge.put([refs[-1] for refs in results])
         return results
 
     def run(self, progress=None) -> None:
@@ -133,7 +172,8 @@ class PassSchedule:
             if more:
                 next_loans = self._lend(t + 1, next_read)
             for o, node in enumerate(self.nodes):
-                self.write_backs[o].put(node.mem.write_back.remote(self.first + t, *[results[b][o] for b in range(n)]))
+                ref = node.mem.write_back.remote(self.first + t, *[results[b][o] for b in range(n)])
+                self.write_backs[o].taken([ref])
             self._training = None
             refreshed = self._refresh(t + 1) if more and (n > 1 or self.refresh_alone) else None
             done = sum(r.examples for r in read)

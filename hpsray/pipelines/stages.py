@@ -19,6 +19,10 @@ class MemPSStage:
     (docs/architecture.md: Admission and expiry): a key gets a row from the ``admit_after``-th
     batch it is seen in, and rows of keys not seen for ``expire_after_batches`` batches are
     dropped from every tier. The reference trainer takes the same two arguments.
+
+    ``dumps_in_flight``: evicted rows are written to SSD-PS behind MEM-PS's back; at most this
+    many such writes are in flight (their rows held in memory beside the budget until done)
+    before a pull waits for the oldest (docs/architecture.md: The pipeline).
     """
 
     capacity_rows: int | None = None
@@ -26,10 +30,13 @@ class MemPSStage:
     options: dict = field(default_factory=dict)  # lru_fraction, aging, history
     admit_after: int = 0
     expire_after_batches: int | None = None
+    dumps_in_flight: int = 4
 
     def __post_init__(self) -> None:
         if (self.capacity_rows is None) == (self.capacity_bytes is None):
             raise ValueError("MemPSStage: give exactly one of capacity_rows and capacity_bytes")
+        if self.dumps_in_flight < 1:
+            raise ValueError(f"MemPSStage.dumps_in_flight must be >= 1, got {self.dumps_in_flight}")
         try:
             check_admission(self.admit_after, self.expire_after_batches)
         except ValueError as e:

@@ -2,7 +2,10 @@
 
 Only the batches that ``fit()`` trained count. With several nodes, a stage's busy seconds (per
 batch and in all) are those of its busiest node, so ``pipeline_efficiency`` is the slowest
-(stage, node) over wall time; ``per_node`` keeps every node's own figures.
+(stage, node) over wall time; ``per_node`` keeps every node's own figures. The ``load`` stage's
+seconds are its SSD-PS actor's: the loads plus the writes MEM-PS handed down (dumps, deletes).
+``queues`` gives every edge's capacity, deepest fill and stalls; ``overlap`` how often the
+stages ran on consecutive batches at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,47 @@ def sum_counts(caches: list[dict]) -> dict:
     return out
 
 
+def _with_loads(cache: dict, ssds: list[dict]) -> dict:
+    """The MEM-PS counters with the load stage's: the rows it ``loaded`` from SSD-PS files and
+    ``initialised`` (MEM-PS itself only names them missing)."""
+    for key in ("loaded", "initialised"):
+        cache[key] = cache.get(key, 0) + sum(int(s.get(key, 0)) for s in ssds)
+    return cache
+
+
+def _spans(events: list, batches: set) -> dict:
+    """``{batch: (first start, last end)}`` of a stage's timed calls (wall-clock seconds)."""
+    out: dict = {}
+    for start, end, b in events:
+        if b in batches:
+            s0, e0 = out.get(b, (start, end))
+            out[b] = (min(s0, start), max(e0, end))
+    return out
+
+
+def overlap(per_node: list[tuple[dict, dict, dict]], batches: set) -> dict:
+    """How often the four-stage pipeline ran as the paper draws it, from the stage clocks'
+    intervals (reader, SSD-PS, trainer stats of each node): of the batches ``t`` with a
+    ``t+1`` to load and a ``t+2`` to read, the share where the load of ``t+1`` ran while ``t``
+    trained (``load_during_train``), and where the read of ``t+2``, the load of ``t+1`` and the
+    training of ``t`` were under way at one instant (``read_load_train``). Every node counts."""
+    both = loading = total = 0
+    for reader, ssd, trainer in per_node:
+        read, load, train = (_spans(s["events"], batches) for s in (reader, ssd, trainer))
+        for t in sorted(train):
+            if t + 1 not in load or t + 2 not in read:
+                continue
+            total += 1
+            tr, ld, rd = train[t], load[t + 1], read[t + 2]
+            loading += max(tr[0], ld[0]) < min(tr[1], ld[1])
+            both += max(tr[0], ld[0], rd[0]) < min(tr[1], ld[1], rd[1])
+    return {
+        "batches": total,
+        "load_during_train": loading / total if total else 0.0,
+        "read_load_train": both / total if total else 0.0,
+    }
+
+
 def run_report(
     nodes: list[NodeActors],
     sync,
@@ -64,6 +108,9 @@ def run_report(
     for reader, mem, ssd, trainer, _ in per_node:
         stages = {s["stage"]: s for s in (reader, mem, ssd, trainer)}
         pb = {name: {b: v for b, v in s["per_batch"].items() if b in mine} for name, s in stages.items()}
+        for b, v in ssd["dump"]["per_batch"].items():  # the SSD-PS's busy time: loads and writes
+            if b in mine:
+                pb["load"][b] = pb["load"].get(b, 0.0) + v
         node_per_batch.append(pb)
         node_busy.append({name: float(sum(v.values())) for name, v in pb.items()})
     busy = {name: max(nb[name] for nb in node_busy) for name in node_busy[0]}
@@ -94,9 +141,10 @@ def run_report(
         "per_batch_s": {name: {str(k): v for k, v in pb.items()} for name, pb in per_batch.items()},
         "cache_hit_rate": {str(k): v for k, v in hit_rate.items()},
         "ssd": ssd_total,
-        "cache": sum_counts([mem["cache"] for mem in mems]),
+        "cache": _with_loads(sum_counts([mem["cache"] for mem in mems]), [r[2] for r in per_node]),
         "loss": {str(k): v for k, v in sorted(trainer0["losses"].items()) if k in mine},
         "queues": {e.name: {"capacity": e.capacity, "max_depth": e.max_depth, "stalls": e.stalls} for e in edges},
+        "overlap": overlap([(r[0], r[2], r[3]) for r in per_node], mine),
         "bad_input": per_node[0][4] if len(nodes) == 1 else {f"node {i}": r[4] for i, r in enumerate(per_node)},
     }
     if len(nodes) > 1:

@@ -24,7 +24,7 @@ SSD-PS at the first loan of the next batch (before it is counted) and again at t
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +44,33 @@ class Returned:
     borrower: int
     keys: npt.NDArray[np.uint64]
     rows: npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A loan whose missing rows are still to be loaded (the pull stage's output, the load
+    stage's input): ``rows[i]`` is ``keys[i]``'s except at the positions ``missing``, whose keys
+    ``missing_keys`` the owner does not hold; :meth:`complete` fills them from the store, or
+    with ``init``'s rows for keys it never stored."""
+
+    rows: npt.NDArray[np.float32]
+    missing: npt.NDArray[np.int64]
+    missing_keys: npt.NDArray[np.uint64]
+    init: RowInit
+
+    def complete(self, load: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, int]:
+        """``(rows, loaded)``: the whole loan, the missing rows from ``load(keys) -> (rows,
+        found)`` (a store's), initial rows where not found; ``loaded`` counts the rows found."""
+        rows = np.array(self.rows)  # a writable copy (an object-store array is read-only)
+        if not self.missing.size:
+            return rows, 0
+        got, found = load(self.missing_keys)
+        loaded = int(np.count_nonzero(found))
+        if loaded < found.size:
+            got = np.array(got)
+            got[~found] = initial_rows(self.missing_keys[~found], rows.shape[1], self.init)
+        rows[self.missing] = got
+        return rows, loaded
 
 
 @dataclass(frozen=True)
@@ -85,23 +112,36 @@ class Lender:
 
     def lend(self, batch_id: Hashable, keys: npt.NDArray[np.uint64], borrower: int | None = None) -> np.ndarray:
         """Rows of the distinct sorted ``keys`` (all owned here), pinned for ``(batch_id,
-        borrower)`` until :meth:`take_back`; ``borrower`` defaults to this node."""
+        borrower)`` until :meth:`take_back`; ``borrower`` defaults to this node. The rows not
+        held are loaded from the store here (:meth:`lend_deferred` leaves them to the caller)."""
+        pulled = self.lend_deferred(batch_id, keys, borrower)
+        rows, loaded = pulled.complete(self.store.load)
+        lease = (batch_id, self.node if borrower is None else borrower)
+        self.mem.fill(pulled.missing_keys, rows[pulled.missing], lease, loaded)
+        return rows
+
+    def lend_deferred(self, batch_id: Hashable, keys: npt.NDArray[np.uint64], borrower: int | None = None) -> Pulled:
+        """:meth:`lend` without loading: the rows held here, and the keys (and positions) of the
+        rows the load stage must get from the store (:meth:`Pulled.complete`). Their slots are
+        reserved and pinned, so the row :meth:`take_back` returns has its place; the store
+        holds their newest value until then (a key whose dump is still in flight is served
+        from the store's ``in_flight`` rows, never named missing)."""
         lease = (batch_id, self.node if borrower is None else borrower)
         if self.admission is None:
-            rows = self.mem.pull(lease, keys)
+            rows, missing = self.mem.reserve(lease, keys)
         else:
-            rows = self._lend_admitted(lease, keys)
+            rows, missing = self._lend_admitted(lease, keys)
         self.lent[lease] = keys
         s = self.mem.batch_stats(lease)
         counts = self._hits.setdefault(batch_id, [0, 0])
         counts[0] += s["hits"]
         counts[1] += s["misses"]
         self.hit_rate[batch_id] = counts[0] / max(counts[0] + counts[1], 1)
-        return rows
+        return Pulled(rows, missing, keys[missing], self.init)
 
-    def _lend_admitted(self, lease: Lease, keys: npt.NDArray[np.uint64]) -> np.ndarray:
-        """:meth:`lend` under admission: expire what the previous batch's end expires, count
-        the keys, and lend admitted keys their rows and the others their initial rows."""
+    def _lend_admitted(self, lease: Lease, keys: npt.NDArray[np.uint64]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`lend_deferred` under admission: expire what the previous batch's end expires,
+        count the keys, and lend admitted keys their rows and the others their initial rows."""
         adm = self.admission
         assert adm is not None
         batch_id = lease[0]
@@ -110,13 +150,13 @@ class Lender:
         self._expire(batch_id - 1)  # before counting: an expired key starts afresh
         admitted = adm.see(batch_id, keys)
         if admitted.all():
-            return self.mem.pull(lease, keys)
+            return self.mem.reserve(lease, keys)
         rows = np.empty((keys.size, self.mem.width), dtype=np.float32)
-        rows[admitted] = self.mem.pull(lease, keys[admitted])
+        rows[admitted], missing = self.mem.reserve(lease, keys[admitted])
         rejected = keys[~admitted]
         rows[~admitted] = initial_rows(rejected, self.mem.width, self.init)
         self.rejected[lease] = rejected
-        return rows
+        return rows, np.flatnonzero(admitted)[missing]
 
     def _expire(self, through: int) -> int:
         """Drop the rows that expire at the end of batch ``through`` from MEM-PS and SSD-PS."""
@@ -190,8 +230,9 @@ class Lender:
         return Refresh(keys, rows)
 
     def lookup(self, keys: npt.NDArray[np.uint64]) -> np.ndarray:
-        """Current rows of ``keys`` (evaluation): resident, else stored, else initial; no pins."""
-        resident = self.mem.contains(keys)
+        """Current rows of ``keys`` (evaluation): resident, else stored (a store that writes
+        behind answers from its rows in flight first), else initial; no pins."""
+        resident = self.mem.has_rows(keys)
         out = np.empty((keys.size, self.mem.width), dtype=np.float32)
         if resident.any():
             out[resident] = self.mem.peek(keys[resident])

@@ -3,10 +3,12 @@
 Rows live in the arena of a :class:`~hpsray.kernels.cpu.CpuHashTable` (key → slot); per-slot
 metadata (replacement state, pin counts, dirty flags) lives in numpy arrays. Replacement is
 LRU → LFU (:mod:`hpsray.tiers.cache_policy`): every visited row enters the LRU region, rows
-leaving the LRU enter the LFU region, rows leaving the LFU region are written to SSD-PS
-*before* their memory is released.
+leaving the LRU enter the LFU region, rows leaving the LFU region are handed to SSD-PS
+(``dump``) *before* their memory is released; a store that writes behind
+(:class:`WritingBehindStore`) keeps them readable until they are written.
 
-A batch's rows are pinned under its batch id from :meth:`MemPS.pull` until
+A batch's rows are pinned under its batch id from :meth:`MemPS.pull` (or :meth:`MemPS.reserve`,
+which leaves the rows it does not hold to the load stage: their slots are *reserved*) until
 :meth:`MemPS.unpin`; pinned rows are never evicted (docs/architecture.md: invariant 3). Only *dirty* rows
 (changed by :meth:`MemPS.write_back` since they were last stored) are written on eviction: a
 clean row is already on SSD-PS with the same value, or was never stored and is re-created
@@ -39,7 +41,7 @@ from hpsray.tiers.cache_policy import (
     LruLfuPolicy,
 )
 
-__all__ = ["BackingStore", "CapacityError", "DeletingStore", "MemPS", "rows_for_bytes"]
+__all__ = ["BackingStore", "CapacityError", "DeletingStore", "MemPS", "WritingBehindStore", "rows_for_bytes"]
 
 # per-row bookkeeping besides the row and the hash buckets: table row_keys/free/first (24),
 # our slot keys (8), policy region/tick/freq/pins (21), dirty flag (1)
@@ -61,6 +63,23 @@ class DeletingStore(BackingStore, Protocol):
     """A backing store that also deletes rows (expiry: docs/architecture.md, Admission and expiry)."""
 
     def delete(self, keys: np.ndarray) -> int: ...
+
+
+class WritingBehindStore(BackingStore, Protocol):
+    """A backing store whose ``dump`` and ``delete`` may return before the store has them (the
+    Ray actor's, which submits them to the SSD-PS actor without waiting). ``in_flight(keys)``
+    answers ``(rows, found, deleted)`` for keys whose newest dump (``found``, its row in
+    ``rows``) or delete is still under way, so MEM-PS never misses a row it handed down."""
+
+    def in_flight(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+
+def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(sorted distinct keys, inverse)``; inverse ``None`` when ``keys`` already are (what readers send)."""
+    if is_sorted_distinct(keys):
+        return keys, None
+    uk, inv = np.unique(keys, return_inverse=True)
+    return uk, inv
 
 
 def rows_for_bytes(capacity_bytes: int, width: int, history: float | None = DEFAULT_HISTORY) -> int:
@@ -131,6 +150,7 @@ class MemPS:
         self._policy = LruLfuPolicy(self.capacity, lru_fraction, aging, history)
         self._slot_key = np.full(self.capacity, EMPTY_KEY, dtype=np.uint64)
         self._dirty = np.zeros(self.capacity, dtype=bool)
+        self._reserved = np.zeros(self.capacity, dtype=bool)  # resident, its row not given yet
         self._pins: dict[Hashable, list[np.ndarray]] = {}
         self._batch_stats: OrderedDict[Hashable, dict] = OrderedDict()
         self._history = int(stats_history)
@@ -147,6 +167,8 @@ class MemPS:
             "rows_written_back": 0,
             "flushed": 0,
             "dropped": 0,
+            "recovered": 0,
+            "reserved": 0,
         }
 
     # -- the batch cycle -----------------------------------------------------------------
@@ -161,56 +183,139 @@ class MemPS:
         """
         keys = as_keys(keys)
         with self._lock:
-            if is_sorted_distinct(keys):
-                uk, inv = keys, None  # what readers send
-            else:
-                uk, inv = np.unique(keys, return_inverse=True)
-            slots = self._table.find(uk)
-            hit = slots >= 0
-            hit_slots = slots[hit]
-            miss_keys = uk[~hit]
-            m = miss_keys.size
-            need = self._table.size + m - self.capacity
-            policy = self._policy
-            if need > 0 and need > policy.evictable(hit_slots):
-                pinned = policy.n_pinned + int(np.count_nonzero(policy.pins[hit_slots] == 0))
-                raise CapacityError(
-                    f"MEM-PS capacity {self.capacity} rows: batch {batch_id!r} needs {uk.size} distinct rows "
-                    f"({m} not resident), {policy.n_pinned} rows are pinned by in-flight batches "
-                    f"{list(self._pins)[:8]}, so {pinned + m} rows would have to be held; "
-                    "raise the capacity or keep fewer batches in flight"
-                )
-            policy.touch(hit_slots, uk[hit])
-            policy.pin(hit_slots)
-            try:
-                loaded = 0
-                if m:
-                    victims = policy.make_room(max(need, 0), incoming=m)
-                    self._evict(victims)
-                    rows, found = self.ssd.load(miss_keys)
-                    loaded = int(np.count_nonzero(found))
-                    if loaded == 0:  # never stored (a first pass): nothing to merge
-                        rows = initial_rows(miss_keys, self.width, self.init)
-                    elif loaded < m:
-                        if not rows.flags.writeable:  # e.g. an array from Ray's object store
-                            rows = rows.copy()
-                        absent = ~found
-                        rows[absent] = initial_rows(miss_keys[absent], self.width, self.init)
-                    new_slots = self._table.find_or_insert(miss_keys, initialise=False)  # overwritten below
-                    self._table.put(new_slots, rows)
-                    self._slot_key[new_slots] = miss_keys
-                    self._dirty[new_slots] = False
-                    policy.touch(new_slots, miss_keys)
-                    policy.pin(new_slots)
-                    slots[~hit] = new_slots
-            except BaseException:
-                policy.unpin(hit_slots)
-                raise
-            self._pins.setdefault(batch_id, []).append(slots)
-            hits = int(hit_slots.size)
-            self._count(batch_id, hits=hits, misses=m, loaded=loaded, initialised=m - loaded)
-            self._totals["pulls"] += 1
+            uk, inv = _distinct(keys)
+            slots, _ = self._take(batch_id, uk, load=True)
             return self._table.gather(slots if inv is None else slots[inv])
+
+    def reserve(self, batch_id: Hashable, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`pull` without loading: ``(rows, missing)`` for the distinct ``keys``, all
+        pinned for ``batch_id``, where ``rows[missing]`` are zeros the caller must fill with the
+        store's rows (initial rows for keys it never stored): the load stage's job.
+
+        A missing key gets a *reserved* slot: resident and pinned, but with no row until
+        :meth:`write_back` (or :meth:`fill`) gives it one; a reserved row is never dumped (the
+        store already holds its newest value), :meth:`peek` refuses it and a later
+        ``reserve`` names it missing again. Keys whose dump or delete the store still has in
+        flight (``store.in_flight``) are not missing: their rows come from there.
+        """
+        keys = as_keys(keys)
+        if not is_sorted_distinct(keys):
+            raise ValueError("reserve: keys must be sorted and distinct")
+        with self._lock:
+            slots, missing = self._take(batch_id, keys, load=False)
+            rows = self._table.gather(slots)
+            if missing.size:
+                rows[missing] = 0.0
+            return rows, missing
+
+    def _take(self, batch_id: Hashable, uk: np.ndarray, load: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Pin the sorted distinct ``uk`` for ``batch_id``: ``(slots, missing positions)``.
+        With ``load`` every row is filled (from the store or initialised) and none is missing."""
+        slots = self._table.find(uk)
+        hit = slots >= 0
+        hit_slots = slots[hit]
+        miss_keys = uk[~hit]
+        m = miss_keys.size
+        need = self._table.size + m - self.capacity
+        policy = self._policy
+        if need > 0 and need > policy.evictable(hit_slots):
+            pinned = policy.n_pinned + int(np.count_nonzero(policy.pins[hit_slots] == 0))
+            raise CapacityError(
+                f"MEM-PS capacity {self.capacity} rows: batch {batch_id!r} needs {uk.size} distinct rows "
+                f"({m} not resident), {policy.n_pinned} rows are pinned by in-flight batches "
+                f"{list(self._pins)[:8]}, so {pinned + m} rows would have to be held; "
+                "raise the capacity or keep fewer batches in flight"
+            )
+        policy.touch(hit_slots, uk[hit])
+        policy.pin(hit_slots)
+        unfilled = np.flatnonzero(hit)[self._reserved[hit_slots]]  # resident, no row yet
+        try:
+            loaded = recovered = 0
+            absent = np.zeros(0, np.int64)  # positions in miss_keys the store must give
+            if m:
+                victims = policy.make_room(max(need, 0), incoming=m)
+                self._evict(victims)
+                rows, known = self._in_flight(miss_keys)
+                recovered = int(np.count_nonzero(known))
+                absent = np.flatnonzero(~known)
+            fetch = np.concatenate([miss_keys[absent], uk[unfilled]]) if load else miss_keys[:0]
+            if fetch.size:
+                got, loaded = self._fetch(fetch)
+                if m:
+                    rows[absent] = got[: absent.size]
+                if unfilled.size:
+                    self._table.put(slots[unfilled], got[absent.size :])
+                    self._reserved[slots[unfilled]] = False
+            if m:
+                new_slots = self._table.find_or_insert(miss_keys, initialise=False)  # overwritten below
+                self._table.put(new_slots, rows)
+                self._slot_key[new_slots] = miss_keys
+                self._dirty[new_slots] = False
+                self._reserved[new_slots] = False
+                if not load:
+                    self._reserved[new_slots[absent]] = True
+                policy.touch(new_slots, miss_keys)
+                policy.pin(new_slots)
+                slots[~hit] = new_slots
+        except BaseException:
+            policy.unpin(hit_slots)
+            raise
+        self._pins.setdefault(batch_id, []).append(slots)
+        misses = m - recovered + int(unfilled.size)
+        fetched = int(fetch.size)
+        self._count(
+            batch_id, hits=uk.size - misses, misses=misses, loaded=loaded, initialised=fetched - loaded if load else 0
+        )
+        self._totals["pulls"] += 1
+        self._totals["recovered"] += recovered
+        self._totals["reserved"] += 0 if load else int(absent.size)
+        missing = np.zeros(0, np.int64)
+        if not load:
+            missing = np.sort(np.concatenate([np.flatnonzero(~hit)[absent], unfilled]))
+        return slots, missing
+
+    def _in_flight(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` the store is still writing (``store.in_flight``, when it has one):
+        ``(rows, known)``; a key whose delete is in flight gets its initial row."""
+        rows = np.zeros((keys.size, self.width), np.float32)
+        probe = getattr(self.ssd, "in_flight", None)
+        if probe is None:
+            return rows, np.zeros(keys.size, bool)
+        got, found, deleted = probe(keys)
+        if found.any():
+            rows[found] = got[found]
+        if deleted.any():
+            rows[deleted] = initial_rows(keys[deleted], self.width, self.init)
+        return rows, found | deleted
+
+    def _fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows of ``keys`` from the store, initial rows where it has none; and how many it had."""
+        rows, found = self.ssd.load(keys)
+        loaded = int(np.count_nonzero(found))
+        if loaded == 0:  # never stored (a first pass): nothing to merge
+            return initial_rows(keys, self.width, self.init), 0
+        if loaded < keys.size:
+            if not rows.flags.writeable:  # e.g. an array from Ray's object store
+                rows = rows.copy()
+            rows[~found] = initial_rows(keys[~found], self.width, self.init)
+        return rows, loaded
+
+    def fill(self, keys: ArrayLike, rows: ArrayLike, batch_id: Hashable | None = None, loaded: int = 0) -> int:
+        """Give the reserved slots among ``keys`` their loaded ``rows`` (clean: the store holds
+        them); other keys are skipped. Returns how many slots were filled. With ``batch_id``,
+        counts ``loaded`` of the keys as loaded for it and the others as initialised."""
+        keys = as_keys(keys)
+        rows = as_rows(rows, keys.size, self.width, "fill rows")
+        with self._lock:
+            if batch_id is not None:
+                self._count(batch_id, loaded=loaded, initialised=keys.size - loaded)
+            slots = self._table.find(keys)
+            pick = np.flatnonzero(slots >= 0)
+            pick = pick[self._reserved[slots[pick]]]
+            if pick.size:
+                self._table.put(slots[pick], rows[pick])
+                self._reserved[slots[pick]] = False
+            return int(pick.size)
 
     def write_back(self, batch_id: Hashable, keys: ArrayLike, rows: ArrayLike) -> None:
         """Store the updated ``rows`` of ``keys`` (all pulled by ``batch_id`` and still pinned);
@@ -232,6 +337,7 @@ class MemPS:
                 )
             self._table.insert_or_assign(keys, rows)
             self._dirty[slots] = True
+            self._reserved[slots] = False
             self._totals["write_backs"] += 1
             self._totals["rows_written_back"] += int(keys.size)
 
@@ -264,6 +370,7 @@ class MemPS:
             self._policy.release(slots)  # forgotten: a later return starts afresh
             self._slot_key[slots] = EMPTY_KEY
             self._dirty[slots] = False
+            self._reserved[slots] = False
             self._totals["dropped"] += int(slots.size)
             return int(slots.size)
 
@@ -279,6 +386,7 @@ class MemPS:
         self._policy.release(victims, self._slot_key[victims])
         self._slot_key[victims] = EMPTY_KEY
         self._dirty[victims] = False
+        self._reserved[victims] = False  # never dumped: the store holds its newest row
         self._totals["evicted"] += int(victims.size)
         self._totals["evicted_dirty"] += int(dirty.size)
 
@@ -307,6 +415,12 @@ class MemPS:
                     f"peek: {int((slots < 0).sum())} of {keys.size} keys are not resident "
                     f"(first: {int(keys[np.argmax(slots < 0)])})"
                 )
+            unfilled = self._reserved[slots]
+            if unfilled.any():
+                raise KeyError(
+                    f"peek: {int(unfilled.sum())} of {keys.size} keys are reserved for a load still "
+                    f"under way (first: {int(keys[np.argmax(unfilled)])})"
+                )
             return self._table.gather(slots)
 
     def contains(self, keys: ArrayLike) -> np.ndarray:
@@ -314,6 +428,15 @@ class MemPS:
         keys = as_keys(keys)
         with self._lock:
             return self._table.find(keys) >= 0
+
+    def has_rows(self, keys: ArrayLike) -> np.ndarray:
+        """Whether each key is resident with its row (not reserved for a load under way)."""
+        keys = as_keys(keys)
+        with self._lock:
+            slots = self._table.find(keys)
+            out = slots >= 0
+            out[out] = ~self._reserved[slots[out]]
+            return out
 
     def pinned(self, keys: ArrayLike) -> np.ndarray:
         """Whether each key is resident and pinned by some in-flight batch."""
@@ -373,6 +496,7 @@ class MemPS:
                 lru_rows=p.n_lru,
                 lfu_rows=p.n_lfu,
                 dirty_rows=int(np.count_nonzero(self._dirty)),
+                reserved_rows=int(np.count_nonzero(self._reserved)),
             )
             return t
 
