@@ -19,6 +19,7 @@ import numpy.typing as npt
 from numba import njit, prange
 
 from hpsray.kernels.distinct import distinct_sorted, is_sorted_distinct
+from hpsray.kernels.fused import lookup_pool
 from hpsray.kernels.hashing import EMPTY_KEY, bucket_hash
 from hpsray.kernels.init import RowInit, init_row
 from hpsray.kernels.optim import SparseOptimizer, apply_row_update
@@ -322,14 +323,18 @@ class CpuHashTable(HashTable):
     def keys(self) -> npt.NDArray[np.uint64]:
         return self._row_keys[_occupied_slots(self._row_keys)]
 
-    def apply_gradients(self, keys: npt.ArrayLike, grads: npt.ArrayLike, optimizer: SparseOptimizer, step: int) -> None:
-        keys = as_keys(keys)
+    def _check_optimizer(self, optimizer: SparseOptimizer) -> int:
         dim = self.init.dim
         if dim + optimizer.state_width(dim) != self.width:
             raise ValueError(
                 f"{type(optimizer).__name__} needs rows of width {dim + optimizer.state_width(dim)} "
                 f"(dim {dim}), this table has width {self.width}"
             )
+        return dim
+
+    def apply_gradients(self, keys: npt.ArrayLike, grads: npt.ArrayLike, optimizer: SparseOptimizer, step: int) -> None:
+        keys = as_keys(keys)
+        dim = self._check_optimizer(optimizer)
         grads = as_rows(grads, keys.size, dim, "apply_gradients grads")
         slots = self._present_slots(keys, "apply_gradients")
         if is_sorted_distinct(keys):  # a mini-batch's keys: nothing to sum first
@@ -338,3 +343,41 @@ class CpuHashTable(HashTable):
         _apply_gradients(
             self._rows, slots, grads, optimizer.kind, optimizer.hyperparams(step), self._first, self._threads()
         )
+
+    # The fused sparse path (hpsray.kernels.fused): a mini-batch's lookup and pooling in one
+    # kernel, the optimizer applied at the slots that lookup found.
+
+    def lookup_pool(
+        self,
+        unique_keys: npt.NDArray[np.uint64],
+        inverse: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        columns: int,
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+        """``(pooled float32[n_bags, columns], slots int64[U])``: the sum-pooled first ``columns``
+        floats of the rows per bag, where bag ``b`` holds the keys ``unique_keys[inverse[p]]``
+        for ``ends[b] <= p < ends[b + 1]``, and the slot of each distinct key; every key must be
+        present (``KeyError`` otherwise, like :meth:`get`)."""
+        columns = check_columns(columns, self.width)
+        unique_keys = np.ascontiguousarray(unique_keys, dtype=np.uint64)
+        pooled, slots = lookup_pool(self._buckets, self._mask, self._rows, unique_keys, inverse, ends, columns)
+        if slots.size and slots.min() < 0:
+            raise missing_key_error(unique_keys, slots, "lookup_pool")
+        return pooled, slots
+
+    def apply_at_slots(
+        self, slots: npt.NDArray[np.int64], grads: npt.NDArray[np.float32], optimizer: SparseOptimizer, step: int
+    ) -> None:
+        """:meth:`apply_gradients` for distinct ``slots`` already looked up (from :meth:`distinct`)."""
+        dim = self._check_optimizer(optimizer)
+        slots = self._checked_slots(slots, "apply_at_slots")
+        grads = as_rows(grads, slots.size, dim, "apply_at_slots grads")
+        _apply_distinct(self._rows, slots, grads, optimizer.kind, optimizer.hyperparams(step))
+
+    def keys_at(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+        """The keys held at ``slots``."""
+        return self._row_keys[self._checked_slots(slots, "keys_at")]
+
+    def holds_at(self, slots: npt.NDArray[np.int64], keys: npt.NDArray[np.uint64]) -> bool:
+        """Whether slot ``slots[i]`` holds key ``keys[i]`` for every ``i``."""
+        return bool(np.array_equal(self.keys_at(slots), keys))

@@ -15,6 +15,16 @@ With ``D`` dense replicas (one per device, paper App. C.4) each replica takes a 
 slice of the mini-batch and its loss is scaled by the whole mini-batch's size, so the summed
 replica gradients equal the single-replica gradient; every replica then steps with that sum and
 the replicas stay identical.
+
+**The fused sparse path.** When ``weights_of`` looks rows up in a table that has one (an
+:class:`~hpsray.tiers.hbm.HbmPS` of one table: the trainer's), the step takes it
+(:mod:`hpsray.kernels.fused`): it asks ``weights_of`` once per step with an empty probe, and
+the table answers with its path. Then the keys are probed and sum-pooled per bag in one pass
+(no sort of the keys, no gather of rows), the pooled sums go into the model as a leaf tensor,
+and the pooled gradient is summed per distinct row in one more pass; the returned keys are
+then distinct but in no particular order, and ``HbmPS.apply_gradients`` applies them at the
+slots the forward pass found. The arithmetic is the unfused path's (bags and rows sum in bag
+order from zero), so both give bit-equal results.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import numpy as np
 import torch
 
 from hpsray.data.batch import Batch
+from hpsray.kernels.fused import lookup_probe
 from hpsray.models.device import StepDevice
 from hpsray.models.dnn import make_dense_optimizer
 from hpsray.models.pooling import BagLayout, pool_sum
@@ -45,6 +56,19 @@ class DenseReplicas:
         model.to(self.device.torch)
         self.models = [model] + [copy.deepcopy(model) for _ in range(n - 1)]
         self.optimizers = [make_dense_optimizer(optimizer, m.parameters(), lr) for m in self.models]
+        self._unfused: tuple[Any, int] | None = None  # the last bound method that had no fused path
+
+    def _fused_path(self, weights_of: Callable[[Any], Any]) -> Any:
+        """The fused path behind ``weights_of``, or ``None`` (see the module docstring). A bound
+        method that answered ``None`` is not asked again (its probe may be a remote call); a
+        wrong "no" would only cost speed, never change a result."""
+        method = getattr(weights_of, "__func__", None), id(getattr(weights_of, "__self__", None))
+        if method[0] is not None and method == self._unfused:
+            return None
+        fused = getattr(weights_of(lookup_probe()), "lookup", None)
+        if fused is None and method[0] is not None:
+            self._unfused = method
+        return fused
 
     def __len__(self) -> int:
         return len(self.models)
@@ -68,7 +92,8 @@ class DenseReplicas:
         the device (its share of the mean over ``total`` examples, default ``len(mb)``; read it
         with ``float()`` when needed, which waits for the device) and ``(keys, grads)`` of the
         sparse gradient in the device's array module; keys may repeat across replicas, whose
-        gradients the tables sum before they apply them.
+        gradients the tables sum before they apply them. On the fused path (module docstring)
+        each replica's keys are distinct but in no particular order.
 
         Across nodes, ``mb`` is this node's part of a global mini-batch of ``total`` examples
         (possibly empty) and ``reduce(flat)`` sums the flattened dense gradient over the nodes
@@ -81,21 +106,32 @@ class DenseReplicas:
         keys_out, grads_out = [], []
         for model in self.models:  # a replica whose slice is empty must not keep old gradients
             model.zero_grad(set_to_none=True)
+        fused = self._fused_path(weights_of)
         for model, lo, hi in zip(self.models, bounds[:-1], bounds[1:]):
             if hi <= lo:
                 continue
             part = mb.slice(lo, hi)
-            layout = BagLayout.of(part, xp)
-            emb = dev.tensor(weights_of(layout.unique_keys)).requires_grad_(True)
-            logits = model(pool_sum(emb, layout), dev.tensor(part.dense))
+            if fused is not None:
+                bags = fused.forward(part)
+                leaf = dev.tensor(bags.pooled).requires_grad_(True)  # d loss / d pooled lands here
+                pooled = leaf.view(len(part), part.n_slots, leaf.shape[1])
+            else:
+                layout = BagLayout.of(part, xp)
+                leaf = dev.tensor(weights_of(layout.unique_keys)).requires_grad_(True)
+                pooled = pool_sum(leaf, layout)
+            logits = model(pooled, dev.tensor(part.dense))
             loss = (
                 torch.nn.functional.binary_cross_entropy_with_logits(logits, dev.tensor(part.labels), reduction="sum")
                 / n_total
             )
             loss.backward()
             loss_sum = loss_sum + loss.detach()
-            keys_out.append(layout.unique_keys)
-            grads_out.append(dev.from_tensor(emb.grad))
+            if fused is not None:
+                keys, grads = fused.backward(bags, dev.from_tensor(leaf.grad))
+            else:
+                keys, grads = layout.unique_keys, dev.from_tensor(leaf.grad)
+            keys_out.append(keys)
+            grads_out.append(grads)
         self._allreduce_and_step(reduce)
         if not keys_out:  # this node's part of the global mini-batch is empty
             no_keys = xp.empty(0, dtype=xp.uint64)

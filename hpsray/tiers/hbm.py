@@ -14,19 +14,25 @@ needs. This is how the pipeline stays BSP-exact across batch boundaries (docs/ar
 Per mini-batch, :meth:`get` and :meth:`apply_gradients` also take device arrays (CuPy, numba,
 torch CUDA) and then answer with device arrays, so a trainer on a GPU reads and updates its rows
 without leaving the device. Batch-level calls (insert, retain, insert_or_assign) take numpy.
+
+With one table, :meth:`get` answers a mini-batch step's probe with the table's fused sparse path
+(:mod:`hpsray.kernels.fused`: lookup and pooling in one pass, the pooled gradient summed per
+distinct row), and :meth:`apply_gradients` applies the gradients that path returned at the slots
+it found, without looking the keys up again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from types import ModuleType
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
 
 from hpsray.kernels import make_table
 from hpsray.kernels.arrays import DeviceArray, array_module, is_device_array, to_host
+from hpsray.kernels.fused import LookupProbe, TableLookup, fused_offer
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer
 from hpsray.kernels.table import HashTable, Keys, Rows, Values, as_keys
@@ -56,6 +62,7 @@ class HbmPS:
         self.init, self.device = init, device
         self.tables = [make_table(per_device, width, init, device=device) for _ in range(n_devices)]
         self.grown = 0
+        self._fused: tuple | None = None  # (table, keys, grads, slots) of the last fused backward pass
 
     def _grow(self, d: int, need: int) -> None:
         """Replace device ``d``'s table by one that fits ``need`` more rows (the working set
@@ -126,6 +133,11 @@ class HbmPS:
     def get(self, keys: Keys, columns: int | None = None) -> Rows:
         """Rows of resident ``keys`` (``float32[n, width]``; only the first ``columns`` floats
         when given, e.g. the weights for a forward pass). Device keys give device rows."""
+        if isinstance(keys, LookupProbe):  # a step asks for the fused path
+            lookup = self._fused_lookup(columns)
+            if lookup is not None:
+                return fused_offer(lookup, columns or self.width)
+            keys = np.empty(0, dtype=np.uint64)
         if self._on_device(keys):
             if keys.shape[0] == 0:
                 return self.xp.zeros((0, self.width if columns is None else columns), dtype=self.xp.float32)
@@ -138,6 +150,36 @@ class HbmPS:
             out[pos] = table.get(keys[pos], columns)
         return out
 
+    def _fused_lookup(self, columns: int | None) -> Any:
+        """The fused path of the one table (``None`` with several, or a table without one)."""
+        if self.n_devices != 1:
+            return None
+        table = self.tables[0]
+        if self.device == "cuda":
+            from hpsray.kernels.cuda.fused import CudaTableLookup
+
+            return CudaTableLookup(table, columns or self.width, self._remember)
+        return TableLookup(table, columns or self.width, self._remember)
+
+    def _remember(self, keys: Any, grads: Any, slots: Any) -> None:
+        self._fused = (self.tables[0], keys, grads, slots)
+
+    def _apply_fused(self, keys: Keys, grads: Values, optimizer: SparseOptimizer, step: int) -> bool:
+        """Apply the gradients of the last fused backward pass at the slots it found, when
+        ``keys`` and ``grads`` are what it returned and every slot still holds its key; returns
+        whether it did."""
+        if self._fused is None:
+            return False
+        owner, fkeys, fgrads, slots = self._fused
+        self._fused = None
+        if keys is not fkeys or grads is not fgrads or owner is not self.tables[0]:
+            return False
+        table: Any = owner  # a table with the fused path (CpuHashTable, CudaHashTable)
+        if not table.holds_at(slots, keys):  # the table changed in between: look the keys up
+            return False
+        table.apply_at_slots(slots, grads, optimizer, step)
+        return True
+
     def apply_gradients(
         self, keys: Keys, grads: Values, optimizer: SparseOptimizer, step: int, resident_only: bool = False
     ) -> None:
@@ -147,6 +189,8 @@ class HbmPS:
         trainer receives every node's updates and applies those to the rows it has. Device
         keys and gradients are applied on the device.
         """
+        if self._apply_fused(keys, grads, optimizer, step):  # every key found: resident_only holds too
+            return
         on_device = self._on_device(keys)  # then one table, and _parts leaves the keys as they are
         ks: DeviceArray = keys if on_device else as_keys(to_host(keys))  # numpy or device arrays
         gs: DeviceArray = grads if on_device else to_host(grads)

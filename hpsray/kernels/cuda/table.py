@@ -475,3 +475,99 @@ class CudaHashTable(HashTable):
         if dim:
             k_sum_segments[self._grid(d * dim)](dgrads, order, starts, acc)
         k_apply_segments[self._grid(d)](self._rows, slots, order, starts, acc, kind, hp)
+
+    # -- the fused sparse path (hpsray.kernels.cuda.fused) --------------------------------------
+
+    def _index(self, x: npt.ArrayLike | DeviceArray, name: str) -> DeviceArray:
+        """An int64 index array (host or device) on the device."""
+        if is_device_array(x):
+            d = _as_device(x)
+            if d.dtype != np.int64:
+                raise TypeError(f"{name}: expected int64, got {d.dtype}")
+            return d
+        return cuda.to_device(np.ascontiguousarray(x, dtype=np.int64))
+
+    def lookup_pool(
+        self, unique_keys: Keys, inverse: npt.ArrayLike | DeviceArray, ends: npt.ArrayLike | DeviceArray, columns: int
+    ) -> tuple[DeviceArray, DeviceArray]:
+        """As :meth:`CpuHashTable.lookup_pool <hpsray.kernels.cpu.CpuHashTable.lookup_pool>`, on
+        the device: ``(pooled, slots)`` as device arrays whatever the inputs."""
+        from hpsray.kernels.cuda.fused import k_lookup_rows, k_pool
+
+        columns = check_columns(columns, self.width)
+        dkeys, _, host = self._keys(unique_keys)
+        dinv, dends = self._index(inverse, "inverse"), self._index(ends, "ends")
+        n, n_bags = dkeys.size, dends.size - 1
+        slots = cuda.device_array(n, dtype=np.int64)
+        rows = cuda.device_array((n, columns), dtype=np.float32)
+        pooled = cuda.device_array((n_bags, columns), dtype=np.float32)
+        if n:
+            stat = self._stat()
+            k_lookup_rows[self._grid(n)](self._bkeys, self._bslots, self._mask, dkeys, self._rows, slots, rows, stat)
+            if int(stat.copy_to_host()[0]):
+                keys = host if host is not None else dkeys.copy_to_host()
+                raise missing_key_error(keys, slots.copy_to_host(), "lookup_pool")
+        if n_bags:
+            k_pool[self._grid(n_bags * columns)](rows, dinv, dends, pooled)
+        return pooled, slots
+
+    def pool_backward(
+        self,
+        grad_pooled: DeviceArray,
+        ends: npt.ArrayLike | DeviceArray,
+        inverse: npt.ArrayLike | DeviceArray,
+        n_rows: int,
+    ) -> DeviceArray:
+        """As :func:`hpsray.kernels.fused.pool_backward`, on the device: ``float32[n_rows, dim]``."""
+        from hpsray.kernels.cuda.fused import k_bag_of, k_pool_backward
+
+        dends, dinv = self._index(ends, "ends"), self._index(inverse, "inverse")
+        n_bags, nnz = dends.size - 1, dinv.size
+        if n_rows > self.capacity:
+            raise ValueError(f"pool_backward: {n_rows} rows, more than the table holds ({self.capacity})")
+        dim = int(grad_pooled.shape[1])
+        dgrad = self._values(grad_pooled, n_bags, dim, "pool_backward grad_pooled")
+        acc = cuda.device_array((n_rows, dim), dtype=np.float32)
+        if n_rows == 0 or dim == 0:
+            return acc
+        bag_of = self._buf("bag_of", nnz, np.int64)
+        k_bag_of[self._grid(n_bags)](dends, bag_of)
+        groups = self._group(dinv, nnz, "pool_backward", dinv, None)
+        if groups is None:  # every row once
+            order, starts = self._buf("iota", nnz, np.int64), self._buf("starts1", nnz + 1, np.int64)
+            k_iota[self._grid(nnz)](order)
+            k_iota[self._grid(nnz + 1)](starts)
+        else:
+            order, starts = groups
+        k_pool_backward[self._grid((starts.size - 1) * dim)](dgrad, bag_of, dinv, order, starts, acc)
+        return acc
+
+    def apply_at_slots(
+        self, slots: npt.ArrayLike | DeviceArray, grads: Values, optimizer: SparseOptimizer, step: int
+    ) -> None:
+        """:meth:`apply_gradients` for distinct ``slots`` already looked up (from :meth:`lookup_pool`)."""
+        dim = self.init.dim
+        if dim + optimizer.state_width(dim) != self.width:
+            raise ValueError(
+                f"{type(optimizer).__name__} needs rows of width {dim + optimizer.state_width(dim)} "
+                f"(dim {dim}), this table has width {self.width}"
+            )
+        dslots = self._index(slots, "slots")
+        n = dslots.size
+        dgrads = self._values(grads, n, dim, "apply_at_slots grads")
+        if n:
+            hp = cuda.to_device(optimizer.hyperparams(step))
+            k_apply_direct[self._grid(n)](self._rows, dslots, dgrads, optimizer.kind, hp)
+
+    def keys_at(self, slots: npt.ArrayLike | DeviceArray) -> npt.NDArray[np.uint64]:
+        """The keys held at ``slots`` (numpy)."""
+        dslots = self._index(slots, "slots")
+        out = cuda.device_array(dslots.size, dtype=np.uint64)
+        if dslots.size:
+            k_gather_keys[self._grid(dslots.size)](self._row_keys, dslots, out)
+        return out.copy_to_host()
+
+    def holds_at(self, slots: npt.ArrayLike | DeviceArray, keys: Keys) -> bool:
+        """Whether slot ``slots[i]`` holds key ``keys[i]`` for every ``i``."""
+        dkeys, _, host = self._keys(keys)
+        return bool(np.array_equal(self.keys_at(slots), host if host is not None else dkeys.copy_to_host()))
