@@ -8,6 +8,26 @@ import pytest
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+def pytest_configure(config):
+    """Before the xdist workers start their Ray instances: make Ray's default auth token once.
+
+    Each ``ray.init`` of a new local instance writes ``~/.ray/auth_token`` when it is missing; two
+    workers doing that at once on a fresh machine could leave one cluster with a token the file
+    no longer holds.
+    """
+    if hasattr(config, "workerinput") or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            _get_default_token_path,
+            generate_and_save_token,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    if not _get_default_token_path().exists():
+        generate_and_save_token()
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A real local Ray instance (started once per session, stopped at the end)."""

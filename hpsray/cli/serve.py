@@ -12,10 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hpsray.serving import LoadOptions, ServeOptions
 
 HELP = "serve an exported model on Ray Serve: POST /predict with raw feature values (docs/serving.md)"
 
@@ -63,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         limits = Limits(args.max_body_bytes, args.max_examples)
-        load = LoadOptions(args.mem_rows, args.mem_fraction, args.device, limits, device_rows=args.device_rows)
+        LoadOptions(args.mem_rows, args.mem_fraction, args.device, limits, device_rows=args.device_rows)  # checks
         resolve_export(args.model_dir)  # before Ray starts: a wrong directory fails in a second
         options = ServeOptions(
             host=args.host,
@@ -72,14 +68,12 @@ def run(args: argparse.Namespace) -> int:
             mem_rows=args.mem_rows,
             mem_fraction=args.mem_fraction,
             device=args.device,
+            device_rows=args.device_rows,
             limits=limits,
             max_batch_size=args.max_batch_size,
             watch_s=args.watch,
         )
-        if args.device_rows is None:
-            start(args.model_dir, options, address=args.address)
-        else:  # ServeOptions has no device_rows: the replicas get the LoadOptions themselves
-            _start_with(args.model_dir, options, load, args.address)
+        start(args.model_dir, options, address=args.address)
     except (ServingError, ValueError) as e:
         print(f"hpsray serve: {e}", file=sys.stderr)
         return 2
@@ -92,16 +86,3 @@ def run(args: argparse.Namespace) -> int:
 
         stop()
     return 0
-
-
-def _start_with(model_dir: str, options: ServeOptions, load: LoadOptions, address: str | None) -> None:
-    """:func:`hpsray.serving.start` with explicit :class:`~hpsray.serving.LoadOptions`."""
-    import ray
-    from ray import serve
-
-    from hpsray.serving import build_app
-
-    if not ray.is_initialized():
-        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": options.host, "port": options.port})
-    serve.run(build_app(model_dir, options, load=load), name=options.name, route_prefix=options.route_prefix)

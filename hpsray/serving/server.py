@@ -29,6 +29,7 @@ class ServeOptions:
     mem_rows: int | None = None
     mem_fraction: float | None = None
     device: str = "cpu"
+    device_rows: int | None = None  # see LoadOptions.device_rows
     limits: Limits = field(default_factory=Limits)
     max_batch_size: int = 16
     batch_wait_s: float = 0.002
@@ -47,14 +48,23 @@ class ServeOptions:
             raise ValueError("max_batch_size must be >= 1, batch_wait_s and watch_s >= 0")
 
 
+def load_options(options: ServeOptions):
+    """The :class:`~hpsray.serving.model.LoadOptions` each replica of ``options`` loads with."""
+    from hpsray.serving.model import LoadOptions
+
+    return LoadOptions(
+        options.mem_rows, options.mem_fraction, options.device, options.limits, device_rows=options.device_rows
+    )
+
+
 def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, load=None):
     """The Ray Serve application of a model directory (not yet running); ``load`` (a
     :class:`~hpsray.serving.model.LoadOptions`) overrides what ``options`` says about the rows."""
     from hpsray.serving.deployment import Predictor
-    from hpsray.serving.model import LoadOptions, resolve_export
+    from hpsray.serving.model import resolve_export
 
     if load is None:
-        load = LoadOptions(options.mem_rows, options.mem_fraction, options.device, options.limits)
+        load = load_options(options)
     resolve_export(model_dir)  # a missing export fails here, not in the replicas
     actor = {"num_cpus": options.replica_cpus}
     if options.device == "cuda":

@@ -22,9 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def head(tmp_path):
-    """A head node in its own process group, stopped by signal (``ray stop`` would stop every Ray here)."""
+@pytest.fixture(scope="module")
+def head():
+    """A head node in its own process group, stopped by signal (``ray stop`` would stop every Ray
+    here); one for the module (starting and stopping one takes half a minute each)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     gcs, dash = free_port(), free_port()
     temp = Path("/tmp") / f"hpsray-job-{os.getpid()}"
@@ -67,9 +68,14 @@ def head(tmp_path):
     yield address, env
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
+        pass
+    try:  # the rest of the head's process group (its graceful stop takes half a minute)
         os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
     shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -84,12 +84,14 @@ def test_device_rows_needs_the_cuda_device(tmp_path, capsys):
 
 
 def test_device_rows_reach_the_replicas():
-    """``build_app(..., load=...)`` hands the replicas their LoadOptions as a dict (what
-    ``hpsray serve --device-rows`` does); the replica's side rebuilds the same options."""
+    """``ServeOptions(device_rows=...)`` (``hpsray serve --device-rows``) becomes the replicas'
+    LoadOptions, handed to them as a dict; the replica's side rebuilds the same options."""
     from dataclasses import asdict
 
-    from hpsray.serving import Limits, LoadOptions
+    from hpsray.serving import Limits, ServeOptions
     from hpsray.serving.deployment import _options
+    from hpsray.serving.server import load_options
 
-    load = LoadOptions(mem_fraction=0.05, device="cuda", limits=Limits(4096, 8), device_rows=1000)
+    load = load_options(ServeOptions(mem_fraction=0.05, device="cuda", limits=Limits(4096, 8), device_rows=1000))
+    assert load.device_rows == 1000 and load.mem_fraction == 0.05 and load.limits == Limits(4096, 8)
     assert _options(asdict(load)) == load
