@@ -6,7 +6,8 @@ alignment rule), :mod:`~hpsray.serving.pointstore` (CPU positioned reads),
 through the tiers), :mod:`~hpsray.serving.request` (JSON → Batch, with 400 reasons),
 :mod:`~hpsray.serving.model` (a loaded export), :mod:`~hpsray.serving.deployment` (the Ray Serve
 deployment), :mod:`~hpsray.serving.server` (starting it), :mod:`~hpsray.serving.uva`,
-:mod:`~hpsray.serving.gds` and :mod:`~hpsray.serving.cuda_lookup` (the GPU path: zero-copy
+:mod:`~hpsray.serving.gds`, :mod:`~hpsray.serving.device_cache` and
+:mod:`~hpsray.serving.cuda_lookup` (the GPU path: the hottest rows in device memory, zero-copy
 gathers from mapped host memory, SSD reads to device memory), :mod:`~hpsray.serving.baselines`
 (RocksDB and EmbeddingBag backends for ``hpsray bench serve``). Ray is imported only by
 ``deployment`` and inside ``server``'s functions.
