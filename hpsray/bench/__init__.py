@@ -17,4 +17,5 @@ BENCHMARKS = {
     "serve": "hpsray.bench.serve",
     "plan": "hpsray.bench.plan",
     "recovery": "hpsray.bench.recovery",
+    "consistency": "hpsray.bench.consistency",
 }

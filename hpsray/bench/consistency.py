@@ -1,0 +1,203 @@
+"""``hpsray bench consistency``: Lapser's experiment — BSP, A-BSP, SSP and ASP with a straggler.
+
+On a simulated cluster (``--nodes`` Ray nodes on this machine) every mode trains the same
+planted data for ``--passes`` passes, with one straggler node: before each mini-batch the
+trainer of node ``--straggler`` sleeps, with probability ``--probability``, ``--delay * U(0, 2)``
+seconds from a generator seeded per mini-batch (``SyncStage(straggler_delay_s=...)``), so every
+mode meets the same delays. After each pass the held-out AUC is evaluated (outside the
+training clock), which gives AUC against training time per mode.
+
+Reported per mode: training wall time, time to the target AUC (``--target-auc``; by default
+BSP's final AUC minus ``--target-margin``: the first moment a mode's AUC curve, linearly
+interpolated between passes, reaches it), final AUC and its difference to BSP's, the largest
+staleness observed (mini-batches, measured by the trainers) against the mode's bound, the
+payload bytes each trainer received per mini-batch, and the ratios of the times to BSP's (the
+baseline, in the same run). The plot of AUC against time goes beside ``--out`` (or ``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+HELP = "BSP, A-BSP, SSP(1/2/4/8, push and pull) and ASP with a straggler node: time to a target AUC"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=2, help="simulated Ray nodes")
+    parser.add_argument("--rows", type=int, default=24_000, help="training examples per pass (all nodes)")
+    parser.add_argument("--passes", type=int, default=4, help="passes over the data (an AUC point after each)")
+    parser.add_argument("--batch", type=int, default=6_000, help="examples per batch per node")
+    parser.add_argument("--minibatch", type=int, default=256)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--keys", type=int, default=2_000, help="distinct keys per slot")
+    parser.add_argument("--dense", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=8)
+    parser.add_argument("--hidden", default="32,16")
+    parser.add_argument("--eval-rows", type=int, default=10_000)
+    parser.add_argument("--delay", type=float, default=0.02, help="straggler's mean delay per delayed mini-batch (s)")
+    parser.add_argument("--probability", type=float, default=0.5, help="share of the straggler's mini-batches delayed")
+    parser.add_argument("--straggler", type=int, default=1, help="the straggler node")
+    parser.add_argument("--slacks", default="1,2,4,8", help="SSP slacks to measure")
+    parser.add_argument("--propagations", default="push,pull", help="SSP/A-BSP/ASP propagation variants")
+    parser.add_argument("--work-per-clock", type=int, default=4, help="A-BSP: mini-batches per clock")
+    parser.add_argument("--target-auc", type=float, default=None, help="default: BSP's final AUC - --target-margin")
+    parser.add_argument("--target-margin", type=float, default=0.005)
+    parser.add_argument("--modes", default=None, help="only these modes (e.g. bsp,ssp4-push,asp-pull)")
+    parser.add_argument("--plot", default=None, help="PNG of AUC against time (default: beside --out)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def mode_list(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """``(name, SyncStage keyword arguments)`` of every mode to measure, BSP first."""
+    props = [p for p in args.propagations.split(",") if p]
+    modes: list[tuple[str, dict]] = [("bsp", {"consistency": "bsp"})]
+    for p in props:
+        modes.append(
+            (
+                f"absp{args.work_per_clock}-{p}",
+                {"consistency": "absp", "work_per_clock": args.work_per_clock, "propagation": p},
+            )
+        )
+    for s in (int(x) for x in args.slacks.split(",") if x):
+        for p in props:
+            modes.append((f"ssp{s}-{p}", {"consistency": "ssp", "staleness": s, "propagation": p}))
+    for p in props:
+        modes.append((f"asp-{p}", {"consistency": "asp", "propagation": p}))
+    if args.modes:
+        wanted = set(args.modes.split(","))
+        modes = [m for m in modes if m[0] in wanted or m[0] == "bsp"]
+    return modes
+
+
+def time_to(points: list[tuple[float, float]], target: float) -> float | None:
+    """The first time the AUC curve (linear between points, from (0, 0.5)) reaches ``target``."""
+    prev_t, prev_auc = 0.0, 0.5
+    for t, auc in points:
+        if auc >= target:
+            if auc == prev_auc:
+                return t
+            return prev_t + (t - prev_t) * (target - prev_auc) / (auc - prev_auc)
+        prev_t, prev_auc = t, auc
+    return None
+
+
+def _train(args, gen, cfg, sync_kw: dict) -> dict:
+    from hpsray.pipelines import MemPSStage, Pipeline, SyncStage, SyntheticSource, TrainerStage
+
+    sync = SyncStage(
+        **sync_kw,
+        straggler_delay_s=args.delay,
+        straggler_node=args.straggler,
+        straggler_probability=args.probability,
+        straggler_seed=args.seed,
+    )
+    train = SyntheticSource(gen, rows=args.rows)
+    held_out = SyntheticSource(gen, rows=args.eval_rows, start_row=10**9)
+    points, elapsed, staleness, sent, minibatches = [], 0.0, 0, [], 0
+    mem_rows = args.slots * args.keys  # every row fits: the bench measures consistency, not the tiers
+    with Pipeline(
+        train,
+        TrainerStage(cfg, threads=1),
+        MemPSStage(capacity_rows=mem_rows),
+        batch_size=args.batch,
+        nodes=args.nodes,
+        sync=sync,
+    ) as p:
+        for _ in range(args.passes):
+            report = p.fit(progress=False)
+            elapsed += report["wall_s"]
+            points.append((elapsed, float(p.evaluate(held_out)["auc"])))
+            staleness = max(staleness, report["sync"]["max_staleness_observed"])
+            sent.append(report["sync"]["exchanged_bytes_per_minibatch"])
+    per_node_minibatches = -(-args.rows // args.nodes // args.minibatch)
+    minibatches = per_node_minibatches * args.passes
+    return {
+        "sync": sync_kw,
+        "slack": sync.slack,
+        "wall_s": elapsed,
+        "auc_points": [[round(t, 4), round(a, 5)] for t, a in points],
+        "final_auc": points[-1][1],
+        "max_staleness": staleness,
+        "bytes_received_per_minibatch": float(sum(sent) / len(sent)) if sent else 0.0,
+        "minibatches_per_node": minibatches,
+    }
+
+
+def plot(results: dict, target: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        ts = [0.0] + [t for t, _ in r["auc_points"]]
+        aucs = [0.5] + [a for _, a in r["auc_points"]]
+        ax.plot(ts, aucs, marker="o", markersize=3, label=name, linewidth=2.2 if name == "bsp" else 1.2)
+    ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.4f}")
+    lo = min(a for r in results.values() for _, a in r["auc_points"])
+    ax.set_ylim(max(0.5, lo - 0.02), None)
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("held-out AUC")
+    ax.set_title("hpsray bench consistency: AUC against time, one straggler node")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from hpsray.cluster.simulated import SimulatedCluster
+    from hpsray.config import TrainConfig
+    from hpsray.data import PlantedCTR
+
+    hidden = tuple(int(h) for h in args.hidden.split(",") if h)
+    cfg = TrainConfig(dim=args.dim, hidden=hidden, minibatch_size=args.minibatch, seed=args.seed, sparse_lr=0.1)
+    gen = PlantedCTR(n_slots=args.slots, keys_per_slot=args.keys, n_dense=args.dense, seed=args.seed)
+    results: dict = {}
+    with SimulatedCluster(args.nodes, cpus_per_node=1):
+        for name, kw in mode_list(args):
+            print(f"[bench consistency] {name} ...", file=sys.stderr, flush=True)
+            results[name] = _train(args, gen, cfg, kw)
+    bsp = results["bsp"]
+    target = args.target_auc if args.target_auc is not None else bsp["final_auc"] - args.target_margin
+    bsp_time = time_to(bsp["auc_points"], target)
+    for r in results.values():
+        r["time_to_target_s"] = time_to(r["auc_points"], target)
+        r["time_to_target_vs_bsp"] = (
+            r["time_to_target_s"] / bsp_time if r["time_to_target_s"] is not None and bsp_time else None
+        )
+        r["wall_vs_bsp"] = r["wall_s"] / bsp["wall_s"] if bsp["wall_s"] else None
+        r["auc_vs_bsp"] = r["final_auc"] - bsp["final_auc"]
+        r["within_bound"] = r["slack"] is None or r["max_staleness"] <= r["slack"]
+    if args.plot:
+        path = args.plot
+    elif args.out:
+        path = os.path.splitext(args.out)[0] + ".png"
+    else:
+        path = os.path.join(tempfile.mkdtemp(prefix="hpsray-bench-consistency-"), "auc.png")
+    plot(results, target, path)
+    reached = {n: r["time_to_target_vs_bsp"] for n, r in results.items() if r["time_to_target_vs_bsp"] is not None}
+    fastest = min(reached, key=reached.get) if reached else None
+    return {
+        "setup": {
+            "nodes": args.nodes,
+            "rows_per_pass": args.rows,
+            "passes": args.passes,
+            "batch": args.batch,
+            "minibatch": args.minibatch,
+            "straggler": {
+                "node": args.straggler,
+                "mean_delay_s": args.delay,
+                "probability": args.probability,
+                "seed": args.seed,
+            },
+        },
+        "target_auc": target,
+        "modes": results,
+        "fastest_to_target": fastest,
+        "plot": path,
+    }
