@@ -6,6 +6,24 @@ timed over the measured rows, ``--repeat`` times with the two alternating (a sha
 then slows both alike). Reports medians: ``examples_per_s`` (pipeline),
 ``reference_examples_per_s``, ``ratio_vs_reference`` (median of the per-repeat ratios), and the
 pipeline's stage busy times and ``pipeline_efficiency``; ``runs`` keeps every repeat.
+
+Two more cases, each with its own pair of runs alternating in the same way:
+
+* **Small batches** (on by default; ``--small-batch-rows 0`` skips it): a job of
+  ``--small-batch-slots`` slots (5) in batches of ``--small-batch`` examples (10,000), the
+  pipeline against the reference trainer on the same data, where the pipeline's per-batch costs
+  (actor calls, pull and write-back) weigh most. Keys ``small_batch_examples_per_s``,
+  ``small_batch_reference_examples_per_s``, ``small_batch_ratio_vs_reference`` (median of the
+  per-repeat ratios), ``small_batch_pipeline_efficiency``; ``small_batch_runs`` per repeat.
+  Target (issue 14): ratio >= 0.8.
+* **Spill** (``--spill``): the main job in batches of ``--spill-batch`` examples with a MEM-PS
+  budget of ``--spill-budget-batches`` x the most distinct keys of a batch (sampled on the
+  first batches, 5 % margin), well below the rows trained, so rows travel to SSD-PS and back;
+  beside it the same job with every row in MEM-PS. Keys ``spill_examples_per_s``,
+  ``in_memory_examples_per_s``, ``spill_vs_in_memory`` (median of the per-repeat ratios),
+  ``spill_pipeline_efficiency``, ``spill_budget_rows``, ``spill_model_rows`` (the distinct keys
+  trained), ``spill_model_vs_budget`` and ``spill_runs`` (with MEM-PS and SSD-PS counters).
+  Targets (issue 14): efficiency >= 0.9, ratio >= 0.85.
 """
 
 from __future__ import annotations
@@ -46,6 +64,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="alternating reference / pipeline passes over the measured rows (medians reported)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--small-batch-rows",
+        type=int,
+        default=100_000,
+        help="measured examples of the small-batch case (0: skip it)",
+    )
+    parser.add_argument("--small-batch", type=int, default=10_000, help="examples per batch of the small-batch case")
+    parser.add_argument("--small-batch-slots", type=int, default=5, help="slots of the small-batch case")
+    parser.add_argument(
+        "--spill",
+        action="store_true",
+        help="also run the job with a MEM-PS budget well below its rows (SSD-PS serves the misses) "
+        "beside the same job all in memory",
+    )
+    parser.add_argument("--spill-batch", type=int, default=10_000, help="examples per batch of the spill case")
+    parser.add_argument(
+        "--spill-budget-batches",
+        type=float,
+        default=2.5,
+        help="MEM-PS budget of the spill case, in units of a batch's distinct keys (> 2: two batches are pinned)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -101,12 +140,17 @@ def run(args: argparse.Namespace) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
+        extra: dict = {}
+        if args.small_batch_rows > 0:
+            extra.update(_small_batch(args, cfg))
+        if args.spill:
+            extra.update(_spill(args, cfg, gen))
     finally:
         if started:
             ray.shutdown()
 
     def median(key: str) -> float:
-        return float(np.median([run[key] for run in runs]))
+        return _median(runs, key)
 
     mid = runs[int(np.argsort([run["ratio_vs_reference"] for run in runs])[len(runs) // 2])]
     return {
@@ -127,4 +171,154 @@ def run(args: argparse.Namespace) -> dict:
         "devices": args.devices,
         "device": args.device,
         "trainer_threads": args.trainer_threads,
+        **extra,
+    }
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return float(np.median([run[key] for run in runs]))
+
+
+def _log(msg: str) -> None:
+    print(f"[bench e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def _small_batch(args: argparse.Namespace, cfg) -> dict:
+    """The pipeline against the reference on a job of few slots in small batches."""
+    from hpsray.data import PlantedCTR
+    from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+    from hpsray.reference import ReferenceTrainer
+
+    slots, batch = args.small_batch_slots, args.small_batch
+    gen = PlantedCTR(n_slots=slots, keys_per_slot=args.keys, n_dense=args.dense, seed=args.seed)
+    warmup_rows = max(args.warmup_rows // 4, 2 * batch)
+    warmup = SyntheticSource(gen, rows=warmup_rows)
+    measured = SyntheticSource(gen, rows=args.small_batch_rows, start_row=warmup_rows)
+    _log(f"small batches ({slots} slots, batches of {batch:,}): warming up ...")
+    ref = ReferenceTrainer(slots, args.dense, cfg)
+    ref.fit(warmup.open(batch))
+    runs = []
+    with Pipeline(
+        warmup,
+        TrainerStage(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
+        MemPSStage(capacity_rows=slots * args.keys + 1024),
+        batch_size=batch,
+    ) as p:
+        p.fit(progress=False)
+        p.source = measured
+        for r in range(max(1, args.repeat)):
+            t0 = time.perf_counter()
+            ref.fit(measured.open(batch))
+            ref_s = time.perf_counter() - t0
+            report = p.fit(progress=False)
+            runs.append(
+                {
+                    "examples_per_s": report["examples_per_s"],
+                    "reference_examples_per_s": args.small_batch_rows / ref_s,
+                    "ratio_vs_reference": report["examples_per_s"] * ref_s / args.small_batch_rows,
+                    "pipeline_efficiency": report["pipeline_efficiency"],
+                    "stage_busy_s": report["stage_busy_s"],
+                }
+            )
+            _log(
+                f"small batches, repeat {r + 1}: pipeline {runs[-1]['examples_per_s']:,.0f} ex/s, "
+                f"reference {runs[-1]['reference_examples_per_s']:,.0f} ex/s, "
+                f"ratio {runs[-1]['ratio_vs_reference']:.3f}"
+            )
+    return {
+        "small_batch_examples_per_s": _median(runs, "examples_per_s"),
+        "small_batch_reference_examples_per_s": _median(runs, "reference_examples_per_s"),
+        "small_batch_ratio_vs_reference": _median(runs, "ratio_vs_reference"),
+        "small_batch_pipeline_efficiency": _median(runs, "pipeline_efficiency"),
+        "small_batch": {"rows": args.small_batch_rows, "batch": batch, "slots": slots},
+        "small_batch_runs": runs,
+    }
+
+
+def _max_distinct(source, batch: int, n: int) -> int:
+    """Most distinct keys in one of the first ``n`` batches of ``source``."""
+    from hpsray.kernels.distinct import distinct_sorted
+
+    most = 0
+    for i, b in enumerate(source.open(batch)):
+        most = max(most, int(distinct_sorted(b.keys).size))
+        if i + 1 >= n:
+            break
+    return most
+
+
+def _rows_trained(gen, rows: int) -> int:
+    """Distinct keys of the first ``rows`` examples: the rows the job trains."""
+    from hpsray.kernels.distinct import distinct_sorted
+
+    seen = np.empty(0, dtype=np.uint64)
+    for start in range(0, rows, 100_000):
+        keys = gen.generate(min(100_000, rows - start), start_row=start).keys
+        seen = distinct_sorted(np.concatenate([seen, keys]))
+    return int(seen.size)
+
+
+def _spill(args: argparse.Namespace, cfg, gen) -> dict:
+    """The job with a MEM-PS budget well below its rows beside the same job all in memory."""
+    import math
+    import tempfile
+
+    from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+
+    batch = args.spill_batch
+    warmup = SyntheticSource(gen, rows=args.warmup_rows)
+    measured = SyntheticSource(gen, rows=args.rows, start_row=args.warmup_rows)
+    per_batch = _max_distinct(measured, batch, 8)
+    budget = int(math.ceil(args.spill_budget_batches * per_batch * 1.05))
+    all_rows = args.slots * args.keys
+    _log(f"spill: MEM-PS budget {budget:,} rows ({args.spill_budget_batches} x {per_batch:,}), batches of {batch:,}")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="hpsray-e2e-spill-") as base:
+
+        def pipeline(capacity: int, ssd: str) -> Pipeline:
+            return Pipeline(
+                warmup,
+                TrainerStage(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
+                MemPSStage(capacity_rows=capacity),
+                SSDPSStage(path=f"{base}/{ssd}"),
+                batch_size=batch,
+            )
+
+        with pipeline(all_rows + 1024, "mem") as mem, pipeline(budget, "spill") as spill:
+            for p in (mem, spill):
+                p.fit(progress=False)
+                p.source = measured
+            for r in range(max(1, args.repeat)):
+                in_memory = mem.fit(progress=False)
+                spilled = spill.fit(progress=False)
+                runs.append(
+                    {
+                        "spill_examples_per_s": spilled["examples_per_s"],
+                        "in_memory_examples_per_s": in_memory["examples_per_s"],
+                        "spill_vs_in_memory": spilled["examples_per_s"] / in_memory["examples_per_s"],
+                        "spill_pipeline_efficiency": spilled["pipeline_efficiency"],
+                        "in_memory_pipeline_efficiency": in_memory["pipeline_efficiency"],
+                        "spill_stage_busy_s": spilled["stage_busy_s"],
+                        "in_memory_stage_busy_s": in_memory["stage_busy_s"],
+                        "spill_cache": spilled.get("cache", {}),
+                        "spill_ssd": spilled.get("ssd", {}),
+                    }
+                )
+                _log(
+                    f"spill, repeat {r + 1}: spilled {runs[-1]['spill_examples_per_s']:,.0f} ex/s "
+                    f"(efficiency {runs[-1]['spill_pipeline_efficiency']:.2f}), in memory "
+                    f"{runs[-1]['in_memory_examples_per_s']:,.0f} ex/s, ratio {runs[-1]['spill_vs_in_memory']:.3f}"
+                )
+        model_rows = int(_rows_trained(gen, args.warmup_rows + args.rows))
+    return {
+        "spill_examples_per_s": _median(runs, "spill_examples_per_s"),
+        "in_memory_examples_per_s": _median(runs, "in_memory_examples_per_s"),
+        "spill_vs_in_memory": _median(runs, "spill_vs_in_memory"),
+        "spill_pipeline_efficiency": _median(runs, "spill_pipeline_efficiency"),
+        "spill_budget_rows": budget,
+        "spill_max_distinct_keys_per_batch": per_batch,
+        "spill_batch": batch,
+        "spill_model_rows": model_rows,
+        "spill_model_vs_budget": model_rows / budget,
+        "spill_runs": runs,
     }

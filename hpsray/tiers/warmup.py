@@ -151,9 +151,10 @@ def tiny_batch(n_slots: int, n_dense: int, examples: int = 24, seed: int = 0) ->
 def warm_trainer_step(
     hbm_like: Any, dense: Any, optimizer: Any, dim: int, init: RowInit, width: int, n_slots: int, n_dense: int
 ) -> None:
-    """One mini-batch of a throwaway working set and a deep copy of the dense replicas: insert,
-    retain, get, the step (forward, backward, pooling's backward, the dense optimizer), the sparse
-    optimizer in the tables, assign and export. ``hbm_like`` is a fresh, empty HBM-PS of the same
+    """Two mini-batches (writable and read-only arrays) of a throwaway working set and a deep copy
+    of the dense replicas: insert, retain, get, the step (the fused sparse path where the HBM-PS
+    has one: bag layout, lookup and pooling, pooling's backward; the dense model and optimizer),
+    the sparse optimizer in the tables, assign and export. ``hbm_like`` is a fresh, empty HBM-PS of the same
     shape as the trainer's; ``dense`` the trainer's :class:`~hpsray.models.step.DenseReplicas`,
     which is copied, not trained."""
     import torch
@@ -172,6 +173,13 @@ def warm_trainer_step(
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
         # a model with dropout draws random numbers: the run's own draws must stay as they were
         loss, gkeys, grads = replicas.step(batch, lambda k: hbm_like.get(k, columns=dim))
+        hbm_like.apply_gradients(gkeys, grads, optimizer, 1)
+        # a batch from the object store is read-only: the fused path's bag layout compiles anew
+        frozen = Batch(
+            **{f: _frozen(getattr(batch, f)) for f in ("labels", "dense", "keys", "offsets", "slots")},
+            n_slots=batch.n_slots,
+        )
+        loss, gkeys, grads = replicas.step(frozen, lambda k: hbm_like.get(k, columns=dim))
     hbm_like.apply_gradients(gkeys, grads, optimizer, 1)
     hbm_like.apply_gradients(
         np.concatenate([keys, keys[:5]]), np.ones((keys.size + 5, dim), np.float32), optimizer, 2, resident_only=True
