@@ -61,7 +61,13 @@ def cluster_kwargs(job: JobConfig) -> dict:
     return {
         "nodes": c.nodes or None,
         "sync": SyncStage(
-            consistency=c.consistency, staleness=c.staleness, dense=c.dense_sync, chunk_bytes=c.chunk_bytes
+            consistency=c.consistency,
+            staleness=c.staleness,
+            dense_staleness=c.dense_staleness,
+            work_per_clock=c.work_per_clock,
+            propagation=c.propagation,
+            dense=c.dense_sync,
+            chunk_bytes=c.chunk_bytes,
         ),
     }
 

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from dataclasses import fields as dc_fields
 from typing import Any
 
-from hpsray.config import CONSISTENCY_MODES, DENSE_OPTIMIZERS, DENSE_SYNC, DEVICES, SPARSE_OPTIMIZERS
+from hpsray.config import (
+    CONSISTENCY_MODES,
+    DENSE_OPTIMIZERS,
+    DENSE_SYNC,
+    DEVICES,
+    PROPAGATIONS,
+    SPARSE_OPTIMIZERS,
+)
 from hpsray.data import LENIENT, BadInputPolicy, PlantedCTR, Schema
 from hpsray.data.schema import FORMATS
 from hpsray.job import validate as chk
@@ -154,6 +161,9 @@ class ClusterSection:
     nodes: int = 1
     consistency: str = "bsp"
     staleness: int = 2
+    dense_staleness: int | None = None
+    work_per_clock: int = 4
+    propagation: str = "push"
     dense_sync: str = "allreduce"
     chunk_bytes: int = 32768
 
@@ -331,6 +341,9 @@ def parse_cluster(t: chk.Table) -> ClusterSection:
         nodes=t.take("nodes", chk.integer(0), 1),
         consistency=t.take("consistency", chk.choice(CONSISTENCY_MODES), "bsp"),
         staleness=t.take("staleness", chk.integer(0), 2),
+        dense_staleness=t.take("dense_staleness", chk.integer(0)),
+        work_per_clock=t.take("work_per_clock", chk.integer(1), 4),
+        propagation=t.take("propagation", chk.choice(PROPAGATIONS), "push"),
         dense_sync=t.take("dense_sync", chk.choice(DENSE_SYNC), "allreduce"),
         chunk_bytes=t.take("chunk_bytes", chk.size, 32768),
     )

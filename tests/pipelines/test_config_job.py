@@ -73,6 +73,9 @@ def test_the_message_names_file_key_and_reason():
         (with_("cluster", consistency="eventual"), "cluster.consistency", "must be one of"),
         (with_("cluster", staleness=-1), "cluster.staleness", "must be a non-negative integer, got -1"),
         (with_("cluster", dense_sync="ring"), "cluster.dense_sync", "must be one of"),
+        (with_("cluster", propagation="gossip"), "cluster.propagation", "must be one of"),
+        (with_("cluster", work_per_clock=0), "cluster.work_per_clock", "must be a positive integer, got 0"),
+        (with_("cluster", dense_staleness=-1), "cluster.dense_staleness", "non-negative integer, got -1"),
         ({"data": {"synthetic": {"rows": 10, "eval_rows": -1}}}, "data.synthetic.eval_rows", "non-negative integer"),
         # contradictions
         (with_("tiers", mem_rows=10, mem_bytes=1000), "tiers.mem_bytes", "either tiers.mem_rows or tiers.mem_bytes"),
@@ -269,4 +272,10 @@ def test_more_nodes_than_the_pipeline_supports_is_a_config_error():
     )
     assert build.cluster_kwargs(job) == {"nodes": 3, "sync": SyncStage("ssp", 1, "chunked", 65536)}
     assert set(inspect.signature(Pipeline).parameters) >= {"nodes", "sync"}
+    relaxed = JobConfig.from_dict(
+        with_("cluster", consistency="absp", work_per_clock=8, dense_staleness=0, propagation="pull")
+    )
+    assert build.cluster_kwargs(relaxed)["sync"] == SyncStage(
+        "absp", work_per_clock=8, dense_staleness=0, propagation="pull"
+    )
     assert build.cluster_kwargs(JobConfig.from_dict(with_("cluster", nodes=0)))["nodes"] is None  # every node
