@@ -39,7 +39,11 @@ def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerStage, Me
     """``(TrainerStage, MemPSStage, SSDPSStage)`` of ``job``. ``n_slots`` sizes the default
     MEM-PS budget (read from the schema when not given)."""
     t, p = job.tiers, job.pipeline
-    admission = {"admit_after": t.admit_after, "expire_after_batches": t.expire_after_batches}
+    admission = {
+        "admit_after": t.admit_after,
+        "expire_after_batches": t.expire_after_batches,
+        "dumps_in_flight": t.dumps_in_flight,
+    }
     trainer = TrainerStage(
         config=job.train_config(), n_devices=p.n_devices, device=p.device, threads=p.threads, hbm_capacity=p.hbm_rows
     )
@@ -106,6 +110,9 @@ def pipeline(
         transforms=transforms,
         batch_size=job.pipeline.batch_size,
         read_queue=job.pipeline.read_queue,
+        pull_queue=job.pipeline.pull_queue,
+        load_queue=job.pipeline.load_queue,
+        write_back_queue=job.pipeline.write_back_queue,
         address=address or job.cluster.address,
         name=name,
         checkpoint=checkpoint(job, resume),

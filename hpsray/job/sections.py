@@ -124,7 +124,8 @@ class TiersSection:
     (``rows_per_file``, ``stale_threshold``, ``compact_trigger``, ``max_space_ratio``,
     ``background``, ``io_threads``, ``compact_pass_bytes``); feature admission and expiry
     (``admit_after``: a key gets a row from the ``admit_after``-th batch it is seen in;
-    ``expire_after_batches``: rows not seen for that many batches are dropped; both off by default).
+    ``expire_after_batches``: rows not seen for that many batches are dropped; both off by default);
+    ``dumps_in_flight``: evictions written to SSD-PS behind MEM-PS's back at most at once.
 
     With neither budget given, MEM-PS holds ``4 × batch_size × slots`` rows. With no
     ``ssd_path`` the SSD-PS files go to a temporary directory removed at the end.
@@ -137,15 +138,20 @@ class TiersSection:
     ssd: dict = field(default_factory=dict)
     admit_after: int = 0
     expire_after_batches: int | None = None
+    dumps_in_flight: int = 4
 
 
 @dataclass(frozen=True)
 class PipelineSection:
-    """``[pipeline]``: batch and mini-batch sizes, read-ahead queue, devices per node."""
+    """``[pipeline]``: batch and mini-batch sizes, the four edges' capacities (``read_queue``,
+    ``pull_queue``, ``load_queue``, ``write_back_queue``), devices per node."""
 
     batch_size: int = 65536
     minibatch_size: int = 1024
     read_queue: int = 2
+    pull_queue: int = 2
+    load_queue: int = 2
+    write_back_queue: int = 2
     n_devices: int = 1
     device: str = "cpu"
     threads: int | None = None
@@ -310,6 +316,7 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
         ssd_t.done()
     admit_after = t.take("admit_after", chk.integer(0), 0)
     expire_after_batches = t.take("expire_after_batches", chk.integer(1))
+    dumps_in_flight = t.take("dumps_in_flight", chk.integer(1), 4)
     t.done()
     if mem_rows is not None and mem_bytes is not None:
         t.fail("mem_bytes", "give either tiers.mem_rows or tiers.mem_bytes, not both")
@@ -318,7 +325,7 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
     if ssd_path is not None and chk.is_uri(ssd_path):
         t.fail("ssd_path", f"must be a local directory (SSD-PS files live on the node's disk), got {ssd_path!r}")
     ssd_dir = chk.resolve_path(ssd_path, base) if ssd_path else None
-    return TiersSection(mem_rows, mem_bytes, ssd_dir, mem, ssd, admit_after, expire_after_batches)
+    return TiersSection(mem_rows, mem_bytes, ssd_dir, mem, ssd, admit_after, expire_after_batches, dumps_in_flight)
 
 
 def parse_pipeline(t: chk.Table) -> PipelineSection:
@@ -326,6 +333,9 @@ def parse_pipeline(t: chk.Table) -> PipelineSection:
         batch_size=t.take("batch_size", chk.integer(1), 65536),
         minibatch_size=t.take("minibatch_size", chk.integer(1), 1024),
         read_queue=t.take("read_queue", chk.integer(1), 2),
+        pull_queue=t.take("pull_queue", chk.integer(1), 2),
+        load_queue=t.take("load_queue", chk.integer(1), 2),
+        write_back_queue=t.take("write_back_queue", chk.integer(1), 2),
         n_devices=t.take("n_devices", chk.integer(1), 1),
         device=t.take("device", chk.choice(DEVICES), "cpu"),
         threads=t.take("threads", chk.integer(1)),

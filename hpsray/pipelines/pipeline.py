@@ -52,7 +52,9 @@ class Pipeline:
         trainer, mem, ssd: the stages.
         transforms: functions ``Batch -> Batch`` run in the reader (feature engineering).
         batch_size: examples per batch (the unit of pull/load/write-back).
-        read_queue: batches the reader may run ahead of the pull stage.
+        read_queue: batches the reader may run ahead of the pull stage (the read→pull edge).
+        pull_queue, load_queue, write_back_queue: the capacities of the pull→load, load→train
+            and train→write-back edges (docs/architecture.md: The pipeline).
         address: Ray address; an embedded local Ray when None (and no ``RAY_ADDRESS``).
         name: prefix of the actor names shown on the Ray dashboard.
         nodes: Ray nodes to train on, one MEM-PS, SSD-PS, trainer and reader each (``None``:
@@ -72,6 +74,9 @@ class Pipeline:
         transforms: Sequence[Callable[[Batch], Batch]] = (),
         batch_size: int = 65536,
         read_queue: int = 2,
+        pull_queue: int = 2,
+        load_queue: int = 2,
+        write_back_queue: int = 2,
         address: str | None = None,
         name: str | None = None,
         nodes: int | None = 1,
@@ -80,8 +85,14 @@ class Pipeline:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if read_queue < 1:
-            raise ValueError(f"read_queue must be >= 1, got {read_queue}")
+        for edge, capacity in (
+            ("read_queue", read_queue),
+            ("pull_queue", pull_queue),
+            ("load_queue", load_queue),
+            ("write_back_queue", write_back_queue),
+        ):
+            if capacity < 1:
+                raise ValueError(f"{edge} must be >= 1, got {capacity}")
         self.source = source
         self.trainer_stage = trainer or TrainerStage()
         self.mem_stage = mem or MemPSStage(capacity_rows=4 * batch_size * max(source.n_slots, 1))
@@ -89,6 +100,7 @@ class Pipeline:
         self.transforms = list(transforms)
         self.batch_size = batch_size
         self.read_queue = read_queue
+        self.queues = {"pull_queue": pull_queue, "load_queue": load_queue, "write_back_queue": write_back_queue}
         self.address = address
         self.name = name or f"hpsray-{uuid.uuid4().hex[:6]}"
         if nodes is not None and nodes < 1:
@@ -190,7 +202,12 @@ class Pipeline:
                 t_start = t0 = time.perf_counter()
                 nodes = self._nodes
                 schedule = PassSchedule(
-                    nodes, self._next_batch, self.read_queue, self._after_batch, self.mem_stage.admit_after > 1
+                    nodes,
+                    self._next_batch,
+                    self.read_queue,
+                    self._after_batch,
+                    self.mem_stage.admit_after > 1,
+                    **self.queues,
                 )
                 try:
                     for node in nodes:  # a resumed pass skips the batches already trained

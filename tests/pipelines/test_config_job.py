@@ -69,6 +69,8 @@ def test_the_message_names_file_key_and_reason():
         (with_("tiers", ssd={"stale_threshold": 1.0}), "tiers.ssd.stale_threshold", "must be in (0, 1)"),
         (with_("pipeline", device="tpu"), "pipeline.device", "must be one of cpu, cuda"),
         (with_("pipeline", read_queue=0), "pipeline.read_queue", "must be a positive integer, got 0"),
+        (with_("pipeline", load_queue=0), "pipeline.load_queue", "must be a positive integer, got 0"),
+        (with_("tiers", dumps_in_flight=0), "tiers.dumps_in_flight", "must be a positive integer, got 0"),
         (with_("cluster", nodes=-2), "cluster.nodes", "must be a non-negative integer, got -2"),
         (with_("cluster", consistency="eventual"), "cluster.consistency", "must be one of"),
         (with_("cluster", staleness=-1), "cluster.staleness", "must be a non-negative integer, got -1"),
