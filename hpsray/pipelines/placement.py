@@ -137,9 +137,10 @@ def open_reader(pipeline, node: NodeActors, source, index: int, count: int, n_no
 
 
 def join_group(name: str, nodes: list[NodeActors], sync, generation: int = 0) -> list:
-    """Form the trainers' collective group (and the chunk aggregators or the clock board that
-    ``sync`` asks for); returns those helper actors, for shutdown. A recovery that restarts
-    the trainers forms a new group: ``generation`` counts them."""
+    """Form the trainers' collective group (and the chunk aggregators, or the clock board of
+    ``propagation = "relay"``, that ``sync`` asks for); returns those helper actors, for
+    shutdown. A recovery that restarts the trainers forms a new group: ``generation`` counts
+    them."""
     helpers: list = []
     aggregators = None
     if sync.dense == "chunked":
@@ -148,7 +149,7 @@ def join_group(name: str, nodes: list[NodeActors], sync, generation: int = 0) ->
         aggregators = start_aggregators(len(nodes), node_ids=[n.node_id for n in nodes], name_prefix=name)
         helpers += list(aggregators)
     board = None
-    if sync.consistency != "bsp":
+    if sync.consistency != "bsp" and sync.propagation == "relay":  # push and pull: the trainers' own mailboxes
         from hpsray.cluster.consistency import ClockBoard
 
         board = (

@@ -151,7 +151,8 @@ def run_report(
         trainers = [r[3] for r in per_node]
         report["sync"] = {
             "consistency": sync.consistency,
-            "staleness_bound": sync.staleness if sync.consistency == "ssp" else None,
+            "staleness_bound": sync.slack,  # 0 under BSP, k - 1 under A-BSP, None (unbounded) under ASP
+            "propagation": sync.propagation if sync.consistency != "bsp" else None,
             "max_staleness_observed": max(tr.get("max_staleness", 0) for tr in trainers),
             "dense": sync.dense,
             "exchanged_bytes_per_minibatch": float(np.mean([tr["exchanged_bytes_per_step"] for tr in trainers])),

@@ -112,7 +112,8 @@ def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
     assert ssp[0]["mode"] == "ssp" and ssp[0]["sync"]["staleness_bound"] == 2
     observed = ssp[0]["sync"]["max_staleness_observed"]
     assert 0 < observed <= 2  # the straggler made the other trainer run ahead, never past the bound
-    assert bsp[0]["sync"]["max_staleness_observed"] == 0
+    assert bsp[0]["sync"]["max_staleness_observed"] == 0 and bsp[0]["sync"]["staleness_bound"] == 0
+    assert asp[0]["sync"]["staleness_bound"] is None and asp[0]["sync"]["propagation"] == "push"
     assert bsp[1]["auc"] > 0.65
     assert abs(ssp[1]["auc"] - bsp[1]["auc"]) <= 0.01
     assert asp[0]["mode"] == "asp" and asp[0]["examples"] == 36_000 and asp[1]["auc"] > 0.6
