@@ -110,7 +110,9 @@ def _summary(report: dict, extra: dict, batches: int) -> dict:
     per = report.get("per_batch_s", {})
     load = [v for k, v in per.get("load", {}).items() if int(k) >= 0]
     hits = list(report.get("cache_hit_rate", {}).values())
-    store, cache = extra["store"], extra["cache"]
+    store = extra["store"]
+    # MEM-PS only names a batch's missing rows; the load stage's counts come with the run report
+    cache = {**extra["cache"], **{k: v for k, v in report.get("cache", {}).items() if k in ("loaded", "initialised")}}
     return {
         "examples_per_s": report["examples_per_s"],
         "wall_s": report["wall_s"],
