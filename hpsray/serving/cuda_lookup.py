@@ -74,16 +74,8 @@ class CudaTieredLookup:
         self.ssd_reads = self.unseen = 0
         self.carried = 0
         if warm_from is not None:
-            self.carried = self.cache.carry(warm_from.cache, self._read)
-            self.carried += self.device.carry(warm_from.device, self._read)
-
-    def _read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(found, rows)`` of ``keys`` in the store, on the host (rows of keys not found: zeros)."""
-        pos = self.store.find(keys)
-        found = pos >= 0
-        out = np.zeros((keys.size, self.dim), np.float32)
-        self.store.read_into(pos[found], out, np.flatnonzero(found))
-        return found, out
+            self.carried = self.cache.carry(warm_from.cache, store.lookup)
+            self.carried += self.device.carry(warm_from.device, store.lookup)
 
     def rows_device(self, unique_keys: np.ndarray) -> Any:
         """A numba device array ``float32[U, dim]``: the rows of the distinct keys, through the tiers."""

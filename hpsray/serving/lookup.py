@@ -100,15 +100,7 @@ class TieredLookup:
         self.cache = cache if cache is not None else HotCache(capacity, store.dim)
         self.init = init
         self.ssd_reads = self.unseen = 0
-        self.carried = self.cache.carry(warm_from.cache, self._read) if warm_from is not None else 0
-
-    def _read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(found, rows)`` of ``keys`` in the store (rows of keys not found: zeros)."""
-        pos = self.store.find(keys)
-        found = pos >= 0
-        out = np.zeros((keys.size, self.dim), np.float32)
-        self.store.read_into(pos[found], out, np.flatnonzero(found))
-        return found, out
+        self.carried = self.cache.carry(warm_from.cache, store.lookup) if warm_from is not None else 0
 
     def rows(self, unique_keys: np.ndarray) -> np.ndarray:
         out = np.empty((unique_keys.size, self.dim), np.float32)

@@ -101,6 +101,14 @@ class PointStore:
         if src.size:
             _copy_rows(self._rows, src, out, dst, self.dim)
 
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(found bool[n], float32[n, dim])``: the rows of ``keys`` (zeros for keys not stored)."""
+        pos = self.find(keys)
+        found = pos >= 0
+        out = np.zeros((keys.size, self.dim), np.float32)
+        self.read_into(pos[found], out, np.flatnonzero(found))
+        return found, out
+
     def pread_rows(self, file_rows: np.ndarray, out: np.ndarray, out_rows: np.ndarray) -> None:
         """:meth:`read_into` by one ``pread`` per row (issued from a numba loop, in file order)."""
         src, dst = self._check(file_rows, out, out_rows)
