@@ -107,7 +107,6 @@ def run(args: argparse.Namespace) -> dict:
     ref = ReferenceTrainer(args.slots, args.dense, cfg)
     ref.fit(warmup.open(args.batch))
     started = connect(include_dashboard=False, log_to_driver=False)
-    runs = []
     try:
         with Pipeline(
             warmup,
@@ -117,29 +116,7 @@ def run(args: argparse.Namespace) -> dict:
         ) as p:
             p.fit(progress=False)
             p.source = measured
-            for r in range(max(1, args.repeat)):
-                t0 = time.perf_counter()
-                ref.fit(measured.open(args.batch))
-                ref_s = time.perf_counter() - t0
-                report = p.fit(progress=False)
-                runs.append(
-                    {
-                        "examples_per_s": report["examples_per_s"],
-                        "reference_examples_per_s": args.rows / ref_s,
-                        "ratio_vs_reference": report["examples_per_s"] * ref_s / args.rows,
-                        "pipeline_efficiency": report["pipeline_efficiency"],
-                        "wall_s": report["wall_s"],
-                        "reference_wall_s": ref_s,
-                        "stage_busy_s": report["stage_busy_s"],
-                    }
-                )
-                print(
-                    f"[bench e2e] repeat {r + 1}: pipeline {runs[-1]['examples_per_s']:,.0f} ex/s, "
-                    f"reference {runs[-1]['reference_examples_per_s']:,.0f} ex/s, "
-                    f"ratio {runs[-1]['ratio_vs_reference']:.3f}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            runs = _alternate(p, ref, measured, args.batch, args.rows, args.repeat, "repeat")
         extra: dict = {}
         if args.small_batch_rows > 0:
             extra.update(_small_batch(args, cfg))
@@ -179,6 +156,34 @@ def _median(runs: list[dict], key: str) -> float:
     return float(np.median([run[key] for run in runs]))
 
 
+def _alternate(p, ref, measured, batch: int, rows: int, repeat: int, label: str) -> list[dict]:
+    """``repeat`` timed passes of the (warm) pipeline ``p`` over ``measured``, each after the same
+    pass of the reference trainer ``ref``: one dict of figures per repeat."""
+    runs = []
+    for r in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        ref.fit(measured.open(batch))
+        ref_s = time.perf_counter() - t0
+        report = p.fit(progress=False)
+        runs.append(
+            {
+                "examples_per_s": report["examples_per_s"],
+                "reference_examples_per_s": rows / ref_s,
+                "ratio_vs_reference": report["examples_per_s"] * ref_s / rows,
+                "pipeline_efficiency": report["pipeline_efficiency"],
+                "wall_s": report["wall_s"],
+                "reference_wall_s": ref_s,
+                "stage_busy_s": report["stage_busy_s"],
+            }
+        )
+        _log(
+            f"{label} {r + 1}: pipeline {runs[-1]['examples_per_s']:,.0f} ex/s, "
+            f"reference {runs[-1]['reference_examples_per_s']:,.0f} ex/s, "
+            f"ratio {runs[-1]['ratio_vs_reference']:.3f}"
+        )
+    return runs
+
+
 def _log(msg: str) -> None:
     print(f"[bench e2e] {msg}", file=sys.stderr, flush=True)
 
@@ -197,7 +202,6 @@ def _small_batch(args: argparse.Namespace, cfg) -> dict:
     _log(f"small batches ({slots} slots, batches of {batch:,}): warming up ...")
     ref = ReferenceTrainer(slots, args.dense, cfg)
     ref.fit(warmup.open(batch))
-    runs = []
     with Pipeline(
         warmup,
         TrainerStage(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
@@ -206,25 +210,7 @@ def _small_batch(args: argparse.Namespace, cfg) -> dict:
     ) as p:
         p.fit(progress=False)
         p.source = measured
-        for r in range(max(1, args.repeat)):
-            t0 = time.perf_counter()
-            ref.fit(measured.open(batch))
-            ref_s = time.perf_counter() - t0
-            report = p.fit(progress=False)
-            runs.append(
-                {
-                    "examples_per_s": report["examples_per_s"],
-                    "reference_examples_per_s": args.small_batch_rows / ref_s,
-                    "ratio_vs_reference": report["examples_per_s"] * ref_s / args.small_batch_rows,
-                    "pipeline_efficiency": report["pipeline_efficiency"],
-                    "stage_busy_s": report["stage_busy_s"],
-                }
-            )
-            _log(
-                f"small batches, repeat {r + 1}: pipeline {runs[-1]['examples_per_s']:,.0f} ex/s, "
-                f"reference {runs[-1]['reference_examples_per_s']:,.0f} ex/s, "
-                f"ratio {runs[-1]['ratio_vs_reference']:.3f}"
-            )
+        runs = _alternate(p, ref, measured, batch, args.small_batch_rows, args.repeat, "small batches, repeat")
     return {
         "small_batch_examples_per_s": _median(runs, "examples_per_s"),
         "small_batch_reference_examples_per_s": _median(runs, "reference_examples_per_s"),
