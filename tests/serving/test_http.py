@@ -109,8 +109,8 @@ def test_bad_requests_answer_400_with_the_reason(served, planted):
 
 
 def _swap_under_a_request_stream(served, app: str, examples, old, new, publish) -> list[str]:
-    """Three clients send ``examples`` to ``app`` continuously; after 1.5 s ``publish()`` lands a
-    newer model. Every request must be answered 200, each by the old or the new model (never a
+    """Three clients send ``examples`` to ``app`` continuously; once each has been answered (and at
+    least 1.5 s have passed) ``publish()`` lands a newer model. Every request must be answered 200, each by the old or the new model (never a
     mix), and the new one must take over (at most the requests in flight finish on the old one).
     Returns which model answered each request."""
     results: list[tuple[int, list | str]] = []
@@ -127,6 +127,9 @@ def _swap_under_a_request_stream(served, app: str, examples, old, new, publish) 
         t.start()
     try:
         time.sleep(1.5)
+        warm_deadline = time.time() + 60  # a loaded machine may take a while to answer the first ones
+        while len(results) < 3 and time.time() < warm_deadline:
+            time.sleep(0.1)
         n_before = len(results)
         publish()
         deadline = time.time() + 90
