@@ -248,7 +248,12 @@ class MemPSShard:
         cache.update(
             dump_stalls=store["stalls"], dump_stall_s=store["stall_s"], dumps_in_flight_max=store["max_in_flight"]
         )
-        return {**self.clock.snapshot(), "hit_rate": dict(self.lender.hit_rate), "cache": cache}
+        return {
+            **self.clock.snapshot(),
+            "hit_rate": dict(self.lender.hit_rate),
+            "cache": cache,
+            "owner_staleness": self.lender.max_staleness,
+        }
 
 
 def warm_admission() -> None:

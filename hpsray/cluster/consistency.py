@@ -41,9 +41,24 @@ Push and pull exchange directly between the trainers' nodes: object refs travel 
 → trainer and the payload moves node to node in the object store; the pipeline's
 ``ClockBoard`` then only stands by (no update passes through it).
 
-Batch ends are barriers in every mode (every update of the batch is applied before its rows go
-back to their owners), so staleness is bounded within a batch. The trainer records the
-staleness it observed: ``c - 1`` minus the oldest latest clock it has from any other trainer.
+**Across batch ends** (:func:`crosses_batches`: ``ssp`` and ``asp``; A-BSP and BSP keep a
+barrier at every batch end) a trainer's clock runs on: at a batch end it waits only as the
+bound requires for the next clock (every other trainer's ``c - s``, ``c`` its last clock), returns
+its rows stamped with that clock and the oldest clock it holds of the others
+(:class:`~hpsray.tiers.lending.Returned`), and goes on; updates that arrive later reach the rows
+it still holds. :class:`CarryOver` keeps the others' updates of the batch before, which it
+replays on the rows a new batch borrows (lent before that batch's write-back, so without
+them). The owner keeps the freshest copy of each row (:meth:`~hpsray.tiers.lending.Lender.take_back`),
+so the rows it ends a batch with lack at most ``s`` mini-batches of any trainer's updates; the
+updates no returned copy holds are not applied at the owner later (they are bounded by the same
+``s``, and counted as the owner's staleness). The last batch of a pass ends with a full barrier
+(``Trainer.settle``), so export and evaluation see every update.
+
+The trainer records the staleness it observed: ``c - 1`` minus the oldest latest clock it has
+from any other trainer; across batches, the same while another trainer is still in an earlier
+batch. A trainer that fails a batch under ``ssp``/``asp`` says so through the exchange
+(:meth:`Exchange.fail`) instead of the collective, and every wait for its versions raises
+:class:`~hpsray.errors.PeerFailedError`.
 """
 
 from __future__ import annotations
@@ -54,6 +69,7 @@ import time
 import numpy as np
 
 from hpsray.config import PROPAGATIONS
+from hpsray.errors import PeerFailedError
 
 Payload = tuple  # (keys uint64[n], grads float32[n, dim], dense float32[m] | None)
 
@@ -79,6 +95,64 @@ def merge_payloads(parts: list[Payload]) -> Payload:
 
 def payload_bytes(payload: Payload) -> int:
     return sum(int(a.nbytes) for a in payload if a is not None)
+
+
+def crosses_batches(sync) -> bool:
+    """Whether a trainer's clock runs on across batch ends (``ssp``, ``asp``) instead of meeting
+    a barrier there (``bsp``, ``absp``): the schedule then skips ``refresh`` and ends the pass
+    with ``Trainer.settle``."""
+    return sync is not None and getattr(sync, "consistency", "bsp") in ("ssp", "asp")
+
+
+class CarryOver:
+    """A trainer's state across batch ends under :func:`crosses_batches` (engine side, no Ray).
+
+    ``log`` holds the others' sparse updates ``(clock, keys, grads)`` received since the end of
+    the batch before last (``base``): a row borrowed anew was lent from its owner's value as of
+    that batch's write-back, so :meth:`replay` applies them to it. ``held``: the keys resident
+    at the last batch end; ``parts``: that batch's keys by owner (for ``settle``).
+    """
+
+    def __init__(self) -> None:
+        self.log: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self.held = np.empty(0, np.uint64)
+        self.base = 0  # clock of the end of the batch before last
+        self.last = 0  # clock of the last batch end
+        self.first = 1  # first clock of the batch in training
+        self.parts: list[np.ndarray] = []
+        self.max_across = 0  # largest staleness seen while another trainer was in an earlier batch
+        self.max_return = 0  # largest staleness of a copy returned at a batch end
+
+    def record(self, clock: int, keys: np.ndarray, grads: np.ndarray) -> None:
+        if keys is not None and keys.size:
+            self.log.append((clock, keys, grads))
+
+    def replay(self, resident: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, grads)`` to apply at a batch start: the logged updates newer than ``base`` of
+        the resident keys that were not held at the last batch end; then forgets what the next
+        batch start will not need (clocks up to ``last``) and moves ``base`` to ``last``."""
+        new = resident[~np.isin(resident, self.held)] if self.held.size else resident
+        keys, grads = [], []
+        if new.size:
+            for clock, k, g in self.log:
+                if clock > self.base:
+                    m = np.isin(k, new)
+                    if m.any():
+                        keys.append(k[m])
+                        grads.append(g[m])
+        self.log = [u for u in self.log if u[0] > self.last]
+        self.base = self.last
+        if not keys:
+            return np.empty(0, np.uint64), np.empty((0, 0), np.float32)
+        return np.concatenate(keys), np.concatenate(grads)
+
+    def batch_end(self, clock: int, resident: np.ndarray) -> None:
+        self.last, self.held, self.first = clock, resident, clock + 1
+
+    def settled(self, clock: int, resident: np.ndarray) -> None:
+        """After a full barrier: every row is complete at its owner; nothing to replay."""
+        self.log, self.base = [], clock
+        self.batch_end(clock, resident)
 
 
 class _Versions:
@@ -125,9 +199,16 @@ class ClockBoard:
         self.world = world
         self.versions = _Versions(world)
         self._changed = asyncio.Condition()
+        self.failed: tuple | None = None  # (rank, batch id) of a trainer that failed a batch
 
     def __repr__(self) -> str:
         return f"ClockBoard[{self.world} trainers]"
+
+    async def fail(self, rank: int, batch_id) -> None:
+        """``rank`` failed ``batch_id``: every wait here raises :class:`PeerFailedError` from now."""
+        async with self._changed:
+            self.failed = (rank, batch_id)
+            self._changed.notify_all()
 
     async def publish(self, rank: int, clock: int, update: list, channel: str = "all") -> None:
         """Record ``rank``'s update of mini-batch ``clock`` (``[ref]``: the ref itself, unresolved)."""
@@ -142,10 +223,18 @@ class ClockBoard:
         v = self.versions
         others = [r for r in range(self.world) if r != rank]
         async with self._changed:
-            await self._changed.wait_for(lambda: all(v.newest(channel, r) >= oldest for r in others))
+            await self._changed.wait_for(
+                lambda: self.failed is not None or all(v.newest(channel, r) >= oldest for r in others)
+            )
+            _raise_failed(self.failed)
             out = [u for r in others for u in v.take(channel, rank, r, upto)]
             v.forget(lambda r: [q for q in range(self.world) if q != r])
             return sorted(out, key=lambda u: (u[1], u[0]))
+
+
+def _raise_failed(failed: tuple | None) -> None:
+    if failed is not None:
+        raise PeerFailedError(failed[1])
 
 
 class Mailbox:
@@ -160,12 +249,19 @@ class Mailbox:
         self.world, self.rank = world, rank
         self.versions = _Versions(world)
         self._changed = asyncio.Condition()
+        self.failed: tuple | None = None  # (rank, batch id) of a trainer that failed a batch
 
     def __repr__(self) -> str:
         return f"Mailbox[rank {self.rank}]"
 
     def ready(self) -> int:
         return self.rank
+
+    async def fail(self, rank: int, batch_id) -> None:
+        """``rank`` failed ``batch_id``: every wait here raises :class:`PeerFailedError` from now."""
+        async with self._changed:
+            self.failed = (rank, batch_id)
+            self._changed.notify_all()
 
     async def put(self, channel: str, rank: int, clock: int, update: list) -> None:
         async with self._changed:
@@ -178,7 +274,10 @@ class Mailbox:
         v = self.versions
         others = [r for r in range(self.world) if r != self.rank]
         async with self._changed:
-            await self._changed.wait_for(lambda: all(v.newest(channel, r) >= oldest for r in others))
+            await self._changed.wait_for(
+                lambda: self.failed is not None or all(v.newest(channel, r) >= oldest for r in others)
+            )
+            _raise_failed(self.failed)
             out = [u for r in others for u in v.take(channel, self.rank, r, upto)]
             v.forget(lambda r: [self.rank])
             return sorted(out, key=lambda u: (u[1], u[0]))
@@ -190,7 +289,8 @@ class Mailbox:
 
         v = self.versions
         async with self._changed:
-            await self._changed.wait_for(lambda: v.newest(channel, self.rank) >= oldest)
+            await self._changed.wait_for(lambda: self.failed is not None or v.newest(channel, self.rank) >= oldest)
+            _raise_failed(self.failed)
             got = v.take(channel, consumer, self.rank, upto)
             newest = v.taken[(channel, consumer, self.rank)]
             v.forget(lambda r: [q for q in range(self.world) if q != r])
@@ -224,6 +324,11 @@ class Exchange:
     def fetch(self, channel: str, oldest: int, upto: int | None, seen: dict) -> list:
         raise NotImplementedError
 
+    def fail(self, batch_id) -> None:
+        """Tell every other trainer that this one failed ``batch_id`` (their waits then raise
+        :class:`PeerFailedError`); returns once they can see it."""
+        raise NotImplementedError
+
     def _resolve(self, got: list) -> list:
         import ray
 
@@ -243,6 +348,11 @@ class RelayExchange(Exchange):
         import ray
 
         self.board.publish.remote(self.rank, clock, [ray.put(payload)], channel)
+
+    def fail(self, batch_id) -> None:
+        import ray
+
+        ray.get(self.board.fail.remote(self.rank, batch_id))
 
     def fetch(self, channel: str, oldest: int, upto: int | None, seen: dict) -> list:
         import ray
@@ -276,6 +386,11 @@ class PushExchange(Exchange):
         self.wait_s += time.perf_counter() - t0
         return self._resolve(got)
 
+    def fail(self, batch_id) -> None:
+        import ray
+
+        ray.get([box.fail.remote(self.rank, batch_id) for box in self.mailboxes])
+
 
 class PullExchange(Exchange):
     """Versions stay with their producer until a consumer's copy is too old."""
@@ -300,6 +415,11 @@ class PullExchange(Exchange):
         self.wait_s += time.perf_counter() - t0
         got = [(r, newest, ref) for r, (newest, ref, _) in zip(stale, answers, strict=True) if ref is not None]
         return self._resolve(got)
+
+    def fail(self, batch_id) -> None:
+        import ray
+
+        ray.get([box.fail.remote(self.rank, batch_id) for box in self.mailboxes])
 
 
 def start_mailbox(group: str, world: int, rank: int):

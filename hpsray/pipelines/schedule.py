@@ -13,6 +13,12 @@ while ``t`` trains and ``pull(t+2)`` only after ``write_back(t)``; SSD-PS loads 
 keeps its own from ``t`` resident in HBM-PS, and rows other nodes changed come again through
 ``refresh(t+1)`` (docs/architecture.md: invariants 2 and 4).
 
+Under SSP and ASP a trainer's clock runs on across batch ends
+(:func:`~hpsray.cluster.consistency.crosses_batches`): ``refresh`` is not submitted, so a fast
+trainer's inputs for ``t+1`` never wait for a straggler's ``write_back(t)`` (the trainer replays
+the updates it received during ``t`` on the rows it borrows anew instead), and the last batch of
+the pass is written back from ``Trainer.settle``, a full barrier, instead of from ``train``.
+
 Four bounded edges per node join the stages (:class:`BoundedEdge`): read→pull (``read_queue``
 batches), pull→load (``pull_queue``), load→train (``load_queue``) and train→write-back
 (``write_back_queue``). A batch is on an edge from its producer's submission until its consumer
@@ -24,10 +30,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 
 from hpsray.actors.messages import ReadBatch, TrainInputs
+from hpsray.cluster.consistency import crosses_batches
 from hpsray.errors import PeerFailedError, caused_by
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.placement import NodeActors
@@ -53,6 +61,8 @@ class PassSchedule:
     that stays resident in the trainer must be reset; docs/architecture.md, Admission and expiry).
     ``pull_queue``, ``load_queue``, ``write_back_queue``: the capacities of the other three
     edges (``load_queue`` >= 2 lets ``t+1`` load while ``t`` trains).
+    ``sync``: the pipeline's :class:`~hpsray.pipelines.SyncStage` (``None``: BSP); under SSP and
+    ASP the batches' ends are no barriers (see the module's docstring).
     """
 
     nodes: list[NodeActors]
@@ -63,6 +73,7 @@ class PassSchedule:
     pull_queue: int = 2
     load_queue: int = 2
     write_back_queue: int = 2
+    sync: Any = None
     reads: list[BoundedEdge] = field(init=False)
     pulls: list[BoundedEdge] = field(init=False)  # by owner
     loads: list[BoundedEdge] = field(init=False)  # by borrower
@@ -82,6 +93,7 @@ class PassSchedule:
         self.pulls = edges(1, self.pull_queue)
         self.loads = edges(2, self.load_queue)
         self.write_backs = edges(3, self.write_back_queue)
+        self.crosses = n > 1 and crosses_batches(self.sync)
 
     @property
     def batches(self) -> int:
@@ -171,11 +183,16 @@ class PassSchedule:
             more = sum(r.examples for r in next_read) > 0
             if more:
                 next_loans = self._lend(t + 1, next_read)
+            returned = results
+            if self.crosses and not more:  # the pass's last batch: every update in before write-back
+                bid = self.first + t
+                returned = [node.trainer.settle.options(num_returns=n).remote(bid) for node in self.nodes]
             for o, node in enumerate(self.nodes):
-                ref = node.mem.write_back.remote(self.first + t, *[results[b][o] for b in range(n)])
+                ref = node.mem.write_back.remote(self.first + t, *[returned[b][o] for b in range(n)])
                 self.write_backs[o].taken([ref])
             self._training = None
-            refreshed = self._refresh(t + 1) if more and (n > 1 or self.refresh_alone) else None
+            stale_loans = (n > 1 and not self.crosses) or self.refresh_alone
+            refreshed = self._refresh(t + 1) if more and stale_loans else None
             done = sum(r.examples for r in read)
             self.examples_by_batch[self.first + t] = done
             if progress is not None:

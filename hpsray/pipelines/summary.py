@@ -154,6 +154,11 @@ def run_report(
             "staleness_bound": sync.slack,  # 0 under BSP, k - 1 under A-BSP, None (unbounded) under ASP
             "propagation": sync.propagation if sync.consistency != "bsp" else None,
             "max_staleness_observed": max(tr.get("max_staleness", 0) for tr in trainers),
+            # ssp/asp: the largest of it while another trainer was still in an earlier batch (0
+            # where batch ends are barriers), and the most mini-batches of updates a row its owner
+            # kept at a batch end lacked (0 under bsp/absp and at a pass's end)
+            "max_staleness_across_batches": max(tr.get("max_staleness_across_batches", 0) for tr in trainers),
+            "max_owner_staleness": max(mem.get("owner_staleness", 0) for mem in mems),
             "dense": sync.dense,
             "exchanged_bytes_per_minibatch": float(np.mean([tr["exchanged_bytes_per_step"] for tr in trainers])),
         }

@@ -39,11 +39,23 @@ Lease = tuple[Hashable, int]  # (batch id, borrower node)
 
 @dataclass(frozen=True)
 class Returned:
-    """A borrower's rows of one batch, going back to their owner: ``rows[i]`` is ``keys[i]``'s."""
+    """A borrower's rows of one batch, going back to their owner: ``rows[i]`` is ``keys[i]``'s.
+
+    Under SSP/ASP across batch ends (docs/architecture.md: Consistency) copies of a row may
+    differ: ``clock`` is the borrower's clock at the batch end and ``applied`` the oldest clock
+    of the other trainers whose updates the copy holds (``None``: a complete copy, as under
+    BSP, where every copy is the same)."""
 
     borrower: int
     keys: npt.NDArray[np.uint64]
     rows: npt.NDArray[np.float32]
+    clock: int = 0
+    applied: int | None = None
+
+    @property
+    def staleness(self) -> int:
+        """Mini-batches of some other trainer's updates this copy may lack (0: complete)."""
+        return 0 if self.applied is None else max(self.clock - self.applied, 0)
 
 
 @dataclass(frozen=True)
@@ -104,6 +116,7 @@ class Lender:
         self.lent: dict[Lease, npt.NDArray[np.uint64]] = {}
         self.rejected: dict[Lease, npt.NDArray[np.uint64]] = {}  # keys lent without a row
         self.hit_rate: dict[Hashable, float] = {}
+        self.max_staleness = 0  # most mini-batches of updates a row kept at a batch end lacked
         self._hits: dict[Hashable, list[int]] = {}  # batch -> [hits, misses] over its leases
 
     @property
@@ -171,9 +184,17 @@ class Lender:
     def take_back(self, batch_id: Hashable, returned: Iterable[Returned]) -> int:
         """Store every borrower's rows of ``batch_id`` and release their pins; returns the rows
         stored (not those of keys lent without a row). Leases of earlier batches are forgotten:
-        their refresh is done. Under expiry, then drops the rows expiring at this batch's end."""
+        their refresh is done. Under expiry, then drops the rows expiring at this batch's end.
+
+        Where borrowers return different copies of a row (SSP/ASP across batch ends), the
+        freshest wins: the copy with the least :attr:`Returned.staleness`, the later borrower
+        on a tie; complete copies (BSP) are stored in the order given, as before."""
+        parts = list(returned)
+        if any(p.applied is not None for p in parts):
+            parts.sort(key=lambda p: -p.staleness)  # stable: the freshest is stored last and wins
+            self.max_staleness = max(self.max_staleness, _kept_staleness(parts))
         n = 0
-        for part in returned:
+        for part in parts:
             lease = (batch_id, part.borrower)
             keys, rows = part.keys, part.rows
             rejected = self.rejected.get(lease)
@@ -242,6 +263,18 @@ class Lender:
             rows[~found] = initial_rows(keys[rest][~found], self.mem.width, self.init)
             out[rest] = rows
         return out
+
+
+def _kept_staleness(parts: list[Returned]) -> int:
+    """The staleness of the copies that win at least one key when ``parts`` are stored in order
+    (a later part's copy of a key overwrites an earlier one's)."""
+    covered = np.empty(0, np.uint64)
+    worst = 0
+    for part in reversed(parts):
+        if part.keys.size and (not covered.size or not np.isin(part.keys, covered).all()):
+            worst = max(worst, part.staleness)
+        covered = np.union1d(covered, part.keys)
+    return worst
 
 
 def _previous(batch_id: Hashable) -> Hashable:
