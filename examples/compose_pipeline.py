@@ -41,7 +41,7 @@ def main() -> None:
     config = TrainConfig(dim=8, hidden=(64, 32), sparse_optimizer="adagrad", sparse_lr=0.05, minibatch_size=1000)
     pipeline = Pipeline(
         train,
-        trainer=TrainerStage(config, n_devices=2),  # two (virtual, on CPU) device tables
+        trainer=TrainerStage(config, n_devices=2),  # two trainer processes (one per GPU on CUDA)
         mem=MemPSStage(capacity_rows=40_000),  # below the distinct keys: rows go to SSD-PS and back
         ssd=SSDPSStage(options={"rows_per_file": 4096}),  # a temporary directory
         transforms=[clip_dense],

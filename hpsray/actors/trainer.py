@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,17 +13,31 @@ import torch
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Returned, TrainInputs, TrainOutcome
 from hpsray.actors.timing import StageClock
-from hpsray.cluster.consistency import merge_payloads
+from hpsray.cluster.consistency import CarryOver, crosses_batches, merge_payloads
+from hpsray.cluster.mesh import DeviceMesh, rendezvous_address
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import PeerFailedError
 from hpsray.kernels.arrays import to_host
+from hpsray.kernels.fused import LookupProbe
 from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
 from hpsray.tiers.hbm import HbmPS
+from hpsray.tiers.partition import device_of
 from hpsray.tiers.warmup import warm_trainer_step
+
+
+@dataclass(frozen=True)
+class DevicePart:
+    """One device process's result of a batch: its rows of each owner's keys (in the keys'
+    order, only those it holds) and its loss share of each global mini-batch, with the factor
+    that turns the node's summed shares into its mean loss (0: the node's part was empty)."""
+
+    rows: list[np.ndarray]
+    losses: list[float]
+    scales: list[float]
 
 
 class Trainer:
@@ -32,13 +48,20 @@ class Trainer:
         config: model shape, optimizers, mini-batch size, seed.
         n_slots, n_dense: input shape.
         capacity: rows the working set of two consecutive batches may hold.
-        n_devices: ``D`` device tables and dense replicas ("virtual devices" on CPU).
+        n_devices: ``D``: the node trains with ``D`` processes, one per device (one GPU each
+            on CUDA), each holding the keys of its device and a dense replica. This actor is
+            device 0, the node's trainer the pipeline calls; it starts the other ``D - 1``
+            (``device_index`` 1 .. D-1) and they meet in a :class:`DeviceMesh` (``join``).
         device: where the whole step runs: ``"cpu"`` (numba tables, torch on CPU) or ``"cuda"``
             (numba.cuda tables, CuPy key work and torch on this process's GPU; Ray gives the
             actor its own GPU with ``num_gpus=1``). Per mini-batch only the keys, dense
             features and labels go to the GPU; the loss is read once per batch.
         model: a module ``(pooled [B, n_slots, dim], dense) -> logits``; the DNN when ``None``.
         threads: torch intra-op threads (default: all cores).
+        device_index: this process's device (0: the node's trainer).
+        placement: on CUDA, the node's placement group (one GPU per bundle; bundle ``d`` for
+            device ``d``); ``None`` on CPU.
+        name: this actor's name, from which the other devices' are made.
     """
 
     def __init__(
@@ -53,18 +76,29 @@ class Trainer:
         device: str = "cpu",
         model: torch.nn.Module | None = None,
         threads: int | None = None,
+        device_index: int = 0,
+        placement: Any = None,
+        name: str | None = None,
     ) -> None:
         self.node, self.config = node, config  # first, so repr() works if the rest fails
+        self.n_devices, self.device_index = n_devices, device_index
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.optimizer = config.optimizer()
         self.device = StepDevice(device)
-        self.hbm = HbmPS(capacity, config.row_width, config.row_init(), n_devices, n_nodes, device)
-        self._capacity = capacity
+        # with D devices, this process holds one device's share of the node's working set
+        self._capacity = capacity if n_devices == 1 else int(np.ceil(capacity / n_devices * 1.25)) + 64
+        self.hbm = HbmPS(self._capacity, config.row_width, config.row_init(), 1, n_nodes, device)
+        self.workers: list = []  # device 0 (the node's trainer) starts the node's other D - 1
+        if n_devices > 1 and device_index == 0:  # before the model moves to this device
+            args = (node, n_nodes, config, n_slots, n_dense, capacity, n_devices, device, model, threads)
+            self.workers = _start_device_workers(args, placement, name)
+        self.mesh: DeviceMesh | None = None  # with D > 1 devices (see join)
         model = model if model is not None else DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
-        self.dense = DenseReplicas(model, n_devices, config.dense_optimizer, config.dense_lr, self.device)
+        self.dense = DenseReplicas(model, 1, config.dense_optimizer, config.dense_lr, self.device)
         self.n_nodes = n_nodes
         self.group = None  # the collective group, when n_nodes > 1 (see join)
         self.dense_reducer = None
+        self._chunked = False  # device d > 0 whose node's device 0 aggregates in chunks
         self._mailbox = None
         self.sync, self.board, self.exchange = None, None, None  # relaxed modes: how updates propagate (see join)
         self.max_staleness = 0
@@ -80,7 +114,7 @@ class Trainer:
         self.gauges = LiveGauges(stage="train", node=node)
         # numba (and on CUDA, CuPy and torch's kernels) compile here, before the pipeline's clock
         warm_trainer_step(
-            HbmPS(256, config.row_width, config.row_init(), n_devices, n_nodes, device),
+            HbmPS(256, config.row_width, config.row_init(), 1, n_nodes, device),
             self.dense,
             self.optimizer,
             config.dim,
@@ -91,15 +125,30 @@ class Trainer:
         )
 
     def __repr__(self) -> str:
-        return f"Trainer[node {self.node}]"
+        return f"Trainer[node {self.node}]" + (f"[device {self.device_index}]" if self.n_devices > 1 else "")
 
-    def join(self, world: int, group: str, sync, aggregators=None, board=None) -> int:
+    def join(self, world: int, group: str, sync, aggregators=None, board=None, mesh_address: str | None = None) -> int:
         """Join the trainers' collective group (every trainer calls this at once); ``sync`` is
         the pipeline's :class:`~hpsray.pipelines.SyncStage`. Under a relaxed mode this also
         sets up how updates propagate (:mod:`hpsray.cluster.consistency`): push and pull start
-        this trainer's mailbox and find the others'; relay uses ``board``."""
+        this trainer's mailbox and find the others'; relay uses ``board``. With ``D > 1``
+        devices the node's device processes join the device mesh at ``mesh_address`` instead
+        (:meth:`mesh_address` of node 0's trainer; BSP only)."""
         from hpsray.cluster.collective import CollectiveGroup
 
+        if self.n_devices > 1:
+            import ray
+
+            refs = [w.join_mesh.remote(mesh_address, world) for w in self.workers]
+            self.join_mesh(mesh_address, world)
+            ray.get(refs)
+            self.sync = sync
+            if sync.dense == "chunked" and world > 1:  # device 0 of each node aggregates across nodes
+                from hpsray.cluster.aggregation import ChunkedAggregator
+
+                self.dense_reducer = ChunkedAggregator(aggregators, world, self.node, chunk_bytes=sync.chunk_bytes)
+                ray.get([w.chunked_dense.remote() for w in self.workers])
+            return self.node
         backend = "nccl" if self.hbm.device == "cuda" else "gloo"
         self.group = CollectiveGroup(world, self.node, group, backend)
         self.sync, self.board = sync, board
@@ -121,6 +170,34 @@ class Trainer:
             self.dense_reducer = ChunkedAggregator(aggregators, world, self.node, chunk_bytes=sync.chunk_bytes)
         return self.node
 
+    def mesh_address(self) -> str:
+        """Where the device mesh meets (this node's address, a free port): node 0's trainer."""
+        return rendezvous_address()
+
+    def join_mesh(self, address: str, n_nodes: int) -> int:
+        """Join the device mesh (every device process of every node calls this at once)."""
+        if self.mesh is not None:
+            self.mesh.destroy()
+        backend = "nccl" if self.device.is_cuda else "gloo"
+        self.mesh = DeviceMesh(address, n_nodes, self.n_devices, self.node, self.device_index, backend)
+        return self.mesh.rank
+
+    def chunked_dense(self) -> None:
+        """Device ``d > 0`` of a node whose device 0 sums dense gradients across nodes by
+        chunked aggregation: it takes the node's sum from device 0."""
+        self._chunked = True
+
+    def _reduce_on_mesh(self, flat: torch.Tensor) -> torch.Tensor:
+        """The dense gradient summed over the mesh: one all-reduce, or with chunked aggregation
+        the node's sum first, across nodes by device 0's aggregator, then back to the node."""
+        assert self.mesh is not None
+        if self.dense_reducer is None and not self._chunked:
+            return self.mesh.allreduce_sum(flat)
+        total = self.mesh.node_sum(flat)
+        if self.dense_reducer is not None:
+            total = self.dense_reducer.reduce(total, self.step)
+        return self.mesh.node_broadcast(total)
+
     def _reduce_dense(self, flat: torch.Tensor) -> torch.Tensor:
         if self.dense_reducer is not None:
             out = self.dense_reducer.reduce(flat, self.step)
@@ -140,6 +217,8 @@ class Trainer:
         one failed (a bad batch, a pull over capacity), all fail this batch together instead of
         leaving the others waiting in the collective.
         """
+        if self.n_devices > 1:
+            return self._train_on_devices(batch_id, inputs)
         import ray
 
         error = None
@@ -147,10 +226,8 @@ class Trainer:
             batch, key_parts, loans, refreshed = inputs.unpack(ray.get(inputs.refs()))
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the peers
             error = e
-        if self.n_nodes > 1 and self.group is not None:
-            failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
-            if error is None and float(failed[0]) > 0:
-                raise PeerFailedError(batch_id)  # "batch N failed on another node; see that trainer's error"
+        if self.n_nodes > 1 and self.group is not None and self._peer_failed(batch_id, error):
+            raise PeerFailedError(batch_id)  # "batch N failed on another node; see that trainer's error"
         if error is not None:
             raise error
         with self.clock.timed(batch_id):
@@ -167,7 +244,7 @@ class Trainer:
             self.examples += len(batch) if batch is not None else 0
             # the losses stay on the device until here: one read per batch
             self.losses[batch_id] = float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
-            out = [Returned(self.node, k, self.hbm.get(k)) for k in key_parts]
+            out = [self._returned(k) for k in key_parts]
         done = len(batch) if batch is not None else 0
         self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
         self.gauges.set_sync(self.max_staleness, self.exchanged_bytes)
@@ -175,6 +252,113 @@ class Trainer:
 
     def _weights(self, keys):
         return self.hbm.get(keys, columns=self.config.dim)
+
+    # -- D devices: one process each (docs/architecture.md: Devices) -----------------------
+
+    def _train_on_devices(self, batch_id, inputs: TrainInputs) -> tuple:
+        """Device 0's :meth:`train` with ``D > 1``: every device process trains its part of the
+        batch (:meth:`train_part`); this one then puts the node's rows back together, one
+        :class:`Returned` per owner, and the batch's loss."""
+        import ray
+
+        parts = [w.train_part.remote(batch_id, inputs) for w in self.workers]
+        try:
+            batch, key_parts, mine = self._device_part(batch_id, inputs)
+            theirs = ray.get(parts)
+        except Exception:
+            if _a_worker_died(parts):  # restart this node's trainer: its workers die with it
+                os._exit(1)
+            raise
+        with self.clock.timed(batch_id):
+            results = [mine, *theirs]
+            out = []
+            for o, keys in enumerate(key_parts):
+                rows = np.empty((keys.size, self.config.row_width), dtype=np.float32)
+                where = device_of(keys, self.n_nodes, self.n_devices)
+                for d, result in enumerate(results):
+                    rows[where == d] = result.rows[o]
+                out.append(Returned(self.node, keys, rows))
+            shares = np.sum([r.losses for r in results], axis=0) if mine.losses else np.empty(0)
+            losses = [float(x) * scale for x, scale in zip(shares, mine.scales, strict=True) if scale]
+            self.losses[batch_id] = float(np.mean(losses)) if losses else float("nan")
+        done = len(batch) if batch is not None else 0
+        self.examples += done
+        self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
+        return (*out, TrainOutcome(self.losses[batch_id], done))
+
+    def train_part(self, batch_id, inputs: TrainInputs) -> DevicePart:
+        """A device process's share of a batch (called by device 0 of its node)."""
+        return self._device_part(batch_id, inputs)[2]
+
+    def _device_part(self, batch_id, inputs: TrainInputs) -> tuple[Any, list, DevicePart]:
+        """Borrow this device's rows of the node's loan, step through the batch's global
+        mini-batches on this device's slice of each (rows and gradients exchanged with the
+        node's other devices, updates with the other nodes' same device), and give back this
+        device's rows of each owner's keys."""
+        import ray
+
+        mesh = self.mesh
+        if mesh is None:
+            raise RuntimeError(f"{self!r} trains before joining the device mesh (Pipeline forms it)")
+        error = None
+        try:
+            batch, key_parts, loans, refreshed = inputs.unpack(ray.get(inputs.refs()))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
+            error = e
+        failed = mesh.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
+        if error is not None:
+            raise error
+        if float(failed[0]) > 0:
+            raise PeerFailedError(batch_id)
+        with self.clock.timed(batch_id):
+            keys = np.concatenate(key_parts) if key_parts else np.empty(0, np.uint64)
+            rows = np.concatenate(loans) if loans else np.empty((0, self.config.row_width), np.float32)
+            mine = device_of(keys, self.n_nodes, self.n_devices) == self.device_index
+            fresh = []
+            for r in refreshed:
+                m = device_of(r.keys, self.n_nodes, self.n_devices) == self.device_index
+                fresh.append((r.keys[m], r.rows[m]))
+            self.hbm.borrow(keys[mine], rows[mine], fresh)
+            sizes = inputs.sizes or [len(batch) if batch is not None else 0]
+            shares, scales = self._device_steps(batch, sizes)
+            back = []
+            for k in key_parts:
+                m = device_of(k, self.n_nodes, self.n_devices) == self.device_index
+                back.append(self.hbm.get(k[m]))
+        return batch, key_parts, DevicePart(back, shares, scales)
+
+    def _device_steps(self, batch, sizes: list[int]) -> tuple[list[float], list[float]]:
+        """BSP over the mesh: per global mini-batch this device takes its contiguous slice of
+        the node's part, reads the slice's rows from the devices that hold them, steps, sends
+        the gradients to those devices, which apply every node's (paper App. C.3). Returns this
+        device's loss share of each global mini-batch and the factor that makes the node's
+        shares the node's mean loss (0 where the node's part is empty)."""
+        mesh = self.mesh
+        assert mesh is not None
+        self.dense.train(True)
+        d, n_dev = self.device_index, self.n_devices
+        shares, scales = [], []
+        for mb, total in self._global_minibatches(batch, sizes):
+            lo, hi = np.linspace(0, len(mb), n_dev + 1).astype(int)[d : d + 2]
+            part = mb.slice(lo, hi) if hi > lo else self._empty
+            loss, gkeys, grads = self.dense.step(part, self._weights_on_mesh, total=total, reduce=self._reduce_on_mesh)
+            keys, grads = mesh.route(gkeys, grads)  # the node's update of this device's rows
+            keys, grads = mesh.allgather_sparse(keys, grads)  # and every other node's
+            self.step += 1
+            self.hbm.apply_gradients(keys, grads, self.optimizer, self.step, resident_only=self.n_nodes > 1)
+            self.exchanged_bytes.append(mesh.bytes_sent - self._sent)
+            self._sent = mesh.bytes_sent
+            shares.append(loss)
+            scales.append(total / len(mb) if len(mb) else 0.0)
+        values = torch.stack(shares).cpu().tolist() if shares else []  # one read per batch
+        return values, scales
+
+    def _weights_on_mesh(self, keys):
+        """The step's ``weights_of`` with ``D`` devices: rows from the devices that hold them."""
+        if isinstance(keys, LookupProbe):  # no fused path across processes
+            return None
+        assert self.mesh is not None
+        return self.device.array(self.mesh.lookup(keys, self._weights))
 
     def _train_local(self, batch) -> list[torch.Tensor]:
         self.dense.train(True)
@@ -225,11 +409,18 @@ class Trainer:
         if rng.random() < sync.straggler_probability:
             time.sleep(delay * rng.uniform(0.0, 2.0))
 
+    _carry: CarryOver | None = None  # SSP/ASP across batch ends (see _train_stale)
+
     def _train_stale(self, batch, sizes: list[int]) -> list[torch.Tensor]:
         """SSP, A-BSP and ASP across nodes (:mod:`hpsray.cluster.consistency`): publish each
         mini-batch's update (A-BSP: each clock's ``k``), apply the others' as they arrive, wait
         only when beyond the slack: ``staleness`` for the embeddings, ``dense_staleness`` (when
-        given) for the dense parameters."""
+        given) for the dense parameters.
+
+        A-BSP ends each batch with a barrier. SSP and ASP do not (docs/architecture.md:
+        Consistency): the clock runs on, the batch end waits only as the bound requires for the
+        next clock, and the rows borrowed anew first get the others' updates of the batch before
+        (:class:`~hpsray.cluster.consistency.CarryOver`); :meth:`settle` ends a pass."""
         self.dense.train(True)
         sync = self.sync
         mode = sync.consistency
@@ -237,6 +428,9 @@ class Trainer:
         bound = sync.staleness if mode == "ssp" else (k - 1 if mode == "absp" else None)
         dense_bound = getattr(sync, "dense_staleness", None)
         hook = sync.before_minibatch  # an injection point for tests (a straggler); None otherwise
+        carry = self._carry_over()
+        if carry is not None:
+            self._replay(carry)
         steps = list(self._global_minibatches(batch, sizes))
         losses = []
         out_keys, out_grads, out_dense = [], [], None  # own updates of the clock not published yet
@@ -249,9 +443,11 @@ class Trainer:
                 others = self._fetch(clock - 1, upto=clock - 1)
             else:
                 others = self._no_update()
-            if others["keys"].size:  # fetched updates reach the rows before this mini-batch reads them
-                self.hbm.apply_gradients(others["keys"], others["grads"], self.optimizer, self.step, resident_only=True)
-            self.max_staleness = max(self.max_staleness, clock - 1 - min(self._seen.values()))
+            self._apply_others(others)  # fetched updates reach the rows before this mini-batch reads them
+            oldest = min(self._seen.values())
+            self.max_staleness = max(self.max_staleness, clock - 1 - oldest)
+            if carry is not None and oldest < carry.first - 1:  # another trainer is in an earlier batch
+                carry.max_across = max(carry.max_across, clock - 1 - oldest)
             self._straggle(clock)
             if hook is not None:
                 hook(self.node, clock)
@@ -283,16 +479,86 @@ class Trainer:
             self._sent = self.exchange.received_bytes
             if len(mb):
                 losses.append(loss * total / len(mb))
-        # the batch end is a barrier: every update of the batch reaches the rows before write-back
-        rest = self._fetch(self.step, upto=self.step)
-        if rest["keys"].size:
-            self.hbm.apply_gradients(rest["keys"], rest["grads"], self.optimizer, self.step, resident_only=True)
+        if carry is None:  # A-BSP: the batch end is a barrier, every update in before write-back
+            self._batch_end(self.step)
+        else:  # SSP/ASP: wait only as the next clock's bound requires; take what else has arrived
+            self._batch_end(self.step - bound if bound is not None else -1)
+            oldest = min(self._seen.values())
+            carry.max_return = max(carry.max_return, self.step - oldest)
+            carry.batch_end(self.step, self._resident())
+            carry.parts = []
+        return losses
+
+    def _carry_over(self) -> CarryOver | None:
+        """The state across batch ends under SSP/ASP (``None`` under A-BSP: batch ends are barriers)."""
+        if not crosses_batches(self.sync):
+            return None
+        if self._carry is None or self.step < self._carry.last:  # first batch, or restored from a checkpoint
+            self._carry = CarryOver()
+            self._carry.batch_end(self.step, self._resident())
+            self._carry.base = self.step
+        return self._carry
+
+    def _resident(self) -> np.ndarray:
+        keys = [to_host(t.keys()) for t in self.hbm.tables]
+        return np.sort(np.concatenate(keys)) if keys else np.empty(0, np.uint64)
+
+    def _replay(self, carry: CarryOver) -> None:
+        """A batch start under SSP/ASP: the rows borrowed anew were lent before the last batch's
+        write-back; give them the others' updates of that batch received so far (later ones
+        arrive through :meth:`_fetch` and reach every resident row)."""
+        keys, grads = carry.replay(self._resident())
+        if keys.size:
+            self.hbm.apply_gradients(keys, grads, self.optimizer, self.step, resident_only=True)
+
+    def _apply_others(self, others: dict) -> None:
+        if others["keys"].size:
+            self.hbm.apply_gradients(others["keys"], others["grads"], self.optimizer, self.step, resident_only=True)
+
+    def _batch_end(self, oldest: int) -> None:
+        """Fetch the others' updates up to this trainer's clock, after waiting for their clock
+        ``oldest``, and apply them (the dense part waits for the next step)."""
+        rest = self._fetch(oldest, upto=self.step)
+        self._apply_others(rest)
         if rest["dense"] is not None:
             self._pending_dense = rest["dense"]
         if self.exchanged_bytes:
             self.exchanged_bytes[-1] += self.exchange.received_bytes - self._sent
             self._sent = self.exchange.received_bytes
-        return losses
+
+    def _returned(self, keys: np.ndarray) -> Returned:
+        """This trainer's rows of ``keys`` for their owner; under SSP/ASP stamped with its clock
+        and the oldest clock of the others it holds (the owner keeps the freshest copy)."""
+        carry = self._carry if crosses_batches(self.sync) else None
+        if carry is None:
+            return Returned(self.node, keys, self.hbm.get(keys))
+        carry.parts.append(keys)
+        return Returned(self.node, keys, self.hbm.get(keys), self.step, min(self._seen.values()))
+
+    def settle(self, batch_id) -> tuple:
+        """The final barrier of a pass under SSP/ASP (the schedule calls it after the last
+        batch's ``train``): wait for every other trainer's last clock, apply all their updates,
+        and return the last batch's rows, complete, one :class:`Returned` per owner (call with
+        ``.options(num_returns=n_nodes)``)."""
+        carry = self._carry_over()
+        assert carry is not None, "settle: only under ssp/asp"
+        with self.clock.timed(batch_id):
+            self._batch_end(self.step)
+            parts = list(carry.parts)
+            out = [Returned(self.node, k, self.hbm.get(k), self.step, None) for k in parts]
+            carry.settled(self.step, self._resident())
+        return tuple(out)
+
+    def _peer_failed(self, batch_id, error: BaseException | None) -> bool:
+        """Whether another node's trainer failed ``batch_id`` (its inputs). BSP and A-BSP agree
+        on that in the collective, a barrier; under SSP/ASP a trainer that failed tells the
+        others through the exchange instead (their waits raise :class:`PeerFailedError`)."""
+        if crosses_batches(self.sync) and self.exchange is not None:
+            if error is not None:
+                self.exchange.fail(batch_id)
+            return False
+        failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
+        return error is None and float(failed[0]) > 0
 
     def _no_update(self) -> dict:
         return {"keys": np.empty(0, np.uint64), "grads": np.empty((0, self.config.dim), np.float32), "dense": None}
@@ -319,10 +585,13 @@ class Trainer:
         keys, grads, dense = [np.empty(0, np.uint64)], [np.empty((0, self.config.dim), np.float32)], None
         if self._pending_dense is not None:
             dense, self._pending_dense = self._pending_dense, None
+        carry = self._carry if crosses_batches(self.sync) else None
         for rank, clock, (k, g, d) in got:
             if k is not None and k.size:
                 keys.append(k)
                 grads.append(g)
+                if carry is not None:
+                    carry.record(clock, k, g)
             if d is not None:
                 dense = d.copy() if dense is None else dense + d
             self._seen[rank] = max(self._seen[rank], clock)
@@ -372,13 +641,23 @@ class Trainer:
         """Forget the working set and continue from :meth:`save_state`'s file (a recovery that
         keeps this process); returns the step restored."""
         c = self.config
-        self.hbm = HbmPS(self._capacity, c.row_width, c.row_init(), self.hbm.n_devices, self.n_nodes, self.hbm.device)
+        refs = [w.reset.remote(path) for w in self.workers]
+        self.hbm = HbmPS(self._capacity, c.row_width, c.row_init(), 1, self.n_nodes, self.hbm.device)
         self._seen = dict.fromkeys(self._seen, 0)
         self._pending_dense = None
-        return self.load_state(path)
+        step = self._load_own_state(path)
+        _get(refs)
+        return step
 
     def load_state(self, path: str) -> int:
-        """Continue from :meth:`save_state`'s file; returns the step restored."""
+        """Continue from :meth:`save_state`'s file (every device process of the node: their
+        dense replicas are equal); returns the step restored."""
+        refs = [w.load_state.remote(path) for w in self.workers]
+        step = self._load_own_state(path)
+        _get(refs)
+        return step
+
+    def _load_own_state(self, path: str) -> int:
         state = torch.load(path, map_location=self.device.torch, weights_only=False)
         for model, saved in zip(self.dense.models, state["models"], strict=True):
             model.load_state_dict(saved)
@@ -390,8 +669,11 @@ class Trainer:
         return self.step
 
     def replicas_equal(self) -> bool:
-        ref = self.dense.models[0].state_dict()
-        return all(torch.equal(ref[k], m.state_dict()[k]) for m in self.dense.models[1:] for k in ref)
+        """Whether the dense replicas of every device process of this node are equal."""
+        ref = self.dense_state()
+        return all(
+            torch.equal(ref[k], other[k]) for other in _get([w.dense_state.remote() for w in self.workers]) for k in ref
+        )
 
     def stats(self) -> dict:
         sent = self.exchanged_bytes
@@ -402,4 +684,58 @@ class Trainer:
             "losses": dict(self.losses),
             "exchanged_bytes_per_step": float(np.mean(sent)) if sent else 0.0,
             "max_staleness": self.max_staleness,
+            "max_staleness_across_batches": self._carry.max_across if self._carry is not None else 0,
+            "max_return_staleness": self._carry.max_return if self._carry is not None else 0,
         }
+
+
+def _get(refs: list) -> list:
+    import ray
+
+    return ray.get(refs) if refs else []
+
+
+def _start_device_workers(args: tuple, placement: Any, name: str | None) -> list:
+    """The node's trainer processes for devices ``1 .. D-1`` (``args``: the trainer's own
+    arguments), on this node: in bundle ``d`` of ``placement`` (a placement group of one GPU
+    per bundle, on CUDA) or pinned to this node (on CPU). They are this actor's: they die with
+    it, and a recovery that restarts it starts them again."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    workers = []
+    for d in range(1, args[6]):
+        opts = device_options(d, placement, here)
+        if name:
+            opts["name"] = f"{name[:-1]}, device {d}]" if name.endswith("]") else f"{name}[device {d}]"
+        workers.append(ray.remote(Trainer).options(**opts).remote(*args, device_index=d))
+    return workers
+
+
+def device_options(d: int, placement: Any, node_id: str) -> dict[str, Any]:
+    """Ray options of device ``d``'s trainer process: one GPU in bundle ``d`` of the node's
+    placement group, or (on CPU, ``placement`` None) pinned to the node ``node_id``."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
+    if placement is not None:
+        opts["num_gpus"] = 1
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=d)
+    else:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return opts
+
+
+def _a_worker_died(parts: list, timeout: float = 10.0) -> bool:
+    """Whether one of the device processes behind ``parts`` (their train_part calls) is dead."""
+    import ray
+
+    ready, _ = ray.wait(parts, num_returns=len(parts), timeout=timeout) if parts else ([], [])
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            return True
+        except Exception:  # noqa: BLE001,S112 - a failure of its own, not a death
+            continue
+    return False

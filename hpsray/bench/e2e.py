@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense", type=int, default=13)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--hidden", default="512,256,128")
-    parser.add_argument("--devices", type=int, default=1, help="virtual devices per trainer")
+    parser.add_argument("--devices", type=int, default=1, help="trainer processes per node (one per GPU on cuda)")
     parser.add_argument(
         "--device",
         default="cpu",

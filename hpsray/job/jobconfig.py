@@ -106,6 +106,13 @@ class JobConfig:
                 "pipeline.minibatch_size",
                 f"must not exceed pipeline.batch_size ({job.pipeline.batch_size}), got {job.pipeline.minibatch_size}",
             )
+        if job.pipeline.n_devices > 1 and job.cluster.consistency != "bsp":
+            raise ConfigError(
+                where,
+                "cluster.consistency",
+                f"{job.cluster.consistency!r} needs pipeline.n_devices = 1 (the device mesh of "
+                f"n_devices = {job.pipeline.n_devices} synchronises BSP only)",
+            )
         try:
             job.train_config()
         except (ValueError, TypeError) as e:

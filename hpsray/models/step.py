@@ -132,11 +132,15 @@ class DenseReplicas:
                 keys, grads = layout.unique_keys, dev.from_tensor(leaf.grad)
             keys_out.append(keys)
             grads_out.append(grads)
-        self._allreduce_and_step(reduce)
+        empty = None
         if not keys_out:  # this node's part of the global mini-batch is empty
+            # weights_of is asked before reduce, as on a step with examples: both may be
+            # collectives (a device mesh) that every process must call in one order
             no_keys = xp.empty(0, dtype=xp.uint64)
-            dim = weights_of(no_keys).shape[1]
-            return loss_sum, no_keys, xp.zeros((0, dim), dtype=xp.float32)
+            empty = no_keys, xp.zeros((0, weights_of(no_keys).shape[1]), dtype=xp.float32)
+        self._allreduce_and_step(reduce)
+        if empty is not None:
+            return loss_sum, *empty
         if len(keys_out) == 1:
             return loss_sum, keys_out[0], grads_out[0]
         return loss_sum, xp.concatenate(keys_out), xp.concatenate(grads_out)

@@ -25,7 +25,7 @@ from hpsray.cluster.runtime import connect, training_nodes
 from hpsray.data.batch import Batch
 from hpsray.errors import CheckpointError, TrainingStopped
 from hpsray.models.metrics import auc, logloss
-from hpsray.pipelines.placement import NodeActors, join_group, open_reader, place_node
+from hpsray.pipelines.placement import NodeActors, join_group, needs_group, open_reader, place_node, release_placements
 from hpsray.pipelines.progress import known_examples, progress_bar
 from hpsray.pipelines.recovery import (
     CheckpointCosts,
@@ -107,6 +107,11 @@ class Pipeline:
             raise ValueError(f"nodes must be >= 1 (or None for every alive node), got {nodes}")
         self.n_nodes = nodes
         self.sync = sync or SyncStage()
+        if self.trainer_stage.n_devices > 1 and self.sync.consistency != "bsp":
+            raise ValueError(
+                f"n_devices = {self.trainer_stage.n_devices} runs the device mesh, which synchronises BSP; "
+                f"consistency = {self.sync.consistency!r} needs n_devices = 1 (one trainer process per node)"
+            )
         self._aggregators = None
         self.config = self.trainer_stage.config
         self._nodes: list[NodeActors] = []
@@ -165,8 +170,8 @@ class Pipeline:
             snapshot = snapshot_of(restore, i) if restore is not None else None
             counts = admission_of(restore, i) if restore is not None else None
             self._nodes.append(place_node(self, i, node, n_nodes, f"{ssd_path}/node-{i}", snapshot, counts))
-        if n_nodes > 1:
-            self._aggregators = join_group(self.name, self._nodes, self.sync)
+        if needs_group(n_nodes, self.trainer_stage.n_devices):
+            self._aggregators = join_group(self.name, self._nodes, self.sync, n_devices=self.trainer_stage.n_devices)
         if restore is not None:
             load_trainers(restore, self._nodes)
             self._next_batch, self._pass_first = restore.batch, int(restore.meta["pass_first"])
@@ -208,6 +213,7 @@ class Pipeline:
                     self._after_batch,
                     self.mem_stage.admit_after > 1,
                     **self.queues,
+                    sync=self.sync,
                 )
                 try:
                     for node in nodes:  # a resumed pass skips the batches already trained
@@ -378,6 +384,7 @@ class Pipeline:
         for a in self._aggregators or []:
             ray.kill(a)
         self._nodes, self._aggregators = [], None
+        release_placements(f"{self.name}:")
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

@@ -78,15 +78,17 @@ def start_mem(pipeline, index: int, node_id: str, ssd, admission_from: str | Non
 
 
 def start_trainer(pipeline, index: int, node: dict, n_nodes: int):
-    """Node ``index``'s trainer actor on Ray node ``node`` (one GPU of it on CUDA)."""
+    """Node ``index``'s trainer actor on Ray node ``node`` (one GPU of it on CUDA), device 0 of
+    the node's ``n_devices``; it starts the node's other device processes itself."""
     t, source = pipeline.trainer_stage, pipeline.source
     capacity = t.hbm_capacity or 2 * pipeline.batch_size * max(source.n_slots, 1)
-    threads = t.threads or max(1, int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1))
+    cpus = int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1)
+    threads = t.threads or max(1, cpus // t.n_devices)
+    name = f"{pipeline.name}:Trainer[node {index}]"
+    opts, group = trainer_placement(_options(node["NodeID"]), t.device, node, t.n_devices, name)
     return (
         ray.remote(Trainer)
-        .options(
-            name=f"{pipeline.name}:Trainer[node {index}]", **trainer_resources(_options(node["NodeID"]), t.device, node)
-        )
+        .options(name=name, **opts)
         .remote(
             index,
             n_nodes,
@@ -98,6 +100,8 @@ def start_trainer(pipeline, index: int, node: dict, n_nodes: int):
             t.device,
             t.model,
             threads,
+            placement=group,
+            name=name,
         )
     )
 
@@ -136,11 +140,11 @@ def open_reader(pipeline, node: NodeActors, source, index: int, count: int, n_no
     return node.reader
 
 
-def join_group(name: str, nodes: list[NodeActors], sync, generation: int = 0) -> list:
+def join_group(name: str, nodes: list[NodeActors], sync, generation: int = 0, n_devices: int = 1) -> list:
     """Form the trainers' collective group (and the chunk aggregators, or the clock board of
-    ``propagation = "relay"``, that ``sync`` asks for); returns those helper actors, for
-    shutdown. A recovery that restarts the trainers forms a new group: ``generation`` counts
-    them."""
+    ``propagation = "relay"``, that ``sync`` asks for), or with ``n_devices > 1`` the device
+    mesh of every node's device processes; returns the helper actors, for shutdown. A recovery
+    that restarts the trainers forms a new group: ``generation`` counts them."""
     helpers: list = []
     aggregators = None
     if sync.dense == "chunked":
@@ -164,21 +168,61 @@ def join_group(name: str, nodes: list[NodeActors], sync, generation: int = 0) ->
         )
         helpers.append(board)
     group = f"{name}:trainers" + (f"#{generation}" if generation else "")
-    ray.get([n.trainer.join.remote(len(nodes), group, sync, aggregators, board) for n in nodes])
+    mesh = ray.get(nodes[0].trainer.mesh_address.remote()) if n_devices > 1 else None
+    ray.get([n.trainer.join.remote(len(nodes), group, sync, aggregators, board, mesh) for n in nodes])
     return helpers
 
 
-def trainer_resources(opts: dict, device: str, node: dict) -> dict:
-    """The trainer actor's options: on CUDA it asks Ray for one GPU of its node, so Ray sets
-    ``CUDA_VISIBLE_DEVICES`` and two trainers on one host never share a GPU."""
+def needs_group(n_nodes: int, n_devices: int) -> bool:
+    """Whether the trainers form a group: several nodes, or several devices per node."""
+    return n_nodes > 1 or n_devices > 1
+
+
+_GROUPS: dict[str, Any] = {}  # trainer name -> its node's placement group (CUDA, several devices)
+
+
+def trainer_placement(opts: dict, device: str, node: dict, n_devices: int = 1, name: str = "") -> tuple[dict, Any]:
+    """The trainer actor's options, and the placement group its device processes use.
+
+    On CUDA every device process asks Ray for one GPU of the node, so Ray sets
+    ``CUDA_VISIBLE_DEVICES`` and two trainers on one host never share a GPU; with
+    ``n_devices > 1`` a placement group of ``n_devices`` one-GPU bundles on the node holds
+    them (device ``d`` in bundle ``d``; a trainer started again under ``name`` releases the
+    previous one's group). On CPU: ``opts`` unchanged, no group.
+    """
     if device != "cuda":
-        return opts
+        return opts, None
     gpus = node.get("Resources", {}).get("GPU", 0)
-    if gpus < 1:
+    if gpus < n_devices:
+        have = f"{gpus:g} GPU" if gpus else "no GPU"
         raise ConfigError(
             f"Ray node {node.get('NodeManagerAddress', node['NodeID'])}",
-            "pipeline.device",
-            f"'cuda' but the node offers no GPU (its resources: {', '.join(sorted(node.get('Resources', {})))}); "
-            "start it with GPUs visible (ray start --num-gpus=N) or train with device = 'cpu'",
+            "pipeline.device" if n_devices == 1 else "pipeline.n_devices",
+            f"'cuda' with {n_devices} device(s) per node but the node offers {have} "
+            f"(its resources: {', '.join(sorted(node.get('Resources', {})))}); "
+            "start it with GPUs visible (ray start --num-gpus=N), lower n_devices, or train with device = 'cpu'",
         )
-    return {**opts, "num_gpus": 1}
+    if n_devices == 1:
+        return {**opts, "num_gpus": 1}, None
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if name in _GROUPS:
+        remove_placement_group(_GROUPS.pop(name))
+    here = {f"node:{node['NodeManagerAddress']}": 0.001} if node.get("NodeManagerAddress") else {}
+    group = placement_group([{"GPU": 1, **here}] * n_devices, strategy="STRICT_PACK")
+    ray.get(group.ready(), timeout=120)
+    _GROUPS[name] = group
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    return {**opts, "num_gpus": 1, "scheduling_strategy": strategy}, group
+
+
+def release_placements(prefix: str) -> None:
+    """Remove the placement groups of the trainers whose names start with ``prefix``."""
+    from ray.util.placement_group import remove_placement_group
+
+    for name in [n for n in _GROUPS if n.startswith(prefix)]:
+        try:
+            remove_placement_group(_GROUPS.pop(name))
+        except Exception:  # noqa: BLE001,S112 - Ray is gone with it
+            continue

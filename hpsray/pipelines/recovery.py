@@ -27,7 +27,7 @@ from ray.exceptions import (
 from hpsray.checkpoint import Checkpoint, Checkpoints, node_dir
 from hpsray.cluster.runtime import training_nodes
 from hpsray.errors import HpsrayError, caused_by
-from hpsray.pipelines.placement import NodeActors, join_group, start_mem, start_ssd, start_trainer
+from hpsray.pipelines.placement import NodeActors, join_group, needs_group, start_mem, start_ssd, start_trainer
 
 ACTOR_LOST = (
     ActorDiedError,
@@ -195,9 +195,10 @@ def restart_from(pipeline, checkpoint: Checkpoint, dead: list[str], timeout: flo
             started.add(node.index)
     if started:
         load_trainers(checkpoint, [nd for nd in nodes if nd.index in started])
-    if n > 1 and (trainers_together or started):
+    devices = pipeline.trainer_stage.n_devices
+    if needs_group(n, devices) and (trainers_together or started):
         pipeline._generation += 1
-        pipeline._aggregators = join_group(pipeline.name, nodes, sync, pipeline._generation)
+        pipeline._aggregators = join_group(pipeline.name, nodes, sync, pipeline._generation, devices)
     return {
         "restarted": sorted(f"{kind}[node {i}]" for kind, i in restart),
         "reset": sorted(

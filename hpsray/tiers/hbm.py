@@ -40,7 +40,8 @@ from hpsray.tiers.partition import device_of, group_by
 
 
 class HbmPS:
-    """``D`` hash tables of one node's trainer (on CPU, ``D`` "virtual devices").
+    """``D`` hash tables, a key on table ``(h(key) // N) % D``. A trainer process holds one (its
+    device's share: docs/architecture.md, Devices); the planner's calibration keeps ``D`` in one.
 
     Args:
         capacity: rows the node's working set may hold in all (two consecutive batches).

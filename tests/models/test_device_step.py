@@ -244,3 +244,29 @@ def test_hpsray_train_with_device_cuda(tmp_path):
         check=False,
     )
     assert compare.returncode == 0, compare.stdout[-2000:] + compare.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_two_device_processes_on_two_gpus_are_lossless(ray_local):
+    """``n_devices = 2`` on CUDA: two trainer processes, one GPU each, in a NCCL device mesh
+    (all-to-all of rows and gradients between the GPUs); the result is the reference's."""
+    from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
+    source = SyntheticSource(GEN, rows=4000)
+    with Pipeline(
+        source, TrainerStage(cfg, n_devices=2, device="cuda"), MemPSStage(capacity_rows=20000), batch_size=BATCH
+    ) as p:
+        p.fit(progress=False)
+        keys, rows = p.export_rows()
+        dense = p.dense_state()
+    ref = ReferenceTrainer(GEN.n_slots, GEN.n_dense, cfg)
+    ref.fit(source.open(BATCH))
+    ref_keys, ref_rows, ref_dense = ref.export()
+    np.testing.assert_array_equal(keys, ref_keys)
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-4, atol=5e-5)
+    for name, value in ref_dense.items():
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-4, atol=5e-5, err_msg=name)

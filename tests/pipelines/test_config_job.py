@@ -78,6 +78,11 @@ def test_the_message_names_file_key_and_reason():
         (with_("cluster", propagation="gossip"), "cluster.propagation", "must be one of"),
         (with_("cluster", work_per_clock=0), "cluster.work_per_clock", "must be a positive integer, got 0"),
         (with_("cluster", dense_staleness=-1), "cluster.dense_staleness", "non-negative integer, got -1"),
+        (
+            {**with_("pipeline", n_devices=2), "cluster": {"consistency": "ssp"}},
+            "cluster.consistency",
+            "'ssp' needs pipeline.n_devices = 1",
+        ),
         ({"data": {"synthetic": {"rows": 10, "eval_rows": -1}}}, "data.synthetic.eval_rows", "non-negative integer"),
         # contradictions
         (with_("tiers", mem_rows=10, mem_bytes=1000), "tiers.mem_bytes", "either tiers.mem_rows or tiers.mem_bytes"),

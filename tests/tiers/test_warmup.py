@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent(
         from hpsray.actors.trainer import Trainer
         from hpsray.kernels.init import initial_rows
 
-        trainer = Trainer(0, 1, cfg, gen.n_slots, gen.n_dense, 2000, n_devices=2)  # warms its step
+        trainer = Trainer(0, 1, cfg, gen.n_slots, gen.n_dense, 2000)  # warms its step
         before = compiled()
         for batch in batches:
             keys = np.unique(batch.keys)

@@ -1,0 +1,194 @@
+"""The device mesh: every device process of every node, with ``D`` processes per node.
+
+Paper §4.2 / App. C.3 with one trainer process per device (docs/architecture.md: Devices). Over
+``torch.distributed`` (``gloo`` on CPU, ``nccl`` on GPU, on device tensors) with three kinds of
+group, all formed at once by every process:
+
+* **world** (``N × D`` ranks, rank ``node * D + device``): the dense gradient's all-reduce and
+  the batch's "inputs ok" flag;
+* **node** (the ``D`` processes of one node): the paper's inter-GPU step as all-to-all — each
+  device asks the others for the rows of its slice of the mini-batch (:meth:`DeviceMesh.lookup`)
+  and sends them back their gradients (:meth:`DeviceMesh.route`);
+* **peers** (the processes of one device index on every node; only with ``N > 1``): the node
+  updates of that device's keys all-gathered, so every node's copy of a row makes the same
+  update (:meth:`DeviceMesh.allgather_sparse`).
+
+A key lives on device ``(h(key) // N) % D`` of every node that holds it
+(:func:`hpsray.tiers.partition.device_of`), so device ``d`` of each node holds the same keys'
+copies and its peers group carries exactly their updates. Received parts are concatenated in
+rank order, so every copy applies the same arrays in the same order (bit-equal copies).
+
+Ray's ``ray.util.collective`` makes one default process group per process and cannot form the
+node and peer subgroups, so the mesh uses ``torch.distributed`` itself; a process is in at most
+one mesh (the trainer uses either this or :class:`~hpsray.cluster.collective.CollectiveGroup`).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpsray.cluster.netaddr import bind_collectives, node_address
+from hpsray.kernels.arrays import to_host
+from hpsray.tiers.partition import device_of, group_by
+
+__all__ = ["DeviceMesh", "rendezvous_address"]
+
+
+def rendezvous_address() -> str:
+    """``tcp://ip:port`` for rank 0's store: this node's address and a port free on it now."""
+    ip = node_address()
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"tcp://{host}:{port}"
+
+
+class DeviceMesh:
+    """This process's place (``node``, ``device``) in a mesh of ``n_nodes × n_devices``.
+
+    ``bytes_sent`` counts the payload bytes this rank contributed to every exchange (as
+    :class:`~hpsray.cluster.collective.CollectiveGroup` does), ``exchanges`` its sparse exchanges.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        n_nodes: int,
+        n_devices: int,
+        node: int,
+        device: int,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> None:
+        import torch.distributed as dist
+
+        if not (0 <= node < n_nodes and 0 <= device < n_devices):
+            raise ValueError(f"(node {node}, device {device}) outside a mesh of {n_nodes} x {n_devices}")
+        self.dist, self.backend = dist, backend
+        self.n_nodes, self.n_devices, self.node, self.index = n_nodes, n_devices, node, device
+        self.world, self.rank = n_nodes * n_devices, node * n_devices + device
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.binding = bind_collectives(backend)
+        dist.init_process_group(
+            backend, init_method=address, world_size=self.world, rank=self.rank, timeout=timedelta(seconds=timeout_s)
+        )
+        # every process forms every subgroup, in the same order (torch.distributed's rule)
+        nodes = [dist.new_group([i * n_devices + d for d in range(n_devices)]) for i in range(n_nodes)]
+        peers = [dist.new_group([i * n_devices + d for i in range(n_nodes)]) for d in range(n_devices)]
+        self.node_group, self.peer_group = nodes[node], peers[device]
+        self.bytes_sent = 0
+        self.exchanges = 0
+
+    # -- whole mesh ----------------------------------------------------------------------
+
+    def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``flat`` over every rank (a new tensor; ``flat`` is untouched)."""
+        out = flat.detach().to(self.device, copy=True).contiguous()
+        self.dist.all_reduce(out)
+        self.bytes_sent += out.numel() * out.element_size()
+        return out.to(flat.device)
+
+    def node_sum(self, flat: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``flat`` over this node's devices (a new tensor)."""
+        out = flat.detach().to(self.device, copy=True).contiguous()
+        self.dist.all_reduce(out, group=self.node_group)
+        self.bytes_sent += out.numel() * out.element_size()
+        return out.to(flat.device)
+
+    def node_broadcast(self, flat: torch.Tensor) -> torch.Tensor:
+        """Device 0's ``flat``, on every device of the node (the others' values are ignored)."""
+        out = flat.detach().to(self.device, copy=True).contiguous()
+        self.dist.broadcast(out, src=self.node * self.n_devices, group=self.node_group)
+        return out.to(flat.device)
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def destroy(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+    # -- within the node: all-to-all -----------------------------------------------------
+
+    def _alltoall(self, send: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``send[sum(counts[:d]) : ...]`` go to device ``d``; returns what every device
+        sent here, in device order, and how many rows each sent (rows of ``width`` items)."""
+        dist, group = self.dist, self.node_group
+        mine = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        theirs = torch.empty_like(mine)
+        dist.all_to_all_single(theirs, mine, group=group)
+        got = [int(c) for c in theirs.tolist()]
+        out = torch.empty((sum(got), width), dtype=send.dtype, device=self.device)
+        dist.all_to_all_single(
+            out.view(-1) if width else out,
+            send.reshape(-1).to(self.device),
+            output_split_sizes=[c * width for c in got],
+            input_split_sizes=[c * width for c in counts],
+            group=group,
+        )
+        self.bytes_sent += (send.numel() - counts[self.index] * width) * send.element_size()
+        return out, got
+
+    def _by_device(self, keys: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        order, offsets = group_by(device_of(keys, self.n_nodes, self.n_devices), self.n_devices)
+        return order, np.diff(offsets).tolist()
+
+    def lookup(self, keys: Any, serve: Callable[[np.ndarray], Any]) -> np.ndarray:
+        """Rows of ``keys`` (this device's distinct keys of its slice), each from the device that
+        holds it: the keys go to their devices, each device answers the keys it received with
+        ``serve(keys) -> float32[n, width]`` (its own table), the rows come back. Every device
+        of the node calls this once per mini-batch step (with no keys when its slice is empty)."""
+        keys = np.ascontiguousarray(to_host(keys), dtype=np.uint64)
+        order, counts = self._by_device(keys)
+        asked, got = self._alltoall(torch.from_numpy(keys[order].view(np.int64)), counts, 1)
+        asked_keys = asked.cpu().numpy().reshape(-1).view(np.uint64)
+        rows = np.ascontiguousarray(to_host(serve(asked_keys)), dtype=np.float32)
+        width = rows.shape[1] if rows.ndim == 2 else 0
+        back, _ = self._alltoall(torch.from_numpy(rows), got, width)
+        out = np.empty((keys.size, width), dtype=np.float32)
+        out[order] = back.cpu().numpy()
+        return out
+
+    def route(self, keys: Any, grads: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Send each gradient row to the device that holds its key; returns this device's
+        ``(keys, grads)`` from every device of the node, in device order (duplicates kept: the
+        table sums them into one optimizer step per row)."""
+        keys = np.ascontiguousarray(to_host(keys), dtype=np.uint64)
+        grads = np.ascontiguousarray(to_host(grads), dtype=np.float32)
+        order, counts = self._by_device(keys)
+        got_keys, got = self._alltoall(torch.from_numpy(keys[order].view(np.int64)), counts, 1)
+        got_grads, _ = self._alltoall(torch.from_numpy(grads[order]), counts, grads.shape[1])
+        return got_keys.cpu().numpy().reshape(-1).view(np.uint64), got_grads.cpu().numpy()
+
+    # -- across nodes: the peers of one device index -------------------------------------
+
+    def allgather_sparse(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every node's ``(keys, grads)`` for this device index, concatenated in node order."""
+        self.exchanges += 1
+        if self.n_nodes == 1:
+            return keys, grads
+        dist, group = self.dist, self.peer_group
+        dim = grads.shape[1]
+        n = torch.tensor([keys.size], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty_like(n) for _ in range(self.n_nodes)]
+        dist.all_gather(sizes, n, group=group)
+        lengths = [int(s.item()) for s in sizes]
+        longest = max(lengths)
+        if longest == 0:
+            return keys, grads
+        payload = torch.zeros((longest, 2 + dim), dtype=torch.float32, device=self.device)
+        if keys.size:  # a key's 64 bits as two float32 words, then its gradient row
+            payload[: keys.size, :2] = torch.from_numpy(keys.view(np.float32).reshape(-1, 2)).to(self.device)
+            payload[: keys.size, 2:] = torch.from_numpy(grads).to(self.device)
+        parts = [torch.empty_like(payload) for _ in range(self.n_nodes)]
+        dist.all_gather(parts, payload, group=group)
+        self.bytes_sent += 8 + payload.numel() * 4
+        out = torch.cat([p[:m] for p, m in zip(parts, lengths, strict=True)]).cpu().numpy()
+        return np.ascontiguousarray(out[:, :2]).view(np.uint64).reshape(-1), np.ascontiguousarray(out[:, 2:])
