@@ -109,10 +109,10 @@ def test_bad_requests_answer_400_with_the_reason(served, planted):
 
 
 def _swap_under_a_request_stream(served, app: str, examples, old, new, publish) -> list[str]:
-    """Three clients send ``examples`` to ``app`` continuously; once each has been answered (and at
-    least 1.5 s have passed) ``publish()`` lands a newer model. Every request must be answered 200, each by the old or the new model (never a
-    mix), and the new one must take over (at most the requests in flight finish on the old one).
-    Returns which model answered each request."""
+    """Three clients send ``examples`` to ``app`` continuously; once they are being answered (and
+    at least 1.5 s have passed) ``publish()`` lands a newer model. Every request must be answered
+    200, each by the old or the new model (never a mix), and the new one must take over (at most
+    the requests in flight finish on the old one). Returns which model answered each request."""
     results: list[tuple[int, list | str]] = []
     stop = threading.Event()
 
