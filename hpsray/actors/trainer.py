@@ -163,7 +163,7 @@ class Trainer:
                 boxes = consistency.find_mailboxes(group, world)
             self.exchange = consistency.make_exchange(propagation, self.node, world, board, boxes)
             self._seen = {r: 0 for r in range(world) if r != self.node}
-            self._seen_dense = dict(self._seen)
+            self._restart_clocks()
         if sync.dense == "chunked":
             from hpsray.cluster.aggregation import ChunkedAggregator
 
@@ -570,7 +570,7 @@ class Trainer:
         slack 0 that is every trainer's gradient of ``clock`` in rank order: the same sum, so
         the same dense weights, on every node."""
         self.exchange.publish("dense", clock, (None, None, mine))
-        got = self.exchange.fetch("dense", clock - slack, clock, self._seen_dense)
+        got = self.exchange.fetch("dense", self._since_start(clock - slack), clock, self._seen_dense)
         for rank, c, _ in got:
             self._seen_dense[rank] = max(self._seen_dense[rank], c)
         parts = sorted([(self.node, clock, mine), *((r, c, p[2]) for r, c, p in got)], key=lambda u: (u[1], u[0]))
@@ -579,9 +579,21 @@ class Trainer:
             total = total + d
         return total
 
+    def _restart_clocks(self) -> None:
+        """Every trainer of a (re)formed group starts from the same step (a fresh run's 0, or the
+        checkpoint's after a restore): count the others as having published up to it, since
+        their versions before it will never come (the new mailboxes are empty)."""
+        self._clock_base = self.step
+        self._seen = dict.fromkeys(self._seen, self.step)
+        self._seen_dense = dict(self._seen)
+
+    def _since_start(self, oldest: int) -> int:
+        """``oldest`` to wait for, or 0 (wait for nothing) when it predates the group's start."""
+        return oldest if oldest > getattr(self, "_clock_base", 0) else 0
+
     def _fetch(self, oldest: int, upto: int | None = None) -> dict:
         """The others' updates not applied yet (waiting for clock ``oldest``), combined."""
-        got = self.exchange.fetch("all", oldest, upto, self._seen)
+        got = self.exchange.fetch("all", self._since_start(oldest), upto, self._seen)
         keys, grads, dense = [np.empty(0, np.uint64)], [np.empty((0, self.config.dim), np.float32)], None
         if self._pending_dense is not None:
             dense, self._pending_dense = self._pending_dense, None
@@ -666,6 +678,7 @@ class Trainer:
         self.step, self.examples = int(state["step"]), int(state["examples"])
         self.losses = dict(state["losses"])
         torch.set_rng_state(state["rng"])
+        self._restart_clocks()
         return self.step
 
     def replicas_equal(self) -> bool:

@@ -379,12 +379,29 @@ class PushExchange(Exchange):
                 box.put.remote(channel, self.rank, clock, [ref])
 
     def fetch(self, channel: str, oldest: int, upto: int | None, seen: dict) -> list:
-        import ray
 
         t0 = time.perf_counter()
-        got = ray.get(self.mailboxes[self.rank].take.remote(channel, oldest, upto))
+        got = self._watching(self.mailboxes[self.rank].take.remote(channel, oldest, upto), oldest)
         self.wait_s += time.perf_counter() - t0
         return self._resolve(got)
+
+    def _watching(self, ref, clock: int, every_s: float = 2.0):
+        """``ray.get(ref)``, checking every ``every_s`` while it waits that the other trainers'
+        mailboxes are alive: a mailbox dies with its trainer, and a dead trainer's versions never
+        come (:class:`PeerFailedError`, so the driver restarts the group instead of waiting)."""
+        import ray
+
+        while not ray.wait([ref], timeout=every_s)[0]:
+            others = [box for q, box in enumerate(self.mailboxes) if q != self.rank]
+            probes = [box.__ray_ready__.remote() for box in others]
+            for probe in probes:
+                try:
+                    ray.get(probe, timeout=every_s)
+                except ray.exceptions.GetTimeoutError:
+                    continue  # busy, not dead
+                except ray.exceptions.RayActorError:
+                    raise PeerFailedError(f"(clock {clock}: another trainer's mailbox is gone)") from None
+        return ray.get(ref)
 
     def fail(self, batch_id) -> None:
         import ray

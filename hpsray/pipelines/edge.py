@@ -72,7 +72,7 @@ class BoundedEdge:
             if oldest.consumers is None:
                 raise RuntimeError(f"edge {self.name!r} is full and its oldest batch has no consumer yet")
             stalled = True
-            ray.wait(oldest.consumers, num_returns=len(oldest.consumers))
+            wait_all(oldest.consumers)
             self._reap()
         self.stalls += stalled
 
@@ -99,6 +99,18 @@ class BoundedEdge:
         """Wait until every batch given a consumer is done (raises their errors) and return the
         consumers' values; batches still waiting for a consumer stay."""
         held = [b for b in self._batches if b.consumers is not None]
-        values = ray.get([ref for b in held for ref in b.consumers])  # type: ignore[union-attr]
+        refs = [ref for b in held for ref in b.consumers]  # type: ignore[union-attr]
+        wait_all(refs)
+        values = ray.get(refs)
         self._batches = deque(b for b in self._batches if b.consumers is None)
         return values
+
+
+def wait_all(refs: list) -> None:
+    """Wait until every ref is done, raising the first failure as soon as it is known: a dead
+    consumer's error must not wait behind another consumer that may wait for it forever (a
+    trainer under SSP waiting for a dead peer's updates)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)

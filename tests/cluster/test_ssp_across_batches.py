@@ -18,6 +18,8 @@ from hpsray.tiers.lending import Lender, Returned
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.warmup import _DictStore
 
+from hooks import straggler  # tests/cluster/hooks.py (pytest puts this directory on sys.path)
+
 GEN = PlantedCTR(n_slots=4, keys_per_slot=200, n_dense=2, seed=7)
 CFG = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=128, seed=7, sparse_lr=0.1)
 W = 8
@@ -66,7 +68,8 @@ def fit(sync: SyncStage):
 @pytest.mark.slow
 def test_ssp_straggler_crosses_batch_ends_within_its_bound(two_nodes_cluster):
     bsp, bsp_auc = fit(SyncStage("bsp"))
-    ssp, ssp_auc = fit(SyncStage("ssp", staleness=2, straggler_delay_s=0.01))
+    # node 1 is 50 ms slower at every mini-batch: node 0 keeps at the bound, batch ends included
+    ssp, ssp_auc = fit(SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.05)))
     sync = ssp["sync"]
     assert ssp["examples"] == bsp["examples"] == 9000
     assert bsp["sync"]["max_staleness_across_batches"] == 0
@@ -76,3 +79,40 @@ def test_ssp_straggler_crosses_batch_ends_within_its_bound(two_nodes_cluster):
     assert sync["max_staleness_observed"] <= 2  # the bound, inside and across batches
     assert sync["max_owner_staleness"] <= 2  # owners never keep a copy staler than the bound
     assert abs(ssp_auc - bsp_auc) <= 0.01, (ssp_auc, bsp_auc)
+
+
+@pytest.mark.slow
+def test_ssp_across_batches_recovers_from_a_killed_trainer(two_nodes_cluster, tmp_path):
+    """A trainer killed mid-pass under SSP (no batch-end barrier, updates carried across batch
+    ends): the pipeline restarts from the newest checkpoint, the pass completes within the
+    bound, and the model learns as well as an uninterrupted SSP run."""
+    from hpsray.pipelines import CheckpointStage
+
+    from recovery_drivers import Killer  # tests/recovery_drivers.py
+
+    source, held_out = SyntheticSource(GEN, rows=9000), SyntheticSource(GEN, rows=5000, start_row=500_000)
+    sync = SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.02))
+    _, clean_auc = fit(sync)
+    ckpt = tmp_path / "ckpt"
+    pipeline = Pipeline(
+        source,
+        TrainerStage(CFG),
+        MemPSStage(capacity_rows=2000),
+        batch_size=1500,
+        nodes=2,
+        sync=sync,
+        checkpoint=CheckpointStage(str(ckpt), every_batches=1, keep=2, max_failures=2),
+    )
+    with pipeline:
+        pipeline._start()
+        killer = Killer(pipeline, ckpt, [("Trainer", 1, 1)], seed=5)
+        killer.start()
+        try:
+            report = pipeline.fit(progress=False)
+        finally:
+            killer.stop.set()
+            killer.join()
+        auc = pipeline.evaluate(held_out)["auc"]
+    assert [k for k, _, _ in killer.killed] == ["Trainer"] and len(report["recovery"]) == 1
+    assert report["examples"] == 9000 and report["sync"]["max_staleness_observed"] <= 2
+    assert abs(auc - clean_auc) <= 0.02, (auc, clean_auc)
