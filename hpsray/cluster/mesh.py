@@ -30,11 +30,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 
 from hpsray.cluster.netaddr import bind_collectives, node_address
-from hpsray.kernels.arrays import to_host
+from hpsray.kernels.arrays import array_module, is_device_array, to_host
 from hpsray.tiers.partition import device_of, group_by
 
 __all__ = ["DeviceMesh", "rendezvous_address"]
@@ -118,8 +117,9 @@ class DeviceMesh:
     # -- within the node: all-to-all -----------------------------------------------------
 
     def _alltoall(self, send: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, list[int]]:
-        """Rows ``send[sum(counts[:d]) : ...]`` go to device ``d``; returns what every device
-        sent here, in device order, and how many rows each sent (rows of ``width`` items)."""
+        """Rows ``send[sum(counts[:d]) : ...]`` (``width`` items each) go to device ``d``;
+        returns what every device sent here, in device order, and how many rows each sent.
+        Only the counts (``D`` integers) are read on the host."""
         dist, group = self.dist, self.node_group
         mine = torch.tensor(counts, dtype=torch.int64, device=self.device)
         theirs = torch.empty_like(mine)
@@ -127,53 +127,59 @@ class DeviceMesh:
         got = [int(c) for c in theirs.tolist()]
         out = torch.empty((sum(got), width), dtype=send.dtype, device=self.device)
         dist.all_to_all_single(
-            out.view(-1) if width else out,
+            out.view(-1),
             send.reshape(-1).to(self.device),
             output_split_sizes=[c * width for c in got],
             input_split_sizes=[c * width for c in counts],
             group=group,
         )
-        self.bytes_sent += (send.numel() - counts[self.index] * width) * send.element_size()
+        self.bytes_sent += (sum(counts) - counts[self.index]) * width * send.element_size()
         return out, got
 
-    def _by_device(self, keys: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    def _by_device(self, keys: Any) -> tuple[Any, list[int]]:
+        """``(order, rows per device)``: ``keys[order]`` grouped by the device that holds them."""
         order, offsets = group_by(device_of(keys, self.n_nodes, self.n_devices), self.n_devices)
-        return order, np.diff(offsets).tolist()
+        return order, [int(c) for c in to_host(offsets[1:] - offsets[:-1])]
 
-    def lookup(self, keys: Any, serve: Callable[[np.ndarray], Any]) -> np.ndarray:
-        """Rows of ``keys`` (this device's distinct keys of its slice), each from the device that
-        holds it: the keys go to their devices, each device answers the keys it received with
-        ``serve(keys) -> float32[n, width]`` (its own table), the rows come back. Every device
-        of the node calls this once per mini-batch step (with no keys when its slice is empty)."""
-        keys = np.ascontiguousarray(to_host(keys), dtype=np.uint64)
+    def lookup(self, keys: Any, serve: Callable[[Any], Any]) -> Any:
+        """Rows of ``keys`` (this device's distinct keys of its slice; numpy, or CuPy on a GPU),
+        each from the device that holds it: the keys go to their devices, each device answers
+        the keys it received with ``serve(keys) -> float32[n, width]`` (its own table, in the
+        keys' array module), the rows come back. Every device of the node calls this once per
+        mini-batch step (with no keys when its slice is empty). On a GPU nothing but the
+        per-device counts leaves the device."""
+        xp = _xp(keys)
+        keys = xp.ascontiguousarray(keys, dtype=xp.uint64)
         order, counts = self._by_device(keys)
-        asked, got = self._alltoall(torch.from_numpy(keys[order].view(np.int64)), counts, 1)
-        asked_keys = asked.cpu().numpy().reshape(-1).view(np.uint64)
-        rows = np.ascontiguousarray(to_host(serve(asked_keys)), dtype=np.float32)
-        width = rows.shape[1] if rows.ndim == 2 else 0
-        back, _ = self._alltoall(torch.from_numpy(rows), got, width)
-        out = np.empty((keys.size, width), dtype=np.float32)
-        out[order] = back.cpu().numpy()
+        asked, got = self._alltoall(torch.as_tensor(keys[order].view(xp.int64)), counts, 1)
+        asked_keys = xp.asarray(asked).reshape(-1).view(xp.uint64)
+        rows = xp.ascontiguousarray(xp.asarray(serve(asked_keys)), dtype=xp.float32)
+        back, _ = self._alltoall(torch.as_tensor(rows), got, rows.shape[1])
+        out = xp.empty((keys.size, rows.shape[1]), dtype=xp.float32)
+        out[order] = xp.asarray(back)
         return out
 
-    def route(self, keys: Any, grads: Any) -> tuple[np.ndarray, np.ndarray]:
+    def route(self, keys: Any, grads: Any) -> tuple[Any, Any]:
         """Send each gradient row to the device that holds its key; returns this device's
         ``(keys, grads)`` from every device of the node, in device order (duplicates kept: the
-        table sums them into one optimizer step per row)."""
-        keys = np.ascontiguousarray(to_host(keys), dtype=np.uint64)
-        grads = np.ascontiguousarray(to_host(grads), dtype=np.float32)
+        table sums them into one optimizer step per row), in the keys' array module."""
+        xp = _xp(keys)
+        keys = xp.ascontiguousarray(keys, dtype=xp.uint64)
+        grads = xp.ascontiguousarray(grads, dtype=xp.float32)
         order, counts = self._by_device(keys)
-        got_keys, got = self._alltoall(torch.from_numpy(keys[order].view(np.int64)), counts, 1)
-        got_grads, _ = self._alltoall(torch.from_numpy(grads[order]), counts, grads.shape[1])
-        return got_keys.cpu().numpy().reshape(-1).view(np.uint64), got_grads.cpu().numpy()
+        got_keys, _ = self._alltoall(torch.as_tensor(keys[order].view(xp.int64)), counts, 1)
+        got_grads, _ = self._alltoall(torch.as_tensor(grads[order]), counts, grads.shape[1])
+        return xp.asarray(got_keys).reshape(-1).view(xp.uint64), xp.asarray(got_grads)
 
     # -- across nodes: the peers of one device index -------------------------------------
 
-    def allgather_sparse(self, keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Every node's ``(keys, grads)`` for this device index, concatenated in node order."""
+    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]:
+        """Every node's ``(keys, grads)`` for this device index, concatenated in node order, in
+        the keys' array module (gathered in device memory on a GPU)."""
         self.exchanges += 1
         if self.n_nodes == 1:
             return keys, grads
+        xp = _xp(keys)
         dist, group = self.dist, self.peer_group
         dim = grads.shape[1]
         n = torch.tensor([keys.size], dtype=torch.int64, device=self.device)
@@ -185,10 +191,16 @@ class DeviceMesh:
             return keys, grads
         payload = torch.zeros((longest, 2 + dim), dtype=torch.float32, device=self.device)
         if keys.size:  # a key's 64 bits as two float32 words, then its gradient row
-            payload[: keys.size, :2] = torch.from_numpy(keys.view(np.float32).reshape(-1, 2)).to(self.device)
-            payload[: keys.size, 2:] = torch.from_numpy(grads).to(self.device)
+            words = xp.ascontiguousarray(keys, dtype=xp.uint64).view(xp.float32).reshape(-1, 2)
+            payload[: keys.size, :2] = torch.as_tensor(words).to(self.device)
+            payload[: keys.size, 2:] = torch.as_tensor(xp.ascontiguousarray(grads, dtype=xp.float32)).to(self.device)
         parts = [torch.empty_like(payload) for _ in range(self.n_nodes)]
         dist.all_gather(parts, payload, group=group)
         self.bytes_sent += 8 + payload.numel() * 4
-        out = torch.cat([p[:m] for p, m in zip(parts, lengths, strict=True)]).cpu().numpy()
-        return np.ascontiguousarray(out[:, :2]).view(np.uint64).reshape(-1), np.ascontiguousarray(out[:, 2:])
+        out = xp.asarray(torch.cat([p[:m] for p, m in zip(parts, lengths, strict=True)]))
+        return xp.ascontiguousarray(out[:, :2]).view(xp.uint64).reshape(-1), xp.ascontiguousarray(out[:, 2:])
+
+
+def _xp(a: Any) -> Any:
+    """The array module of ``a``: CuPy for device arrays, numpy otherwise."""
+    return array_module("cuda" if is_device_array(a) else "cpu")

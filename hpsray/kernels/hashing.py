@@ -49,9 +49,11 @@ def uniform_at(key, element, seed):
 
 
 def mix64_array(x: np.ndarray) -> np.ndarray:
-    """Vectorised :func:`mix64` over a ``uint64`` array (numpy, wrapping arithmetic)."""
+    """Vectorised :func:`mix64` over a ``uint64`` array (numpy, or CuPy for device arrays,
+    computed on the device; wrapping arithmetic)."""
     with np.errstate(over="ignore"):  # wrapping multiplication is the point
-        z = np.asarray(x, dtype=np.uint64) + _GOLDEN
+        z = x.astype(np.uint64, copy=False) if hasattr(x, "__cuda_array_interface__") else np.asarray(x, np.uint64)
+        z = z + _GOLDEN
         z = (z ^ (z >> _S30)) * _M1
         z = (z ^ (z >> _S27)) * _M2
         return z ^ (z >> _S31)

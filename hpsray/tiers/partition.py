@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from hpsray.kernels.arrays import array_module, is_device_array
 from hpsray.kernels.hashing import mix64_array
 from hpsray.kernels.table import as_keys
 
@@ -34,10 +35,12 @@ def owner_of(keys: ArrayLike, n_nodes: int) -> np.ndarray:
 
 
 def device_of(keys: ArrayLike, n_nodes: int, n_devices: int) -> np.ndarray:
-    """Device (within its owner node) of each key, ``int64`` in ``[0, n_devices)``."""
+    """Device (within its owner node) of each key, ``int64`` in ``[0, n_devices)``; device
+    arrays (CuPy) in, device arrays out, computed on the device."""
     n = np.uint64(_check(n_nodes, "n_nodes"))
     d = np.uint64(_check(n_devices, "n_devices"))
-    return ((key_hash(keys) // n) % d).astype(np.int64)
+    h = mix64_array(keys) if is_device_array(keys) else key_hash(keys)  # type: ignore[arg-type]
+    return ((h // n) % d).astype(np.int64)
 
 
 def place(keys: ArrayLike, n_nodes: int, n_devices: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -51,6 +54,11 @@ def place(keys: ArrayLike, n_nodes: int, n_devices: int = 1) -> tuple[np.ndarray
 def group_by(parts: np.ndarray, n_parts: int) -> tuple[np.ndarray, np.ndarray]:
     """Group positions by part id: ``(order, offsets)`` such that
     ``order[offsets[p]:offsets[p + 1]]`` are the positions with ``parts == p``, in input order."""
+    if is_device_array(parts):  # CuPy: its sort is stable
+        xp = array_module("cuda")
+        offsets = xp.zeros(n_parts + 1, dtype=xp.int64)
+        offsets[1:] = xp.cumsum(xp.bincount(parts, minlength=n_parts))
+        return xp.argsort(parts), offsets
     parts = np.asarray(parts, dtype=np.int64)
     order = np.argsort(parts, kind="stable")
     offsets = np.zeros(n_parts + 1, dtype=np.int64)
