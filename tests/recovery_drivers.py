@@ -44,6 +44,15 @@ class Killer(threading.Thread):
             kind, nodes[node].trainer
         )
 
+    def fit(self) -> dict:
+        """Run the pipeline's ``fit()`` with this killer at work; it stops once fit returns or raises."""
+        self.start()
+        try:
+            return self.pipeline.fit(progress=False)
+        finally:
+            self.stop.set()
+            self.join()
+
     def run(self) -> None:
         plan = list(self.plan)
         while plan and not self.stop.is_set():

@@ -98,7 +98,8 @@ class Trainer:
         self.n_nodes = n_nodes
         self.group = None  # the collective group, when n_nodes > 1 (see join)
         self.dense_reducer = None
-        self._chunked = False  # device d > 0 whose node's device 0 aggregates in chunks
+        self._chunked = False  # the device mesh sums dense gradients per node, then in chunks (join_mesh)
+        self._clock_base = 0  # the step every trainer of the group started from (_restart_clocks)
         self._mailbox = None
         self.sync, self.board, self.exchange = None, None, None  # relaxed modes: how updates propagate (see join)
         self.max_staleness = 0
@@ -139,15 +140,15 @@ class Trainer:
         if self.n_devices > 1:
             import ray
 
-            refs = [w.join_mesh.remote(mesh_address, world) for w in self.workers]
-            self.join_mesh(mesh_address, world)
+            chunked = sync.dense == "chunked" and world > 1  # device 0 of each node aggregates across nodes
+            refs = [w.join_mesh.remote(mesh_address, world, chunked) for w in self.workers]
+            self.join_mesh(mesh_address, world, chunked)
             ray.get(refs)
             self.sync = sync
-            if sync.dense == "chunked" and world > 1:  # device 0 of each node aggregates across nodes
+            if chunked:
                 from hpsray.cluster.aggregation import ChunkedAggregator
 
                 self.dense_reducer = ChunkedAggregator(aggregators, world, self.node, chunk_bytes=sync.chunk_bytes)
-                ray.get([w.chunked_dense.remote() for w in self.workers])
             return self.node
         backend = "nccl" if self.hbm.device == "cuda" else "gloo"
         self.group = CollectiveGroup(world, self.node, group, backend)
@@ -174,24 +175,22 @@ class Trainer:
         """Where the device mesh meets (this node's address, a free port): node 0's trainer."""
         return rendezvous_address()
 
-    def join_mesh(self, address: str, n_nodes: int) -> int:
-        """Join the device mesh (every device process of every node calls this at once)."""
+    def join_mesh(self, address: str, n_nodes: int, chunked: bool = False) -> int:
+        """Join the device mesh (every device process of every node calls this at once);
+        ``chunked``: dense gradients are summed per node, then across nodes by device 0's
+        chunked aggregator."""
+        self._chunked = chunked
         if self.mesh is not None:
             self.mesh.destroy()
         backend = "nccl" if self.device.is_cuda else "gloo"
         self.mesh = DeviceMesh(address, n_nodes, self.n_devices, self.node, self.device_index, backend)
         return self.mesh.rank
 
-    def chunked_dense(self) -> None:
-        """Device ``d > 0`` of a node whose device 0 sums dense gradients across nodes by
-        chunked aggregation: it takes the node's sum from device 0."""
-        self._chunked = True
-
     def _reduce_on_mesh(self, flat: torch.Tensor) -> torch.Tensor:
         """The dense gradient summed over the mesh: one all-reduce, or with chunked aggregation
         the node's sum first, across nodes by device 0's aggregator, then back to the node."""
         assert self.mesh is not None
-        if self.dense_reducer is None and not self._chunked:
+        if not self._chunked:
             return self.mesh.allreduce_sum(flat)
         total = self.mesh.node_sum(flat)
         if self.dense_reducer is not None:
@@ -263,7 +262,7 @@ class Trainer:
 
         parts = [w.train_part.remote(batch_id, inputs) for w in self.workers]
         try:
-            batch, key_parts, mine = self._device_part(batch_id, inputs)
+            batch, key_parts, devices, mine = self._device_part(batch_id, inputs)
             theirs = ray.get(parts)
         except Exception:
             if _a_worker_died(parts):  # restart this node's trainer: its workers die with it
@@ -272,9 +271,8 @@ class Trainer:
         with self.clock.timed(batch_id):
             results = [mine, *theirs]
             out = []
-            for o, keys in enumerate(key_parts):
+            for o, (keys, where) in enumerate(zip(key_parts, devices, strict=True)):
                 rows = np.empty((keys.size, self.config.row_width), dtype=np.float32)
-                where = device_of(keys, self.n_nodes, self.n_devices)
                 for d, result in enumerate(results):
                     rows[where == d] = result.rows[o]
                 out.append(Returned(self.node, keys, rows))
@@ -288,13 +286,14 @@ class Trainer:
 
     def train_part(self, batch_id, inputs: TrainInputs) -> DevicePart:
         """A device process's share of a batch (called by device 0 of its node)."""
-        return self._device_part(batch_id, inputs)[2]
+        return self._device_part(batch_id, inputs)[3]
 
-    def _device_part(self, batch_id, inputs: TrainInputs) -> tuple[Any, list, DevicePart]:
+    def _device_part(self, batch_id, inputs: TrainInputs) -> tuple[Any, list, list, DevicePart]:
         """Borrow this device's rows of the node's loan, step through the batch's global
         mini-batches on this device's slice of each (rows and gradients exchanged with the
         node's other devices, updates with the other nodes' same device), and give back this
-        device's rows of each owner's keys."""
+        device's rows of each owner's keys. Returns the batch, each owner's keys and their
+        devices, and this device's :class:`DevicePart`."""
         import ray
 
         mesh = self.mesh
@@ -311,9 +310,10 @@ class Trainer:
         if float(failed[0]) > 0:
             raise PeerFailedError(batch_id)
         with self.clock.timed(batch_id):
+            devices = [device_of(k, self.n_nodes, self.n_devices) for k in key_parts]
             keys = np.concatenate(key_parts) if key_parts else np.empty(0, np.uint64)
             rows = np.concatenate(loans) if loans else np.empty((0, self.config.row_width), np.float32)
-            mine = device_of(keys, self.n_nodes, self.n_devices) == self.device_index
+            mine = np.concatenate(devices) == self.device_index if devices else np.empty(0, bool)
             fresh = []
             for r in refreshed:
                 m = device_of(r.keys, self.n_nodes, self.n_devices) == self.device_index
@@ -321,11 +321,8 @@ class Trainer:
             self.hbm.borrow(keys[mine], rows[mine], fresh)
             sizes = inputs.sizes or [len(batch) if batch is not None else 0]
             shares, scales = self._device_steps(batch, sizes)
-            back = []
-            for k in key_parts:
-                m = device_of(k, self.n_nodes, self.n_devices) == self.device_index
-                back.append(self.hbm.get(k[m]))
-        return batch, key_parts, DevicePart(back, shares, scales)
+            back = [self.hbm.get(k[d == self.device_index]) for k, d in zip(key_parts, devices, strict=True)]
+        return batch, key_parts, devices, DevicePart(back, shares, scales)
 
     def _device_steps(self, batch, sizes: list[int]) -> tuple[list[float], list[float]]:
         """BSP over the mesh: per global mini-batch this device takes its contiguous slice of
@@ -589,7 +586,7 @@ class Trainer:
 
     def _since_start(self, oldest: int) -> int:
         """``oldest`` to wait for, or 0 (wait for nothing) when it predates the group's start."""
-        return oldest if oldest > getattr(self, "_clock_base", 0) else 0
+        return oldest if oldest > self._clock_base else 0
 
     def _fetch(self, oldest: int, upto: int | None = None) -> dict:
         """The others' updates not applied yet (waiting for clock ``oldest``), combined."""

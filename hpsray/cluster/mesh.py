@@ -89,15 +89,15 @@ class DeviceMesh:
 
     def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
         """Element-wise sum of ``flat`` over every rank (a new tensor; ``flat`` is untouched)."""
-        out = flat.detach().to(self.device, copy=True).contiguous()
-        self.dist.all_reduce(out)
-        self.bytes_sent += out.numel() * out.element_size()
-        return out.to(flat.device)
+        return self._sum(flat, None)
 
     def node_sum(self, flat: torch.Tensor) -> torch.Tensor:
         """Element-wise sum of ``flat`` over this node's devices (a new tensor)."""
+        return self._sum(flat, self.node_group)
+
+    def _sum(self, flat: torch.Tensor, group: Any) -> torch.Tensor:
         out = flat.detach().to(self.device, copy=True).contiguous()
-        self.dist.all_reduce(out, group=self.node_group)
+        self.dist.all_reduce(out, group=group)
         self.bytes_sent += out.numel() * out.element_size()
         return out.to(flat.device)
 

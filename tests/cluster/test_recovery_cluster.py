@@ -39,12 +39,7 @@ def test_two_nodes_recover_from_every_actor_kind_killed(own_three_nodes_cluster,
     with pipeline_on(tmp_path, len(plan)) as p:
         p._start()
         killer = Killer(p, tmp_path / "ckpt", plan, seed)
-        killer.start()
-        try:
-            report = p.fit(progress=False)
-        finally:
-            killer.stop.set()
-            killer.join()
+        report = killer.fit()
         assert [(k, n) for k, n, _ in killer.killed] == [(k, n) for k, n, _ in plan]
         assert len(report["recovery"]) == len(plan)
         assert report["examples"] == SOURCE.rows

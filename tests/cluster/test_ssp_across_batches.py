@@ -106,12 +106,7 @@ def test_ssp_across_batches_recovers_from_a_killed_trainer(two_nodes_cluster, tm
     with pipeline:
         pipeline._start()
         killer = Killer(pipeline, ckpt, [("Trainer", 1, 1)], seed=5)
-        killer.start()
-        try:
-            report = pipeline.fit(progress=False)
-        finally:
-            killer.stop.set()
-            killer.join()
+        report = killer.fit()
         auc = pipeline.evaluate(held_out)["auc"]
     assert [k for k, _, _ in killer.killed] == ["Trainer"] and len(report["recovery"]) == 1
     assert report["examples"] == 9000 and report["sync"]["max_staleness_observed"] <= 2

@@ -105,12 +105,7 @@ def test_a_killed_device_process_restarts_the_node_trainer_and_stays_lossless(ra
     with pipeline:
         pipeline._start()
         killer = DeviceKiller(pipeline, ckpt, [("Device", 0, 2)], seed=3)
-        killer.start()
-        try:
-            report = pipeline.fit(progress=False)
-        finally:
-            killer.stop.set()
-            killer.join()
+        report = killer.fit()
         assert [k for k, _, _ in killer.killed] == ["Device"]
         assert len(report["recovery"]) == 1 and report["examples"] == SOURCE.rows
         keys, rows = pipeline.export_rows()

@@ -75,12 +75,7 @@ def run_with_kills(tmp_path, seed: int, nodes: int, **rules):
     )
     pipeline._start()
     killer = Killer(pipeline, ckpt, plan, seed)
-    killer.start()
-    try:
-        report = pipeline.fit(progress=False)
-    finally:
-        killer.stop.set()
-        killer.join()
+    report = killer.fit()
     return pipeline, report, killer
 
 
