@@ -44,6 +44,7 @@ __all__ = [
     "TableFullError",
     "TooMuchBadInput",
     "TrainingStopped",
+    "WorkingSetError",
     "caused_by",
 ]
 
@@ -231,6 +232,22 @@ class PeerFailedError(HpsrayError, RuntimeError):
 
     def __reduce__(self):  # keep batch_id across pickling (the message is built from it)
         return (type(self), (self.batch_id,))
+
+
+class WorkingSetError(HpsrayError, RuntimeError):
+    """An owner did not ship rows it counted on the trainer holding from its previous batch,
+    and the trainer does not hold them (its working set was lost, e.g. reset, while the
+    owner's leases were kept). A broken protocol, not bad input."""
+
+    def __init__(self, absent: int, held: int, first: int) -> None:
+        self.absent, self.held, self.first = absent, held, first
+        super().__init__(
+            f"the trainer lacks {absent} of the {held} rows its owners did not ship because it held them "
+            f"in the batch before (first key: {first}); its working set was lost while the owners kept their leases"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.absent, self.held, self.first))
 
 
 def caused_by(error: BaseException, kind: type[BaseException]) -> bool:

@@ -188,11 +188,12 @@ class MemPSShard:
         """The loan of the distinct sorted ``keys`` this node owns to ``borrower``'s trainer
         (default: this node's) for ``batch_id``, pinned until it returns them: the rows held
         here, and the keys the load stage (``SSDPSShard.load``) must add. Never waits on SSD-PS
-        (but for a stall when ``dumps_in_flight`` evictions are still being written)."""
+        (but for a stall when ``dumps_in_flight`` evictions are still being written). Rows the
+        borrower holds from its previous batch are pinned but not shipped (``Pulled.held``)."""
         with self.clock.timed(batch_id):
             self.store.batch = batch_id
             self.store.reap()
-            pulled = self.lender.lend_deferred(batch_id, keys, borrower)
+            pulled = self.lender.lend_deferred(batch_id, keys, borrower, skip_held=True)
             mem = self.lender.mem
             lease = (batch_id, self.node if borrower is None else borrower)
             st = mem.stats
@@ -209,6 +210,14 @@ class MemPSShard:
             self.store.batch = batch_id
             self.store.reap()
             return self.lender.take_back(batch_id, returned)
+
+    def store_kept(self, *flushed: list[Returned]) -> int:
+        """Store the rows trainers kept across a batch end: ``flushed`` holds each trainer's
+        :meth:`Trainer.flush <hpsray.actors.trainer.Trainer.flush>`, one :class:`Returned` per
+        owner (empty: it kept none); this owner stores its part, leases untouched. Returns the
+        rows stored (see :meth:`Lender.store_rows <hpsray.tiers.lending.Lender.store_rows>`)."""
+        self.store.reap()
+        return self.lender.store_rows([parts[self.node] for parts in flushed if parts])
 
     def refresh(self, batch_id, borrower: int) -> Refresh:
         """Rows lent to ``borrower`` for ``batch_id`` that others changed since (see

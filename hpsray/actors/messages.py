@@ -7,10 +7,12 @@ Per batch ``t`` (docs/architecture.md: The pipeline)::
 
     Reader.read            -> ReadBatch      (the batch and its keys split by owner, as refs)
     MemPSShard.pull        -> Pulled         (a loan: the rows the owner holds, the keys it lacks)
-    SSDPSShard.load(Pulled) -> rows          (the whole loan: the owner's rows of the borrower's keys)
+    SSDPSShard.load(Pulled) -> Loan          (the owner's rows of the borrower's keys it does not hold)
     MemPSShard.refresh     -> Refresh        (rows other borrowers changed since the loan)
     Trainer.train(TrainInputs) -> Returned per owner, then TrainOutcome
     MemPSShard.write_back(*Returned)
+    Trainer.flush -> [Returned per owner]  (rows it kept across a batch end: before a checkpoint,
+    MemPSShard.store_kept(*flushed)        at a stop, after a failure)
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpsray.tiers.lending import Pulled, Refresh, Returned
+from hpsray.tiers.lending import Loan, Pulled, Refresh, Returned
 
-__all__ = ["Pulled", "ReadBatch", "Refresh", "Returned", "TrainInputs", "TrainOutcome"]
+__all__ = ["Loan", "Pulled", "ReadBatch", "Refresh", "Returned", "TrainInputs", "TrainOutcome"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class TrainInputs:
     stage's output, ``SSDPSShard.load``, on ``o``'s node); ``refreshed[o]`` (empty
     on one node and for a pass's first batch) its :class:`Refresh`. ``sizes`` holds every node's
     examples in this batch: all trainers step through the same number of global mini-batches.
+    ``next_batch``: this node's :class:`ReadBatch` (a ref) of the batch after, when the trainer
+    may keep the rows both batches need instead of returning them (``None``: return them all).
     """
 
     batch: Any
@@ -51,6 +55,7 @@ class TrainInputs:
     loans: list[Any]
     refreshed: list[Any] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
+    next_batch: Any = None
 
     def refs(self) -> list[Any]:
         """Every ref, in the order :meth:`unpack` expects their values."""

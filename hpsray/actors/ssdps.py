@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpsray.actors.livemetrics import LiveGauges
-from hpsray.actors.messages import Pulled
+from hpsray.actors.messages import Loan, Pulled
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.ssd import SSDPS, restore_snapshot
 from hpsray.tiers.ssd.snapshot import take_snapshot
@@ -45,10 +45,10 @@ class SSDPSShard:
     def __repr__(self) -> str:
         return f"SSDPS[node {self.node}]"
 
-    def load(self, batch_id, pulled: Pulled) -> np.ndarray:
-        """The load stage: ``pulled``'s whole loan, its missing rows read from the parameter
-        files (initial rows for keys never stored); the trainer's input. Every write MEM-PS
-        saw done before the pull has run here, and a row still in flight was not missing."""
+    def load(self, batch_id, pulled: Pulled) -> Loan:
+        """The load stage: ``pulled``'s loan as the trainer takes it, its missing rows read from
+        the parameter files (initial rows for keys never stored). Every write MEM-PS saw done
+        before the pull has run here, and a row still in flight was not missing."""
         with self.clock.timed(batch_id):
             rows, loaded = pulled.complete(self.store.load)
         missing = int(pulled.missing.size)
@@ -57,7 +57,7 @@ class SSDPSShard:
         self.counts["initialised"] += missing - loaded
         if missing:
             self._export()
-        return rows
+        return Loan(rows, pulled.held)
 
     def read(self, keys: np.ndarray, batch=None) -> tuple[np.ndarray, np.ndarray]:
         """``(rows of the keys found, found mask)`` (MEM-PS's own reads, for evaluation): only

@@ -13,6 +13,7 @@ import torch
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Returned, TrainInputs, TrainOutcome
 from hpsray.actors.timing import StageClock
+from hpsray.actors.working_set import Traffic, kept_masks, loaned_rows
 from hpsray.cluster.consistency import CarryOver, crosses_batches, merge_payloads
 from hpsray.cluster.mesh import DeviceMesh, rendezvous_address
 from hpsray.config import TrainConfig
@@ -31,13 +32,14 @@ from hpsray.tiers.warmup import warm_trainer_step
 
 @dataclass(frozen=True)
 class DevicePart:
-    """One device process's result of a batch: its rows of each owner's keys (in the keys'
-    order, only those it holds) and its loss share of each global mini-batch, with the factor
-    that turns the node's summed shares into its mean loss (0: the node's part was empty)."""
+    """One device process's result of a batch: its rows of each owner's keys going back (in the
+    keys' order, only those it holds) and its loss share of each global mini-batch, with the
+    factor that turns the node's summed shares into its mean loss (0: the node's part was empty)."""
 
     rows: list[np.ndarray]
     losses: list[float]
     scales: list[float]
+    returned: list[np.ndarray | None]  # per owner, which of its keys go back (None: all)
 
 
 class Trainer:
@@ -110,6 +112,8 @@ class Trainer:
         self._empty = Batch.empty(n_slots, n_dense)
         self.step = 0
         self.examples = 0
+        self.traffic = Traffic(config.row_width * 4)
+        self._unreturned: list[np.ndarray] = []  # per owner: keys kept at the last batch's end, not returned
         self.losses: dict = {}
         self.clock = StageClock("train", node)
         self.gauges = LiveGauges(stage="train", node=node)
@@ -230,10 +234,10 @@ class Trainer:
         if error is not None:
             raise error
         with self.clock.timed(batch_id):
-            one = len(key_parts) == 1
-            keys = key_parts[0] if one else np.concatenate(key_parts)
-            rows = loans[0] if one else np.concatenate(loans)
-            self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed])
+            keys = key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts)
+            rows, held = loaned_rows(loans, key_parts, self.config.row_width)
+            self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed], held)
+            self.traffic.received(batch_id, loans)
             if self.n_nodes == 1:
                 losses = self._train_local(batch)
             elif self.exchange is None:
@@ -243,7 +247,11 @@ class Trainer:
             self.examples += len(batch) if batch is not None else 0
             # the losses stay on the device until here: one read per batch
             self.losses[batch_id] = float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
-            out = [self._returned(k) for k in key_parts]
+        keep = kept_masks(inputs.next_batch, key_parts) if self.n_nodes == 1 else None  # waits for its read
+        with self.clock.timed(batch_id):
+            self._unreturned = [k[m] for k, m in zip(key_parts, keep, strict=True)] if keep is not None else []
+            out = [self._returned(k if keep is None else k[~keep[o]]) for o, k in enumerate(key_parts)]
+            self.traffic.returned(batch_id, sum(r.keys.size for r in out))
         done = len(batch) if batch is not None else 0
         self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
         self.gauges.set_sync(self.max_staleness, self.exchanged_bytes)
@@ -272,10 +280,13 @@ class Trainer:
             results = [mine, *theirs]
             out = []
             for o, (keys, where) in enumerate(zip(key_parts, devices, strict=True)):
+                back = mine.returned[o]
+                keys, where = (keys, where) if back is None else (keys[back], where[back])
                 rows = np.empty((keys.size, self.config.row_width), dtype=np.float32)
                 for d, result in enumerate(results):
                     rows[where == d] = result.rows[o]
                 out.append(Returned(self.node, keys, rows))
+            self.traffic.returned(batch_id, sum(r.keys.size for r in out))
             shares = np.sum([r.losses for r in results], axis=0) if mine.losses else np.empty(0)
             losses = [float(x) * scale for x, scale in zip(shares, mine.scales, strict=True) if scale]
             self.losses[batch_id] = float(np.mean(losses)) if losses else float("nan")
@@ -312,17 +323,27 @@ class Trainer:
         with self.clock.timed(batch_id):
             devices = [device_of(k, self.n_nodes, self.n_devices) for k in key_parts]
             keys = np.concatenate(key_parts) if key_parts else np.empty(0, np.uint64)
-            rows = np.concatenate(loans) if loans else np.empty((0, self.config.row_width), np.float32)
+            rows, held = loaned_rows(loans, key_parts, self.config.row_width)
             mine = np.concatenate(devices) == self.device_index if devices else np.empty(0, bool)
             fresh = []
             for r in refreshed:
                 m = device_of(r.keys, self.n_nodes, self.n_devices) == self.device_index
                 fresh.append((r.keys[m], r.rows[m]))
-            self.hbm.borrow(keys[mine], rows[mine], fresh)
+            if held is None:
+                self.hbm.borrow(keys[mine], rows[mine], fresh)
+            else:  # the rows shipped are those of the keys not held
+                self.hbm.borrow(keys[mine], rows[mine[~held]], fresh, held[mine])
+            if self.device_index == 0:
+                self.traffic.received(batch_id, loans)
             sizes = inputs.sizes or [len(batch) if batch is not None else 0]
             shares, scales = self._device_steps(batch, sizes)
-            back = [self.hbm.get(k[d == self.device_index]) for k, d in zip(key_parts, devices, strict=True)]
-        return batch, key_parts, devices, DevicePart(back, shares, scales)
+        keep = kept_masks(inputs.next_batch, key_parts) if self.n_nodes == 1 else None  # waits for its read
+        with self.clock.timed(batch_id):
+            here = [d == self.device_index for d in devices]
+            self._unreturned = [k[h & m] for k, h, m in zip(key_parts, here, keep, strict=True)] if keep else []
+            back = [None if keep is None else ~m for m in keep or key_parts]
+            rows_back = [self.hbm.get(k[h if b is None else h & b]) for k, h, b in zip(key_parts, here, back)]
+        return batch, key_parts, devices, DevicePart(rows_back, shares, scales, back)
 
     def _device_steps(self, batch, sizes: list[int]) -> tuple[list[float], list[float]]:
         """BSP over the mesh: per global mini-batch this device takes its contiguous slice of
@@ -532,6 +553,21 @@ class Trainer:
         carry.parts.append(keys)
         return Returned(self.node, keys, self.hbm.get(keys), self.step, min(self._seen.values()))
 
+    def flush(self) -> list[Returned]:
+        """The rows this node kept at the last batch's end instead of returning them, one
+        :class:`Returned` per owner (empty when it kept none), for
+        ``MemPSShard.store_kept``: before a checkpoint, at a stop, after a failure. The rows
+        stay resident; the next batch's end returns or keeps them as usual."""
+        theirs = _get([w.flush.remote() for w in self.workers])
+        kept, self._unreturned = self._unreturned, []
+        out = []
+        for o, keys in enumerate(kept):
+            parts = [(keys, self.hbm.get(keys)), *((t[o].keys, t[o].rows) for t in theirs)]
+            ks, rows = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+            out.append(Returned(self.node, ks, rows))
+        self.traffic.flushed += sum(r.keys.size for r in out)
+        return out
+
     def settle(self, batch_id) -> tuple:
         """The final barrier of a pass under SSP/ASP (the schedule calls it after the last
         batch's ``train``): wait for every other trainer's last clock, apply all their updates,
@@ -652,6 +688,7 @@ class Trainer:
         c = self.config
         refs = [w.reset.remote(path) for w in self.workers]
         self.hbm = HbmPS(self._capacity, c.row_width, c.row_init(), 1, self.n_nodes, self.hbm.device)
+        self._unreturned = []
         self._seen = dict.fromkeys(self._seen, 0)
         self._pending_dense = None
         step = self._load_own_state(path)
@@ -696,6 +733,7 @@ class Trainer:
             "max_staleness": self.max_staleness,
             "max_staleness_across_batches": self._carry.max_across if self._carry is not None else 0,
             "max_return_staleness": self._carry.max_return if self._carry is not None else 0,
+            "traffic": self.traffic.snapshot(),
         }
 
 

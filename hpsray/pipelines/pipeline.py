@@ -262,6 +262,7 @@ class Pipeline:
         done = batch_id + 1
         if self._interrupted:
             schedule.drain()
+            schedule.flush_trainers()
             self._next_batch = done
             if self._checkpoints is not None:
                 self._checkpoint(done)
@@ -272,6 +273,7 @@ class Pipeline:
         if stage is None or (done - (self._pass_first or 0)) % stage.every_batches:
             return
         schedule.drain()
+        schedule.flush_trainers()
         self._checkpoint(done)
 
     def _checkpoint(self, batch: int) -> None:

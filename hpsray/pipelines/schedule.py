@@ -2,7 +2,7 @@
 
 Per batch ``t`` the driver submits, on every node::
 
-    train(t) ; read(t + read_queue) ; pull(t+1) ; load(t+1) ; write_back(t) ; refresh(t+1)
+    read(t + read_queue) ; train(t) ; pull(t+1) ; load(t+1) ; write_back(t) ; refresh(t+1)
 
 Four stages on four resources: the reader (read), MEM-PS (pull: the rows it holds, the keys it
 lacks), SSD-PS (load: those rows from the parameter files, into the loan the trainer takes) and
@@ -12,6 +12,12 @@ while ``t`` trains and ``pull(t+2)`` only after ``write_back(t)``; SSD-PS loads 
 ``t`` trains. The rows ``pull(t+1)`` lent early for keys also in ``t`` are stale: the trainer
 keeps its own from ``t`` resident in HBM-PS, and rows other nodes changed come again through
 ``refresh(t+1)`` (docs/architecture.md: invariants 2 and 4).
+
+On one node ``train(t)`` is also given batch ``t+1``'s read (submitted before it for that): the
+trainer keeps the rows both batches need and returns only the others, and the owner does not
+ship rows its borrower held in the batch before. :meth:`PassSchedule.flush_trainers` stores the
+kept rows where the owners' copies must be current: before a checkpoint, at a stop, after a
+failure (docs/architecture.md: The trainer's working set).
 
 Under SSP and ASP a trainer's clock runs on across batch ends
 (:func:`~hpsray.cluster.consistency.crosses_batches`): ``refresh`` is not submitted, so a fast
@@ -148,13 +154,15 @@ class PassSchedule:
 
     def _train(self, t: int, read: list[ReadBatch], loans: list[list], refreshed: list[list] | None) -> list:
         n = len(self.nodes)
+        # one node: the trainer keeps the rows batch t+1 needs (its ReadBatch, read ahead)
+        upcoming = self._pending[0] if n == 1 and self._pending else [None] * n
         sizes = [r.examples for r in read]
         results = []
         for edge in self.write_backs:
             edge.wait_room()
         for b, node in enumerate(self.nodes):
             inputs = TrainInputs(
-                read[b].batch, read[b].keys_by_owner, loans[b], refreshed[b] if refreshed else [], sizes
+                read[b].batch, read[b].keys_by_owner, loans[b], refreshed[b] if refreshed else [], sizes, upcoming[b]
             )
             refs = node.trainer.train.options(num_returns=n + 1).remote(self.first + t, inputs)
             results.append(refs)
@@ -176,9 +184,9 @@ class PassSchedule:
         # a later pass under admission: the last pass's rows are still resident in the trainers
         refreshed = self._refresh(0) if self.refresh_alone and self.first > 0 else None
         while True:
+            self._read(t + self.read_queue)  # before train(t): the trainer looks at batch t+1's keys
             results = self._train(t, read, loans, refreshed)
             self._training = _Training(self.first + t, results)
-            self._read(t + self.read_queue)
             next_read = self._next_read()
             more = sum(r.examples for r in next_read) > 0
             if more:
@@ -210,6 +218,13 @@ class PassSchedule:
         for edge in self.write_backs:
             edge.drain()
 
+    def flush_trainers(self) -> int:
+        """Store the rows the trainers kept at the last batch's end (their owners' copies are
+        stale until then; docs/architecture.md: The trainer's working set): before a
+        checkpoint, at a stop, after a failure. Returns the rows stored."""
+        flushed = [node.trainer.flush.remote() for node in self.nodes]
+        return sum(ray.get([node.mem.store_kept.remote(*flushed) for node in self.nodes]))
+
     def salvage(self) -> int:
         """After a failure: finish the write-backs of every batch that trained, flush MEM-PS to
         SSD-PS, and return how many batches were saved (docs/architecture.md: invariant 7)."""
@@ -225,6 +240,10 @@ class PassSchedule:
                 saved += 1
             except Exception:  # noqa: BLE001,S112 - that batch failed itself; its rows were never trained
                 continue
+        try:
+            self.flush_trainers()
+        except Exception:  # noqa: BLE001,S110 - a trainer is gone: what it kept is in the last checkpoint
+            pass
         ray.get([node.mem.flush.remote() for node in nodes])
         return saved // len(nodes)
 

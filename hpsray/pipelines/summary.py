@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import ray
 
+from hpsray.actors.working_set import working_set_report
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.placement import NodeActors
 
@@ -145,6 +146,7 @@ def run_report(
         "loss": {str(k): v for k, v in sorted(trainer0["losses"].items()) if k in mine},
         "queues": {e.name: {"capacity": e.capacity, "max_depth": e.max_depth, "stalls": e.stalls} for e in edges},
         "overlap": overlap([(r[0], r[2], r[3]) for r in per_node], mine),
+        "working_set": working_set_report([r[3]["traffic"] for r in per_node if "traffic" in r[3]], mine),
         "bad_input": per_node[0][4] if len(nodes) == 1 else {f"node {i}": r[4] for i, r in enumerate(per_node)},
     }
     if len(nodes) > 1:

@@ -30,6 +30,7 @@ from typing import Any, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
+from hpsray.errors import WorkingSetError
 from hpsray.kernels import make_table
 from hpsray.kernels.arrays import DeviceArray, array_module, is_device_array, to_host
 from hpsray.kernels.fused import LookupProbe, TableLookup, fused_offer
@@ -220,13 +221,34 @@ class HbmPS:
         keys: npt.ArrayLike,
         rows: npt.NDArray[np.float32],
         refreshed: Iterable[tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]] = (),
-    ) -> None:
+        held: npt.NDArray[np.bool_] | None = None,
+    ) -> int:
         """Make the batch's loaned rows the working set: rows resident from the previous batch
         are kept (fresher than the loan, docs/architecture.md: invariant 2), resident rows the
         batch does not need are dropped, and ``refreshed`` ``(keys, rows)`` pairs (re-read after
-        another node's write-back) overwrite their keys."""
-        self.insert(keys, rows)
+        another node's write-back) overwrite their keys. ``held`` marks the keys whose rows the
+        owner did not ship (``rows`` are then those of the other keys): they must be resident.
+        Returns how many of ``keys`` were resident already (the working set's hits).
+
+        Raises :class:`~hpsray.errors.WorkingSetError` when a held key is not resident."""
+        keys = as_keys(keys)
+        hits = 0
+        if held is not None and held.any():
+            self._check_held(keys[held])
+            hits = int(np.count_nonzero(held))
+            new = keys[~held]
+        else:
+            new = keys
+        hits += new.size - self.insert(new, rows)
         self.retain(keys)
         for fresh_keys, fresh_rows in refreshed:
             if len(fresh_keys):
                 self.insert_or_assign(fresh_keys, fresh_rows)
+        return hits
+
+    def _check_held(self, keys: npt.NDArray[np.uint64]) -> None:
+        for _, table, pos in self._parts(keys):
+            k = keys if pos is None else keys[pos]
+            absent = np.flatnonzero(to_host(table.find(k)) < 0)
+            if absent.size:
+                raise WorkingSetError(int(absent.size), int(k.size), int(k[absent[0]]))

@@ -61,17 +61,22 @@ class Returned:
 @dataclass(frozen=True)
 class Pulled:
     """A loan whose missing rows are still to be loaded (the pull stage's output, the load
-    stage's input): ``rows[i]`` is ``keys[i]``'s except at the positions ``missing``, whose keys
-    ``missing_keys`` the owner does not hold; :meth:`complete` fills them from the store, or
-    with ``init``'s rows for keys it never stored."""
+    stage's input): ``rows[i]`` is the row of the ``i``-th key *shipped* except at the positions
+    ``missing``, whose keys ``missing_keys`` the owner does not hold; :meth:`complete` fills them
+    from the store, or with ``init``'s rows for keys it never stored.
+
+    ``held`` (one flag per key of the loan; ``None``: none) marks the keys the borrower holds
+    from its previous batch: their rows stay on the trainer and are not shipped, so the keys
+    shipped are those not ``held`` (docs/architecture.md: The trainer's working set)."""
 
     rows: npt.NDArray[np.float32]
     missing: npt.NDArray[np.int64]
     missing_keys: npt.NDArray[np.uint64]
     init: RowInit
+    held: npt.NDArray[np.bool_] | None = None
 
     def complete(self, load: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, int]:
-        """``(rows, loaded)``: the whole loan, the missing rows from ``load(keys) -> (rows,
+        """``(rows, loaded)``: the rows shipped, the missing ones from ``load(keys) -> (rows,
         found)`` (a store's), initial rows where not found; ``loaded`` counts the rows found."""
         rows = np.array(self.rows)  # a writable copy (an object-store array is read-only)
         if not self.missing.size:
@@ -83,6 +88,23 @@ class Pulled:
             got[~found] = initial_rows(self.missing_keys[~found], rows.shape[1], self.init)
         rows[self.missing] = got
         return rows, loaded
+
+
+@dataclass(frozen=True)
+class Loan:
+    """One owner's loan as the trainer receives it (the load stage's output): ``rows`` of the
+    keys not ``held``, in key order; the ``held`` keys' rows are the trainer's own."""
+
+    rows: npt.NDArray[np.float32]
+    held: npt.NDArray[np.bool_] | None = None
+
+    @property
+    def shipped(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def kept(self) -> int:
+        return 0 if self.held is None else int(np.count_nonzero(self.held))
 
 
 @dataclass(frozen=True)
@@ -133,12 +155,19 @@ class Lender:
         self.mem.fill(pulled.missing_keys, rows[pulled.missing], lease, loaded)
         return rows
 
-    def lend_deferred(self, batch_id: Hashable, keys: npt.NDArray[np.uint64], borrower: int | None = None) -> Pulled:
+    def lend_deferred(
+        self, batch_id: Hashable, keys: npt.NDArray[np.uint64], borrower: int | None = None, skip_held: bool = False
+    ) -> Pulled:
         """:meth:`lend` without loading: the rows held here, and the keys (and positions) of the
         rows the load stage must get from the store (:meth:`Pulled.complete`). Their slots are
         reserved and pinned, so the row :meth:`take_back` returns has its place; the store
         holds their newest value until then (a key whose dump is still in flight is served
-        from the store's ``in_flight`` rows, never named missing)."""
+        from the store's ``in_flight`` rows, never named missing).
+
+        With ``skip_held``, the rows of keys this borrower was lent for the batch before are
+        not shipped (:attr:`Pulled.held`): its trainer keeps them resident, fresher than any
+        copy here (docs/architecture.md: The trainer's working set). They are pinned all the
+        same, so they are resident, never missing, and have their slots for the return."""
         lease = (batch_id, self.node if borrower is None else borrower)
         if self.admission is None:
             rows, missing = self.mem.reserve(lease, keys)
@@ -150,7 +179,22 @@ class Lender:
         counts[0] += s["hits"]
         counts[1] += s["misses"]
         self.hit_rate[batch_id] = counts[0] / max(counts[0] + counts[1], 1)
-        return Pulled(rows, missing, keys[missing], self.init)
+        held = self._held(lease, keys) if skip_held else None
+        if held is None:
+            return Pulled(rows, missing, keys[missing], self.init)
+        missing = missing[~held[missing]]  # a held key's row is on the trainer: never loaded again
+        position = np.cumsum(~held) - 1  # of each key among those shipped
+        return Pulled(rows[~held], position[missing], keys[missing], self.init, held)
+
+    def _held(self, lease: Lease, keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_] | None:
+        """Which of ``keys`` (sorted, distinct) the borrower of ``lease`` was lent for the batch
+        before (``None``: none, or no such lease)."""
+        before = self.lent.get((_previous(lease[0]), lease[1]))
+        if before is None or not before.size or not keys.size:
+            return None
+        at = np.minimum(np.searchsorted(before, keys), before.size - 1)
+        held = before[at] == keys
+        return held if held.any() else None
 
     def _lend_admitted(self, lease: Lease, keys: npt.NDArray[np.uint64]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`lend_deferred` under admission: expire what the previous batch's end expires,
@@ -209,6 +253,26 @@ class Lender:
                 del table[lease]
         if self.admission is not None and isinstance(batch_id, int):
             self._expire(batch_id)
+        return n
+
+    def store_rows(self, returned: Iterable[Returned]) -> int:
+        """Store rows a borrower kept across batch ends (a flush: before a checkpoint, at a
+        stop, after a failure) without touching leases: resident keys get their row in place
+        (dirty), the others go straight to the store. Keys lent without a row are skipped.
+        Returns the rows stored."""
+        rejected = [k for k in self.rejected.values() if k.size]
+        n = 0
+        for part in returned:
+            keys, rows = part.keys, part.rows
+            if rejected and keys.size:
+                keep = ~np.isin(keys, np.concatenate(rejected))
+                keys, rows = keys[keep], rows[keep]
+            if not keys.size:
+                continue
+            placed = self.mem.assign(keys, rows)
+            if not placed.all():
+                self.store.dump(keys[~placed], rows[~placed])
+            n += int(keys.size)
         return n
 
     def stale(self, batch_id: Hashable, borrower: int) -> npt.NDArray[np.uint64]:

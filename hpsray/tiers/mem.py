@@ -341,6 +341,21 @@ class MemPS:
             self._totals["write_backs"] += 1
             self._totals["rows_written_back"] += int(keys.size)
 
+    def assign(self, keys: ArrayLike, rows: ArrayLike) -> np.ndarray:
+        """Give the resident ``keys`` their ``rows`` whatever pins them (a trainer's flush of
+        rows it kept across batch ends); returns which were resident. The rows become dirty."""
+        keys = as_keys(keys)
+        rows = as_rows(rows, keys.size, self.width, "assign rows")
+        with self._lock:
+            slots = self._table.find(keys)
+            placed = slots >= 0
+            if placed.any():
+                at = slots[placed]
+                self._table.put(at, rows[placed])
+                self._dirty[at] = True
+                self._reserved[at] = False
+            return placed
+
     def unpin(self, batch_id: Hashable) -> None:
         """Release the pins of ``batch_id``; its rows become evictable (LRU order)."""
         with self._lock:
