@@ -219,6 +219,13 @@ class MemPSShard:
         self.store.reap()
         return self.lender.store_rows([parts[self.node] for parts in flushed if parts])
 
+    def must_return(self, batch_id, borrowers: int) -> tuple | np.ndarray:
+        """Per borrower, the keys of the batch before ``batch_id`` it must return even if it
+        keeps them (call with ``.options(num_returns=borrowers)``; see :meth:`Lender.must_return
+        <hpsray.tiers.lending.Lender.must_return>`)."""
+        out = self.lender.must_return(batch_id, borrowers)
+        return tuple(out) if borrowers > 1 else out[0]
+
     def refresh(self, batch_id, borrower: int) -> Refresh:
         """Rows lent to ``borrower`` for ``batch_id`` that others changed since (see
         :meth:`Lender.refresh <hpsray.tiers.lending.Lender.refresh>`)."""

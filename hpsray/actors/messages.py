@@ -46,8 +46,10 @@ class TrainInputs:
     stage's output, ``SSDPSShard.load``, on ``o``'s node); ``refreshed[o]`` (empty
     on one node and for a pass's first batch) its :class:`Refresh`. ``sizes`` holds every node's
     examples in this batch: all trainers step through the same number of global mini-batches.
-    ``next_batch``: this node's :class:`ReadBatch` (a ref) of the batch after, when the trainer
-    may keep the rows both batches need instead of returning them (``None``: return them all).
+    ``next_batch``: this node's :class:`ReadBatch` (or a ref to it) of the batch after, when the
+    trainer may keep the rows both batches need instead of returning them (``None``: return
+    them all); ``must_return[o]`` (several nodes: refs, one per owner) the keys owner ``o``
+    needs back all the same.
     """
 
     batch: Any
@@ -56,6 +58,7 @@ class TrainInputs:
     refreshed: list[Any] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     next_batch: Any = None
+    must_return: list[Any] = field(default_factory=list)
 
     def refs(self) -> list[Any]:
         """Every ref, in the order :meth:`unpack` expects their values."""

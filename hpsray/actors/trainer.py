@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from hpsray.actors.devices import DevicePart, a_worker_died, start_device_workers
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Returned, TrainInputs, TrainOutcome
+from hpsray.actors.relaxed import RelaxedSteps
 from hpsray.actors.timing import StageClock
 from hpsray.actors.working_set import Traffic, kept_masks, loaned_rows
-from hpsray.cluster.consistency import CarryOver, crosses_batches, merge_payloads
+from hpsray.cluster.consistency import crosses_batches
 from hpsray.cluster.mesh import DeviceMesh, rendezvous_address
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import PeerFailedError
-from hpsray.kernels.arrays import to_host
 from hpsray.kernels.fused import LookupProbe
 from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
@@ -30,19 +30,7 @@ from hpsray.tiers.partition import device_of
 from hpsray.tiers.warmup import warm_trainer_step
 
 
-@dataclass(frozen=True)
-class DevicePart:
-    """One device process's result of a batch: its rows of each owner's keys going back (in the
-    keys' order, only those it holds) and its loss share of each global mini-batch, with the
-    factor that turns the node's summed shares into its mean loss (0: the node's part was empty)."""
-
-    rows: list[np.ndarray]
-    losses: list[float]
-    scales: list[float]
-    returned: list[np.ndarray | None]  # per owner, which of its keys go back (None: all)
-
-
-class Trainer:
+class Trainer(RelaxedSteps):
     """Trains each batch on its working set (paper Algorithm 1, step 4).
 
     Args:
@@ -93,7 +81,7 @@ class Trainer:
         self.workers: list = []  # device 0 (the node's trainer) starts the node's other D - 1
         if n_devices > 1 and device_index == 0:  # before the model moves to this device
             args = (node, n_nodes, config, n_slots, n_dense, capacity, n_devices, device, model, threads)
-            self.workers = _start_device_workers(args, placement, name)
+            self.workers = start_device_workers(Trainer, args, placement, name)
         self.mesh: DeviceMesh | None = None  # with D > 1 devices (see join)
         model = model if model is not None else DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
         self.dense = DenseReplicas(model, 1, config.dense_optimizer, config.dense_lr, self.device)
@@ -247,7 +235,7 @@ class Trainer:
             self.examples += len(batch) if batch is not None else 0
             # the losses stay on the device until here: one read per batch
             self.losses[batch_id] = float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
-        keep = kept_masks(inputs.next_batch, key_parts) if self.n_nodes == 1 else None  # waits for its read
+        keep = self._kept(inputs, key_parts)  # waits for batch t+1's read
         with self.clock.timed(batch_id):
             self._unreturned = [k[m] for k, m in zip(key_parts, keep, strict=True)] if keep is not None else []
             out = [self._returned(k if keep is None else k[~keep[o]]) for o, k in enumerate(key_parts)]
@@ -256,6 +244,12 @@ class Trainer:
         self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
         self.gauges.set_sync(self.max_staleness, self.exchanged_bytes)
         return (*out, TrainOutcome(self.losses[batch_id], done))
+
+    def _kept(self, inputs: TrainInputs, key_parts: list[np.ndarray]) -> list[np.ndarray] | None:
+        """Per owner, which keys of this batch stay here at its end (``None``: none)."""
+        if self.n_nodes > 1 and (not inputs.must_return or crosses_batches(self.sync)):
+            return None  # an owner may need any of them back
+        return kept_masks(inputs.next_batch, key_parts, inputs.must_return)
 
     def _weights(self, keys):
         return self.hbm.get(keys, columns=self.config.dim)
@@ -273,7 +267,7 @@ class Trainer:
             batch, key_parts, devices, mine = self._device_part(batch_id, inputs)
             theirs = ray.get(parts)
         except Exception:
-            if _a_worker_died(parts):  # restart this node's trainer: its workers die with it
+            if a_worker_died(parts):  # restart this node's trainer: its workers die with it
                 os._exit(1)
             raise
         with self.clock.timed(batch_id):
@@ -337,7 +331,7 @@ class Trainer:
                 self.traffic.received(batch_id, loans)
             sizes = inputs.sizes or [len(batch) if batch is not None else 0]
             shares, scales = self._device_steps(batch, sizes)
-        keep = kept_masks(inputs.next_batch, key_parts) if self.n_nodes == 1 else None  # waits for its read
+        keep = self._kept(inputs, key_parts)  # waits for batch t+1's read
         with self.clock.timed(batch_id):
             here = [d == self.device_index for d in devices]
             self._unreturned = [k[h & m] for k, h, m in zip(key_parts, here, keep, strict=True)] if keep else []
@@ -427,123 +421,6 @@ class Trainer:
         if rng.random() < sync.straggler_probability:
             time.sleep(delay * rng.uniform(0.0, 2.0))
 
-    _carry: CarryOver | None = None  # SSP/ASP across batch ends (see _train_stale)
-
-    def _train_stale(self, batch, sizes: list[int]) -> list[torch.Tensor]:
-        """SSP, A-BSP and ASP across nodes (:mod:`hpsray.cluster.consistency`): publish each
-        mini-batch's update (A-BSP: each clock's ``k``), apply the others' as they arrive, wait
-        only when beyond the slack: ``staleness`` for the embeddings, ``dense_staleness`` (when
-        given) for the dense parameters.
-
-        A-BSP ends each batch with a barrier. SSP and ASP do not (docs/architecture.md:
-        Consistency): the clock runs on, the batch end waits only as the bound requires for the
-        next clock, and the rows borrowed anew first get the others' updates of the batch before
-        (:class:`~hpsray.cluster.consistency.CarryOver`); :meth:`settle` ends a pass."""
-        self.dense.train(True)
-        sync = self.sync
-        mode = sync.consistency
-        k = max(1, getattr(sync, "work_per_clock", 1)) if mode == "absp" else 1
-        bound = sync.staleness if mode == "ssp" else (k - 1 if mode == "absp" else None)
-        dense_bound = getattr(sync, "dense_staleness", None)
-        hook = sync.before_minibatch  # an injection point for tests (a straggler); None otherwise
-        carry = self._carry_over()
-        if carry is not None:
-            self._replay(carry)
-        steps = list(self._global_minibatches(batch, sizes))
-        losses = []
-        out_keys, out_grads, out_dense = [], [], None  # own updates of the clock not published yet
-        for i, (mb, total) in enumerate(steps):
-            clock = self.step + 1
-            if mode != "absp":
-                # ssp: every other trainer's update of clock - 1 - s must be in; asp: take what is there
-                others = self._fetch(clock - 1 - bound if bound is not None else -1, upto=clock - 1)
-            elif i % k == 0 and i > 0:  # A-BSP: a clock's start is a barrier
-                others = self._fetch(clock - 1, upto=clock - 1)
-            else:
-                others = self._no_update()
-            self._apply_others(others)  # fetched updates reach the rows before this mini-batch reads them
-            oldest = min(self._seen.values())
-            self.max_staleness = max(self.max_staleness, clock - 1 - oldest)
-            if carry is not None and oldest < carry.first - 1:  # another trainer is in an earlier batch
-                carry.max_across = max(carry.max_across, clock - 1 - oldest)
-            self._straggle(clock)
-            if hook is not None:
-                hook(self.node, clock)
-            own: dict = {}
-
-            def reduce(flat: torch.Tensor, own=own, others=others, clock=clock) -> torch.Tensor:  # via the host
-                own["dense"] = flat.detach().cpu().numpy().copy()
-                if dense_bound is None:  # the dense gradient travels with the sparse update
-                    return flat + self.device.tensor(others["dense"]) if others["dense"] is not None else flat
-                return self.device.tensor(self._dense_with_slack(own["dense"], clock, dense_bound))
-
-            loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=reduce)
-            gkeys, grads = to_host(gkeys), to_host(grads)
-            self.step += 1
-            self.hbm.apply_gradients(gkeys, grads, self.optimizer, self.step, resident_only=True)
-            out_keys.append(gkeys)
-            out_grads.append(grads)
-            if dense_bound is None:
-                out_dense = own["dense"] if out_dense is None else out_dense + own["dense"]
-            if (i + 1) % k == 0 or i + 1 == len(steps):
-                if len(out_keys) == 1:
-                    payload = (out_keys[0], out_grads[0], out_dense)
-                else:  # A-BSP: the clock's k updates as one
-                    merged = merge_payloads([(kk, gg, None) for kk, gg in zip(out_keys, out_grads, strict=True)])
-                    payload = (merged[0], merged[1], out_dense)
-                self.exchange.publish("all", clock, payload)
-                out_keys, out_grads, out_dense = [], [], None
-            self.exchanged_bytes.append(self.exchange.received_bytes - self._sent)
-            self._sent = self.exchange.received_bytes
-            if len(mb):
-                losses.append(loss * total / len(mb))
-        if carry is None:  # A-BSP: the batch end is a barrier, every update in before write-back
-            self._batch_end(self.step)
-        else:  # SSP/ASP: wait only as the next clock's bound requires; take what else has arrived
-            self._batch_end(self.step - bound if bound is not None else -1)
-            oldest = min(self._seen.values())
-            carry.max_return = max(carry.max_return, self.step - oldest)
-            carry.batch_end(self.step, self._resident())
-            carry.parts = []
-        return losses
-
-    def _carry_over(self) -> CarryOver | None:
-        """The state across batch ends under SSP/ASP (``None`` under A-BSP: batch ends are barriers)."""
-        if not crosses_batches(self.sync):
-            return None
-        if self._carry is None or self.step < self._carry.last:  # first batch, or restored from a checkpoint
-            self._carry = CarryOver()
-            self._carry.batch_end(self.step, self._resident())
-            self._carry.base = self.step
-        return self._carry
-
-    def _resident(self) -> np.ndarray:
-        keys = [to_host(t.keys()) for t in self.hbm.tables]
-        return np.sort(np.concatenate(keys)) if keys else np.empty(0, np.uint64)
-
-    def _replay(self, carry: CarryOver) -> None:
-        """A batch start under SSP/ASP: the rows borrowed anew were lent before the last batch's
-        write-back; give them the others' updates of that batch received so far (later ones
-        arrive through :meth:`_fetch` and reach every resident row)."""
-        keys, grads = carry.replay(self._resident())
-        if keys.size:
-            self.hbm.apply_gradients(keys, grads, self.optimizer, self.step, resident_only=True)
-
-    def _apply_others(self, others: dict) -> None:
-        if others["keys"].size:
-            self.hbm.apply_gradients(others["keys"], others["grads"], self.optimizer, self.step, resident_only=True)
-
-    def _batch_end(self, oldest: int) -> None:
-        """Fetch the others' updates up to this trainer's clock, after waiting for their clock
-        ``oldest``, and apply them (the dense part waits for the next step)."""
-        rest = self._fetch(oldest, upto=self.step)
-        self._apply_others(rest)
-        if rest["dense"] is not None:
-            self._pending_dense = rest["dense"]
-        if self.exchanged_bytes:
-            self.exchanged_bytes[-1] += self.exchange.received_bytes - self._sent
-            self._sent = self.exchange.received_bytes
-
     def _returned(self, keys: np.ndarray) -> Returned:
         """This trainer's rows of ``keys`` for their owner; under SSP/ASP stamped with its clock
         and the oldest clock of the others it holds (the owner keeps the freshest copy)."""
@@ -568,20 +445,6 @@ class Trainer:
         self.traffic.flushed += sum(r.keys.size for r in out)
         return out
 
-    def settle(self, batch_id) -> tuple:
-        """The final barrier of a pass under SSP/ASP (the schedule calls it after the last
-        batch's ``train``): wait for every other trainer's last clock, apply all their updates,
-        and return the last batch's rows, complete, one :class:`Returned` per owner (call with
-        ``.options(num_returns=n_nodes)``)."""
-        carry = self._carry_over()
-        assert carry is not None, "settle: only under ssp/asp"
-        with self.clock.timed(batch_id):
-            self._batch_end(self.step)
-            parts = list(carry.parts)
-            out = [Returned(self.node, k, self.hbm.get(k), self.step, None) for k in parts]
-            carry.settled(self.step, self._resident())
-        return tuple(out)
-
     def _peer_failed(self, batch_id, error: BaseException | None) -> bool:
         """Whether another node's trainer failed ``batch_id`` (its inputs). BSP and A-BSP agree
         on that in the collective, a barrier; under SSP/ASP a trainer that failed tells the
@@ -592,55 +455,6 @@ class Trainer:
             return False
         failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
         return error is None and float(failed[0]) > 0
-
-    def _no_update(self) -> dict:
-        return {"keys": np.empty(0, np.uint64), "grads": np.empty((0, self.config.dim), np.float32), "dense": None}
-
-    def _dense_with_slack(self, mine: np.ndarray, clock: int, slack: int) -> np.ndarray:
-        """The dense gradient to step with at ``clock`` when the dense parameters have their own
-        slack: this trainer's and the others' versions up to ``clock`` it has not used, after
-        waiting for everyone's version ``clock - slack``, summed in (clock, rank) order. With
-        slack 0 that is every trainer's gradient of ``clock`` in rank order: the same sum, so
-        the same dense weights, on every node."""
-        self.exchange.publish("dense", clock, (None, None, mine))
-        got = self.exchange.fetch("dense", self._since_start(clock - slack), clock, self._seen_dense)
-        for rank, c, _ in got:
-            self._seen_dense[rank] = max(self._seen_dense[rank], c)
-        parts = sorted([(self.node, clock, mine), *((r, c, p[2]) for r, c, p in got)], key=lambda u: (u[1], u[0]))
-        total = parts[0][2].copy()
-        for _, _, d in parts[1:]:
-            total = total + d
-        return total
-
-    def _restart_clocks(self) -> None:
-        """Every trainer of a (re)formed group starts from the same step (a fresh run's 0, or the
-        checkpoint's after a restore): count the others as having published up to it, since
-        their versions before it will never come (the new mailboxes are empty)."""
-        self._clock_base = self.step
-        self._seen = dict.fromkeys(self._seen, self.step)
-        self._seen_dense = dict(self._seen)
-
-    def _since_start(self, oldest: int) -> int:
-        """``oldest`` to wait for, or 0 (wait for nothing) when it predates the group's start."""
-        return oldest if oldest > self._clock_base else 0
-
-    def _fetch(self, oldest: int, upto: int | None = None) -> dict:
-        """The others' updates not applied yet (waiting for clock ``oldest``), combined."""
-        got = self.exchange.fetch("all", self._since_start(oldest), upto, self._seen)
-        keys, grads, dense = [np.empty(0, np.uint64)], [np.empty((0, self.config.dim), np.float32)], None
-        if self._pending_dense is not None:
-            dense, self._pending_dense = self._pending_dense, None
-        carry = self._carry if crosses_batches(self.sync) else None
-        for rank, clock, (k, g, d) in got:
-            if k is not None and k.size:
-                keys.append(k)
-                grads.append(g)
-                if carry is not None:
-                    carry.record(clock, k, g)
-            if d is not None:
-                dense = d.copy() if dense is None else dense + d
-            self._seen[rank] = max(self._seen[rank], clock)
-        return {"keys": np.concatenate(keys), "grads": np.concatenate(grads), "dense": dense}
 
     @torch.no_grad()
     def predict(self, batch, keys: list, rows: list) -> np.ndarray:
@@ -741,49 +555,3 @@ def _get(refs: list) -> list:
     import ray
 
     return ray.get(refs) if refs else []
-
-
-def _start_device_workers(args: tuple, placement: Any, name: str | None) -> list:
-    """The node's trainer processes for devices ``1 .. D-1`` (``args``: the trainer's own
-    arguments), on this node: in bundle ``d`` of ``placement`` (a placement group of one GPU
-    per bundle, on CUDA) or pinned to this node (on CPU). They are this actor's: they die with
-    it, and a recovery that restarts it starts them again."""
-    import ray
-
-    here = ray.get_runtime_context().get_node_id()
-    workers = []
-    for d in range(1, args[6]):
-        opts = device_options(d, placement, here)
-        if name:
-            opts["name"] = f"{name[:-1]}, device {d}]" if name.endswith("]") else f"{name}[device {d}]"
-        workers.append(ray.remote(Trainer).options(**opts).remote(*args, device_index=d))
-    return workers
-
-
-def device_options(d: int, placement: Any, node_id: str) -> dict[str, Any]:
-    """Ray options of device ``d``'s trainer process: one GPU in bundle ``d`` of the node's
-    placement group, or (on CPU, ``placement`` None) pinned to the node ``node_id``."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
-
-    opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
-    if placement is not None:
-        opts["num_gpus"] = 1
-        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=d)
-    else:
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    return opts
-
-
-def _a_worker_died(parts: list, timeout: float = 10.0) -> bool:
-    """Whether one of the device processes behind ``parts`` (their train_part calls) is dead."""
-    import ray
-
-    ready, _ = ray.wait(parts, num_returns=len(parts), timeout=timeout) if parts else ([], [])
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayActorError:
-            return True
-        except Exception:  # noqa: BLE001,S112 - a failure of its own, not a death
-            continue
-    return False

@@ -1,11 +1,12 @@
 """The trainer's working set across batches (docs/architecture.md: The trainer's working set).
 
 An owner does not ship the rows a borrower held in the batch before (``Loan.held``): the
-trainer keeps them resident. On one node the trainer also keeps, at a batch's end, the rows the
-next batch needs (``TrainInputs.next_batch``) instead of returning them: they go back to their
-owner when they leave the working set, at a :meth:`~hpsray.actors.trainer.Trainer.flush` and at
-the pass's end. With several nodes every row is returned at every batch end: another node may
-borrow a row next batch and must read its owner's copy fresh.
+trainer keeps them resident. The trainer also keeps, at a batch's end, the rows the next batch
+needs (``TrainInputs.next_batch``) instead of returning them: they go back to their owner when
+they leave the working set, at a :meth:`~hpsray.actors.trainer.Trainer.flush` and at the pass's
+end. With several nodes an owner names the rows it needs back all the same
+(``TrainInputs.must_return``: another node borrows them next batch without holding them, and
+reads its owner's copy); under SSP and ASP every row goes back at every batch end.
 """
 
 from __future__ import annotations
@@ -30,22 +31,28 @@ def loaned_rows(loans: list[Loan], key_parts: list[np.ndarray], width: int) -> t
     return rows, np.concatenate(held)
 
 
-def kept_masks(next_batch: Any, key_parts: list[np.ndarray]) -> list[np.ndarray] | None:
-    """Per owner, which of this batch's keys the next batch needs too (the trainer keeps
-    those); ``None`` (return every row) without a next batch, when it is empty or could not be
-    read (its reader's error is the driver's to raise)."""
+def kept_masks(next_batch: Any, key_parts: list[np.ndarray], must_return: list[Any] = ()) -> list[np.ndarray] | None:
+    """Per owner, which of this batch's keys the trainer keeps: those the next batch needs too
+    (``next_batch``: its ReadBatch or a ref to it) and its owner does not need back
+    (``must_return``: refs of each owner's keys, with several nodes). ``None`` (return every
+    row) without a next batch, when it is empty or could not be read (its reader's error is
+    the driver's to raise)."""
     if next_batch is None:
         return None
     import ray
 
     try:
-        upcoming = ray.get(next_batch)
+        upcoming = ray.get(next_batch) if isinstance(next_batch, ray.ObjectRef) else next_batch
         if not upcoming.examples:
             return None
         next_keys = ray.get(list(upcoming.keys_by_owner))
+        needed = ray.get(list(must_return)) if must_return else None
     except Exception:  # noqa: BLE001 - the schedule raises it; here: keep nothing
         return None
-    return [_in_sorted(k, nk) for k, nk in zip(key_parts, next_keys, strict=True)]
+    keep = [_in_sorted(k, nk) for k, nk in zip(key_parts, next_keys, strict=True)]
+    if needed is not None:
+        keep = [m & ~_in_sorted(k, np.sort(back)) for m, k, back in zip(keep, key_parts, needed, strict=True)]
+    return keep
 
 
 def _in_sorted(keys: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:

@@ -180,6 +180,14 @@ def format_stage_table(report: Mapping[str, Any]) -> str:
             f"{100 * ov['load_during_train']:.0f}%, read of t+2 + load of t+1 + train of t at once "
             f"{100 * ov['read_load_train']:.0f}%"
         )
+    ws = report.get("working_set") or {}
+    if ws.get("per_batch"):
+        lines.append(
+            f"trainer working set per batch: {ws['rows_to_trainer_per_batch']:,.0f} rows "
+            f"({_bytes(ws['bytes_to_trainer_per_batch'])}) shipped to it, "
+            f"{ws['rows_to_owner_per_batch']:,.0f} ({_bytes(ws['bytes_to_owner_per_batch'])}) returned; "
+            f"hit rate {ws['trainer_hit_rate']:.3f}"
+        )
     bad = report.get("bad_input") or {}
     if bad:
         lines.append(

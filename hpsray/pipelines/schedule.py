@@ -13,11 +13,15 @@ while ``t`` trains and ``pull(t+2)`` only after ``write_back(t)``; SSD-PS loads 
 keeps its own from ``t`` resident in HBM-PS, and rows other nodes changed come again through
 ``refresh(t+1)`` (docs/architecture.md: invariants 2 and 4).
 
-On one node ``train(t)`` is also given batch ``t+1``'s read (submitted before it for that): the
-trainer keeps the rows both batches need and returns only the others, and the owner does not
-ship rows its borrower held in the batch before. :meth:`PassSchedule.flush_trainers` stores the
-kept rows where the owners' copies must be current: before a checkpoint, at a stop, after a
-failure (docs/architecture.md: The trainer's working set).
+``train(t)`` is also given batch ``t+1``'s read (submitted before it for that): the trainer keeps
+the rows both batches need and returns only the others, and the owner does not ship rows its
+borrower held in the batch before. With several nodes (under BSP and A-BSP) the driver lends
+``t+1`` before it submits ``train(t)``, and each owner names the rows a trainer must return all
+the same (``MemPSShard.must_return``: another node borrows them in ``t+1`` without holding them,
+and its refresh reads the owner's copy); under SSP and ASP every row goes back.
+:meth:`PassSchedule.flush_trainers` stores the kept rows where the owners' copies must be
+current: before a checkpoint, at a stop, after a failure (docs/architecture.md: The trainer's
+working set).
 
 Under SSP and ASP a trainer's clock runs on across batch ends
 (:func:`~hpsray.cluster.consistency.crosses_batches`): ``refresh`` is not submitted, so a fast
@@ -100,6 +104,8 @@ class PassSchedule:
         self.loads = edges(2, self.load_queue)
         self.write_backs = edges(3, self.write_back_queue)
         self.crosses = n > 1 and crosses_batches(self.sync)
+        # several nodes under BSP and A-BSP: t+1 is lent before t trains (the load edge must hold both)
+        self.lend_first = n > 1 and not self.crosses and self.load_queue >= 2
 
     @property
     def batches(self) -> int:
@@ -152,17 +158,40 @@ class PassSchedule:
         nodes = self.nodes
         return [[nodes[o].mem.refresh.remote(self.first + t, b) for o in range(len(nodes))] for b in range(len(nodes))]
 
-    def _train(self, t: int, read: list[ReadBatch], loans: list[list], refreshed: list[list] | None) -> list:
+    def _train(
+        self,
+        t: int,
+        read: list[ReadBatch],
+        loans: list[list],
+        refreshed: list[list] | None,
+        next_read: list[ReadBatch] | None = None,
+    ) -> list:
+        """Submit batch ``t``'s training; each trainer keeps the rows batch ``t+1`` needs too
+        (its ReadBatch, read ahead) unless the owners need them back: on one node they never
+        do; with several (``next_read`` given, and ``t+1`` lent) each owner names them."""
         n = len(self.nodes)
-        # one node: the trainer keeps the rows batch t+1 needs (its ReadBatch, read ahead)
-        upcoming = self._pending[0] if n == 1 and self._pending else [None] * n
+        upcoming: list = [None] * n
+        must: list[list] = [[] for _ in range(n)]
+        if n == 1 and self._pending:
+            upcoming = self._pending[0]
+        elif next_read is not None:
+            upcoming = list(next_read)
+            nodes, bid = self.nodes, self.first + t + 1
+            names = [node.mem.must_return.options(num_returns=n).remote(bid, n) for node in nodes]
+            must = [[names[o][b] for o in range(n)] for b in range(n)]
         sizes = [r.examples for r in read]
         results = []
         for edge in self.write_backs:
             edge.wait_room()
         for b, node in enumerate(self.nodes):
             inputs = TrainInputs(
-                read[b].batch, read[b].keys_by_owner, loans[b], refreshed[b] if refreshed else [], sizes, upcoming[b]
+                read[b].batch,
+                read[b].keys_by_owner,
+                loans[b],
+                refreshed[b] if refreshed else [],
+                sizes,
+                upcoming[b],
+                must[b],
             )
             refs = node.trainer.train.options(num_returns=n + 1).remote(self.first + t, inputs)
             results.append(refs)
@@ -185,12 +214,19 @@ class PassSchedule:
         refreshed = self._refresh(0) if self.refresh_alone and self.first > 0 else None
         while True:
             self._read(t + self.read_queue)  # before train(t): the trainer looks at batch t+1's keys
-            results = self._train(t, read, loans, refreshed)
+            if self.lend_first:  # t+1 lent before t trains: the owners can say which rows must come back
+                next_read = self._next_read()
+                more = sum(r.examples for r in next_read) > 0
+                if more:
+                    next_loans = self._lend(t + 1, next_read)
+                results = self._train(t, read, loans, refreshed, next_read if more else None)
+            else:
+                results = self._train(t, read, loans, refreshed)
+                next_read = self._next_read()
+                more = sum(r.examples for r in next_read) > 0
+                if more:
+                    next_loans = self._lend(t + 1, next_read)
             self._training = _Training(self.first + t, results)
-            next_read = self._next_read()
-            more = sum(r.examples for r in next_read) > 0
-            if more:
-                next_loans = self._lend(t + 1, next_read)
             returned = results
             if self.crosses and not more:  # the pass's last batch: every update in before write-back
                 bid = self.first + t

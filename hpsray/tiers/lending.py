@@ -275,6 +275,24 @@ class Lender:
             n += int(keys.size)
         return n
 
+    def must_return(self, batch_id: Hashable, borrowers: int) -> list[npt.NDArray[np.uint64]]:
+        """Per borrower ``0 .. borrowers-1``, the keys it was lent for the batch before
+        ``batch_id`` that it must return at that batch's end even if it keeps them: those
+        another borrower is lent for ``batch_id`` without having held them (its
+        :meth:`refresh` reads this owner's copy). Call once every lease of ``batch_id`` is
+        lent; with one missing, every key is named (keep nothing)."""
+        previous = _previous(batch_id)
+        before = [self.lent.get((previous, b), np.empty(0, np.uint64)) for b in range(borrowers)]
+        if any((batch_id, b) not in self.lent for b in range(borrowers)):
+            return before
+        new = [np.setdiff1d(self.lent[(batch_id, c)], before[c], assume_unique=True) for c in range(borrowers)]
+        out = []
+        for b in range(borrowers):
+            others = [new[c] for c in range(borrowers) if c != b and new[c].size]
+            need = np.concatenate(others) if others else np.empty(0, np.uint64)
+            out.append(before[b][np.isin(before[b], need)] if need.size and before[b].size else before[b][:0])
+        return out
+
     def stale(self, batch_id: Hashable, borrower: int) -> npt.NDArray[np.uint64]:
         """Keys lent to ``borrower`` for ``batch_id`` that other borrowers held in the batch
         before (so their copy lent early is stale), minus the borrower's own keys of that batch

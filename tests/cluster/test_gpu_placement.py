@@ -7,7 +7,7 @@ import os
 import pytest
 import ray
 
-from hpsray.actors.trainer import device_options
+from hpsray.actors.devices import device_options
 from hpsray.errors import ConfigError
 from hpsray.pipelines.placement import release_placements, trainer_placement
 

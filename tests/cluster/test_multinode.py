@@ -89,6 +89,35 @@ def test_bsp_two_nodes_equals_reference_through_ssd(two_nodes_cluster, dense):
         }
         assert len(nodes) == 2  # one trainer per Ray node
         check_lossless(p, source, 2)
+    assert report["working_set"]["per_batch"] == expected_traffic(source, 2)
+    assert report["working_set"]["trainer_hit_rate"] > 0.2
+
+
+def expected_traffic(source, nodes: int, batch: int = BATCH) -> dict:
+    """Rows each way per global batch over the nodes when every trainer keeps its working set
+    (docs/architecture.md: The trainer's working set): shipped = keys not held from the batch
+    before; returned = keys minus those kept, which the next batch needs and no other node
+    borrows anew in it."""
+    shares = [[np.unique(b.keys) for b in source.open(batch, i, nodes)] for i in range(nodes)]
+    steps = max(len(s) for s in shares)
+    none = np.empty(0, np.uint64)
+    keys = [[s[t] if t < len(s) else none for t in range(steps)] for s in shares]
+    out = {}
+    for t in range(steps):
+        shipped = held = returned = 0
+        for b in range(nodes):
+            now = keys[b][t]
+            before = keys[b][t - 1] if t else none
+            shipped += np.setdiff1d(now, before).size
+            held += np.intersect1d(now, before).size
+            if t + 1 < steps:
+                new_elsewhere = [np.setdiff1d(keys[c][t + 1], keys[c][t]) for c in range(nodes) if c != b]
+                keep = np.setdiff1d(np.intersect1d(now, keys[b][t + 1]), np.concatenate(new_elsewhere))
+                returned += now.size - keep.size
+            else:
+                returned += now.size
+        out[str(t)] = {"to_trainer": shipped, "held": held, "to_owner": returned}
+    return out
 
 
 def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):

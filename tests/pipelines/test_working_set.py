@@ -131,3 +131,19 @@ def test_a_trainer_missing_rows_it_was_counted_on_holding_says_so():
     held = np.ones(13, bool)  # key 13 was never borrowed
     with pytest.raises(WorkingSetError, match="lacks 1 of the 13 rows"):
         hbm.borrow(np.arange(1, 14, dtype=np.uint64), rows[:0], held=held)
+
+
+def test_an_owner_names_the_rows_it_needs_back_from_each_borrower(tmp_path):
+    """Keys a borrower may keep into the next batch unless another borrower is lent them anew
+    there: that one's refresh reads the owner's copy, so it must be current."""
+    ssd = SSDPS(str(tmp_path / "ssd"), CFG.row_width, rows_per_file=64)
+    lender = Lender(MemPS(100, CFG.row_width, ssd, CFG.row_init()), 0, CFG.row_init())
+    k = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    lender.lend_deferred(0, k(1, 2, 3), 0)
+    lender.lend_deferred(0, k(3, 4), 1)
+    lender.lend_deferred(1, k(1, 2, 3), 0)
+    assert [m.tolist() for m in lender.must_return(1, 2)] == [[1, 2, 3], [3, 4]]  # lease (1, 1) not lent yet
+    lender.lend_deferred(1, k(2, 3, 5), 1)  # 2 and 5 are new to borrower 1; 3 it held
+    back = lender.must_return(1, 2)
+    assert back[0].tolist() == [2]  # borrower 0 keeps 1 and 3; 2 goes back for borrower 1's refresh
+    assert back[1].tolist() == []  # borrower 0 is lent nothing anew that borrower 1 held
