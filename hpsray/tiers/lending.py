@@ -169,17 +169,17 @@ class Lender:
         copy here (docs/architecture.md: The trainer's working set). They are pinned all the
         same, so they are resident, never missing, and have their slots for the return."""
         lease = (batch_id, self.node if borrower is None else borrower)
+        held = self._held(lease, keys) if skip_held else None
         if self.admission is None:
-            rows, missing = self.mem.reserve(lease, keys)
+            rows, missing = self.mem.reserve(lease, keys, held)
         else:
-            rows, missing = self._lend_admitted(lease, keys)
+            rows, missing = self._lend_admitted(lease, keys, held)
         self.lent[lease] = keys
         s = self.mem.batch_stats(lease)
         counts = self._hits.setdefault(batch_id, [0, 0])
         counts[0] += s["hits"]
         counts[1] += s["misses"]
         self.hit_rate[batch_id] = counts[0] / max(counts[0] + counts[1], 1)
-        held = self._held(lease, keys) if skip_held else None
         if held is None:
             return Pulled(rows, missing, keys[missing], self.init)
         missing = missing[~held[missing]]  # a held key's row is on the trainer: never loaded again
@@ -196,7 +196,9 @@ class Lender:
         held = before[at] == keys
         return held if held.any() else None
 
-    def _lend_admitted(self, lease: Lease, keys: npt.NDArray[np.uint64]) -> tuple[np.ndarray, np.ndarray]:
+    def _lend_admitted(
+        self, lease: Lease, keys: npt.NDArray[np.uint64], held: npt.NDArray[np.bool_] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`lend_deferred` under admission: expire what the previous batch's end expires,
         count the keys, and lend admitted keys their rows and the others their initial rows."""
         adm = self.admission
@@ -207,9 +209,9 @@ class Lender:
         self._expire(batch_id - 1)  # before counting: an expired key starts afresh
         admitted = adm.see(batch_id, keys)
         if admitted.all():
-            return self.mem.reserve(lease, keys)
+            return self.mem.reserve(lease, keys, held)
         rows = np.empty((keys.size, self.mem.width), dtype=np.float32)
-        rows[admitted], missing = self.mem.reserve(lease, keys[admitted])
+        rows[admitted], missing = self.mem.reserve(lease, keys[admitted], None if held is None else held[admitted])
         rejected = keys[~admitted]
         rows[~admitted] = initial_rows(rejected, self.mem.width, self.init)
         self.rejected[lease] = rejected

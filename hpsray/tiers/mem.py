@@ -187,7 +187,9 @@ class MemPS:
             slots, _ = self._take(batch_id, uk, load=True)
             return self._table.gather(slots if inv is None else slots[inv])
 
-    def reserve(self, batch_id: Hashable, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    def reserve(
+        self, batch_id: Hashable, keys: ArrayLike, held: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`pull` without loading: ``(rows, missing)`` for the distinct ``keys``, all
         pinned for ``batch_id``, where ``rows[missing]`` are zeros the caller must fill with the
         store's rows (initial rows for keys it never stored): the load stage's job.
@@ -196,19 +198,23 @@ class MemPS:
         :meth:`write_back` (or :meth:`fill`) gives it one; a reserved row is never dumped (the
         store already holds its newest value), :meth:`peek` refuses it and a later
         ``reserve`` names it missing again. Keys whose dump or delete the store still has in
-        flight (``store.in_flight``) are not missing: their rows come from there.
+        flight (``store.in_flight``) are not missing: their rows come from there. Resident keys
+        flagged ``held`` (their borrower holds the newest row) are never missing: they count
+        as hits.
         """
         keys = as_keys(keys)
         if not is_sorted_distinct(keys):
             raise ValueError("reserve: keys must be sorted and distinct")
         with self._lock:
-            slots, missing = self._take(batch_id, keys, load=False)
+            slots, missing = self._take(batch_id, keys, load=False, held=held)
             rows = self._table.gather(slots)
             if missing.size:
                 rows[missing] = 0.0
             return rows, missing
 
-    def _take(self, batch_id: Hashable, uk: np.ndarray, load: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _take(
+        self, batch_id: Hashable, uk: np.ndarray, load: bool, held: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Pin the sorted distinct ``uk`` for ``batch_id``: ``(slots, missing positions)``.
         With ``load`` every row is filled (from the store or initialised) and none is missing."""
         slots = self._table.find(uk)
@@ -229,6 +235,8 @@ class MemPS:
         policy.touch(hit_slots, uk[hit])
         policy.pin(hit_slots)
         unfilled = np.flatnonzero(hit)[self._reserved[hit_slots]]  # resident, no row yet
+        if held is not None and unfilled.size:
+            unfilled = unfilled[~held[unfilled]]  # its borrower holds the row: nothing to load
         try:
             loaded = recovered = 0
             absent = np.zeros(0, np.int64)  # positions in miss_keys the store must give
