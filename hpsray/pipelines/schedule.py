@@ -215,18 +215,23 @@ class PassSchedule:
         while True:
             self._read(t + self.read_queue)  # before train(t): the trainer looks at batch t+1's keys
             if self.lend_first:  # t+1 lent before t trains: the owners can say which rows must come back
-                next_read = self._next_read()
+                try:
+                    next_read = self._next_read()
+                except Exception:  # t+1 is bad: t still trains (every row back) and is salvaged
+                    self._training = _Training(self.first + t, self._train(t, read, loans, refreshed))
+                    raise
                 more = sum(r.examples for r in next_read) > 0
                 if more:
                     next_loans = self._lend(t + 1, next_read)
                 results = self._train(t, read, loans, refreshed, next_read if more else None)
+                self._training = _Training(self.first + t, results)
             else:
                 results = self._train(t, read, loans, refreshed)
+                self._training = _Training(self.first + t, results)  # salvaged if reading t+1 fails
                 next_read = self._next_read()
                 more = sum(r.examples for r in next_read) > 0
                 if more:
                     next_loans = self._lend(t + 1, next_read)
-            self._training = _Training(self.first + t, results)
             returned = results
             if self.crosses and not more:  # the pass's last batch: every update in before write-back
                 bid = self.first + t
