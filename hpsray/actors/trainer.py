@@ -335,7 +335,7 @@ class Trainer(RelaxedSteps):
         with self.clock.timed(batch_id):
             here = [d == self.device_index for d in devices]
             self._unreturned = [k[h & m] for k, h, m in zip(key_parts, here, keep, strict=True)] if keep else []
-            back = [None if keep is None else ~m for m in keep or key_parts]
+            back = [~m for m in keep] if keep is not None else [None] * len(key_parts)
             rows_back = [self.hbm.get(k[h if b is None else h & b]) for k, h, b in zip(key_parts, here, back)]
         return batch, key_parts, devices, DevicePart(rows_back, shares, scales, back)
 

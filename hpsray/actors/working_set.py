@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hpsray.kernels.distinct import in_sorted
 from hpsray.tiers.lending import Loan
 
 
@@ -49,18 +50,10 @@ def kept_masks(next_batch: Any, key_parts: list[np.ndarray], must_return: list[A
         needed = ray.get(list(must_return)) if must_return else None
     except Exception:  # noqa: BLE001 - the schedule raises it; here: keep nothing
         return None
-    keep = [_in_sorted(k, nk) for k, nk in zip(key_parts, next_keys, strict=True)]
-    if needed is not None:
-        keep = [m & ~_in_sorted(k, np.sort(back)) for m, k, back in zip(keep, key_parts, needed, strict=True)]
+    keep = [in_sorted(k, nk) for k, nk in zip(key_parts, next_keys, strict=True)]
+    if needed is not None:  # each owner's keys needed back are a subset of its sorted lease: sorted
+        keep = [m & ~in_sorted(k, back) for m, k, back in zip(keep, key_parts, needed, strict=True)]
     return keep
-
-
-def _in_sorted(keys: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
-    """Whether each of ``keys`` is in the sorted distinct ``sorted_keys``."""
-    if not sorted_keys.size or not keys.size:
-        return np.zeros(keys.size, bool)
-    at = np.minimum(np.searchsorted(sorted_keys, keys), sorted_keys.size - 1)
-    return np.asarray(sorted_keys[at] == keys)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Distinct keys of a batch, ascending, and the check that keys already are."""
+"""Distinct keys of a batch, ascending, the check that keys already are, and membership in such keys."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ def distinct_sorted(keys: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(s[1:], s[:-1], out=keep[1:])
     return s[keep]
+
+
+def in_sorted(values: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
+    """``bool[len(values)]``: which of ``values`` occur in the ascending array ``sorted_keys``
+    (a binary search per value; ``np.isin`` sorts both sides first)."""
+    if not sorted_keys.size or not values.size:
+        return np.zeros(values.size, bool)
+    at = np.minimum(np.searchsorted(sorted_keys, values), sorted_keys.size - 1)
+    return np.asarray(sorted_keys[at] == values)
 
 
 def is_sorted_distinct(keys: np.ndarray) -> bool:

@@ -31,6 +31,7 @@ import shutil
 
 import numpy as np
 
+from hpsray.kernels.distinct import in_sorted
 from hpsray.serving.errors import ServingError
 
 __all__ = [
@@ -205,15 +206,6 @@ def _read_delta(path: str, m: dict, dim: int) -> tuple[np.ndarray, np.ndarray, n
     return np.concatenate(keys), np.concatenate(weights), np.concatenate(removed)
 
 
-def _in_sorted(values: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
-    """``bool[len(values)]``: which of ``values`` occur in the sorted array ``sorted_keys``."""
-    if not sorted_keys.size:
-        return np.zeros(values.size, bool)
-    pos = np.searchsorted(sorted_keys, values)
-    pos[pos == sorted_keys.size] = 0
-    return sorted_keys[pos] == values
-
-
 def net_delta(deltas: list[tuple[str, dict]], dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The deltas ``[(directory, manifest), ...]`` applied in order, as one:
     ``(keys set, sorted; their weights; keys removed, sorted)`` (a key set after its removal is
@@ -223,11 +215,11 @@ def net_delta(deltas: list[tuple[str, dict]], dim: int) -> tuple[np.ndarray, np.
     for path, m in deltas:
         dk, dw, rm = _read_delta(path, m, dim)
         rm = np.unique(rm)
-        keep = ~_in_sorted(keys, np.union1d(rm, dk))
+        keep = ~in_sorted(keys, np.union1d(rm, dk))
         keys, weights = np.concatenate([keys[keep], dk]), np.concatenate([weights[keep], dw])
         order = np.argsort(keys, kind="stable")
         keys, weights = keys[order], weights[order]
-        removed = np.union1d(removed[~_in_sorted(removed, np.sort(dk))], rm)
+        removed = np.union1d(removed[~in_sorted(removed, np.sort(dk))], rm)
     return keys, weights, removed
 
 
@@ -296,7 +288,7 @@ def _merge(
             c1 = min(n, c0 + MERGE_CHUNK_ROWS)
             ck = np.asarray(old_keys[c0:c1])
             hi = int(np.searchsorted(keys, old_keys[c1])) if c1 < n else keys.size  # new keys before the next chunk
-            keep = ~_in_sorted(ck, drop)
+            keep = ~in_sorted(ck, drop)
             kept = ck[keep]
             at = np.searchsorted(kept, keys[j:hi]) + np.arange(hi - j)  # where the set keys go, in order
             mk = np.empty(kept.size + at.size, np.uint64)

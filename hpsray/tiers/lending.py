@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from hpsray.kernels.distinct import in_sorted
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.tiers.admission import Admission
 from hpsray.tiers.mem import BackingStore, DeletingStore, MemPS
@@ -190,10 +191,9 @@ class Lender:
         """Which of ``keys`` (sorted, distinct) the borrower of ``lease`` was lent for the batch
         before (``None``: none, or no such lease)."""
         before = self.lent.get((_previous(lease[0]), lease[1]))
-        if before is None or not before.size or not keys.size:
+        if before is None:
             return None
-        at = np.minimum(np.searchsorted(before, keys), before.size - 1)
-        held = before[at] == keys
+        held = in_sorted(keys, before)
         return held if held.any() else None
 
     def _lend_admitted(
@@ -262,12 +262,13 @@ class Lender:
         stop, after a failure) without touching leases: resident keys get their row in place
         (dirty), the others go straight to the store. Keys lent without a row are skipped.
         Returns the rows stored."""
-        rejected = [k for k in self.rejected.values() if k.size]
+        parts = [k for k in self.rejected.values() if k.size]
+        rejected = np.concatenate(parts) if parts else None
         n = 0
         for part in returned:
             keys, rows = part.keys, part.rows
-            if rejected and keys.size:
-                keep = ~np.isin(keys, np.concatenate(rejected))
+            if rejected is not None and keys.size:
+                keep = ~np.isin(keys, rejected)
                 keys, rows = keys[keep], rows[keep]
             if not keys.size:
                 continue
