@@ -122,6 +122,19 @@ def test_a_cuda_trainer_on_a_node_without_gpus_is_refused_before_training(ray_lo
             p.fit(progress=False)
 
 
+def assert_like_the_reference(cfg, source, keys, rows, dense, atol: float) -> ReferenceTrainer:
+    """A pipeline's exported rows and dense weights equal the reference trainer's on ``source``
+    (rtol 1e-4); returns the trained reference."""
+    ref = ReferenceTrainer(GEN.n_slots, GEN.n_dense, cfg)
+    ref.fit(source.open(BATCH))
+    ref_keys, ref_rows, ref_dense = ref.export()
+    np.testing.assert_array_equal(keys, ref_keys)
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-4, atol=atol)
+    for name, value in ref_dense.items():
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-4, atol=atol, err_msg=name)
+    return ref
+
+
 # -- real GPU ---------------------------------------------------------------------------------
 
 
@@ -144,13 +157,7 @@ def test_the_pipeline_on_cuda_is_lossless_with_ssd_spills(ray_local, tmp_path):
         dense = p.dense_state()
         evaluated = p.evaluate(SyntheticSource(GEN, rows=2000, start_row=10**7))
     assert report["examples"] == 6000 and report["ssd"]["bytes_read"] > 0
-    ref = ReferenceTrainer(GEN.n_slots, GEN.n_dense, cfg)
-    ref.fit(source.open(BATCH))
-    ref_keys, ref_rows, ref_dense = ref.export()
-    np.testing.assert_array_equal(keys, ref_keys)
-    np.testing.assert_allclose(rows, ref_rows, rtol=1e-4, atol=1e-5)
-    for name, value in ref_dense.items():
-        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    ref = assert_like_the_reference(cfg, source, keys, rows, dense, atol=1e-5)
     ref_auc = ref.evaluate(SyntheticSource(GEN, rows=2000, start_row=10**7).open(BATCH)).auc
     assert abs(evaluated["auc"] - ref_auc) < 1e-3
 
@@ -263,10 +270,4 @@ def test_two_device_processes_on_two_gpus_are_lossless(ray_local):
         p.fit(progress=False)
         keys, rows = p.export_rows()
         dense = p.dense_state()
-    ref = ReferenceTrainer(GEN.n_slots, GEN.n_dense, cfg)
-    ref.fit(source.open(BATCH))
-    ref_keys, ref_rows, ref_dense = ref.export()
-    np.testing.assert_array_equal(keys, ref_keys)
-    np.testing.assert_allclose(rows, ref_rows, rtol=1e-4, atol=5e-5)
-    for name, value in ref_dense.items():
-        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-4, atol=5e-5, err_msg=name)
+    assert_like_the_reference(cfg, source, keys, rows, dense, atol=5e-5)
