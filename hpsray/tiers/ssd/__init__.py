@@ -7,6 +7,7 @@ and restoring them are in :mod:`~hpsray.tiers.ssd.snapshot`. See docs/tiers.md.
 """
 
 from hpsray.errors import CorruptFileError, SSDError, SSDFullError
+from hpsray.tiers.ssd.bulkload import TableImport, TableImportError, read_table
 from hpsray.tiers.ssd.snapshot import restore_snapshot, verify_snapshot
 from hpsray.tiers.ssd.store import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
 
@@ -16,7 +17,10 @@ __all__ = [
     "CorruptFileError",
     "SSDError",
     "SSDFullError",
+    "TableImport",
+    "TableImportError",
     "default_rows_per_file",
+    "read_table",
     "restore_snapshot",
     "verify_snapshot",
 ]

@@ -1,9 +1,12 @@
 """SSD-PS key map (where each key's newest row lives) and recovery (rebuilding it on open).
 
-The map is a width-0 :class:`~hpsray.kernels.cpu.CpuHashTable` (key → index slot) plus two
-``int32`` arrays indexed by that slot: the *file slot* of the file holding the row (see
-:class:`~hpsray.tiers.ssd.files.FileTable`) and the row's position in the file. Recovery rebuilds
-both from the manifest's live files and their key/version indexes: the highest version of a key
+The map is one open-addressing hash table of its own (linear probing, backward-shift deletion):
+three arrays indexed by the same *index slot* — the key (``uint64``), the *file slot* of the
+file holding its row (``int32``, see :class:`~hpsray.tiers.ssd.files.FileTable`) and the row's
+position in that file (``int32``) — 16 bytes per slot, at most :data:`MAX_LOAD` full, so 21–43
+bytes per key (:attr:`KeyMap.bytes_per_key`). Slots stay valid until the next insert or removal,
+which callers do under the store's lock. Recovery rebuilds it from the manifest's live files and
+their key/version indexes, file by file in one numba pass each: the highest version of a key
 wins, so a compacted copy never shadows a newer dump written while the compaction ran.
 
 A deleted key's newest entry is a *tombstone* (a row in a file flagged
@@ -16,77 +19,252 @@ from __future__ import annotations
 
 import os
 
+import numba
 import numpy as np
+from numba import njit
 
 from hpsray.errors import CorruptFileError
-from hpsray.kernels.cpu import CpuHashTable
+from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.tiers.ssd.files import FileTable
 from hpsray.tiers.ssd.manifest import NAME as MANIFEST_NAME
 from hpsray.tiers.ssd.manifest import Manifest
 from hpsray.tiers.ssd.paramfile import (
     FLAG_TOMBSTONE,
+    HEADER_BYTES,
     PARTIAL_VERSIONS,
     TMP_SUFFIX,
+    decode_header,
     file_name,
     parse_file_name,
     read_index,
 )
 
-__all__ = ["KeyMap", "recover"]
+__all__ = ["MAX_LOAD", "KeyMap", "recover"]
+
+MAX_LOAD = 0.75
+"""Most keys per index slot before the table doubles (so 0.375–0.75 full: 21–43 bytes per key)."""
+
+_EMPTY = np.uint64(EMPTY_KEY)  # as_keys refuses it as a key
+_MIN_CAPACITY = 1024
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _home(key, mask):
+    """Bucket of ``key``: a 64-bit finaliser (murmur3's) so sequential keys spread out."""
+    h = key ^ (key >> np.uint64(33))
+    h *= np.uint64(0xFF51AFD7ED558CCD)
+    h ^= h >> np.uint64(33)
+    h *= np.uint64(0xC4CEB9FE1A85EC53)
+    h ^= h >> np.uint64(33)
+    return h & mask
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _find(tkeys, mask, keys, out):
+    for i in numba.prange(keys.size):
+        k = keys[i]
+        b = _home(k, mask)
+        while True:
+            t = tkeys[b]
+            if t == k:
+                out[i] = b
+                break
+            if t == _EMPTY:
+                out[i] = -1
+                break
+            b = (b + np.uint64(1)) & mask
+
+
+@njit(cache=True, nogil=True)
+def _place(tkeys, tfs, tpos, mask, keys, fs, pos, out):
+    """Find or insert each key, then set its location; returns the keys inserted."""
+    new = 0
+    for i in range(keys.size):
+        k = keys[i]
+        b = _home(k, mask)
+        while True:
+            t = tkeys[b]
+            if t == k:
+                break
+            if t == _EMPTY:
+                tkeys[b] = k
+                new += 1
+                break
+            b = (b + np.uint64(1)) & mask
+        tfs[b] = fs[i]
+        tpos[b] = pos[i]
+        out[i] = b
+    return new
+
+
+@njit(cache=True, nogil=True)
+def _remove(tkeys, tfs, tpos, mask, keys, gone_fs, gone):
+    """Remove each present key (backward-shift deletion: the entries after it in its probe run
+    move back, so no tombstone markers are needed); returns the keys removed."""
+    n = 0
+    for i in range(keys.size):
+        k = keys[i]
+        b = _home(k, mask)
+        while tkeys[b] != k and tkeys[b] != _EMPTY:
+            b = (b + np.uint64(1)) & mask
+        if tkeys[b] == _EMPTY:
+            continue
+        gone[i] = True
+        gone_fs[i] = tfs[b]
+        n += 1
+        hole = b
+        j = (b + np.uint64(1)) & mask
+        while tkeys[j] != _EMPTY:
+            home = _home(tkeys[j], mask)
+            # the entry at j may fill the hole when its home is not in the cyclic range (hole, j]
+            if ((j - home) & mask) >= ((j - hole) & mask):
+                tkeys[hole], tfs[hole], tpos[hole] = tkeys[j], tfs[j], tpos[j]
+                hole = j
+            j = (j + np.uint64(1)) & mask
+        tkeys[hole] = _EMPTY
+        tfs[hole] = -1
+        tpos[hole] = 0
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _rehash(okeys, ofs, opos, tkeys, tfs, tpos, mask):
+    for i in range(okeys.size):
+        k = okeys[i]
+        if k == _EMPTY:
+            continue
+        b = _home(k, mask)
+        while tkeys[b] != _EMPTY:
+            b = (b + np.uint64(1)) & mask
+        tkeys[b], tfs[b], tpos[b] = k, ofs[i], opos[i]
+
+
+@njit(cache=True, nogil=True)
+def _recover_file(tkeys, tfs, tpos, tver, mask, keys, vers, fslot):
+    """Merge one file's index into the map: a key's entry wins over the mapped one when its
+    version is at least as high (files come in ascending number, so of equal versions, copies
+    of the same value, the later file's wins). Returns the keys inserted."""
+    new = 0
+    for i in range(keys.size):
+        k = keys[i]
+        v = vers[i]
+        b = _home(k, mask)
+        while True:
+            t = tkeys[b]
+            if t == _EMPTY:
+                tkeys[b] = k
+                tver[b] = v
+                tfs[b] = fslot
+                tpos[b] = i
+                new += 1
+                break
+            if t == k:
+                if v >= tver[b]:
+                    tver[b] = v
+                    tfs[b] = fslot
+                    tpos[b] = i
+                break
+            b = (b + np.uint64(1)) & mask
+    return new
+
+
+@njit(cache=True, nogil=True)
+def _beaten_by_tombstones(tkeys, tfs, mask, keys, fslot, tomb_of, deps):
+    """``deps[t, fslot] = True`` when a key of this (row) file is mapped to tombstone file ``t``
+    (``tomb_of[file slot]``, -1 for row files): this file holds an older copy of a deleted key."""
+    for i in range(keys.size):
+        k = keys[i]
+        b = _home(k, mask)
+        while tkeys[b] != k:
+            b = (b + np.uint64(1)) & mask
+        t = tomb_of[tfs[b]]
+        if t >= 0:
+            deps[t, fslot] = True
+
+
+def _capacity_for(n: int) -> int:
+    cap = _MIN_CAPACITY
+    while n > MAX_LOAD * cap:
+        cap *= 2
+    return cap
 
 
 class KeyMap:
-    """key → (file slot, row position); callers hold the store's lock."""
+    """key → (file slot, row position) in one compact hash table; callers hold the store's lock.
 
-    def __init__(self, capacity: int = 1024) -> None:
-        self.index = CpuHashTable(capacity, 0)
-        self.file_slot = np.full(capacity, -1, dtype=np.int32)
-        self.pos = np.zeros(capacity, dtype=np.int32)
+    ``file_slot`` and ``pos`` are indexed by the index slots :meth:`find` and :meth:`place`
+    return (valid until the next insert or removal).
+    """
+
+    def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
+        self._alloc(_capacity_for(capacity))
+        self._size = 0
+
+    def _alloc(self, cap: int) -> None:
+        self.keys = np.full(cap, _EMPTY, dtype=np.uint64)
+        self.file_slot = np.full(cap, -1, dtype=np.int32)
+        self.pos = np.zeros(cap, dtype=np.int32)
+        self._mask = np.uint64(cap - 1)
 
     @property
     def size(self) -> int:
         """Keys mapped."""
-        return self.index.size
+        return self._size
+
+    @property
+    def capacity(self) -> int:
+        """Index slots (a power of two)."""
+        return int(self.keys.size)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the map holds (its three arrays)."""
+        return int(self.keys.nbytes + self.file_slot.nbytes + self.pos.nbytes)
+
+    @property
+    def bytes_per_key(self) -> float:
+        """:attr:`nbytes` per key mapped (``nan`` when empty)."""
+        return self.nbytes / self._size if self._size else float("nan")
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Index slots of ``keys`` (-1: not stored)."""
-        return self.index.find(keys)
+        out = np.empty(keys.size, dtype=np.int64)
+        _find(self.keys, self._mask, np.ascontiguousarray(keys, dtype=np.uint64), out)
+        return out
+
+    def _resize(self, cap: int) -> None:
+        okeys, ofs, opos = self.keys, self.file_slot, self.pos
+        self._alloc(cap)
+        _rehash(okeys, ofs, opos, self.keys, self.file_slot, self.pos, self._mask)
 
     def grow(self, extra: int) -> None:
-        """Make room for ``extra`` more keys (doubling, rebuilt in one pass)."""
-        need = self.index.size + extra
-        if need <= self.index.capacity:
+        """Make room for ``extra`` more keys (doubling at least, rebuilt in one pass)."""
+        need = self._size + extra
+        if need <= MAX_LOAD * self.capacity:
             return
-        cap = max(need, 2 * self.index.capacity)
-        old_keys, _ = self.index.export()
-        old_slots = self.index.find(old_keys)
-        index = CpuHashTable(cap, 0)
-        slots = index.find_or_insert(old_keys)
-        file_slot = np.full(cap, -1, dtype=np.int32)
-        pos = np.zeros(cap, dtype=np.int32)
-        file_slot[slots] = self.file_slot[old_slots]
-        pos[slots] = self.pos[old_slots]
-        self.index, self.file_slot, self.pos = index, file_slot, pos
+        self._resize(max(_capacity_for(need), 2 * self.capacity))
 
     def place(self, keys: np.ndarray, file_slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Map ``keys`` (inserting absent ones; :meth:`grow` first) to rows; returns their index slots."""
-        slots = self.index.find_or_insert(keys)
-        self.file_slot[slots] = file_slots
-        self.pos[slots] = positions
-        return slots
+        """Map ``keys`` (inserting absent ones; :meth:`grow` first) to rows; returns their index
+        slots (of duplicate keys, the last one's location stays)."""
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        n = keys.size
+        fs = np.ascontiguousarray(np.broadcast_to(np.asarray(file_slots, dtype=np.int32), (n,)))
+        ps = np.ascontiguousarray(np.broadcast_to(np.asarray(positions, dtype=np.int32), (n,)))
+        if self._size + n > self.capacity - 1:  # a caller that did not grow: never probe a full table
+            self.grow(n)
+        out = np.empty(n, dtype=np.int64)
+        self._size += int(_place(self.keys, self.file_slot, self.pos, self._mask, keys, fs, ps, out))
+        return out
 
     def remove(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Unmap ``keys`` (absent ones are skipped); returns ``(the keys removed, the file slots
         their rows were in)``."""
-        slots = self.index.find(keys)
-        present = slots >= 0
-        s = slots[present]
-        gone = keys[present]
-        file_slots = self.file_slot[s].copy()
-        self.index.erase(gone)
-        self.file_slot[s] = -1
-        self.pos[s] = 0
-        return gone, file_slots
+        keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        gone_fs = np.empty(keys.size, dtype=np.int32)
+        gone = np.zeros(keys.size, dtype=bool)
+        self._size -= int(_remove(self.keys, self.file_slot, self.pos, self._mask, keys, gone_fs, gone))
+        return keys[gone], gone_fs[gone]
 
     def lives_at(
         self, keys: np.ndarray, file_slot: int | np.ndarray, positions: np.ndarray
@@ -94,12 +272,17 @@ class KeyMap:
         """Whether each key's mapped row is still at ``(file_slot, position)`` — no dump (or
         compaction) superseded it since it was written there. ``file_slot`` is one slot or one
         per key. Returns ``(mask, index slots)``."""
-        slots = self.index.find(keys)
+        slots = self.find(keys)
         ok = slots >= 0
         at = slots[ok]
         fs = np.broadcast_to(np.asarray(file_slot), keys.shape)
         ok[ok] = (self.file_slot[at] == fs[ok]) & (self.pos[at] == positions[ok])
         return ok, slots
+
+    def live_counts(self, n_file_slots: int) -> np.ndarray:
+        """Keys mapped to each file slot (``int64[n_file_slots]``)."""
+        fs = self.file_slot[self.keys != _EMPTY]
+        return np.bincount(fs, minlength=n_file_slots).astype(np.int64)
 
 
 def recover(
@@ -115,9 +298,12 @@ def recover(
     ``tombstones`` (when given) with each tombstone file's dependencies: the file numbers
     holding older entries of the keys whose newest entry it holds.
 
-    Removes files a crash left behind (never acknowledged: not in the manifest, or temporary).
-    Returns ``(next file number, garbage files removed)``. Raises :class:`CorruptFileError` for a
-    live file that is missing or fails its checks.
+    Reads each live file's header, key/version index and block table once (a second time for
+    the row files only when the store has tombstone files), merging it into the map in one
+    numba pass: memory beyond the map is one file's index and 8 bytes per index slot for the
+    versions while recovery runs. Removes files a crash left behind (never acknowledged: not in
+    the manifest, or temporary). Returns ``(next file number, garbage files removed)``. Raises
+    :class:`CorruptFileError` for a live file that is missing or fails its checks.
     """
     live = manifest.live
     removed = 0
@@ -127,52 +313,54 @@ def recover(
         if garbage and name != MANIFEST_NAME:  # a crash left it: never acknowledged
             os.unlink(os.path.join(directory, name))
             removed += 1
-    keys, vers, fslots, poss, marks = [], [], [], [], []
-    tomb_slots = []
-    for no in sorted(live):
+    next_file_no = max([manifest.next_file_no] + [no + 1 for no in live])
+    if not live:
+        return next_file_no, removed
+    order = sorted(live)
+    entries = 0
+    for no in order:  # headers first: the map is sized once, for every entry
         path = os.path.join(directory, file_name(no))
         if not os.path.exists(path):
             raise CorruptFileError(f"{path}: listed in the manifest but missing; the store is damaged")
+        with open(path, "rb") as f:
+            entries += decode_header(f.read(HEADER_BYTES), path).n
+    km = keys_map
+    km._alloc(_capacity_for(entries))
+    km._size = 0
+    tver = np.zeros(km.capacity, dtype=np.uint64)  # versions of the mapped entries, while recovering
+    tomb_slots: list[int] = []
+    row_slots: list[tuple[int, str]] = []
+    for no in order:
+        path = os.path.join(directory, file_name(no))
         pf = read_index(path, width)
-        if pf.header.file_no != no:
-            raise CorruptFileError(f"{path}: header names file {pf.header.file_no}")
-        partial = (
-            pf.blocks is not None and pf.header.block_rows == block_rows and pf.header.version in PARTIAL_VERSIONS
-        )  # format 2 files: whole reads only
-        s = files.add(no, pf.header.n, pf.header.size, 0, pf.header.flags, pf.blocks if partial else None)
-        tomb = bool(pf.header.flags & FLAG_TOMBSTONE)
-        if tomb:
+        h = pf.header
+        if h.file_no != no:
+            raise CorruptFileError(f"{path}: header names file {h.file_no}")
+        partial = pf.blocks is not None and h.block_rows == block_rows and h.version in PARTIAL_VERSIONS
+        s = files.add(no, h.n, h.size, 0, h.flags, pf.blocks if partial else None)  # format 2: whole reads only
+        if h.flags & FLAG_TOMBSTONE:
             tomb_slots.append(s)
-        marks.append(np.full(pf.header.n, tomb, dtype=bool))
-        keys.append(pf.keys)
-        vers.append(pf.versions)
-        fslots.append(np.full(pf.header.n, s, dtype=np.int32))
-        poss.append(np.arange(pf.header.n, dtype=np.int32))
-    next_file_no = max([manifest.next_file_no] + [no + 1 for no in live])
-    if not keys:
-        return next_file_no, removed
-    all_keys, all_vers = np.concatenate(keys), np.concatenate(vers)
-    all_fslots, all_poss = np.concatenate(fslots), np.concatenate(poss)
-    all_tomb = np.concatenate(marks)
-    order = np.lexsort((all_vers, all_keys))  # by key, then version: the last of each key wins
-    ks = all_keys[order]
-    last = np.ones(ks.size, dtype=bool)
-    last[:-1] = ks[1:] != ks[:-1]
-    win = order[last]
-    dead = all_tomb[win]  # the newest entry is a tombstone: deleted
-    if tombstones is not None and dead.any():
-        group = np.cumsum(np.concatenate([[0], last[:-1]]))  # key group of each sorted entry
-        by_tomb = all_fslots[win][group]  # per entry: its key's winning file slot
-        older = dead[group] & ~last & ~all_tomb[order]  # older row entries of deleted keys
-        pairs = np.unique(np.stack([by_tomb[older], all_fslots[order][older]]), axis=1)
-        for s in np.unique(all_fslots[win][dead]).tolist():
-            tombstones[int(files.no[s])] = files.no[pairs[1][pairs[0] == s]].astype(np.int64)
-    if tombstones is not None:
-        for s in tomb_slots:
-            tombstones.setdefault(int(files.no[s]), np.empty(0, np.int64))
-    keys_map.grow(int(np.count_nonzero(~dead)))
-    keys_map.place(all_keys[win[~dead]], all_fslots[win[~dead]], all_poss[win[~dead]])
-    files.live[:] = np.bincount(all_fslots[win[~dead]], minlength=files.capacity)
+        else:
+            row_slots.append((s, path))
+        keys, vers = np.ascontiguousarray(pf.keys), np.ascontiguousarray(pf.versions)
+        km._size += int(_recover_file(km.keys, km.file_slot, km.pos, tver, km._mask, keys, vers, np.int32(s)))
+    del tver
+    if tomb_slots:
+        tomb_of = np.full(files.capacity, -1, dtype=np.int64)
+        tomb_of[tomb_slots] = np.arange(len(tomb_slots))
+        if tombstones is not None:
+            deps = np.zeros((len(tomb_slots), files.capacity), dtype=bool)
+            for s, path in row_slots:  # which row files hold older copies of deleted keys
+                pf = read_index(path, width)
+                _beaten_by_tombstones(km.keys, km.file_slot, km._mask, np.ascontiguousarray(pf.keys), s, tomb_of, deps)
+            for t, s in enumerate(tomb_slots):
+                tombstones[int(files.no[s])] = files.no[np.flatnonzero(deps[t])].astype(np.int64)
+        occupied = km.keys != _EMPTY
+        dead = occupied & (tomb_of[np.maximum(km.file_slot, 0)] >= 0)
+        km.remove(km.keys[dead].copy())  # the newest entry is a tombstone: deleted
+    if km.size < MAX_LOAD / 4 * km.capacity and km.capacity > _MIN_CAPACITY:
+        km._resize(_capacity_for(km.size))  # many stale entries: no more slots than the keys need
+    files.live[:] = km.live_counts(files.capacity)
     for s in tomb_slots:
         files.live[s] = files.n[s]  # never a compaction victim: retired when its dependencies are gone
     return next_file_no, removed

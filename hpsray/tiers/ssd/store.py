@@ -49,6 +49,7 @@ from numpy.typing import ArrayLike
 
 from hpsray.errors import CorruptFileError, SSDError, SSDFullError
 from hpsray.kernels.table import as_keys, as_rows
+from hpsray.tiers.ssd.bulkload import TableImport, bulk_load
 from hpsray.tiers.ssd.compaction import Compaction, space_ratio
 from hpsray.tiers.ssd.files import FileTable, remove_files, write_files
 from hpsray.tiers.ssd.keymap import KeyMap, recover
@@ -312,6 +313,12 @@ class SSDPS:
         self._compaction.wake.set()  # the thread checks needs_compaction(): space ratio, small files
         if self.max_space_ratio is not None and ratio > self.max_space_ratio:
             self._compaction.backpressure()
+
+    def bulk_load(self, spec: TableImport, shard: tuple[int, int] | None = None) -> dict:
+        """Load an exported table (``spec``) into this empty store: sequential file writes, the
+        key map built as they are written, one manifest edit at the end; on any error nothing is
+        loaded. See :func:`~hpsray.tiers.ssd.bulkload.bulk_load`."""
+        return bulk_load(self, spec, shard)
 
     def delete(self, keys: ArrayLike) -> int:
         """Durably delete the rows of ``keys`` (absent keys are skipped); returns the rows deleted.
