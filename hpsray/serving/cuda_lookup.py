@@ -5,13 +5,17 @@ Per batch of distinct keys:
 1. **device tier** (:class:`~hpsray.serving.device_cache.DeviceCache`, ``device_rows`` rows in
    device memory, directory on the host): hits are gathered device to device into the output by
    the aligned warp kernel (:func:`hpsray.serving.uva.gather_rows`);
-2. **host tier** (a :class:`~hpsray.serving.cache.HotCache` whose rows are pinned host memory
-   mapped into the device, :func:`hpsray.serving.uva.mapped_rows`, ``capacity`` rows): the keys
-   the device tier missed are probed there and its hits gathered over the bus by the same kernel
-   (UVA zero-copy);
-3. **SSD**: the rest found in the point store are read straight into their output rows
-   (:class:`~hpsray.serving.gds.DeviceRowReader`: kvikio/GDS, else a host copy and a scatter) and
-   offered to the host tier; keys absent from the model get their initial rows.
+2. **host tier** (a :class:`~hpsray.serving.cache.HotCache` whose rows are a host arena,
+   :func:`hpsray.serving.uva.host_arena`, registered with the device, :func:`~hpsray.serving.uva.device_view`,
+   ``capacity`` rows at their natural stride): the keys the device tier missed are probed there
+   and its hits gathered over the bus by the same kernel (UVA zero-copy);
+3. **SSD**: the rest found in the point store are read in merged ranges
+   (:class:`~hpsray.serving.gds.DeviceRowReader`: kvikio/GDS into device memory, else parallel
+   ``preadv`` into a pinned buffer, one copy and a scatter) and offered to the host tier; keys
+   absent from the model get their initial rows.
+
+This is the *CPU-driven* GPU path: the host dedupes the batch, probes both directories and sends
+index arrays to the device. :mod:`hpsray.serving.device_driven` is the device-driven one.
 
 Then the rows the device tier missed and the other tiers supplied (host hits first, then SSD
 rows) are offered to the device tier: its directory admits them by use (a free entry of the
@@ -34,7 +38,7 @@ from hpsray.serving.cache import WAYS, HotCache
 from hpsray.serving.device_cache import DeviceCache, device_rows_for
 from hpsray.serving.gds import DeviceRowReader, scatter_rows
 from hpsray.serving.pointstore import PointStore
-from hpsray.serving.uva import gather_rows, host_view, mapped_rows
+from hpsray.serving.uva import device_view, gather_rows, host_arena, release_view
 
 if TYPE_CHECKING:
     import torch
@@ -68,8 +72,9 @@ class CudaTieredLookup:
         capacity = min(capacity, len(store))
         self.device = DeviceCache(device_rows_for(len(store), capacity, device_rows, store.dim), store.dim)
         n = -(-capacity // WAYS) * WAYS  # the host tier's entries (whole sets)
-        self.host_rows = mapped_rows(max(1, n), store.dim)  # read by the device over the bus
-        self.cache = HotCache(capacity, store.dim, rows=host_view(self.host_rows))
+        self.arena = host_arena(n, store.dim)  # written by the host cache, read by the device over the bus
+        self.host_rows = device_view(self.arena)
+        self.cache = HotCache(capacity, store.dim, rows=self.arena)
         self.reader = DeviceRowReader(store)
         self.ssd_reads = self.unseen = 0
         self.carried = 0
@@ -136,4 +141,11 @@ class CudaTieredLookup:
             "promoted": d.promoted,
             "carried": self.carried,
             "ssd_path": self.reader.path,
+            "reads_per_missed_row": self.reader.reads_per_row,
+            "row_bytes_in_memory": self.arena.strides[0],
         }
+
+    def close(self) -> None:
+        """Unregister the host arena and close the reader."""
+        release_view(self.host_rows)
+        self.reader.close()

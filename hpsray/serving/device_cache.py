@@ -1,10 +1,9 @@
 """The device-memory tier of the GPU lookup: the hottest rows in a device array, found by a host directory.
 
-:class:`DeviceCache` holds up to ``capacity`` rows in device memory, ``float32[n, stride_words(dim)]``
-(the point store's aligned stride, :func:`hpsray.serving.layout.row_stride`), so its hits are
-gathered into a batch's output by the same kernel as the UVA path,
-:func:`hpsray.serving.uva.gather_rows`: device to device, each warp reading whole aligned 128-byte
-segments. Which key sits in which device slot is kept on the host by a
+:class:`DeviceCache` holds up to ``capacity`` rows in device memory, ``float32[n, dim]`` at their
+natural stride (no padding), so its hits are gathered into a batch's output by the same kernel as
+the UVA path, :func:`hpsray.serving.uva.gather_rows`: device to device, every load inside an
+aligned 128-byte segment. Which key sits in which device slot is kept on the host by a
 :class:`~hpsray.serving.cache.HotCache` whose own rows take no memory (a zero-stride stand-in):
 its probe (a hit bumps the entry's 8-bit count) and its admission (a free entry of the key's set,
 otherwise the set's counts age by one) decide the device tier too, so the device tier keeps rows
@@ -32,7 +31,7 @@ from numba import cuda
 
 from hpsray.serving.cache import WAYS, HotCache
 from hpsray.serving.errors import ServingError
-from hpsray.serving.uva import gather_rows, stride_words
+from hpsray.serving.uva import gather_rows, row_bytes_natural
 
 __all__ = ["DEVICE_MEMORY_SHARE", "DeviceCache", "copy_rows", "device_rows_for", "free_device_bytes"]
 
@@ -51,7 +50,7 @@ def device_rows_for(
     smaller of ``mem_rows`` (the host tier's size) and the rows that fit in
     :data:`DEVICE_MEMORY_SHARE` of the device's free memory (``free_bytes``; asked of the device
     when ``None``). An explicit size that does not fit in the free memory is refused."""
-    row_bytes = 4 * stride_words(dim)
+    row_bytes = row_bytes_natural(dim)
     free = free_device_bytes() if free_bytes is None else float(free_bytes)
     if device_rows is not None:
         if device_rows < 0:
@@ -116,7 +115,7 @@ class DeviceCache:
         self.dim = dim
         n = -(-capacity // WAYS) * WAYS
         self.directory = HotCache(capacity, dim, rows=_no_rows(n, dim))
-        self.rows = cuda.device_array((max(1, n), stride_words(dim)), np.float32)
+        self.rows = cuda.device_array((max(1, n), dim), np.float32)
         self.promoted = 0
 
     @property

@@ -16,7 +16,13 @@ from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.serving.cache import HotCache
 from hpsray.serving.pointstore import PointStore
 
-__all__ = ["Lookup", "MemoryLookup", "TieredLookup", "mem_rows_for"]
+__all__ = ["SSD_READS", "Lookup", "MemoryLookup", "TieredLookup", "mem_rows_for"]
+
+SSD_READS = ("blocks", "mmap")
+"""How a tiered lookup reads its misses: ``blocks``, merged ranges by parallel ``preadv``
+(:mod:`hpsray.serving.blockread`; rows on disk are read several at a time); ``mmap``, a copy from
+the mapped rows file (the cheapest while the file sits in the page cache; a row not there faults
+in one page at a time)."""
 
 
 def mem_rows_for(n_rows: int, mem_rows: int | None, mem_fraction: float | None) -> int:
@@ -78,9 +84,10 @@ class MemoryLookup:
 class TieredLookup:
     """Hot rows in a :class:`HotCache`, the rest read from a :class:`PointStore` on SSD.
 
-    Per batch: probe the cache; gather the hits; find the misses in the store's key index and copy
-    them from the store's mapped rows file straight into the output; give unseen keys their
-    initial rows; offer the rows read from SSD to the cache.
+    Per batch: probe the cache; gather the hits; find the misses in the store's key index and read
+    them straight into their output rows (``ssd_read``, :data:`SSD_READS`: merged ranges by
+    parallel ``preadv``, or a copy from the mapped rows file); give unseen keys their initial
+    rows; offer the rows read from SSD to the cache.
 
     ``warm_from``: the lookup of the model served before this one (an earlier export, or the
     state before a delta); its hot keys start in this cache with their rows read from ``store``,
@@ -94,8 +101,13 @@ class TieredLookup:
         init: RowInit,
         cache: HotCache | None = None,
         warm_from: TieredLookup | None = None,
+        ssd_read: str = "blocks",
     ) -> None:
+        if ssd_read not in SSD_READS:
+            raise ValueError(f"ssd_read must be one of {', '.join(SSD_READS)}, got {ssd_read!r}")
         self.store = store
+        self.ssd_read = ssd_read
+        self.reader = store.block_reader() if ssd_read == "blocks" else None
         self.dim = store.dim
         self.cache = cache if cache is not None else HotCache(capacity, store.dim)
         self.init = init
@@ -112,7 +124,10 @@ class TieredLookup:
             found = pos >= 0
             hit_rows, hit_pos = miss[found], pos[found]
             if hit_rows.size:
-                self.store.read_into(hit_pos, out, hit_rows)
+                if self.reader is not None:
+                    self.reader.read_into(hit_pos, out, hit_rows)
+                else:
+                    self.store.read_into(hit_pos, out, hit_rows)
                 self.ssd_reads += hit_rows.size
                 self.cache.admit(unique_keys[hit_rows], out[hit_rows])
             if not found.all():
@@ -131,6 +146,8 @@ class TieredLookup:
             "hits": c.hits,
             "hit_rate": c.hits / c.lookups if c.lookups else 0.0,
             "ssd_reads": self.ssd_reads,
+            "ssd_read": self.ssd_read,
+            "reads_per_missed_row": self.reader.reads_per_row if self.reader is not None else None,
             "unseen": self.unseen,
             "carried": self.carried,
         }

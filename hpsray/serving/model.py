@@ -24,11 +24,13 @@ from hpsray.models import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.serving.errors import ServingError
 from hpsray.serving.layout import build_point_store
-from hpsray.serving.lookup import MemoryLookup, TieredLookup, mem_rows_for
+from hpsray.serving.lookup import SSD_READS, MemoryLookup, TieredLookup, mem_rows_for
 from hpsray.serving.pointstore import PointStore
 from hpsray.serving.request import InputSpec, Limits, RequestParser
 
-__all__ = ["LoadOptions", "ServableModel", "export_version", "resolve_export"]
+__all__ = ["DRIVERS", "LoadOptions", "ServableModel", "export_version", "resolve_export"]
+
+DRIVERS = ("cpu", "device")
 
 
 def export_version(directory: str) -> tuple[str, int, tuple[int, ...]]:
@@ -89,7 +91,13 @@ class LoadOptions:
     (:mod:`hpsray.serving.baselines`). ``device_rows`` (``device="cuda"`` only): the hottest rows
     held in device memory in front of the ``mem_rows`` of mapped host memory; ``None``: the
     smaller of the memory rows and a quarter of the device's free memory
-    (:func:`hpsray.serving.device_cache.device_rows_for`), 0: none."""
+    (:func:`hpsray.serving.device_cache.device_rows_for`), 0: none.
+
+    ``driver``: ``cpu`` (the host dedupes the batch and probes the tiers; on ``cuda`` it sends the
+    device index arrays), or ``device`` (:mod:`hpsray.serving.device_driven`: one upload of the
+    keys, dedupe, layout, probes and gathers on the device; with ``device="cpu"`` the same lines
+    run on NumPy). ``ssd_read``: how the CPU-driven tiered lookup reads misses
+    (:data:`hpsray.serving.lookup.SSD_READS`; the GPU paths always read merged ranges)."""
 
     mem_rows: int | None = None
     mem_fraction: float | None = None
@@ -97,6 +105,8 @@ class LoadOptions:
     limits: Limits = Limits()
     backend: str = "hpsray"
     device_rows: int | None = None
+    driver: str = "cpu"
+    ssd_read: str = "blocks"
 
     def __post_init__(self) -> None:
         from hpsray.serving.baselines import BACKENDS
@@ -106,9 +116,15 @@ class LoadOptions:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         mem_rows_for(0, self.mem_rows, self.mem_fraction)  # checks the pair
+        if self.driver not in DRIVERS:
+            raise ValueError(f"driver must be one of {', '.join(DRIVERS)}, got {self.driver!r}")
+        if self.ssd_read not in SSD_READS:
+            raise ValueError(f"ssd_read must be one of {', '.join(SSD_READS)}, got {self.ssd_read!r}")
+        if self.driver == "device" and self.backend != "hpsray":
+            raise ValueError(f"driver 'device' is hpsray's own lookup, not the {self.backend!r} baseline")
         if self.device_rows is not None:
-            if self.device != "cuda":
-                raise ValueError("device_rows (--device-rows) needs device 'cuda'")
+            if self.device != "cuda" and self.driver != "device":
+                raise ValueError("device_rows (--device-rows) needs device 'cuda' (or driver 'device')")
             if self.device_rows < 0:
                 raise ValueError(f"device_rows must be >= 0, got {self.device_rows}")
 
@@ -183,6 +199,9 @@ class ServableModel:
             from hpsray.serving.baselines import EmbeddingBagLookup, RocksDBLookup
 
             lookup = RocksDBLookup(store, mem, init) if options.backend == "rocksdb" else EmbeddingBagLookup(store)
+        elif options.driver == "device":
+            lookup = _device_driven(store, mem, init, options, previous)
+            dense = dense.to(options.device)
         elif options.device == "cuda":
             from hpsray.serving.cuda_lookup import CudaTieredLookup
 
@@ -195,7 +214,7 @@ class ServableModel:
             store.close()
         else:
             warm = previous.lookup if previous is not None and isinstance(previous.lookup, TieredLookup) else None
-            lookup = TieredLookup(store, mem, init, warm_from=warm)
+            lookup = TieredLookup(store, mem, init, warm_from=warm, ssd_read=options.ssd_read)
         parser = RequestParser(spec, options.limits)
         return cls(directory, m, dense, lookup, parser, options.device, chain=chain, version=version, rows=len(store))
 
@@ -209,6 +228,8 @@ class ServableModel:
             )
         if not len(batch):
             return np.empty(0, np.float32)
+        if hasattr(self.lookup, "layout"):  # device-driven: the layout, probes and gathers on the device
+            return self._predict_device_driven(batch)
         if hasattr(self.lookup, "pooled"):  # the embedding-bag bound pools by itself
             return torch.sigmoid(self.dense(self.lookup.pooled(batch), torch.from_numpy(batch.dense))).numpy()
         layout = BagLayout.of(batch)
@@ -226,8 +247,39 @@ class ServableModel:
             pooled = pool_sum(emb, layout)
         return torch.sigmoid(self.dense(pooled, dense)).cpu().numpy()
 
+    def _predict_device_driven(self, batch: Batch) -> np.ndarray:
+        """One upload of the keys (the layout computed on the device), the rows gathered there, one
+        upload of the dense features, one download of the probabilities."""
+        lookup = self.lookup
+        device = torch.device(self.device)
+        layout = lookup.layout(batch)
+        emb = torch.as_tensor(lookup.rows(layout.unique_keys), device=device)
+        pooled = torch.nn.functional.embedding_bag(
+            torch.as_tensor(layout.inverse, device=device),
+            emb,
+            torch.as_tensor(layout.bag_offsets, device=device),
+            mode="sum",
+        ).view(layout.n_examples, layout.n_slots, emb.shape[1])
+        lookup.transfers.h2d["dense"] += 1
+        dense = torch.from_numpy(batch.dense).to(device)
+        return lookup.transfers.to_host(torch.sigmoid(self.dense(pooled, dense)), "probabilities")
+
     def stats(self) -> dict:
         return {"directory": self.directory, "rows": self.rows, "delta": self.delta, **self.lookup.stats()}
+
+
+def _device_driven(store: PointStore, mem: int, init: RowInit, options: LoadOptions, previous: ServableModel | None):
+    """The device-driven lookup of a load (its device tier sized as the CPU-driven GPU path's)."""
+    from hpsray.kernels.arrays import array_module
+    from hpsray.serving.device_cache import device_rows_for
+    from hpsray.serving.device_driven import DeviceDrivenLookup
+
+    xp = array_module(options.device)
+    free = float("inf") if options.device == "cpu" else None
+    n_dev = device_rows_for(len(store), min(mem, len(store)), options.device_rows, store.dim, free_bytes=free)
+    was = previous.lookup if previous is not None else None
+    warm = was if isinstance(was, DeviceDrivenLookup) and was.xp is xp else None
+    return DeviceDrivenLookup(store, mem, init, n_dev, xp, warm_from=warm)
 
 
 def _read_json(path: str) -> dict:

@@ -6,7 +6,10 @@ that holds the row, no read-ahead) straight into the caller's output buffer, in 
 copy, no system call per row. Rows in the page cache cost a memory copy (0.04 µs of CPU per row
 here); the previous design, one ``pread`` per row, cost 0.34-0.5 µs each in system calls, half of
 a tiered lookup's CPU (docs/serving.md, Figures). :meth:`PointStore.pread_rows` keeps the
-``pread`` path (explicit reads, e.g. to measure against).
+``pread`` path (explicit reads, e.g. to measure against). Rows that are not in the page cache
+fault in one page at a time on this path; :meth:`PointStore.block_reader` reads a batch's rows in
+merged ranges from a thread pool instead (:mod:`hpsray.serving.blockread`), the tiered lookup's
+default.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import numba as nb
 import numpy as np
 
+from hpsray.serving.blockread import BlockReader
 from hpsray.serving.errors import ServingError
 from hpsray.serving.layout import read_meta
 
@@ -72,6 +76,15 @@ class PointStore:
 
     def __len__(self) -> int:
         return self.rows
+
+    @property
+    def rows_path(self) -> str:
+        """The rows file (``rows.f32``)."""
+        return os.path.join(self.directory, "rows.f32")
+
+    def block_reader(self, threads: int = 8) -> BlockReader:
+        """A :class:`~hpsray.serving.blockread.BlockReader` of this store's rows (its own descriptor)."""
+        return BlockReader(self.rows_path, self.rows, self.dim, self.stride, threads=threads)
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """``int64[n]``: each key's row number in the store, ``-1`` where the store lacks it."""

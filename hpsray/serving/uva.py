@@ -1,93 +1,158 @@
-"""GPU gathers of rows from pinned host memory mapped into the device (UVA zero-copy).
+"""GPU gathers of rows at their natural stride, from registered host memory (UVA zero-copy) or device memory.
 
-The hot rows of a GPU replica stay in host memory, pinned and mapped into the device's address
-space (:func:`mapped_rows`); a numba.cuda kernel (:func:`gather_rows`) reads a batch's rows
-straight over the bus into device memory, no staging copy. Rows are laid out with the stride of
-:func:`hpsray.serving.layout.row_stride` (a power of two up to 128 bytes, a multiple of 128
-beyond), so each row lies in whole aligned 128-byte segments: a warp of 32 lanes reads one
-segment per step, i.e. ``32 // stride_words`` rows of up to 32 words at once, or one wider row in
-``stride_words // 32`` segments (GDRec's coalescing and aligning). Works under numba's CUDA
-simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the tests check it without a GPU.
+The warm rows of a GPU replica stay in host memory: an arena allocated once (:func:`host_arena`,
+anonymous memory with transparent huge pages asked for, ``MADV_HUGEPAGE``, where the kernel gives
+them), the very array the host-side cache writes rows into, then registered with the device
+(:func:`device_view`: ``cudaHostRegister`` with the *mapped* flag through CuPy, or numba's
+``mempin`` without CuPy), so kernels read it in place over the bus, no staging copy. Rows stay
+at their natural stride, ``dim * 4`` bytes (no padding: dim 20 takes 80 bytes, not 128).
+
+Alignment is a property of the *access*, as GDRec does it (:func:`gather_rows`): a row is read
+by a group of ``group_lanes(dim)`` lanes (the power of two at or above ``dim``, at most a warp of
+32), each step of the group reading one window of ``group`` words aligned to its own size, so
+every load a group issues lies inside one aligned 128-byte segment and the lanes of a warp load
+neighbouring words; a lane keeps only the words of its row. A row of ``dim <= group`` words
+spans at most two windows, a wider row ``ceil(dim / 32) + 1`` at most. The same kernel gathers
+the device tier's rows (device to device). :func:`gather_rows_host` is its CPU twin (a NumPy
+gather): the simulator tests (``NUMBA_ENABLE_CUDASIM=1``) check the kernel against it.
 """
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import numpy as np
-from numba import cuda
+from numba import config, cuda
 
-from hpsray.serving.layout import row_stride
-
-__all__ = ["WARP", "gather_rows", "host_view", "mapped_rows", "stride_words"]
+__all__ = [
+    "HUGE_PAGE_BYTES",
+    "WARP",
+    "device_view",
+    "gather_rows",
+    "gather_rows_host",
+    "group_lanes",
+    "host_arena",
+    "release_view",
+    "row_bytes_natural",
+    "windows_per_row",
+]
 
 WARP = 32
 TPB = 128  # threads per block: 4 warps
+HUGE_PAGE_BYTES = 2 << 20
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2
 
 
-def stride_words(dim: int) -> int:
-    """float32 words per stored row of ``dim`` weights (see :func:`row_stride`)."""
-    return row_stride(dim) // 4
+def row_bytes_natural(dim: int) -> int:
+    """Bytes of a row of ``dim`` float32 weights, unpadded."""
+    if dim < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
+    return 4 * dim
 
 
-def mapped_rows(n: int, dim: int) -> np.ndarray:
-    """``float32[n, stride_words(dim)]`` in pinned host memory mapped into the current device."""
-    return cuda.mapped_array((n, stride_words(dim)), dtype=np.float32)
+def group_lanes(dim: int) -> int:
+    """Lanes reading one row: the power of two at or above ``dim``, at most a warp."""
+    return min(WARP, 1 << max(0, int(dim) - 1).bit_length())
 
 
-def host_view(mapped: Any) -> np.ndarray:
-    """The host side of :func:`mapped_rows` as a plain ``np.ndarray`` (for numba's CPU code, e.g.
-    a :class:`~hpsray.serving.cache.HotCache` writing rows in): a view of the same memory on a
-    GPU (a mapped array is an ``ndarray`` subclass), the array it wraps in the CUDA simulator."""
-    return np.ndarray.view(mapped, np.ndarray) if isinstance(mapped, np.ndarray) else mapped._ary
+def windows_per_row(dim: int, row: np.ndarray) -> np.ndarray:
+    """Aligned windows (of :func:`group_lanes` words) a group reads for each row number of ``row``."""
+    g = group_lanes(dim)
+    first = np.asarray(row, np.int64) * dim
+    return (first + dim - 1) // g - first // g + 1
+
+
+def host_arena(n: int, dim: int) -> np.ndarray:
+    """``float32[n, dim]`` of zeros in anonymous host memory, huge pages asked for (``MADV_HUGEPAGE``;
+    the kernel may or may not give them); the array keeps the mapping alive."""
+    nbytes = max(1, n) * row_bytes_natural(dim)
+    size = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # transparent huge pages off: ordinary pages
+            pass
+    return np.frombuffer(buf, np.float32, count=max(1, n) * dim).reshape(max(1, n), dim)
+
+
+def device_view(arena: np.ndarray) -> Any:
+    """``arena`` registered with the current CUDA device (pinned, mapped) and seen from it: a CuPy
+    array over the device pointer of the same memory (numba's mapped device array without CuPy);
+    writes on either side are seen by the other. In numba's CUDA simulator, the arena itself.
+    :func:`release_view` unregisters it."""
+    if config.ENABLE_CUDASIM:
+        return arena
+    if not arena.flags.c_contiguous:
+        raise ValueError("the arena must be C-contiguous")
+    try:
+        import cupy
+    except ImportError:
+        from numba.cuda.cudadrv import devicearray
+
+        pinned = cuda.current_context().mempin(arena, arena.ctypes.data, arena.nbytes, mapped=True)
+        return devicearray.DeviceNDArray(arena.shape, arena.strides, arena.dtype, gpu_data=pinned)
+    ptr = arena.ctypes.data
+    cupy.cuda.runtime.hostRegister(ptr, arena.nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+    dptr = cupy.cuda.runtime.hostGetDevicePointer(ptr, 0)
+    mem = cupy.cuda.UnownedMemory(dptr, arena.nbytes, arena)
+    view = cupy.ndarray(arena.shape, cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+    view._hpsray_host_ptr = ptr  # what release_view unregisters
+    return view
+
+
+def release_view(view: Any) -> None:
+    """Unregister the host memory behind a :func:`device_view` (no-op for the others)."""
+    ptr = getattr(view, "_hpsray_host_ptr", None)
+    if ptr is not None:
+        import cupy
+
+        cupy.cuda.runtime.hostUnregister(ptr)
+        view._hpsray_host_ptr = None
 
 
 @cuda.jit
-def _gather_kernel(src, stride, src_rows, dst_rows, out, dim):
-    # src: float32[n_src, stride] (row-major: row r's words are contiguous); out: float32[m, dim]
+def _gather_kernel(flat, dim, group, src_rows, dst_rows, out):
+    # flat: float32[n * dim], row r at words r*dim .. r*dim+dim-1; out: float32[m, dim]
     tid = cuda.grid(1)
-    n_threads = cuda.gridsize(1)
-    warp = tid // WARP
-    lane = tid % WARP
-    n_warps = n_threads // WARP
+    lane = tid % group
+    g = tid // group
+    n_groups = cuda.gridsize(1) // group
     m = src_rows.size
-    if stride <= WARP:
-        per_warp = WARP // stride  # rows one 128-byte segment holds
-        sub = lane // stride
-        word = lane % stride
-        r = warp * per_warp + sub
-        while r < m:
-            v = src[src_rows[r], word]  # one aligned 128-byte segment per warp step
-            if word < dim:
-                out[dst_rows[r], word] = v
-            r += n_warps * per_warp
-    else:
-        r = warp
-        while r < m:
-            row = src_rows[r]
-            for seg in range(stride // WARP):
-                word = seg * WARP + lane
-                v = src[row, word]
-                if word < dim:
-                    out[dst_rows[r], word] = v
-            r += n_warps
+    r = g
+    while r < m:
+        first = src_rows[r] * dim
+        end = first + dim
+        d = dst_rows[r]
+        w = (first // group) * group + lane  # the row's first aligned window
+        while w < end:
+            if w >= first:
+                out[d, w - first] = flat[w]
+            w += group
+        r += n_groups
 
 
-def gather_rows(src, src_rows, dst_rows, out, dim: int, stream=None) -> None:
-    """``out[dst_rows[i], :dim] = src[src_rows[i], :dim]`` on the device.
+def gather_rows(src: Any, src_rows: Any, dst_rows: Any, out: Any, dim: int, stream: Any = None) -> None:
+    """``out[dst_rows[i], :] = src[src_rows[i], :]`` on the device (see the module docstring).
 
-    ``src``: float32[n, stride_words(dim)] (mapped host rows or a device array; C-contiguous);
-    ``src_rows``/``dst_rows``: int64 device (or host) arrays of equal length; ``out``: a device
-    float32[m, dim].
+    ``src``: float32[n, dim], C-contiguous, rows at their natural stride (a :func:`device_view`
+    of host memory, or device memory); ``src_rows``/``dst_rows``: int64 device arrays of equal
+    length; ``out``: device float32[m, dim].
     """
     m = int(src_rows.shape[0])
     if not m:
         return
-    stride = int(src.shape[1])
-    if stride != stride_words(dim):
-        raise ValueError(f"src rows have {stride} words; dim {dim} needs the aligned stride {stride_words(dim)}")
-    per_warp = WARP // stride if stride <= WARP else 1
-    warps = -(-m // per_warp)
-    blocks = max(1, min(-(-warps * WARP // TPB), 4096))
+    if len(src.shape) != 2 or int(src.shape[1]) != dim or int(out.shape[1]) != dim:
+        raise ValueError(f"src and out must be float32[*, {dim}] (rows at their natural stride), got {src.shape}")
+    group = group_lanes(dim)
+    flat = src.reshape(int(src.shape[0]) * dim)
+    threads = m * group
+    blocks = max(1, min(-(-threads // TPB), 4096))
     launch = _gather_kernel[blocks, TPB] if stream is None else _gather_kernel[blocks, TPB, stream]
-    launch(src, stride, src_rows, dst_rows, out, dim)  # a mapped src is read in place (zero-copy)
+    launch(flat, dim, group, src_rows, dst_rows, out)  # a registered host src is read in place (zero-copy)
+
+
+def gather_rows_host(src: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray, out: np.ndarray) -> None:
+    """The CPU twin of :func:`gather_rows`: ``out[dst_rows] = src[src_rows]``."""
+    out[dst_rows] = src[src_rows]

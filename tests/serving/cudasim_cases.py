@@ -1,8 +1,9 @@
 """GPU-path cases of serving, run in a subprocess by ``test_gpu_path.py`` (not collected by pytest).
 
-Under ``NUMBA_ENABLE_CUDASIM=1`` (and again on a real GPU, marked ``gpu``): the UVA gather kernel
+Under ``NUMBA_ENABLE_CUDASIM=1`` (and again on a real GPU, marked ``gpu``): the aligned-access
+gather over rows at their natural stride (from a registered host arena and from device memory)
 and the device scatter equal a NumPy gather for every row width class (several rows per 128-byte
-segment, one row per segment, several segments per row); the whole CUDA lookup (device tier,
+segment, rows straddling segments, several segments per row); the whole CUDA lookup (device tier,
 mapped host tier, SSD) equals the CPU one and a NumPy gather of the point store over batches with
 repeats; rows gathered are promoted into the device tier (device hits counted), stay exact while
 it evicts, and are carried into a new model re-read from its store.
@@ -22,7 +23,7 @@ import traceback
 import numpy as np
 
 CASES: dict = {}
-DIMS = (1, 4, 8, 16, 24, 32, 33, 64)
+DIMS = (1, 3, 4, 8, 16, 20, 24, 32, 33, 64, 100)
 
 
 def case(fn):
@@ -32,29 +33,33 @@ def case(fn):
 
 @case
 def uva_gather_matches_numpy():
+    """The aligned-access gather over rows at their natural stride, from a registered host arena
+    (zero-copy) and from device memory, equals its CPU twin for every width class: several rows
+    per 128-byte segment, rows straddling segments (dim 3, 20), one warp-wide row, wider rows."""
     from numba import config, cuda
 
-    from hpsray.serving.uva import gather_rows, mapped_rows, stride_words
+    from hpsray.serving.uva import device_view, gather_rows, gather_rows_host, host_arena, release_view
 
     rng = np.random.default_rng(0)
     for dim in DIMS:
         n, m = 97, 61
-        src = mapped_rows(n, dim)  # pinned host memory mapped into the device
-        assert src.shape == (n, stride_words(dim))
-        src[:] = rng.standard_normal(src.shape).astype(np.float32)
+        arena = host_arena(n, dim)  # host memory, registered with the device below
+        assert arena.shape == (n, dim) and arena.strides[0] == 4 * dim
+        arena[:] = rng.standard_normal(arena.shape).astype(np.float32)
+        src = device_view(arena)
         src_rows = rng.integers(0, n, m).astype(np.int64)
         dst_rows = rng.permutation(m).astype(np.int64)
-        out = cuda.device_array((m, dim), np.float32)
-        out.copy_to_device(np.full((m, dim), np.nan, np.float32))
-        gather_rows(src, cuda.to_device(src_rows), cuda.to_device(dst_rows), out, dim)
         want = np.full((m, dim), np.nan, np.float32)
-        want[dst_rows] = src[src_rows, :dim]
-        got = out.copy_to_host()
-        assert np.array_equal(got, want), f"dim {dim}: UVA gather differs from the NumPy gather"
-    # a row's stride must match the alignment rule
-    try:
+        gather_rows_host(arena, src_rows, dst_rows, want)
+        for source in (src, cuda.to_device(arena)):
+            out = cuda.device_array((m, dim), np.float32)
+            out.copy_to_device(np.full((m, dim), np.nan, np.float32))
+            gather_rows(source, cuda.to_device(src_rows), cuda.to_device(dst_rows), out, dim)
+            assert np.array_equal(out.copy_to_host(), want), f"dim {dim}: the gather differs from its CPU twin"
+        release_view(src)
+    try:  # rows must be at their natural stride
         gather_rows(
-            np.zeros((4, 3), np.float32),
+            np.zeros((4, 4), np.float32),
             np.zeros(1, np.int64),
             np.zeros(1, np.int64),
             cuda.device_array((1, 3), np.float32),
@@ -63,7 +68,7 @@ def uva_gather_matches_numpy():
     except ValueError:
         pass
     else:
-        raise AssertionError("an unaligned stride was accepted")
+        raise AssertionError("a padded source was accepted")
     assert config.ENABLE_CUDASIM or cuda.is_available()
 
 
