@@ -79,6 +79,18 @@ class SortedRowStore:
         out[found] = self._rows[self._pos[idx[found]]]
         return out
 
+    def preload(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Start from ``rows`` of distinct ``keys`` (e.g. an imported table) instead of their
+        initial rows; the store must be empty. Keys absent from them start as usual."""
+        if self._n:
+            raise ValueError("preload: the store already holds rows")
+        keys = np.asarray(keys, dtype=np.uint64)
+        order = np.argsort(keys, kind="stable")
+        self._keys = keys[order]
+        self._pos = np.arange(keys.size, dtype=np.int64)
+        self._rows = np.array(np.asarray(rows, dtype=np.float32)[order], copy=True)
+        self._n = int(keys.size)
+
     def rows_at(self, pos: np.ndarray) -> np.ndarray:
         return self._rows[pos]
 

@@ -8,6 +8,7 @@ from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Loan, Pulled
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.ssd import SSDPS, restore_snapshot
+from hpsray.tiers.ssd.bulkload import TableImport
 from hpsray.tiers.ssd.snapshot import take_snapshot
 from hpsray.tiers.warmup import warm_ssd_ps
 
@@ -20,12 +21,26 @@ class SSDPSShard:
     the writes MEM-PS hands down (tagged with the batch whose pull or write-back made them).
     """
 
-    def __init__(self, node: int, directory: str, width: int, restore_from: str | None = None, **options) -> None:
-        """``restore_from``: a snapshot (:meth:`snapshot`) that replaces ``directory`` first."""
+    def __init__(
+        self,
+        node: int,
+        directory: str,
+        width: int,
+        restore_from: str | None = None,
+        init_from: TableImport | None = None,
+        **options,
+    ) -> None:
+        """``restore_from``: a snapshot (:meth:`snapshot`) that replaces ``directory`` first;
+        ``init_from``: a table a fresh store loads (not when restoring: the snapshot has it)."""
         self.node = node
         self.directory, self.width, self.options = directory, width, options
         self.restored = restore_snapshot(restore_from, directory, replace=True) if restore_from else None
         self.store = SSDPS(directory, width, **options)
+        self.imported = None
+        if init_from is not None and restore_from is None:
+            if node != 0:
+                raise ValueError(f"tiers.init_from loads one node's SSD-PS; node {node} cannot load it")
+            self.imported = self.store.bulk_load(init_from)
         warm_ssd_ps(width, **options)  # numba compiles here, before the pipeline's clock
         self.clock = StageClock("load", node)
         self.writes = StageClock("dump", node)

@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the trained rows (Parquet) and dense weights to DIR (docs/export.md)",
     )
     parser.add_argument(
+        "--init-from",
+        metavar="DIR",
+        default=None,
+        help="start from the rows of a Parquet table (an --export DIR, or key/row[/state] files): "
+        "overrides [tiers] init_from (docs/tiers.md)",
+    )
+    parser.add_argument(
         "--incremental",
         action="store_true",
         help="with --export DIR holding an earlier export: write only the rows changed since then, "
@@ -93,6 +100,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the capacity check (hpsray plan) that refuses a job which cannot fit",
     )
+
+
+def with_init_from(job, directory: str):
+    """``job`` with ``[tiers] init_from`` set to ``directory`` (``--init-from``)."""
+    import dataclasses
+
+    if not os.path.isdir(directory):
+        raise ValueError(f"--init-from {directory}: no such directory")
+    tiers = dataclasses.replace(job.tiers, init_from=os.path.abspath(directory))
+    return dataclasses.replace(job, tiers=tiers)
 
 
 def error(msg: str, code: int = EXIT_CONFIG) -> int:
@@ -263,6 +280,11 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
         admit_after=job.tiers.admit_after,
         expire_after_batches=job.tiers.expire_after_batches,
     )
+    if job.tiers.init_from:  # the same start as the pipeline's: the imported rows
+        from hpsray.tiers.ssd.bulkload import read_table
+
+        spec = build.init_from(job)["init_from"]
+        trainer.store.preload(*read_table(spec.path, spec.dim, job.train_config().row_width, spec.state_value))
     per_read, per_train, losses = {}, {}, {}
     t0 = time.perf_counter()
     t = 0
@@ -431,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
     resumed = None
     try:
         job = JobConfig.load(args.config)
+        if args.init_from:
+            job = with_init_from(job, args.init_from)
         build.source(job)  # resolves the schema: configuration errors surface before Ray starts
         build.eval_source(job)
         if not args.reference:

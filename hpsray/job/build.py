@@ -13,8 +13,9 @@ from hpsray.job.jobconfig import JobConfig
 from hpsray.pipelines.pipeline import Pipeline
 from hpsray.pipelines.sources import FileSource, SyntheticSource
 from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
+from hpsray.tiers.ssd.bulkload import TableImport
 
-__all__ = ["checkpoint", "cluster_kwargs", "eval_source", "pipeline", "source", "stages"]
+__all__ = ["checkpoint", "cluster_kwargs", "eval_source", "init_from", "pipeline", "source", "stages"]
 
 
 def source(job: JobConfig) -> SyntheticSource | FileSource:
@@ -54,7 +55,21 @@ def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerStage, Me
             n_slots = source(job).n_slots
         rows = t.mem_rows if t.mem_rows is not None else 4 * p.batch_size * max(n_slots or 1, 1)
         mem = MemPSStage(capacity_rows=rows, options=dict(t.mem), **admission)
-    return trainer, mem, SSDPSStage(path=t.ssd_path, options=dict(t.ssd))
+    return trainer, mem, SSDPSStage(path=t.ssd_path, options=dict(t.ssd, **init_from(job)))
+
+
+def init_from(job: JobConfig) -> dict:
+    """The SSD-PS option of ``[tiers] init_from``: ``{"init_from": TableImport}`` (none without it).
+    One node only for now (:class:`ConfigError` naming ``tiers.init_from`` otherwise)."""
+    if job.tiers.init_from is None:
+        return {}
+    if job.cluster.nodes != 1:
+        raise ConfigError(
+            job.where, "tiers.init_from", f"loads one node's SSD-PS; set cluster.nodes = 1 (got {job.cluster.nodes})"
+        )
+    config = job.train_config()
+    spec = TableImport(job.tiers.init_from, config.dim, float(config.row_init().state_value))
+    return {"init_from": spec}
 
 
 def cluster_kwargs(job: JobConfig) -> dict:

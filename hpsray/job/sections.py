@@ -8,6 +8,7 @@ reason. The choices offered (optimizers, devices, consistency modes) are those o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from dataclasses import fields as dc_fields
 from typing import Any
@@ -125,7 +126,9 @@ class TiersSection:
     ``background``, ``io_threads``, ``compact_pass_bytes``); feature admission and expiry
     (``admit_after``: a key gets a row from the ``admit_after``-th batch it is seen in;
     ``expire_after_batches``: rows not seen for that many batches are dropped; both off by default);
-    ``dumps_in_flight``: evictions written to SSD-PS behind MEM-PS's back at most at once.
+    ``dumps_in_flight``: evictions written to SSD-PS behind MEM-PS's back at most at once;
+    ``init_from``: a directory of Parquet rows (an export, docs/tiers.md "Starting from a table")
+    that a fresh SSD-PS loads before training.
 
     With neither budget given, MEM-PS holds ``4 × batch_size × slots`` rows. With no
     ``ssd_path`` the SSD-PS files go to a temporary directory removed at the end.
@@ -139,6 +142,7 @@ class TiersSection:
     admit_after: int = 0
     expire_after_batches: int | None = None
     dumps_in_flight: int = 4
+    init_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -317,6 +321,7 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
     admit_after = t.take("admit_after", chk.integer(0), 0)
     expire_after_batches = t.take("expire_after_batches", chk.integer(1))
     dumps_in_flight = t.take("dumps_in_flight", chk.integer(1), 4)
+    init_from = t.take("init_from", chk.string)
     t.done()
     if mem_rows is not None and mem_bytes is not None:
         t.fail("mem_bytes", "give either tiers.mem_rows or tiers.mem_bytes, not both")
@@ -325,7 +330,14 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
     if ssd_path is not None and chk.is_uri(ssd_path):
         t.fail("ssd_path", f"must be a local directory (SSD-PS files live on the node's disk), got {ssd_path!r}")
     ssd_dir = chk.resolve_path(ssd_path, base) if ssd_path else None
-    return TiersSection(mem_rows, mem_bytes, ssd_dir, mem, ssd, admit_after, expire_after_batches, dumps_in_flight)
+    if init_from is not None and (not init_from or chk.is_uri(init_from)):
+        t.fail("init_from", f"must be a local directory of Parquet rows, got {init_from!r}")
+    init_dir = chk.resolve_path(init_from, base) if init_from else None
+    if init_dir is not None and not os.path.isdir(init_dir):
+        t.fail("init_from", f"{init_dir}: no such directory")
+    return TiersSection(
+        mem_rows, mem_bytes, ssd_dir, mem, ssd, admit_after, expire_after_batches, dumps_in_flight, init_dir
+    )
 
 
 def parse_pipeline(t: chk.Table) -> PipelineSection:

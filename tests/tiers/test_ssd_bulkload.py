@@ -76,10 +76,8 @@ def test_plain_parquet_without_state_or_manifest_starts_rows_with_the_initial_st
     d = tmp_path / "plain"
     os.makedirs(d)
     # a variable-length list column named "row", signed keys: what other tools write
-    pq.write_table(
-        pa.table({"key": pa.array(keys.astype(np.int64)), "row": pa.array(list(rows[:, :DIM]), pa.list_(pa.float64()))}),
-        d / "part-0.parquet",
-    )
+    weights = pa.array(list(rows[:, :DIM]), pa.list_(pa.float64()))
+    pq.write_table(pa.table({"key": pa.array(keys.astype(np.int64)), "row": weights}), d / "part-0.parquet")
     with SSDPS(str(tmp_path / "ssd"), WIDTH) as store:
         store.bulk_load(TableImport(str(d), DIM, state_value=0.1))
         got, found = store.load(keys)
