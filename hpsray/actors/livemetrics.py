@@ -37,6 +37,11 @@ GAUGES = {
     "max_staleness": "largest clock gap seen between this trainer and the slowest (0 under BSP; SSP/ASP)",
     "exchanged_bytes_per_minibatch": "bytes this trainer sent to the others per global mini-batch, "
     "mean over its last batch (0 on one node)",
+    # the driver's (stage "driver"), the figures of its progress lines (hpsray/pipelines/progress.py)
+    "progress_examples": "examples trained in the pass so far",
+    "progress_examples_per_s": "examples per second over the last progress interval",
+    "progress_eta_s": "seconds left in the pass at that rate (-1: the input's size is unknown)",
+    "progress_checkpoint_batch": "batches trained at the newest checkpoint (-1: none yet)",
 }
 
 # every metric hpsray registers, full name -> kind ("gauge", "counter", "histogram");

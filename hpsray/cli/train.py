@@ -186,6 +186,23 @@ def check_capacity(job, quiet: bool) -> None:
             print(f"hpsray train: warning: {p.setting}: {p.message}; {p.fix}", file=sys.stderr)
 
 
+def process_start() -> float:
+    """When this process started (``time.time()`` scale): the origin of the report's
+    ``time_to_first_batch_s``, so the command's imports count. Read from ``/proc`` on Linux;
+    elsewhere the time this function is first called."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
 def _cause(e: BaseException) -> BaseException:
     """The user-facing exception inside a Ray task error."""
     seen = 0
@@ -219,17 +236,21 @@ def train_pipeline(
     from hpsray.job import build
     from hpsray.pipelines.export import export, schema_of_source
 
+    t0 = time.perf_counter()
     started = connect(
         address or job.cluster.address,
         logging_level=logging.WARNING if quiet else logging.INFO,
         log_to_driver=not quiet,
     )
+    ray_init_s = time.perf_counter() - t0
     hint = dashboard_hint() if started and not quiet else None
     if hint:  # the local Ray's dashboard, and where its auth token is (docs/operations.md)
         print(f"hpsray: {hint}", file=sys.stderr)
     model = None
     try:
         with build.pipeline(job, address=address, resume=resume) as pipe:
+            pipe.started_at = process_start()  # time_to_first_batch_s counts from the command
+            pipe.start_s["ray_init_s"] = ray_init_s
             report = dict(pipe.fit(progress=not quiet))
             report["trainer"] = "hpsray"
             _evaluate(report, job, pipe.evaluate)
@@ -258,7 +279,7 @@ def train_pipeline(
 def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
     from hpsray.job import build
-    from hpsray.pipelines.progress import known_examples, progress_bar
+    from hpsray.pipelines.progress import Progress, known_examples, progress_seconds
     from hpsray.reference import ReferenceTrainer, global_batches
 
     source = build.source(job)
@@ -288,7 +309,7 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     per_read, per_train, losses = {}, {}, {}
     t0 = time.perf_counter()
     t = 0
-    bar = progress_bar(known_examples(source), not quiet, desc="reference")
+    bar = Progress(known_examples(source), not quiet, progress_seconds(job.pipeline.progress_seconds), desc="reference")
     while True:
         r0 = time.perf_counter()
         batch = next(it, None)
@@ -305,6 +326,7 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
         bar.update(trainer.examples - bar.n)
         t += 1
     wall = time.perf_counter() - t0
+    bar.pass_end()
     bar.close()
     if t == 0:
         raise ValueError("the source produced no examples")
@@ -441,6 +463,7 @@ def run(args: argparse.Namespace) -> int:
     from hpsray.errors import CapacityError, CheckpointError
     from hpsray.job import ConfigError, JobConfig, build
     from hpsray.pipelines import TrainingStopped
+    from hpsray.pipelines.progress import progress_seconds
 
     if args.compare and not os.path.isfile(os.path.join(args.compare, "manifest.json")):
         return error(f"--compare {args.compare}: no manifest.json there (not an hpsray export)")
@@ -456,6 +479,7 @@ def run(args: argparse.Namespace) -> int:
         if args.init_from:
             job = with_init_from(job, args.init_from)
         build.source(job)  # resolves the schema: configuration errors surface before Ray starts
+        progress_seconds(job.pipeline.progress_seconds)  # ValueError: a bad $HPSRAY_PROGRESS_SECONDS
         build.eval_source(job)
         if not args.reference:
             build.cluster_kwargs(job)

@@ -4,30 +4,105 @@ With no address (and no ``RAY_ADDRESS``) hpsray starts a local Ray. Ray 2.60 the
 token authentication and writes ``~/.ray/auth_token``; later ``ray start`` / ``ray job submit``
 against such a cluster need ``RAY_AUTH_MODE=token`` (docs/operations.md). :func:`dashboard_hint`
 says where the local Ray's dashboard is and, with token authentication on, where its token is.
+
+On a loaded machine Ray can fail to come up (its raylet does not register with the GCS within
+Ray's own 30 s, or the GCS does not answer): :func:`connect` then tries again, until
+``$HPSRAY_RAY_START_SECONDS`` (default 120) have passed, and gives up with a
+:class:`RayStartError` that says why (docs/operations.md: The start).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+log = logging.getLogger("hpsray.cluster")
 
-def connect(address: str | None = None, **init_options) -> bool:
-    """Make sure this process is connected to Ray; returns True if it started Ray itself."""
+START_ENV = "HPSRAY_RAY_START_SECONDS"
+DEFAULT_START_SECONDS = 120.0
+
+T = TypeVar("T")
+
+
+class RayStartError(ConnectionError):
+    """Ray did not come up (or could not be joined) within the bound; the message says why."""
+
+
+def start_seconds() -> float:
+    """How long :func:`connect` keeps trying: ``$HPSRAY_RAY_START_SECONDS``, else 120."""
+    raw = os.environ.get(START_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_START_SECONDS
+    except ValueError:
+        raise ValueError(f"{START_ENV} must be a number of seconds, got {raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"{START_ENV} must be >= 0, got {raw!r}")
+    return value
+
+
+def _load() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return "load average unknown"
+    return f"load average {one:.1f} (5 min {five:.1f}) on {os.cpu_count() or 1} cores"
+
+
+def with_retries(
+    start: Callable[[], T], what: str, bound_s: float, undo: Callable[[], None] = lambda: None, pause_s: float = 2.0
+) -> T:
+    """``start()``, tried again after a failure (``undo()`` first, then a pause doubling from
+    ``pause_s``) until ``bound_s`` seconds have passed since the first try; then
+    :class:`RayStartError` naming ``what``, the tries, the last error and the machine's load.
+    Errors of the arguments (``ValueError``, ``TypeError``) are raised at once."""
+    t0 = time.monotonic()
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return start()
+        except (ValueError, TypeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - Ray raises bare Exception when its raylet does not register
+            undo()
+            elapsed = time.monotonic() - t0
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if elapsed + pause_s > bound_s:
+                raise RayStartError(
+                    f"{what} did not succeed in {tries} tries over {elapsed:.0f} s (bound {bound_s:.0f} s, "
+                    f"${START_ENV}); last error: {why}; {_load()}. A machine this busy starts Ray's processes "
+                    "slowly: try again when it is quieter, raise the bound, or join a running cluster "
+                    "(--address or RAY_ADDRESS)"
+                ) from e
+            log.warning("%s failed (%s; %s); trying again in %.0f s", what, why, _load(), pause_s)
+            time.sleep(pause_s)
+            pause_s *= 2
+
+
+def connect(address: str | None = None, **init_options: Any) -> bool:
+    """Make sure this process is connected to Ray; returns True if it started Ray itself. A
+    failed start (or join) is tried again within :func:`start_seconds` (:func:`with_retries`)."""
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     options = {"log_to_driver": True, **init_options}
     _local.clear()
+    bound = start_seconds()
     if address:
-        ray.init(address=address, **options)
+        with_retries(lambda: ray.init(address=address, **options), f"joining Ray at {address}", bound, ray.shutdown)
     else:
         # Ray starts its workers at niceness 15; the embedded instance exists only for this job,
         # whose trainer must not yield its cores to whatever else runs on the machine
         options.setdefault("_system_config", {"worker_niceness": 0})
-        context = ray.init(address="local", **options)
+        context = with_retries(
+            lambda: ray.init(address="local", **options), "starting a local Ray", bound, ray.shutdown
+        )
         _local["dashboard_url"] = getattr(context, "dashboard_url", None) or None
     return True
 

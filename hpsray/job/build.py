@@ -131,5 +131,6 @@ def pipeline(
         address=address or job.cluster.address,
         name=name,
         checkpoint=checkpoint(job, resume),
+        progress_seconds=job.pipeline.progress_seconds,
         **kwargs,
     )

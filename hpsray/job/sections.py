@@ -148,7 +148,8 @@ class TiersSection:
 @dataclass(frozen=True)
 class PipelineSection:
     """``[pipeline]``: batch and mini-batch sizes, the four edges' capacities (``read_queue``,
-    ``pull_queue``, ``load_queue``, ``write_back_queue``), devices per node."""
+    ``pull_queue``, ``load_queue``, ``write_back_queue``), devices per node, and the seconds
+    between progress lines (``progress_seconds``; unset: ``$HPSRAY_PROGRESS_SECONDS``, else 30)."""
 
     batch_size: int = 65536
     minibatch_size: int = 1024
@@ -160,6 +161,7 @@ class PipelineSection:
     device: str = "cpu"
     threads: int | None = None
     hbm_rows: int | None = None
+    progress_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -352,6 +354,7 @@ def parse_pipeline(t: chk.Table) -> PipelineSection:
         device=t.take("device", chk.choice(DEVICES), "cpu"),
         threads=t.take("threads", chk.integer(1)),
         hbm_rows=t.take("hbm_rows", chk.integer(1)),
+        progress_seconds=t.take("progress_seconds", chk.number(0.0)),
     )
     t.done()
     return p

@@ -1,10 +1,21 @@
 """The pipeline composition API: stages joined by bounded object-ref queues, scheduling,
-metrics and the run report."""
+metrics and the run report.
 
-from hpsray.pipelines.edge import BoundedEdge
-from hpsray.pipelines.pipeline import Pipeline, TrainingStopped
-from hpsray.pipelines.sources import FileSource, SyntheticSource
-from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
+Its names are imported on first use (PEP 562): a reader actor unpickles its source from
+:mod:`hpsray.pipelines.sources`, and importing this package must not import the trainer (torch)
+into that process (docs/operations.md: The start).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpsray.pipelines.edge import BoundedEdge
+    from hpsray.pipelines.pipeline import Pipeline, TrainingStopped
+    from hpsray.pipelines.sources import FileSource, SyntheticSource
+    from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
 __all__ = [
     "BoundedEdge",
@@ -18,3 +29,29 @@ __all__ = [
     "TrainerStage",
     "TrainingStopped",
 ]
+
+_HOMES = {
+    "BoundedEdge": "hpsray.pipelines.edge",
+    "Pipeline": "hpsray.pipelines.pipeline",
+    "TrainingStopped": "hpsray.pipelines.pipeline",
+    "FileSource": "hpsray.pipelines.sources",
+    "SyntheticSource": "hpsray.pipelines.sources",
+    "CheckpointStage": "hpsray.pipelines.stages",
+    "MemPSStage": "hpsray.pipelines.stages",
+    "SSDPSStage": "hpsray.pipelines.stages",
+    "SyncStage": "hpsray.pipelines.stages",
+    "TrainerStage": "hpsray.pipelines.stages",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'hpsray.pipelines' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

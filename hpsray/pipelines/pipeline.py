@@ -26,7 +26,8 @@ from hpsray.data.batch import Batch
 from hpsray.errors import CheckpointError, TrainingStopped
 from hpsray.models.metrics import auc, logloss
 from hpsray.pipelines.placement import NodeActors, join_group, needs_group, open_reader, place_node, release_placements
-from hpsray.pipelines.progress import known_examples, progress_bar
+from hpsray.pipelines.progress import Progress, known_examples
+from hpsray.pipelines.progress import progress_seconds as progress_seconds_of
 from hpsray.pipelines.recovery import (
     CheckpointCosts,
     actor_lost,
@@ -63,6 +64,8 @@ class Pipeline:
             gradients (all-reduce or PHub-style chunks).
         checkpoint: where and how often to checkpoint, and how often to recover from a dead
             actor (``None``: no checkpoints; a dead actor stops ``fit()``).
+        progress_seconds: seconds between progress lines when stderr is not a terminal
+            (``None``: ``$HPSRAY_PROGRESS_SECONDS``, else 30; docs/operations.md: Progress).
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class Pipeline:
         nodes: int | None = 1,
         sync: SyncStage | None = None,
         checkpoint: CheckpointStage | None = None,
+        progress_seconds: float | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -126,6 +130,12 @@ class Pipeline:
         self._generation = 0  # collective groups formed by recoveries
         self.recovery: list[dict] = []
         self.report: dict = {}
+        self.progress_seconds = progress_seconds_of(progress_seconds)  # ValueError: a negative one
+        self._checkpoint_path: str | None = None
+        # wall-clock (time.time) origin of the next fit()'s time_to_first_batch_s: its call unless
+        # a caller sets it before (hpsray train: the command's start)
+        self.started_at: float | None = None
+        self.start_s: dict[str, float] = {}  # the start's seconds: ray_init_s, actors_s
 
     @property
     def fingerprint(self) -> str:
@@ -148,7 +158,9 @@ class Pipeline:
         """Start the stage actors (once); with ``restore``, in that checkpoint's state."""
         if self._nodes:
             return
+        t0 = time.perf_counter()
         self._started_ray = connect(self.address)
+        self.start_s.setdefault("ray_init_s", time.perf_counter() - t0)  # hpsray train sets its own
         stage = self.checkpoint_stage
         if restore is None and stage is not None and stage.resume and self._checkpoints is not None:
             restore = self._checkpoints.latest(self.fingerprint)
@@ -195,7 +207,16 @@ class Pipeline:
         if self._pass_first is None:
             self._pass_first = self._next_batch
         first, started_at = self._pass_first, self._next_batch  # a resumed pass started before this call
-        bar = progress_bar(known_examples(self.source), progress)
+        called_at = time.time()
+        origin = self.started_at if self.started_at is not None else called_at
+        self.started_at = None  # a later fit() counts from its own call
+        bar = Progress(
+            known_examples(self.source),
+            progress,
+            self.progress_seconds,
+            checkpoint=lambda: self._checkpoint_path,
+            first_batch=self._next_batch,
+        )
         recovery: list[dict] = []
         self.recovery = recovery  # grows while fit() runs: one entry per recovery
         self._costs = CheckpointCosts()
@@ -206,6 +227,7 @@ class Pipeline:
             while True:
                 t_start = t0 = time.perf_counter()
                 nodes = self._nodes
+                bar.nodes = nodes
                 schedule = PassSchedule(
                     nodes,
                     self._next_batch,
@@ -219,9 +241,12 @@ class Pipeline:
                     for node in nodes:  # a resumed pass skips the batches already trained
                         self._open_reader(node, self.source, node.index, len(nodes), self._next_batch - first)
                     # the actors' processes start (seconds, on the first pass) before the clock does
-                    ray.get([a.__ray_ready__.remote() for node in nodes for a in node.stage_actors()])
+                    ready = _wait_ready(nodes)
+                    if not startup:
+                        self.start_s.update(ready)
                     t0 = time.perf_counter()
                     startup += t0 - t_start
+                    bar.begin()  # the first interval starts with the pass, not with the actors
                     if self._checkpoints is not None and self._checkpointed != self._next_batch:
                         self._checkpoint(self._next_batch)  # where a failure before the first interval returns
                     schedule.run(bar)
@@ -233,6 +258,7 @@ class Pipeline:
                 wall += time.perf_counter() - t0
                 examples.update(schedule.examples_by_batch)
                 self._next_batch += schedule.batches
+                bar.pass_end()
                 break
         finally:
             bar.close()
@@ -248,8 +274,14 @@ class Pipeline:
             trained,
             sum(examples.get(b, 0) for b in trained),
             schedule.edges,
+            started_at=origin,
         )
         self.report["startup_s"] = startup
+        if "time_to_first_batch_s" in self.report:
+            start = {"ray_init_s": self.start_s.pop("ray_init_s", 0.0), "actors_s": startup}
+            start["other_s"] = max(self.report["time_to_first_batch_s"] - sum(start.values()), 0.0)
+            start["ready_s"] = {k: self.start_s.pop(k) for k in list(self.start_s) if k in _STAGES}
+            self.report["start"] = start
         if self._checkpoints is not None:
             self.report["checkpoints"] = self._costs.summary(wall)
             self.report["recovery"] = recovery
@@ -279,7 +311,8 @@ class Pipeline:
     def _checkpoint(self, batch: int) -> None:
         assert self._checkpoints is not None
         meta = {"pass_first": self._pass_first, "name": self.name}
-        _, seconds, size = write_checkpoint(self._checkpoints, self._nodes, batch, meta, self.fingerprint)
+        ckpt, seconds, size = write_checkpoint(self._checkpoints, self._nodes, batch, meta, self.fingerprint)
+        self._checkpoint_path = str(ckpt.path)
         self._costs.seconds.append(seconds)
         self._costs.bytes.append(size)
         self._checkpointed = batch
@@ -399,6 +432,27 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+_STAGES = ("read", "pull", "load", "train")
+
+
+def _wait_ready(nodes: list[NodeActors]) -> dict[str, float]:
+    """Wait until every stage actor's process is up; returns the seconds until each stage's
+    slowest actor was (read, pull, load, train), the start's breakdown in the report."""
+    t0 = time.perf_counter()
+    stage = {}
+    for node in nodes:
+        for name, actor in zip(_STAGES, (node.reader, node.mem, node.ssd, node.trainer)):
+            if actor is not None:
+                stage[actor.__ray_ready__.remote()] = name
+    ready: dict[str, float] = {}
+    pending = list(stage)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)  # raises an actor's failed start
+        ready[stage[done[0]]] = time.perf_counter() - t0
+    return ready
 
 
 def _catch_interrupt(pipeline: Pipeline):

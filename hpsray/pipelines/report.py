@@ -146,6 +146,19 @@ def format_stage_table(report: Mapping[str, Any]) -> str:
         f"{report.get('examples_per_s', 0.0):,.0f} examples/s"
         + (f" (after {startup:.2f} s starting actors)" if startup >= 0.01 else "")
     )
+    ttfb = report.get("time_to_first_batch_s")
+    if isinstance(ttfb, (int, float)):
+        start = report.get("start") or {}
+        parts = [
+            f"{label} {start[k]:.2f} s"
+            for k, label in (("ray_init_s", "Ray"), ("actors_s", "actors"), ("other_s", "the rest"))
+            if k in start
+        ]
+        parts = [", ".join(parts)] if parts else []
+        ready = start.get("ready_s") or {}
+        if ready:
+            parts.append("actors up after " + ", ".join(f"{k} {v:.2f} s" for k, v in ready.items()))
+        lines.append(f"time to first batch {ttfb:.2f} s" + (f" ({'; '.join(parts)})" if parts else ""))
     if busy:
         slowest = max(busy, key=busy.get)
         lines.append(

@@ -88,8 +88,11 @@ def run_report(
     batches: range,
     examples: int,
     edges: list[BoundedEdge],
+    started_at: float | None = None,
 ) -> dict:
-    """The report of the ``batches`` one ``fit()`` trained in ``wall`` seconds."""
+    """The report of the ``batches`` one ``fit()`` trained in ``wall`` seconds; with
+    ``started_at`` (a ``time.time()``), ``time_to_first_batch_s``: from then to the start of the
+    first batch's training on node 0."""
     stats = ray.get(
         [
             ref
@@ -149,6 +152,9 @@ def run_report(
         "working_set": working_set_report([r[3]["traffic"] for r in per_node if "traffic" in r[3]], mine),
         "bad_input": per_node[0][4] if len(nodes) == 1 else {f"node {i}": r[4] for i, r in enumerate(per_node)},
     }
+    firsts = [start for start, _, b in trainer0["events"] if len(batches) and b == batches[0]]
+    if started_at is not None and firsts:
+        report["time_to_first_batch_s"] = max(min(firsts) - started_at, 0.0)
     if len(nodes) > 1:
         trainers = [r[3] for r in per_node]
         report["sync"] = {
