@@ -2,8 +2,9 @@
 
     python benchmarks/uva_gather.py [ROWS] [GATHERED] [DIM]
 
-Gathers GATHERED random rows of ROWS (dim DIM) held in pinned host memory mapped into the device,
-straight into device memory, and the same rows with ``host[rows]`` then ``cuda.to_device``; prints
+Gathers GATHERED random rows of ROWS (dim DIM, at their natural stride) held in a host arena
+registered with the device (hpsray.serving.uva.host_arena + device_view), straight into device
+memory, and the same rows with ``host[rows]`` then ``cuda.to_device``; prints
 rows/s of each (means of 10 repeats of the same row set) and their ratio. Needs numba.cuda and a GPU,
 not Ray. docs/serving.md quotes its output.
 """
@@ -16,13 +17,13 @@ import time
 import numpy as np
 from numba import cuda
 
-from hpsray.serving.uva import gather_rows, mapped_rows
+from hpsray.serving.uva import device_view, gather_rows, host_arena
 
 
 def main(n: int = 2_000_000, m: int = 200_000, dim: int = 16) -> None:
-    src = mapped_rows(n, dim)
-    src[:] = np.random.default_rng(0).random(src.shape, dtype=np.float32)
-    host = np.ascontiguousarray(src[:, :dim])
+    host = host_arena(n, dim)
+    host[:] = np.random.default_rng(0).random(host.shape, dtype=np.float32)
+    src = device_view(host)
     rows = np.random.default_rng(1).integers(0, n, m).astype(np.int64)
     d_rows, d_dst = cuda.to_device(rows), cuda.to_device(np.arange(m, dtype=np.int64))
     out = cuda.device_array((m, dim), np.float32)

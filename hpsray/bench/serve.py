@@ -7,7 +7,16 @@ One run, one Ray Serve instance on loopback, one replica per system, all deploye
 * ``memory``: hpsray with every row in memory;
 * ``rocksdb``: the same rows in a RocksDB store (``rocksdict``; block cache sized like the hot-row
   cache) behind the same endpoint: the HugeCTR-inference / GDRec baseline;
-* ``bound``: every row in a ``torch.nn.EmbeddingBag`` behind the same endpoint: the in-memory bound.
+* ``bound``: every row in a ``torch.nn.EmbeddingBag`` behind the same endpoint: the in-memory bound;
+* ``driven``: hpsray's device-driven lookup (:mod:`hpsray.serving.device_driven`: one upload of the
+  keys, dedupe, layout, probes and gathers in the array module) with the same rows in memory as
+  ``tiered``, ``--device-fraction`` of them in the device tier.
+
+``--device cuda`` runs ``tiered`` as the CPU-driven GPU path (:mod:`hpsray.serving.cuda_lookup`:
+the host dedupes and probes, the device gathers) and ``driven`` with CuPy, side by side on the
+same GPU (default systems ``tiered,driven,rocksdb,bound``), the model's rows split alike: 5 % in
+device + host memory (``--device-fraction`` of them on the device), the rest on disk. On
+``--device cpu`` ``driven`` runs the same lines on NumPy (opt in with ``--systems``).
 
 The model is synthetic (``--rows`` rows over 26 slots, 13 dense features, ``--dim``); requests
 carry raw Zipf-distributed values (the planted generator's), so keys repeat as in CTR traffic.
@@ -30,6 +39,15 @@ than the rates do, and they show which part of a request is the store's and whic
 (dedupe, lookup, pooling, dense model) on the same pre-parsed batches of the largest size, in this
 process, with one torch thread, the systems round-robin, best of ``--repeat`` rounds: what the
 store costs apart from Ray Serve and JSON.
+
+``ssd_read`` compares, in the same process, the tiered model's ``predict`` with its misses read
+from the mapped rows file (``mmap``: before issue 29) and in merged ranges by parallel ``preadv``
+(``blocks``: after), with the rows file in the page cache (``warm``) and evicted before every
+batch (``cold``: ``fsync`` then ``POSIX_FADV_DONTNEED``, so every miss is a read of the disk).
+``reads_per_missed_row`` is the ``blocks`` reader's system calls per row read;
+``row_bytes_in_memory`` the bytes a row takes in the memory tiers, beside ``row_bytes_natural``
+(``dim * 4``) and ``row_bytes_padded`` (the aligned stride the GPU tiers used before, still the
+point store's on disk).
 """
 
 from __future__ import annotations
@@ -46,8 +64,10 @@ import numpy as np
 
 HELP = "serving: examples/s, p50, p99 of POST /predict at 5 % of rows in memory vs RocksDB and all in memory"
 
-SYSTEMS = ("tiered", "memory", "rocksdb", "bound")
-BACKEND = {"tiered": "hpsray", "memory": "hpsray", "rocksdb": "rocksdb", "bound": "embedding-bag"}
+SYSTEMS = ("tiered", "memory", "rocksdb", "bound", "driven")
+DEFAULT_SYSTEMS = {"cpu": "tiered,memory,rocksdb,bound", "cuda": "tiered,driven,rocksdb,bound"}
+BACKEND = {"tiered": "hpsray", "memory": "hpsray", "rocksdb": "rocksdb", "bound": "embedding-bag", "driven": "hpsray"}
+GPU_SYSTEMS = ("tiered", "memory", "driven")  # on --device cuda these run on the GPU; the baselines on the CPU
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +79,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seconds", type=float, default=2.0, help="measured seconds per system, point and round (default 2)"
     )
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"subset of {','.join(SYSTEMS)} (default {DEFAULT_SYSTEMS['cpu']}; with --device cuda "
+        f"{DEFAULT_SYSTEMS['cuda']})",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: 'tiered' is the CPU-driven GPU path, 'driven' the device-driven one, side by side",
+    )
+    parser.add_argument(
+        "--device-fraction",
+        type=float,
+        default=0.01,
+        help="of the rows in memory (--mem-fraction), the fraction of all rows held in the device tier "
+        "by the GPU paths and 'driven' (default 0.01)",
+    )
+    parser.add_argument("--no-ssd-read", action="store_true", help="skip the in-process mmap vs block-read comparison")
     parser.add_argument("--repeat", type=int, default=3, help="round-robin rounds per point; medians (default 3)")
     parser.add_argument("--port", type=int, default=8777)
     parser.add_argument("--dir", default=None, help="directory for the model (default: a temporary one)")
@@ -211,17 +250,48 @@ def drive(
 # -- the run ------------------------------------------------------------------------------------
 
 
-def in_process(model_dir: str, bodies: list[bytes], mem_fraction: float, systems: list[str], repeat: int = 3) -> dict:
+def load_options(system: str, mem_fraction: float, device: str = "cpu", device_fraction: float = 0.01, rows: int = 0):
+    """The :class:`~hpsray.serving.LoadOptions` of one system of the bench."""
+    from hpsray.serving import LoadOptions
+
+    frac = mem_fraction if system in ("tiered", "rocksdb", "driven") else None
+    on_gpu = device == "cuda" and system in GPU_SYSTEMS
+    driver = "device" if system == "driven" else "cpu"
+    device_rows = None
+    if on_gpu or driver == "device":
+        device_rows = int(np.ceil(device_fraction * rows)) if system != "memory" else None
+        if frac is not None:  # 5 % in memory in all: the device tier's share comes out of the host tier's
+            frac = max(0.0, frac - device_fraction)
+    return LoadOptions(
+        mem_fraction=frac,
+        backend=BACKEND[system],
+        device=device if on_gpu else "cpu",
+        driver=driver,
+        device_rows=device_rows,
+    )
+
+
+def in_process(
+    model_dir: str,
+    bodies: list[bytes],
+    mem_fraction: float,
+    systems: list[str],
+    repeat: int = 3,
+    device: str = "cpu",
+    device_fraction: float = 0.01,
+) -> dict:
     """Examples/s of each system's predict() on the same parsed batches (no HTTP, no JSON)."""
     import torch
 
-    from hpsray.serving import LoadOptions, ServableModel
+    from hpsray.serving import ServableModel
+    from hpsray.serving.layout import read_meta
 
     torch.set_num_threads(1)
+    rows = int(read_meta(os.path.join(model_dir, "point"))["rows"])
     models, best = {}, {}
     for system in systems:
-        frac = mem_fraction if system in ("tiered", "rocksdb") else None
-        models[system] = ServableModel.load(model_dir, LoadOptions(mem_fraction=frac, backend=BACKEND[system]))
+        opts = load_options(system, mem_fraction, device, device_fraction, rows)
+        models[system] = ServableModel.load(model_dir, opts)
     batches = [models[systems[0]].parser.parse_body(b) for b in bodies]
     for model in models.values():
         for b in batches:  # warm the cache, as the HTTP runs do
@@ -233,13 +303,79 @@ def in_process(model_dir: str, bodies: list[bytes], mem_fraction: float, systems
             for b in batches:
                 model.predict(b)
             best[system] = max(best.get(system, 0.0), n / (time.perf_counter() - t0))
+    keep = (
+        "hit_rate",
+        "ssd_reads",
+        "rows_in_memory",
+        "rows_on_device",
+        "device_hits",
+        "host_hits",
+        "reads_per_missed_row",
+        "row_bytes_in_memory",
+        "transfers",
+    )
     return {
-        s: {
-            "examples_per_s": best[s],
-            **{k: v for k, v in models[s].stats().items() if k in ("hit_rate", "ssd_reads", "rows_in_memory")},
-        }
-        for s in systems
+        s: {"examples_per_s": best[s], **{k: v for k, v in models[s].stats().items() if k in keep}} for s in systems
     }
+
+
+def _evict(path: str, maps: list) -> None:
+    """Drop ``path``'s pages from the page cache: this process's mappings of it let go first
+    (``MADV_DONTNEED``: a mapped page is not dropped), the file written back (only clean pages
+    go), then ``POSIX_FADV_DONTNEED``."""
+    import mmap
+
+    for m in maps:
+        if m is not None:
+            m.madvise(mmap.MADV_DONTNEED)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def ssd_read(model_dir: str, bodies: list[bytes], mem_fraction: float, repeat: int = 3) -> dict:
+    """The tiered model's predict() with misses read from the mapped file (``mmap``) and in merged
+    ranges by parallel ``preadv`` (``blocks``), warm (rows file in the page cache) and cold (evicted
+    before every batch): examples/s, best of ``repeat``, the two alternating."""
+    import torch
+
+    from hpsray.serving import LoadOptions, ServableModel
+
+    torch.set_num_threads(1)
+    models = {
+        m: ServableModel.load(model_dir, LoadOptions(mem_fraction=mem_fraction, ssd_read=m)) for m in ("mmap", "blocks")
+    }
+    batches = [models["mmap"].parser.parse_body(b) for b in bodies]
+    n = sum(len(b) for b in batches)
+    rows_file = os.path.join(models["mmap"].lookup.store.directory, "rows.f32")
+    maps = [m.lookup.store._map for m in models.values()]
+    out: dict = {m: {} for m in models}
+    for model in models.values():
+        for b in batches:
+            model.predict(b)
+    for cond in ("warm", "cold"):
+        best = dict.fromkeys(models, 0.0)
+        for _ in range(repeat):
+            for name, model in models.items():
+                spent = 0.0
+                for b in batches:
+                    if cond == "cold":
+                        _evict(rows_file, maps)
+                    t0 = time.perf_counter()
+                    model.predict(b)
+                    spent += time.perf_counter() - t0
+                best[name] = max(best[name], n / spent)
+        for name in models:
+            out[name][f"{cond}_examples_per_s"] = best[name]
+    for name in models:
+        out[name]["reads_per_missed_row"] = models[name].stats()["reads_per_missed_row"]
+    out["blocks_vs_mmap"] = {
+        c: out["blocks"][f"{c}_examples_per_s"] / out["mmap"][f"{c}_examples_per_s"] for c in ("warm", "cold")
+    }
+    return out
 
 
 def follow_delta(model_dir: str, gen, dim: int, mem_fraction: float, seed: int = 0, repeat: int = 3) -> dict:
@@ -323,23 +459,26 @@ def follow_delta(model_dir: str, gen, dim: int, mem_fraction: float, seed: int =
     }
 
 
-def _deploy(model_dir: str, system: str, mem_fraction: float, port: int):
+def _deploy(model_dir: str, system: str, args, rows: int, gpu_share: float):
+    from dataclasses import replace
+
     from ray import serve
 
-    from hpsray.serving import LoadOptions, ServeOptions, build_app
+    from hpsray.serving import ServeOptions, build_app
 
-    backend = BACKEND[system]
-    frac = mem_fraction if system in ("tiered", "rocksdb") else None
+    load = load_options(system, args.mem_fraction, args.device, args.device_fraction, rows)
     opts = ServeOptions(
-        port=port,
-        mem_fraction=frac,
+        port=args.port,
+        mem_fraction=load.mem_fraction,
+        device=load.device,
         replica_cpus=0,
+        replica_gpus=gpu_share,
         watch_s=0,
         max_batch_size=32,
         name=f"bench-{system}",
         route_prefix=f"/{system}",
     )
-    app = build_app(model_dir, opts, load=LoadOptions(mem_fraction=frac, backend=backend, limits=opts.limits))
+    app = build_app(model_dir, opts, load=replace(load, limits=opts.limits))
     return serve.run(app, name=opts.name, route_prefix=opts.route_prefix)
 
 
@@ -406,7 +545,12 @@ def _serve_runs(args, model_dir: str, systems: list[str], bodies: dict, batch_si
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     curves: dict[str, list[dict]] = {}
     try:
-        handles = {system: _deploy(model_dir, system, args.mem_fraction, args.port) for system in systems}
+        from hpsray.serving.layout import read_meta
+
+        rows = int(read_meta(os.path.join(model_dir, "point"))["rows"])
+        on_gpu = [s for s in systems if args.device == "cuda" and s in GPU_SYSTEMS]
+        share = 1.0 / max(1, len(on_gpu))  # the GPU systems share the one GPU
+        handles = {system: _deploy(model_dir, system, args, rows, share) for system in systems}
         urls = {system: f"http://127.0.0.1:{args.port}/{system}/predict" for system in systems}
         replicas = {system: handles[system].stats.remote().result()["pid"] for system in systems}
         proxies = _proxy_pids()
@@ -432,6 +576,8 @@ def _serve_runs(args, model_dir: str, systems: list[str], bodies: dict, batch_si
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.systems is None:
+        args.systems = DEFAULT_SYSTEMS[args.device]
     systems = [s for s in args.systems.split(",") if s]
     bad = set(systems) - set(SYSTEMS)
     if bad:
@@ -449,12 +595,23 @@ def run(args: argparse.Namespace) -> dict:
     bodies = {b: request_bodies(gen, b, max(8, min(400, 20_000 // b))) for b in batch_sizes}
 
     local: dict = {}
+    reads: dict = {}
     curves: dict[str, list[dict]] = {}
     stats: dict[str, dict] = {}
     delta = None
     try:
         if systems:
-            local = in_process(model_dir, bodies[batch_sizes[-1]], args.mem_fraction, systems, args.repeat)
+            local = in_process(
+                model_dir,
+                bodies[batch_sizes[-1]],
+                args.mem_fraction,
+                systems,
+                args.repeat,
+                args.device,
+                args.device_fraction,
+            )
+            if not args.no_ssd_read and "tiered" in systems:
+                reads = ssd_read(model_dir, bodies[batch_sizes[-1]], args.mem_fraction, args.repeat)
             curves, stats = _serve_runs(args, model_dir, systems, bodies, batch_sizes, concurrency)
         if args.delta:
             delta = follow_delta(model_dir, gen, args.dim, args.mem_fraction, args.seed, args.repeat)
@@ -466,10 +623,14 @@ def run(args: argparse.Namespace) -> dict:
         pts = curves.get(system) or [{}]
         return pts[-1]
 
+    from hpsray.serving.layout import row_stride
+
     report: dict = {
         "rows": int(args.rows),
         "dim": args.dim,
+        "device": args.device,
         "mem_fraction": args.mem_fraction,
+        "device_fraction": args.device_fraction,
         "headline_point": {"batch": batch_sizes[-1], "concurrency": max(concurrency)},
         "model_build_s": build_s,
     }
@@ -494,6 +655,25 @@ def run(args: argparse.Namespace) -> dict:
         report["in_process_vs_rocksdb"] = local["tiered"]["examples_per_s"] / local["rocksdb"]["examples_per_s"]
     if "tiered" in local and "bound" in local:
         report["in_process_vs_bound"] = local["tiered"]["examples_per_s"] / local["bound"]["examples_per_s"]
+    if "tiered" in local and "driven" in local:
+        report["in_process_driven_vs_tiered"] = local["driven"]["examples_per_s"] / local["tiered"]["examples_per_s"]
+        if args.device == "cuda":
+            report["target_device_driven_1_5x_cpu_driven"] = bool(report["in_process_driven_vs_tiered"] >= 1.5)
+    if "driven" in curves and "tiered" in curves:
+        report["driven_vs_tiered"] = head("driven")["examples_per_s"] / t["examples_per_s"]
+    if reads:
+        report["ssd_read"] = reads
+        report["in_process_tiered_blocks_vs_mmap"] = reads["blocks_vs_mmap"]
+    sources = [local.get(s, {}) for s in ("tiered", "driven")] + [reads.get("blocks", {})]
+    measured = [x["reads_per_missed_row"] for x in sources if x.get("reads_per_missed_row")]
+    report["reads_per_missed_row"] = measured[0] if measured else None
+    report["row_bytes_natural"] = 4 * args.dim
+    in_mem = [
+        local[s]["row_bytes_in_memory"] for s in ("driven", "tiered") if "row_bytes_in_memory" in local.get(s, {})
+    ]
+    report["row_bytes_in_memory"] = in_mem[0] if in_mem else None
+    report["row_bytes_padded"] = row_stride(args.dim)
+    report["row_bytes_by_dim"] = {d: {"natural": 4 * d, "padded": row_stride(d)} for d in (8, 16, 20, 33, 64, 100)}
     report["errors"] = sum(p["errors"] for pts in curves.values() for p in pts)
     report["curves"] = {
         s: [{k: v for k, v in p.items() if k != "error_samples"} for p in pts] for s, pts in curves.items()

@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --device cuda: the hottest rows held in device memory, in front of the memory rows "
         "(default: the memory rows, at most a quarter of the GPU's free memory; 0: none)",
     )
+    parser.add_argument(
+        "--driver",
+        choices=("cpu", "device"),
+        default="cpu",
+        help="device: the device-driven lookup (one upload of the keys; dedupe, probes and gathers on the "
+        "device; docs/serving.md); cpu: the host dedupes and probes (default)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     parser.add_argument("--max-examples", type=int, default=1024, help="most examples per request (default 1024)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests per dynamic batch (default 16)")
@@ -59,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         limits = Limits(args.max_body_bytes, args.max_examples)
-        LoadOptions(args.mem_rows, args.mem_fraction, args.device, limits, device_rows=args.device_rows)  # checks
+        LoadOptions(
+            args.mem_rows, args.mem_fraction, args.device, limits, device_rows=args.device_rows, driver=args.driver
+        )  # checks
         resolve_export(args.model_dir)  # before Ray starts: a wrong directory fails in a second
         options = ServeOptions(
             host=args.host,
@@ -69,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             mem_fraction=args.mem_fraction,
             device=args.device,
             device_rows=args.device_rows,
+            driver=args.driver,
             limits=limits,
             max_batch_size=args.max_batch_size,
             watch_s=args.watch,

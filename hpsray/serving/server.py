@@ -30,11 +30,13 @@ class ServeOptions:
     mem_fraction: float | None = None
     device: str = "cpu"
     device_rows: int | None = None  # see LoadOptions.device_rows
+    driver: str = "cpu"  # see LoadOptions.driver
     limits: Limits = field(default_factory=Limits)
     max_batch_size: int = 16
     batch_wait_s: float = 0.002
     watch_s: float = 2.0
     replica_cpus: float = 1.0
+    replica_gpus: float = 1.0  # with device "cuda": the share of a GPU each replica asks Ray for
     torch_threads: int = 1
     name: str = "hpsray"
     route_prefix: str = "/"
@@ -46,6 +48,8 @@ class ServeOptions:
             raise ValueError(f"port must lie in 1..65535, got {self.port}")
         if self.max_batch_size < 1 or self.batch_wait_s < 0 or self.watch_s < 0:
             raise ValueError("max_batch_size must be >= 1, batch_wait_s and watch_s >= 0")
+        if self.replica_gpus <= 0 or (self.replica_gpus > 1 and self.replica_gpus != int(self.replica_gpus)):
+            raise ValueError(f"replica_gpus must be a fraction in (0, 1] or a whole number, got {self.replica_gpus}")
 
 
 def load_options(options: ServeOptions):
@@ -53,7 +57,12 @@ def load_options(options: ServeOptions):
     from hpsray.serving.model import LoadOptions
 
     return LoadOptions(
-        options.mem_rows, options.mem_fraction, options.device, options.limits, device_rows=options.device_rows
+        options.mem_rows,
+        options.mem_fraction,
+        options.device,
+        options.limits,
+        device_rows=options.device_rows,
+        driver=options.driver,
     )
 
 
@@ -68,7 +77,7 @@ def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions
     resolve_export(model_dir)  # a missing export fails here, not in the replicas
     actor = {"num_cpus": options.replica_cpus}
     if options.device == "cuda":
-        actor["num_gpus"] = 1
+        actor["num_gpus"] = options.replica_gpus
     dep = Predictor.options(num_replicas=options.replicas, ray_actor_options=actor)
     load_d = asdict(load)
     return dep.bind(
