@@ -7,8 +7,8 @@ Ray's wheel alone is ~79 MB. So, on a machine with an index::
     python benchmarks/gpu_wheelhouse.py build [--out build/gpu-wheelhouse] [--python-version 3.12]
 
 downloads the wheels of the serving stack for the GPU machine's Python and platform (``ray[serve,
-default]``, rocksdict, aiohttp, orjson, fsspec, matplotlib, tqdm, kvikio; with their
-dependencies), drops those the machine already has (``--have``: torch, numpy, pyarrow, CuPy,
+default]``, rocksdict, aiohttp, orjson, fsspec, matplotlib, tqdm, pytest; with their
+dependencies; kvikio without its own), drops those the machine already has (``--have``: torch, numpy, pyarrow, CuPy,
 numba, nvidia-*), cuts every wheel larger than ``--part-mib`` (default 48) into byte pieces, and
 packs wheels and pieces into ``OUT/carry-1``, ``OUT/carry-2`` ... of at most ``--part-mib`` each,
 every part with a ``manifest.json`` (each wheel's size and SHA-256, its pieces). ``build/`` is
@@ -49,7 +49,9 @@ REQUIREMENTS = [
     "pytest-timeout>=2.3",
     "pytest-xdist>=3.5",
 ]
-KVIKIO = {"12": "kvikio-cu12>=24.10", "13": "kvikio-cu13>=25.10"}
+KVIKIO = {"12": ["kvikio-cu12>=24.10", "libkvikio-cu12>=24.10"], "13": ["kvikio-cu13>=25.10", "libkvikio-cu13>=25.10"]}
+"""Downloaded without their dependencies (CuPy and the CUDA libraries, which the machine has) and
+installed with ``--no-deps``; a kvikio that does not install leaves the bench on its ``preadv`` path."""
 HAVE = ("torch", "numpy", "pyarrow", "cupy-*", "numba", "numba-cuda", "llvmlite", "nvidia-*", "fastrlock")
 
 
@@ -152,12 +154,13 @@ def build(args: argparse.Namespace) -> int:
     dl = out / "download"
     shutil.rmtree(dl, ignore_errors=True)
     dl.mkdir(parents=True)
-    reqs = REQUIREMENTS + ([KVIKIO[args.cuda]] if args.cuda else [])
     cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "-d", str(dl)]
     cmd += ["--python-version", args.python_version, "--implementation", "cp"]
     for plat in args.platform:
         cmd += ["--platform", plat]
-    subprocess.run(cmd + reqs, check=True)
+    subprocess.run(cmd + REQUIREMENTS, check=True)
+    if args.cuda:
+        subprocess.run(cmd + ["--no-deps", *KVIKIO[args.cuda]], check=True)
     have = [h.strip().lower() for h in args.have.split(",") if h.strip()]
     for w in dl.glob("*.whl"):
         if _dropped(_name(w.name), have):
@@ -183,8 +186,11 @@ def install(args: argparse.Namespace) -> int:
         if not (venv / "bin" / "python").exists():
             subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
         python = str(venv / "bin" / "python")
-    cmd = [python, "-m", "pip", "install", "--no-index", "--find-links", str(out / "wheels"), *names]
-    subprocess.run(cmd, check=True)
+    pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(out / "wheels")]
+    kvikio = [n for n in names if "kvikio" in n]
+    subprocess.run(pip + [n for n in names if n not in kvikio], check=True)
+    if kvikio and subprocess.run(pip + ["--no-deps", *kvikio]).returncode != 0:
+        print("kvikio did not install: the GPU paths read SSD misses by parallel preadv", file=sys.stderr)
     run = f"PYTHONPATH={os.getcwd()} {python} -m hpsray bench serve --device cuda --json"
     print(f"installed {len(wheels)} wheels; run: {run}")
     return 0
