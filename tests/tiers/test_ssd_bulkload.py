@@ -171,4 +171,4 @@ def test_key_map_stays_compact_and_agrees_with_a_dict_through_inserts_and_remova
     km2 = KeyMap()
     km2.grow(1_000_000)
     km2.place(np.arange(1, 1_000_001, dtype=np.uint64), np.int32(0), np.zeros(1_000_000, np.int32))
-    assert km2.bytes_per_key <= 16 / 0.375  # 16 bytes a slot, at least 3/8 full
+    assert km2.bytes_per_key <= 16 / 0.79  # 16 bytes a slot, sized once for the keys: 80 % full

@@ -3,11 +3,12 @@
 The map is one open-addressing hash table of its own (linear probing, backward-shift deletion):
 three arrays indexed by the same *index slot* — the key (``uint64``), the *file slot* of the
 file holding its row (``int32``, see :class:`~hpsray.tiers.ssd.files.FileTable`) and the row's
-position in that file (``int32``) — 16 bytes per slot, at most :data:`MAX_LOAD` full, so 21–43
-bytes per key (:attr:`KeyMap.bytes_per_key`). Slots stay valid until the next insert or removal,
-which callers do under the store's lock. Recovery rebuilds it from the manifest's live files and
-their key/version indexes, file by file in one numba pass each: the highest version of a key
-wins, so a compacted copy never shadows a newer dump written while the compaction ran.
+position in that file (``int32``) — 16 bytes per slot. The table grows by half when it is
+:data:`MAX_LOAD` full, so it holds 20–30 bytes per key (:attr:`KeyMap.bytes_per_key`); recovery
+and bulk loads size it once for the keys they place (20 bytes per key). Slots stay valid until
+the next insert or removal, which callers do under the store's lock. Recovery rebuilds it from
+the manifest's live files and their key/version indexes, file by file in one numba pass each:
+the highest version of a key wins, so a compacted copy never shadows a newer dump written while the compaction ran.
 
 A deleted key's newest entry is a *tombstone* (a row in a file flagged
 :data:`~hpsray.tiers.ssd.paramfile.FLAG_TOMBSTONE`): when it wins, the key is not mapped. A
@@ -41,29 +42,39 @@ from hpsray.tiers.ssd.paramfile import (
 
 __all__ = ["MAX_LOAD", "KeyMap", "recover"]
 
-MAX_LOAD = 0.75
-"""Most keys per index slot before the table doubles (so 0.375–0.75 full: 21–43 bytes per key)."""
+MAX_LOAD = 0.8
+"""Most keys per index slot; beyond it the table grows by half (so 0.53–0.8 full: 20–30 bytes per
+key). Linear probing at 0.8 takes ~3 probes to find a key, ~13 to find it absent."""
+GROWTH = 1.5
 
 _EMPTY = np.uint64(EMPTY_KEY)  # as_keys refuses it as a key
 _MIN_CAPACITY = 1024
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _home(key, mask):
-    """Bucket of ``key``: a 64-bit finaliser (murmur3's) so sequential keys spread out."""
+def _home(key, cap):
+    """Bucket of ``key``: a 64-bit finaliser (murmur3's), so sequential keys spread out, scaled
+    to the capacity by a multiply (Lemire's reduction: any capacity below 2**32, so the table
+    can grow by half, not by doubling)."""
     h = key ^ (key >> np.uint64(33))
     h *= np.uint64(0xFF51AFD7ED558CCD)
     h ^= h >> np.uint64(33)
     h *= np.uint64(0xC4CEB9FE1A85EC53)
     h ^= h >> np.uint64(33)
-    return h & mask
+    return ((h >> np.uint64(32)) * cap) >> np.uint64(32)  # in [0, cap) for cap < 2**32, no division
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _next(b, cap):
+    b += np.uint64(1)
+    return np.uint64(0) if b == cap else b
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _find(tkeys, mask, keys, out):
+def _find(tkeys, cap, keys, out):
     for i in numba.prange(keys.size):
         k = keys[i]
-        b = _home(k, mask)
+        b = _home(k, cap)
         while True:
             t = tkeys[b]
             if t == k:
@@ -72,16 +83,16 @@ def _find(tkeys, mask, keys, out):
             if t == _EMPTY:
                 out[i] = -1
                 break
-            b = (b + np.uint64(1)) & mask
+            b = _next(b, cap)
 
 
 @njit(cache=True, nogil=True)
-def _place(tkeys, tfs, tpos, mask, keys, fs, pos, out):
+def _place(tkeys, tfs, tpos, cap, keys, fs, pos, out):
     """Find or insert each key, then set its location; returns the keys inserted."""
     new = 0
     for i in range(keys.size):
         k = keys[i]
-        b = _home(k, mask)
+        b = _home(k, cap)
         while True:
             t = tkeys[b]
             if t == k:
@@ -90,7 +101,7 @@ def _place(tkeys, tfs, tpos, mask, keys, fs, pos, out):
                 tkeys[b] = k
                 new += 1
                 break
-            b = (b + np.uint64(1)) & mask
+            b = _next(b, cap)
         tfs[b] = fs[i]
         tpos[b] = pos[i]
         out[i] = b
@@ -98,29 +109,29 @@ def _place(tkeys, tfs, tpos, mask, keys, fs, pos, out):
 
 
 @njit(cache=True, nogil=True)
-def _remove(tkeys, tfs, tpos, mask, keys, gone_fs, gone):
+def _remove(tkeys, tfs, tpos, cap, keys, gone_fs, gone):
     """Remove each present key (backward-shift deletion: the entries after it in its probe run
     move back, so no tombstone markers are needed); returns the keys removed."""
     n = 0
     for i in range(keys.size):
         k = keys[i]
-        b = _home(k, mask)
+        b = _home(k, cap)
         while tkeys[b] != k and tkeys[b] != _EMPTY:
-            b = (b + np.uint64(1)) & mask
+            b = _next(b, cap)
         if tkeys[b] == _EMPTY:
             continue
         gone[i] = True
         gone_fs[i] = tfs[b]
         n += 1
         hole = b
-        j = (b + np.uint64(1)) & mask
+        j = _next(b, cap)
         while tkeys[j] != _EMPTY:
-            home = _home(tkeys[j], mask)
+            home = _home(tkeys[j], cap)
             # the entry at j may fill the hole when its home is not in the cyclic range (hole, j]
-            if ((j - home) & mask) >= ((j - hole) & mask):
+            if (j + cap - home) % cap >= (j + cap - hole) % cap:
                 tkeys[hole], tfs[hole], tpos[hole] = tkeys[j], tfs[j], tpos[j]
                 hole = j
-            j = (j + np.uint64(1)) & mask
+            j = _next(j, cap)
         tkeys[hole] = _EMPTY
         tfs[hole] = -1
         tpos[hole] = 0
@@ -128,19 +139,19 @@ def _remove(tkeys, tfs, tpos, mask, keys, gone_fs, gone):
 
 
 @njit(cache=True, nogil=True)
-def _rehash(okeys, ofs, opos, tkeys, tfs, tpos, mask):
+def _rehash(okeys, ofs, opos, tkeys, tfs, tpos, cap):
     for i in range(okeys.size):
         k = okeys[i]
         if k == _EMPTY:
             continue
-        b = _home(k, mask)
+        b = _home(k, cap)
         while tkeys[b] != _EMPTY:
-            b = (b + np.uint64(1)) & mask
+            b = _next(b, cap)
         tkeys[b], tfs[b], tpos[b] = k, ofs[i], opos[i]
 
 
 @njit(cache=True, nogil=True)
-def _recover_file(tkeys, tfs, tpos, tver, mask, keys, vers, fslot):
+def _recover_file(tkeys, tfs, tpos, tver, cap, keys, vers, fslot):
     """Merge one file's index into the map: a key's entry wins over the mapped one when its
     version is at least as high (files come in ascending number, so of equal versions, copies
     of the same value, the later file's wins). Returns the keys inserted."""
@@ -148,7 +159,7 @@ def _recover_file(tkeys, tfs, tpos, tver, mask, keys, vers, fslot):
     for i in range(keys.size):
         k = keys[i]
         v = vers[i]
-        b = _home(k, mask)
+        b = _home(k, cap)
         while True:
             t = tkeys[b]
             if t == _EMPTY:
@@ -164,28 +175,29 @@ def _recover_file(tkeys, tfs, tpos, tver, mask, keys, vers, fslot):
                     tfs[b] = fslot
                     tpos[b] = i
                 break
-            b = (b + np.uint64(1)) & mask
+            b = _next(b, cap)
     return new
 
 
 @njit(cache=True, nogil=True)
-def _beaten_by_tombstones(tkeys, tfs, mask, keys, fslot, tomb_of, deps):
+def _beaten_by_tombstones(tkeys, tfs, cap, keys, fslot, tomb_of, deps):
     """``deps[t, fslot] = True`` when a key of this (row) file is mapped to tombstone file ``t``
     (``tomb_of[file slot]``, -1 for row files): this file holds an older copy of a deleted key."""
     for i in range(keys.size):
         k = keys[i]
-        b = _home(k, mask)
+        b = _home(k, cap)
         while tkeys[b] != k:
-            b = (b + np.uint64(1)) & mask
+            b = _next(b, cap)
         t = tomb_of[tfs[b]]
         if t >= 0:
             deps[t, fslot] = True
 
 
 def _capacity_for(n: int) -> int:
-    cap = _MIN_CAPACITY
-    while n > MAX_LOAD * cap:
-        cap *= 2
+    """Index slots for ``n`` keys at :data:`MAX_LOAD` (at least :data:`_MIN_CAPACITY`)."""
+    cap = max(_MIN_CAPACITY, int(np.ceil(n / MAX_LOAD)) + 1)
+    if cap >= 1 << 32:
+        raise ValueError(f"SSD-PS key map: {n} keys in one store exceed its 2**32 index slots; use more nodes")
     return cap
 
 
@@ -204,7 +216,7 @@ class KeyMap:
         self.keys = np.full(cap, _EMPTY, dtype=np.uint64)
         self.file_slot = np.full(cap, -1, dtype=np.int32)
         self.pos = np.zeros(cap, dtype=np.int32)
-        self._mask = np.uint64(cap - 1)
+        self._cap = np.uint64(cap)
 
     @property
     def size(self) -> int:
@@ -213,7 +225,7 @@ class KeyMap:
 
     @property
     def capacity(self) -> int:
-        """Index slots (a power of two)."""
+        """Index slots."""
         return int(self.keys.size)
 
     @property
@@ -229,20 +241,20 @@ class KeyMap:
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Index slots of ``keys`` (-1: not stored)."""
         out = np.empty(keys.size, dtype=np.int64)
-        _find(self.keys, self._mask, np.ascontiguousarray(keys, dtype=np.uint64), out)
+        _find(self.keys, self._cap, np.ascontiguousarray(keys, dtype=np.uint64), out)
         return out
 
     def _resize(self, cap: int) -> None:
         okeys, ofs, opos = self.keys, self.file_slot, self.pos
         self._alloc(cap)
-        _rehash(okeys, ofs, opos, self.keys, self.file_slot, self.pos, self._mask)
+        _rehash(okeys, ofs, opos, self.keys, self.file_slot, self.pos, self._cap)
 
     def grow(self, extra: int) -> None:
-        """Make room for ``extra`` more keys (doubling at least, rebuilt in one pass)."""
+        """Make room for ``extra`` more keys (growing by half at least, rebuilt in one pass)."""
         need = self._size + extra
         if need <= MAX_LOAD * self.capacity:
             return
-        self._resize(max(_capacity_for(need), 2 * self.capacity))
+        self._resize(max(_capacity_for(need), int(GROWTH * self.capacity)))
 
     def place(self, keys: np.ndarray, file_slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Map ``keys`` (inserting absent ones; :meth:`grow` first) to rows; returns their index
@@ -254,7 +266,7 @@ class KeyMap:
         if self._size + n > self.capacity - 1:  # a caller that did not grow: never probe a full table
             self.grow(n)
         out = np.empty(n, dtype=np.int64)
-        self._size += int(_place(self.keys, self.file_slot, self.pos, self._mask, keys, fs, ps, out))
+        self._size += int(_place(self.keys, self.file_slot, self.pos, self._cap, keys, fs, ps, out))
         return out
 
     def remove(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -263,7 +275,7 @@ class KeyMap:
         keys = np.ascontiguousarray(keys, dtype=np.uint64)
         gone_fs = np.empty(keys.size, dtype=np.int32)
         gone = np.zeros(keys.size, dtype=bool)
-        self._size -= int(_remove(self.keys, self.file_slot, self.pos, self._mask, keys, gone_fs, gone))
+        self._size -= int(_remove(self.keys, self.file_slot, self.pos, self._cap, keys, gone_fs, gone))
         return keys[gone], gone_fs[gone]
 
     def lives_at(
@@ -271,7 +283,7 @@ class KeyMap:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Whether each key's mapped row is still at ``(file_slot, position)`` — no dump (or
         compaction) superseded it since it was written there. ``file_slot`` is one slot or one
-        per key. Returns ``(mask, index slots)``."""
+        per key. Returns ``(cap, index slots)``."""
         slots = self.find(keys)
         ok = slots >= 0
         at = slots[ok]
@@ -343,7 +355,7 @@ def recover(
         else:
             row_slots.append((s, path))
         keys, vers = np.ascontiguousarray(pf.keys), np.ascontiguousarray(pf.versions)
-        km._size += int(_recover_file(km.keys, km.file_slot, km.pos, tver, km._mask, keys, vers, np.int32(s)))
+        km._size += int(_recover_file(km.keys, km.file_slot, km.pos, tver, km._cap, keys, vers, np.int32(s)))
     del tver
     if tomb_slots:
         tomb_of = np.full(files.capacity, -1, dtype=np.int64)
@@ -352,13 +364,13 @@ def recover(
             deps = np.zeros((len(tomb_slots), files.capacity), dtype=bool)
             for s, path in row_slots:  # which row files hold older copies of deleted keys
                 pf = read_index(path, width)
-                _beaten_by_tombstones(km.keys, km.file_slot, km._mask, np.ascontiguousarray(pf.keys), s, tomb_of, deps)
+                _beaten_by_tombstones(km.keys, km.file_slot, km._cap, np.ascontiguousarray(pf.keys), s, tomb_of, deps)
             for t, s in enumerate(tomb_slots):
                 tombstones[int(files.no[s])] = files.no[np.flatnonzero(deps[t])].astype(np.int64)
         occupied = km.keys != _EMPTY
         dead = occupied & (tomb_of[np.maximum(km.file_slot, 0)] >= 0)
         km.remove(km.keys[dead].copy())  # the newest entry is a tombstone: deleted
-    if km.size < MAX_LOAD / 4 * km.capacity and km.capacity > _MIN_CAPACITY:
+    if km.size < MAX_LOAD / 2 * km.capacity and km.capacity > _MIN_CAPACITY:
         km._resize(_capacity_for(km.size))  # many stale entries: no more slots than the keys need
     files.live[:] = km.live_counts(files.capacity)
     for s in tomb_slots:
