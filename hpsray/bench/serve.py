@@ -10,7 +10,10 @@ One run, one Ray Serve instance on loopback, one replica per system, all deploye
 * ``bound``: every row in a ``torch.nn.EmbeddingBag`` behind the same endpoint: the in-memory bound;
 * ``driven``: hpsray's device-driven lookup (:mod:`hpsray.serving.device_driven`: one upload of the
   keys, dedupe, layout, probes and gathers in the array module) with the same rows in memory as
-  ``tiered``, ``--device-fraction`` of them in the device tier.
+  ``tiered``, ``--device-fraction`` of them in the device tier;
+* ``tiered-mmap`` / ``tiered-blocks``: ``tiered`` with its misses copied from the mapped rows file
+  (``LoadOptions(ssd_read="mmap")``, the only path before issue 29) / read in merged ranges by
+  parallel ``preadv`` (``"blocks"``), whatever ``auto`` would pick; opt in.
 
 ``--device cuda`` runs ``tiered`` as the CPU-driven GPU path (:mod:`hpsray.serving.cuda_lookup`:
 the host dedupes and probes, the device gathers) and ``driven`` with CuPy, side by side on the
@@ -64,9 +67,18 @@ import numpy as np
 
 HELP = "serving: examples/s, p50, p99 of POST /predict at 5 % of rows in memory vs RocksDB and all in memory"
 
-SYSTEMS = ("tiered", "memory", "rocksdb", "bound", "driven")
+SYSTEMS = ("tiered", "memory", "rocksdb", "bound", "driven", "tiered-mmap", "tiered-blocks")
 DEFAULT_SYSTEMS = {"cpu": "tiered,memory,rocksdb,bound", "cuda": "tiered,driven,rocksdb,bound"}
-BACKEND = {"tiered": "hpsray", "memory": "hpsray", "rocksdb": "rocksdb", "bound": "embedding-bag", "driven": "hpsray"}
+BACKEND = {
+    "tiered": "hpsray",
+    "memory": "hpsray",
+    "rocksdb": "rocksdb",
+    "bound": "embedding-bag",
+    "driven": "hpsray",
+    "tiered-mmap": "hpsray",
+    "tiered-blocks": "hpsray",
+}
+SSD_READ = {"tiered-mmap": "mmap", "tiered-blocks": "blocks"}
 GPU_SYSTEMS = ("tiered", "memory", "driven")  # on --device cuda these run on the GPU; the baselines on the CPU
 
 
@@ -254,7 +266,7 @@ def load_options(system: str, mem_fraction: float, device: str = "cpu", device_f
     """The :class:`~hpsray.serving.LoadOptions` of one system of the bench."""
     from hpsray.serving import LoadOptions
 
-    frac = mem_fraction if system in ("tiered", "rocksdb", "driven") else None
+    frac = mem_fraction if system in ("tiered", "rocksdb", "driven", *SSD_READ) else None
     on_gpu = device == "cuda" and system in GPU_SYSTEMS
     driver = "device" if system == "driven" else "cpu"
     device_rows = None
@@ -268,6 +280,7 @@ def load_options(system: str, mem_fraction: float, device: str = "cpu", device_f
         device=device if on_gpu else "cpu",
         driver=driver,
         device_rows=device_rows,
+        ssd_read=SSD_READ.get(system, "auto"),
     )
 
 
@@ -312,6 +325,7 @@ def in_process(
         "host_hits",
         "reads_per_missed_row",
         "row_bytes_in_memory",
+        "ssd_read",
         "transfers",
     )
     return {
@@ -659,12 +673,15 @@ def run(args: argparse.Namespace) -> dict:
         report["in_process_driven_vs_tiered"] = local["driven"]["examples_per_s"] / local["tiered"]["examples_per_s"]
         if args.device == "cuda":
             report["target_device_driven_1_5x_cpu_driven"] = bool(report["in_process_driven_vs_tiered"] >= 1.5)
+    for system in SSD_READ:
+        if system in curves and r:
+            report[f"{system.replace('-', '_')}_vs_rocksdb"] = head(system)["examples_per_s"] / r["examples_per_s"]
     if "driven" in curves and "tiered" in curves:
         report["driven_vs_tiered"] = head("driven")["examples_per_s"] / t["examples_per_s"]
     if reads:
         report["ssd_read"] = reads
         report["in_process_tiered_blocks_vs_mmap"] = reads["blocks_vs_mmap"]
-    sources = [local.get(s, {}) for s in ("tiered", "driven")] + [reads.get("blocks", {})]
+    sources = [reads.get("blocks", {})] + [local.get(s, {}) for s in ("tiered", "tiered-blocks", "driven")]
     measured = [x["reads_per_missed_row"] for x in sources if x.get("reads_per_missed_row")]
     report["reads_per_missed_row"] = measured[0] if measured else None
     report["row_bytes_natural"] = 4 * args.dim

@@ -16,13 +16,40 @@ from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.serving.cache import HotCache
 from hpsray.serving.pointstore import PointStore
 
-__all__ = ["SSD_READS", "Lookup", "MemoryLookup", "TieredLookup", "mem_rows_for"]
+__all__ = ["SSD_READS", "Lookup", "MemoryLookup", "TieredLookup", "mem_rows_for", "resolve_ssd_read"]
 
-SSD_READS = ("blocks", "mmap")
+SSD_READS = ("auto", "blocks", "mmap")
 """How a tiered lookup reads its misses: ``blocks``, merged ranges by parallel ``preadv``
-(:mod:`hpsray.serving.blockread`; rows on disk are read several at a time); ``mmap``, a copy from
-the mapped rows file (the cheapest while the file sits in the page cache; a row not there faults
-in one page at a time)."""
+(:mod:`hpsray.serving.blockread`; rows on disk are read several at a time, a system call per
+range even when they are cached); ``mmap``, a copy from the mapped rows file (no system call while
+the file sits in the page cache; a row not there faults in one page at a time); ``auto``
+(:func:`resolve_ssd_read`): ``mmap`` for a rows file that fits in a quarter of the memory
+available, ``blocks`` otherwise."""
+
+PAGE_CACHE_SHARE = 0.25  # of MemAvailable: a rows file this small is expected to stay in the page cache
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def resolve_ssd_read(mode: str, rows_file_bytes: int, available_bytes: int | None = None) -> str:
+    """``mode`` itself, or for ``auto``: ``mmap`` when ``rows_file_bytes`` is at most
+    :data:`PAGE_CACHE_SHARE` of ``available_bytes`` (``MemAvailable`` of ``/proc/meminfo`` when
+    not given; ``blocks`` where it cannot be read), else ``blocks``."""
+    if mode not in SSD_READS:
+        raise ValueError(f"ssd_read must be one of {', '.join(SSD_READS)}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    available = _available_bytes() if available_bytes is None else available_bytes
+    return "mmap" if available is not None and rows_file_bytes <= PAGE_CACHE_SHARE * available else "blocks"
 
 
 def mem_rows_for(n_rows: int, mem_rows: int | None, mem_fraction: float | None) -> int:
@@ -86,8 +113,9 @@ class TieredLookup:
 
     Per batch: probe the cache; gather the hits; find the misses in the store's key index and read
     them straight into their output rows (``ssd_read``, :data:`SSD_READS`: merged ranges by
-    parallel ``preadv``, or a copy from the mapped rows file); give unseen keys their initial
-    rows; offer the rows read from SSD to the cache.
+    parallel ``preadv``, or a copy from the mapped rows file; ``auto`` picks by the file's size
+    against the memory available); give unseen keys their initial rows; offer the rows read from
+    SSD to the cache.
 
     ``warm_from``: the lookup of the model served before this one (an earlier export, or the
     state before a delta); its hot keys start in this cache with their rows read from ``store``,
@@ -101,10 +129,9 @@ class TieredLookup:
         init: RowInit,
         cache: HotCache | None = None,
         warm_from: TieredLookup | None = None,
-        ssd_read: str = "blocks",
+        ssd_read: str = "auto",
     ) -> None:
-        if ssd_read not in SSD_READS:
-            raise ValueError(f"ssd_read must be one of {', '.join(SSD_READS)}, got {ssd_read!r}")
+        ssd_read = resolve_ssd_read(ssd_read, len(store) * store.stride)
         self.store = store
         self.ssd_read = ssd_read
         self.reader = store.block_reader() if ssd_read == "blocks" else None
@@ -150,4 +177,5 @@ class TieredLookup:
             "reads_per_missed_row": self.reader.reads_per_row if self.reader is not None else None,
             "unseen": self.unseen,
             "carried": self.carried,
+            "row_bytes_in_memory": int(c.rows.strides[0]),
         }

@@ -97,7 +97,8 @@ class LoadOptions:
     device index arrays), or ``device`` (:mod:`hpsray.serving.device_driven`: one upload of the
     keys, dedupe, layout, probes and gathers on the device; with ``device="cpu"`` the same lines
     run on NumPy). ``ssd_read``: how the CPU-driven tiered lookup reads misses
-    (:data:`hpsray.serving.lookup.SSD_READS`; the GPU paths always read merged ranges)."""
+    (:data:`hpsray.serving.lookup.SSD_READS`: ``auto``, ``blocks`` or ``mmap``; the GPU paths
+    always read merged ranges)."""
 
     mem_rows: int | None = None
     mem_fraction: float | None = None
@@ -106,7 +107,7 @@ class LoadOptions:
     backend: str = "hpsray"
     device_rows: int | None = None
     driver: str = "cpu"
-    ssd_read: str = "blocks"
+    ssd_read: str = "auto"
 
     def __post_init__(self) -> None:
         from hpsray.serving.baselines import BACKENDS

@@ -95,7 +95,8 @@ def device_view(arena: np.ndarray) -> Any:
         return devicearray.DeviceNDArray(arena.shape, arena.strides, arena.dtype, gpu_data=pinned)
     ptr = arena.ctypes.data
     cupy.cuda.runtime.hostRegister(ptr, arena.nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-    dptr = cupy.cuda.runtime.hostGetDevicePointer(ptr, 0)
+    get = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
+    dptr = get(ptr, 0) if get is not None else ptr  # under UVA a registered page's device address is its own
     mem = cupy.cuda.UnownedMemory(dptr, arena.nbytes, arena)
     view = cupy.ndarray(arena.shape, cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
     view._hpsray_host_ptr = ptr  # what release_view unregisters

@@ -21,8 +21,9 @@ def model(tmp_path_factory):
 
 def test_in_process_reports_reads_per_missed_row_and_row_bytes(model):
     d, bodies = model
-    out = in_process(d, bodies, 0.05, ["tiered", "driven", "rocksdb"], repeat=1)
-    for system in ("tiered", "driven"):
+    out = in_process(d, bodies, 0.05, ["tiered-blocks", "driven", "rocksdb"], repeat=1)
+    assert out["tiered-blocks"]["ssd_read"] == "blocks"
+    for system in ("tiered-blocks", "driven"):
         s = out[system]
         assert s["examples_per_s"] > 0 and 0 < s["reads_per_missed_row"] <= 1, s
         assert s["row_bytes_in_memory"] == 4 * 8  # rows at their natural stride

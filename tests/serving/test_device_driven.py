@@ -245,10 +245,8 @@ def test_tiered_lookup_reads_misses_in_blocks_or_from_the_map_alike(exports):
 
     path = build_point_store(exports["parquet"])
     init = RowInit(dim=8, scale=0.02, seed=3)
-    blocks, mapped = (
-        TieredLookup(PointStore(path), 100, init),
-        TieredLookup(PointStore(path), 100, init, ssd_read="mmap"),
-    )
+    blocks = TieredLookup(PointStore(path), 100, init, ssd_read="blocks")
+    mapped = TieredLookup(PointStore(path), 100, init, ssd_read="mmap")
     keys = np.asarray(blocks.store.keys)
     rng = np.random.default_rng(2)
     for _ in range(4):
@@ -257,6 +255,19 @@ def test_tiered_lookup_reads_misses_in_blocks_or_from_the_map_alike(exports):
     assert 0 < blocks.stats()["reads_per_missed_row"] < 1 and mapped.stats()["reads_per_missed_row"] is None
     with pytest.raises(ValueError, match="ssd_read"):
         LoadOptions(ssd_read="pread")
+
+
+def test_auto_reads_a_rows_file_that_fits_the_page_cache_through_the_map():
+    from hpsray.serving.lookup import resolve_ssd_read
+
+    gib = 1 << 30
+    assert resolve_ssd_read("auto", 1 * gib, available_bytes=8 * gib) == "mmap"  # stays cached
+    assert resolve_ssd_read("auto", 3 * gib, available_bytes=8 * gib) == "blocks"  # will be read from disk
+    assert resolve_ssd_read("blocks", 1, available_bytes=8 * gib) == "blocks"
+    assert resolve_ssd_read("mmap", 100 * gib, available_bytes=8 * gib) == "mmap"
+    assert resolve_ssd_read("auto", 1) in ("mmap", "blocks")  # this machine's MemAvailable
+    with pytest.raises(ValueError, match="ssd_read"):
+        resolve_ssd_read("pread", 1)
 
 
 @pytest.mark.parametrize("dim", [1, 3, 16, 20, 33, 100])
