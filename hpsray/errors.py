@@ -18,7 +18,9 @@
     │                                           directory was removed, earlier checkpoints stay usable
     ├── ExportError        (also ValueError)    an export directory that cannot be read back
     ├── TrainingStopped    (also RuntimeError)  a stage failed in ``fit()``; what trained was kept
-    └── PeerFailedError    (also RuntimeError)  this trainer is fine, another node's failed the batch
+    ├── PeerFailedError    (also RuntimeError)  this trainer is fine, another node's failed the batch
+    └── WorkingSetError    (also RuntimeError)  the trainer lacks rows its owners counted on it holding
+        └── MissingRowsError                    a batch's keys have no row once its loans are in
 
 The second bases are kept for callers that catch the builtin kind (``except ValueError``). The
 classes stay importable from where they were defined before (``hpsray.config``,
@@ -38,6 +40,7 @@ __all__ = [
     "DiskFullError",
     "ExportError",
     "HpsrayError",
+    "MissingRowsError",
     "PeerFailedError",
     "SSDError",
     "SSDFullError",
@@ -248,6 +251,19 @@ class WorkingSetError(HpsrayError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.absent, self.held, self.first))
+
+
+class MissingRowsError(WorkingSetError):
+    """Keys of a batch have no row in the trainer's working set once its loans are in: the
+    loans did not cover the batch. A broken protocol, not bad input."""
+
+    def __init__(self, absent: int, total: int, first: int) -> None:
+        self.absent, self.held, self.first = absent, total, first
+        HpsrayError.__init__(
+            self,
+            f"{absent} of the batch's {total} key occurrences have no row in the trainer's working set "
+            f"(first key: {first}); the owners' loans did not cover the batch",
+        )
 
 
 def caused_by(error: BaseException, kind: type[BaseException]) -> bool:

@@ -143,6 +143,7 @@ ENGINES = (
     "hpsray.tiers",
     "hpsray.data",
     "hpsray.models",
+    "hpsray.training",
     "hpsray.reference",
     "hpsray.config",
     "hpsray.errors",
@@ -175,3 +176,9 @@ def test_engines_import_neither_ray_nor_the_layers_above_them():
                     else []
                 )
                 assert not any(n == "ray" or n.startswith("ray.") for n in names), f"{name} imports Ray"
+
+
+def test_the_reference_imports_nothing_of_the_trainer_engine():
+    """The oracle stays apart from the system under test: the trainer's step is its own code."""
+    graph = import_graph()
+    assert not [d for d in graph["hpsray.reference"] if d.startswith(("hpsray.training", "hpsray.actors"))]

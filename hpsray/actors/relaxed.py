@@ -2,58 +2,75 @@
 updates published under clocks and applied as they arrive, batch ends that are no barriers
 under SSP/ASP, and the final barrier of a pass (:meth:`RelaxedSteps.settle`).
 
-:class:`RelaxedSteps` is a part of :class:`~hpsray.actors.trainer.Trainer` (its base class),
-apart because BSP, the default, never runs it; it uses the trainer's tables, dense replicas,
-exchange and clocks.
+:class:`RelaxedSteps` is the trainer's collaborator in those modes (BSP, the default, never
+makes one): it holds their clocks and what crosses batch ends, and steps the trainer's
+:class:`~hpsray.training.engine.TrainerEngine` through the mini-batches the same way BSP does
+(find once per batch, torch ops on the arena); updates of the other trainers reach the rows it
+holds through :meth:`~hpsray.training.engine.TrainerEngine.apply_updates`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from hpsray.actors.messages import Returned
 from hpsray.cluster.consistency import CarryOver, crosses_batches, merge_payloads
 from hpsray.kernels.arrays import to_host
+from hpsray.training.engine import TrainerEngine
+from hpsray.training.layout import BatchIndex
 
 
 class RelaxedSteps:
-    """The relaxed modes' half of a trainer (see the module docstring)."""
+    """SSP, A-BSP or ASP for one trainer (see the module docstring).
 
-    # set by the trainer (attributes this part reads and writes)
-    node: int
-    step: int
-    sync: Any
-    exchange: Any
-    hbm: Any
-    dense: Any
-    device: Any
-    optimizer: Any
-    config: Any
-    clock: Any
-    max_staleness: int
-    exchanged_bytes: list[int]
-    _seen: dict[int, int]
-    _seen_dense: dict[int, int]
-    _sent: int
-    _pending_dense: Any
-    _clock_base: int
-    _carry: CarryOver | None = None  # SSP/ASP across batch ends (see _train_stale)
+    Args:
+        engine: the trainer's engine (working set, dense model, step counter).
+        node: this trainer's rank; ``world``: how many there are.
+        sync: the pipeline's :class:`~hpsray.pipelines.SyncStage` (mode, bounds, test hooks).
+        exchange: how updates propagate (:mod:`hpsray.cluster.consistency`).
+        exchanged_bytes: the trainer's per-mini-batch payload sizes, appended to here.
+        straggle: the trainer's seeded straggler delay, called with each clock.
+    """
 
-    def _train_stale(self, batch, sizes: list[int]) -> list[torch.Tensor]:
-        """SSP, A-BSP and ASP across nodes (:mod:`hpsray.cluster.consistency`): publish each
-        mini-batch's update (A-BSP: each clock's ``k``), apply the others' as they arrive, wait
-        only when beyond the slack: ``staleness`` for the embeddings, ``dense_staleness`` (when
-        given) for the dense parameters.
+    def __init__(
+        self,
+        engine: TrainerEngine,
+        node: int,
+        world: int,
+        sync: Any,
+        exchange: Any,
+        exchanged_bytes: list[int],
+        straggle: Callable[[int], None],
+    ) -> None:
+        self.engine, self.node, self.sync, self.exchange = engine, node, sync, exchange
+        self.exchanged_bytes, self.straggle = exchanged_bytes, straggle
+        self.max_staleness = 0
+        self.seen: dict[int, int] = {r: 0 for r in range(world) if r != node}  # newest clock applied per other
+        self.seen_dense: dict[int, int] = dict(self.seen)
+        self.pending_dense: np.ndarray | None = None
+        self.clock_base = 0  # the step every trainer of the group started from (restart_clocks)
+        self.carry: CarryOver | None = None  # SSP/ASP across batch ends (see train)
+        self._sent = 0
+        self.restart_clocks()
+
+    @property
+    def crosses_batches(self) -> bool:
+        return crosses_batches(self.sync)
+
+    def train(self, index: BatchIndex, sizes: list[int]) -> list[torch.Tensor]:
+        """One batch: publish each mini-batch's update (A-BSP: each clock's ``k``), apply the
+        others' as they arrive, wait only when beyond the slack: ``staleness`` for the
+        embeddings, ``dense_staleness`` (when given) for the dense parameters.
 
         A-BSP ends each batch with a barrier. SSP and ASP do not (docs/architecture.md:
         Consistency): the clock runs on, the batch end waits only as the bound requires for the
         next clock, and the rows borrowed anew first get the others' updates of the batch before
         (:class:`~hpsray.cluster.consistency.CarryOver`); :meth:`settle` ends a pass."""
-        self.dense.train(True)
-        sync = self.sync
+        engine, sync = self.engine, self.sync
+        engine.dense.train(True)
         mode = sync.consistency
         k = max(1, getattr(sync, "work_per_clock", 1)) if mode == "absp" else 1
         bound = sync.staleness if mode == "ssp" else (k - 1 if mode == "absp" else None)
@@ -62,11 +79,12 @@ class RelaxedSteps:
         carry = self._carry_over()
         if carry is not None:
             self._replay(carry)
-        steps = list(self._global_minibatches(batch, sizes))
+        arena = engine.arena
+        steps = list(engine.global_minibatches(index, sizes))
         losses = []
         out_keys, out_grads, out_dense = [], [], None  # own updates of the clock not published yet
         for i, (mb, total) in enumerate(steps):
-            clock = self.step + 1
+            clock = engine.step + 1
             if mode != "absp":
                 # ssp: every other trainer's update of clock - 1 - s must be in; asp: take what is there
                 others = self._fetch(clock - 1 - bound if bound is not None else -1, upto=clock - 1)
@@ -75,11 +93,11 @@ class RelaxedSteps:
             else:
                 others = self._no_update()
             self._apply_others(others)  # fetched updates reach the rows before this mini-batch reads them
-            oldest = min(self._seen.values())
+            oldest = min(self.seen.values())
             self.max_staleness = max(self.max_staleness, clock - 1 - oldest)
             if carry is not None and oldest < carry.first - 1:  # another trainer is in an earlier batch
                 carry.max_across = max(carry.max_across, clock - 1 - oldest)
-            self._straggle(clock)
+            self.straggle(clock)
             if hook is not None:
                 hook(self.node, clock)
             own: dict = {}
@@ -87,19 +105,25 @@ class RelaxedSteps:
             def reduce(flat: torch.Tensor, own=own, others=others, clock=clock) -> torch.Tensor:  # via the host
                 own["dense"] = flat.detach().cpu().numpy().copy()
                 if dense_bound is None:  # the dense gradient travels with the sparse update
-                    return flat + self.device.tensor(others["dense"]) if others["dense"] is not None else flat
-                return self.device.tensor(self._dense_with_slack(own["dense"], clock, dense_bound))
+                    return flat + engine.device.tensor(others["dense"]) if others["dense"] is not None else flat
+                return engine.device.tensor(self._dense_with_slack(own["dense"], clock, dense_bound))
 
-            loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=reduce)
-            gkeys, grads = to_host(gkeys), to_host(grads)
-            self.step += 1
-            self.hbm.apply_gradients(gkeys, grads, self.optimizer, self.step, resident_only=True)
-            out_keys.append(gkeys)
-            out_grads.append(grads)
+            if mb is not None:
+                gathered, loss, grads = engine.forward_backward(arena, mb, total)
+            else:
+                engine.dense.zero_grad()
+            engine.dense.step_optimizers(reduce)
+            engine.step += 1
+            if mb is not None:
+                arena.update(mb.rows, gathered, grads, engine.step)
+                out_keys.append(to_host(engine.device.from_tensor(mb.keys)).view(np.uint64))
+                out_grads.append(to_host(engine.device.from_tensor(grads)))
             if dense_bound is None:
                 out_dense = own["dense"] if out_dense is None else out_dense + own["dense"]
             if (i + 1) % k == 0 or i + 1 == len(steps):
-                if len(out_keys) == 1:
+                if not out_keys:
+                    payload = (np.empty(0, np.uint64), np.empty((0, engine.config.dim), np.float32), out_dense)
+                elif len(out_keys) == 1:
                     payload = (out_keys[0], out_grads[0], out_dense)
                 else:  # A-BSP: the clock's k updates as one
                     merged = merge_payloads([(kk, gg, None) for kk, gg in zip(out_keys, out_grads, strict=True)])
@@ -108,30 +132,40 @@ class RelaxedSteps:
                 out_keys, out_grads, out_dense = [], [], None
             self.exchanged_bytes.append(self.exchange.received_bytes - self._sent)
             self._sent = self.exchange.received_bytes
-            if len(mb):
-                losses.append(loss * total / len(mb))
+            if mb is not None:
+                losses.append(loss * total / mb.n_examples)
+        engine.examples += index.n_examples
         if carry is None:  # A-BSP: the batch end is a barrier, every update in before write-back
-            self._batch_end(self.step)
+            self._batch_end(engine.step)
         else:  # SSP/ASP: wait only as the next clock's bound requires; take what else has arrived
-            self._batch_end(self.step - bound if bound is not None else -1)
-            oldest = min(self._seen.values())
-            carry.max_return = max(carry.max_return, self.step - oldest)
-            carry.batch_end(self.step, self._resident())
+            self._batch_end(engine.step - bound if bound is not None else -1)
+            oldest = min(self.seen.values())
+            carry.max_return = max(carry.max_return, engine.step - oldest)
+            carry.batch_end(engine.step, self._resident())
             carry.parts = []
         return losses
 
+    def stamp(self, keys: np.ndarray) -> tuple[int | None, int | None]:
+        """``(clock, oldest)`` to stamp rows returned at a batch end with (SSP/ASP: this
+        trainer's clock and the oldest clock of the others it holds; the owner keeps the
+        freshest copy); ``(None, None)`` under A-BSP."""
+        if self.carry is None or not self.crosses_batches:
+            return None, None
+        self.carry.parts.append(keys)
+        return self.engine.step, min(self.seen.values())
+
     def _carry_over(self) -> CarryOver | None:
         """The state across batch ends under SSP/ASP (``None`` under A-BSP: batch ends are barriers)."""
-        if not crosses_batches(self.sync):
+        if not self.crosses_batches:
             return None
-        if self._carry is None or self.step < self._carry.last:  # first batch, or restored from a checkpoint
-            self._carry = CarryOver()
-            self._carry.batch_end(self.step, self._resident())
-            self._carry.base = self.step
-        return self._carry
+        if self.carry is None or self.engine.step < self.carry.last:  # first batch, or restored from a checkpoint
+            self.carry = CarryOver()
+            self.carry.batch_end(self.engine.step, self._resident())
+            self.carry.base = self.engine.step
+        return self.carry
 
     def _resident(self) -> np.ndarray:
-        keys = [to_host(t.keys()) for t in self.hbm.tables]
+        keys = [to_host(t.keys()) for t in self.engine.hbm.tables]
         return np.sort(np.concatenate(keys)) if keys else np.empty(0, np.uint64)
 
     def _replay(self, carry: CarryOver) -> None:
@@ -140,39 +174,41 @@ class RelaxedSteps:
         arrive through :meth:`_fetch` and reach every resident row)."""
         keys, grads = carry.replay(self._resident())
         if keys.size:
-            self.hbm.apply_gradients(keys, grads, self.optimizer, self.step, resident_only=True)
+            self.engine.apply_updates(keys, grads)
 
     def _apply_others(self, others: dict) -> None:
         if others["keys"].size:
-            self.hbm.apply_gradients(others["keys"], others["grads"], self.optimizer, self.step, resident_only=True)
+            self.engine.apply_updates(others["keys"], others["grads"])
 
     def _batch_end(self, oldest: int) -> None:
         """Fetch the others' updates up to this trainer's clock, after waiting for their clock
         ``oldest``, and apply them (the dense part waits for the next step)."""
-        rest = self._fetch(oldest, upto=self.step)
+        rest = self._fetch(oldest, upto=self.engine.step)
         self._apply_others(rest)
         if rest["dense"] is not None:
-            self._pending_dense = rest["dense"]
+            self.pending_dense = rest["dense"]
         if self.exchanged_bytes:
             self.exchanged_bytes[-1] += self.exchange.received_bytes - self._sent
             self._sent = self.exchange.received_bytes
 
-    def settle(self, batch_id) -> tuple:
-        """The final barrier of a pass under SSP/ASP (the schedule calls it after the last
-        batch's ``train``): wait for every other trainer's last clock, apply all their updates,
-        and return the last batch's rows, complete, one :class:`Returned` per owner (call with
-        ``.options(num_returns=n_nodes)``)."""
+    def settle(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The final barrier of a pass under SSP/ASP: wait for every other trainer's last
+        clock, apply all their updates, and give the last batch's rows, complete, per owner."""
         carry = self._carry_over()
         assert carry is not None, "settle: only under ssp/asp"
-        with self.clock.timed(batch_id):
-            self._batch_end(self.step)
-            parts = list(carry.parts)
-            out = [Returned(self.node, k, self.hbm.get(k), self.step, None) for k in parts]
-            carry.settled(self.step, self._resident())
-        return tuple(out)
+        self._batch_end(self.engine.step)
+        out = [(k, self.engine.rows(k)) for k in carry.parts]
+        carry.settled(self.engine.step, self._resident())
+        return out
+
+    def forget(self) -> None:
+        """A recovery that keeps this process: nothing applied, nothing pending."""
+        self.seen = dict.fromkeys(self.seen, 0)
+        self.pending_dense = None
 
     def _no_update(self) -> dict:
-        return {"keys": np.empty(0, np.uint64), "grads": np.empty((0, self.config.dim), np.float32), "dense": None}
+        dim = self.engine.config.dim
+        return {"keys": np.empty(0, np.uint64), "grads": np.empty((0, dim), np.float32), "dense": None}
 
     def _dense_with_slack(self, mine: np.ndarray, clock: int, slack: int) -> np.ndarray:
         """The dense gradient to step with at ``clock`` when the dense parameters have their own
@@ -181,34 +217,36 @@ class RelaxedSteps:
         slack 0 that is every trainer's gradient of ``clock`` in rank order: the same sum, so
         the same dense weights, on every node."""
         self.exchange.publish("dense", clock, (None, None, mine))
-        got = self.exchange.fetch("dense", self._since_start(clock - slack), clock, self._seen_dense)
+        got = self.exchange.fetch("dense", self._since_start(clock - slack), clock, self.seen_dense)
         for rank, c, _ in got:
-            self._seen_dense[rank] = max(self._seen_dense[rank], c)
+            self.seen_dense[rank] = max(self.seen_dense[rank], c)
         parts = sorted([(self.node, clock, mine), *((r, c, p[2]) for r, c, p in got)], key=lambda u: (u[1], u[0]))
         total = parts[0][2].copy()
         for _, _, d in parts[1:]:
             total = total + d
         return total
 
-    def _restart_clocks(self) -> None:
+    def restart_clocks(self) -> None:
         """Every trainer of a (re)formed group starts from the same step (a fresh run's 0, or the
         checkpoint's after a restore): count the others as having published up to it, since
         their versions before it will never come (the new mailboxes are empty)."""
-        self._clock_base = self.step
-        self._seen = dict.fromkeys(self._seen, self.step)
-        self._seen_dense = dict(self._seen)
+        step = self.engine.step
+        self.clock_base = step
+        self.seen = dict.fromkeys(self.seen, step)
+        self.seen_dense = dict(self.seen)
 
     def _since_start(self, oldest: int) -> int:
         """``oldest`` to wait for, or 0 (wait for nothing) when it predates the group's start."""
-        return oldest if oldest > self._clock_base else 0
+        return oldest if oldest > self.clock_base else 0
 
     def _fetch(self, oldest: int, upto: int | None = None) -> dict:
         """The others' updates not applied yet (waiting for clock ``oldest``), combined."""
-        got = self.exchange.fetch("all", self._since_start(oldest), upto, self._seen)
-        keys, grads, dense = [np.empty(0, np.uint64)], [np.empty((0, self.config.dim), np.float32)], None
-        if self._pending_dense is not None:
-            dense, self._pending_dense = self._pending_dense, None
-        carry = self._carry if crosses_batches(self.sync) else None
+        got = self.exchange.fetch("all", self._since_start(oldest), upto, self.seen)
+        dim = self.engine.config.dim
+        keys, grads, dense = [np.empty(0, np.uint64)], [np.empty((0, dim), np.float32)], None
+        if self.pending_dense is not None:
+            dense, self.pending_dense = self.pending_dense, None
+        carry = self.carry if self.crosses_batches else None
         for rank, clock, (k, g, d) in got:
             if k is not None and k.size:
                 keys.append(k)
@@ -217,5 +255,5 @@ class RelaxedSteps:
                     carry.record(clock, k, g)
             if d is not None:
                 dense = d.copy() if dense is None else dense + d
-            self._seen[rank] = max(self._seen[rank], clock)
+            self.seen[rank] = max(self.seen[rank], clock)
         return {"keys": np.concatenate(keys), "grads": np.concatenate(grads), "dense": dense}

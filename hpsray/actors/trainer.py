@@ -1,4 +1,5 @@
-"""``Trainer``: a node's HBM-PS working set and its dense model replicas, training batches."""
+"""``Trainer``: the actor over a node's :class:`~hpsray.training.engine.TrainerEngine`: it resolves
+its inputs, joins the collectives, starts the node's other device processes, and calls the engine."""
 
 from __future__ import annotations
 
@@ -14,23 +15,21 @@ from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Returned, TrainInputs, TrainOutcome
 from hpsray.actors.relaxed import RelaxedSteps
 from hpsray.actors.timing import StageClock
-from hpsray.actors.working_set import Traffic, kept_masks, loaned_rows
+from hpsray.actors.working_set import kept_masks
 from hpsray.cluster.consistency import crosses_batches
 from hpsray.cluster.mesh import DeviceMesh, rendezvous_address
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import PeerFailedError
 from hpsray.kernels.fused import LookupProbe
-from hpsray.models.device import StepDevice
-from hpsray.models.dnn import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
-from hpsray.models.step import DenseReplicas
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.partition import device_of
 from hpsray.tiers.warmup import warm_trainer_step
+from hpsray.training.engine import TrainerEngine, loaned_rows
 
 
-class Trainer(RelaxedSteps):
+class Trainer:
     """Trains each batch on its working set (paper Algorithm 1, step 4).
 
     Args:
@@ -73,35 +72,25 @@ class Trainer(RelaxedSteps):
         self.node, self.config = node, config  # first, so repr() works if the rest fails
         self.n_devices, self.device_index = n_devices, device_index
         torch.set_num_threads(threads or os.cpu_count() or 1)
-        self.optimizer = config.optimizer()
-        self.device = StepDevice(device)
         # with D devices, this process holds one device's share of the node's working set
         self._capacity = capacity if n_devices == 1 else int(np.ceil(capacity / n_devices * 1.25)) + 64
-        self.hbm = HbmPS(self._capacity, config.row_width, config.row_init(), 1, n_nodes, device)
         self.workers: list = []  # device 0 (the node's trainer) starts the node's other D - 1
         if n_devices > 1 and device_index == 0:  # before the model moves to this device
             args = (node, n_nodes, config, n_slots, n_dense, capacity, n_devices, device, model, threads)
             self.workers = start_device_workers(Trainer, args, placement, name)
         self.mesh: DeviceMesh | None = None  # with D > 1 devices (see join)
-        model = model if model is not None else DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
-        self.dense = DenseReplicas(model, 1, config.dense_optimizer, config.dense_lr, self.device)
+        self.engine = TrainerEngine(config, n_slots, n_dense, self._capacity, n_nodes, device, model)
+        self.optimizer, self.device = self.engine.optimizer, self.engine.device
         self.n_nodes = n_nodes
         self.group = None  # the collective group, when n_nodes > 1 (see join)
         self.dense_reducer = None
         self._chunked = False  # the device mesh sums dense gradients per node, then in chunks (join_mesh)
-        self._clock_base = 0  # the step every trainer of the group started from (_restart_clocks)
         self._mailbox = None
         self.sync, self.board, self.exchange = None, None, None  # relaxed modes: how updates propagate (see join)
-        self.max_staleness = 0
-        self._seen = {r: 0 for r in range(n_nodes) if r != node}  # newest clock applied per other trainer
-        self._pending_dense = None
+        self.relaxed: RelaxedSteps | None = None  # SSP, A-BSP, ASP (see join)
         self.exchanged_bytes: list[int] = []  # per global mini-batch, this node's payload
         self._sent = 0
         self._empty = Batch.empty(n_slots, n_dense)
-        self.step = 0
-        self.examples = 0
-        self.traffic = Traffic(config.row_width * 4)
-        self._unreturned: list[np.ndarray] = []  # per owner: keys kept at the last batch's end, not returned
         self.losses: dict = {}
         self.clock = StageClock("train", node)
         self.gauges = LiveGauges(stage="train", node=node)
@@ -116,6 +105,14 @@ class Trainer(RelaxedSteps):
             n_slots,
             n_dense,
         )
+
+    # the engine's state, as the relaxed steps and the device processes read and write it
+    hbm = property(lambda self: self.engine.hbm, lambda self, v: setattr(self.engine, "hbm", v))
+    dense = property(lambda self: self.engine.dense)
+    step = property(lambda self: self.engine.step, lambda self, v: setattr(self.engine, "step", v))
+    examples = property(lambda self: self.engine.examples, lambda self, v: setattr(self.engine, "examples", v))
+    traffic = property(lambda self: self.engine.traffic)
+    _unreturned = property(lambda self: self.engine.unreturned, lambda self, v: setattr(self.engine, "unreturned", v))
 
     def __repr__(self) -> str:
         return f"Trainer[node {self.node}]" + (f"[device {self.device_index}]" if self.n_devices > 1 else "")
@@ -155,8 +152,9 @@ class Trainer(RelaxedSteps):
                 self._mailbox = consistency.start_mailbox(group, world, self.node)
                 boxes = consistency.find_mailboxes(group, world)
             self.exchange = consistency.make_exchange(propagation, self.node, world, board, boxes)
-            self._seen = {r: 0 for r in range(world) if r != self.node}
-            self._restart_clocks()
+            self.relaxed = RelaxedSteps(
+                self.engine, self.node, world, sync, self.exchange, self.exchanged_bytes, self._straggle
+            )
         if sync.dense == "chunked":
             from hpsray.cluster.aggregation import ChunkedAggregator
 
@@ -221,29 +219,36 @@ class Trainer(RelaxedSteps):
             raise PeerFailedError(batch_id)  # "batch N failed on another node; see that trainer's error"
         if error is not None:
             raise error
+        engine = self.engine
         with self.clock.timed(batch_id):
-            keys = key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts)
-            rows, held = loaned_rows(loans, key_parts, self.config.row_width)
-            self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed], held)
-            self.traffic.received(batch_id, loans)
-            if self.n_nodes == 1:
-                losses = self._train_local(batch)
-            elif self.exchange is None:
-                losses = self._train_steps(batch, inputs.sizes)
+            engine.borrow(batch_id, key_parts, loans, refreshed)
+            index = engine.index(batch if batch is not None else self._empty)  # find once per batch
+            if self.relaxed is not None:  # SSP, A-BSP, ASP
+                losses = self.relaxed.train(index, inputs.sizes)
+            elif self.n_nodes == 1:
+                losses = engine.train_local(index)
             else:
-                losses = self._train_stale(batch, inputs.sizes)
-            self.examples += len(batch) if batch is not None else 0
+                losses = engine.train_bsp(
+                    index, inputs.sizes, self.group, self._reduce_dense, self._straggle, self._count_sent
+                )
             # the losses stay on the device until here: one read per batch
-            self.losses[batch_id] = float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
+            self.losses[batch_id] = engine.close_batch(losses)
         keep = self._kept(inputs, key_parts)  # waits for batch t+1's read
         with self.clock.timed(batch_id):
-            self._unreturned = [k[m] for k, m in zip(key_parts, keep, strict=True)] if keep is not None else []
-            out = [self._returned(k if keep is None else k[~keep[o]]) for o, k in enumerate(key_parts)]
-            self.traffic.returned(batch_id, sum(r.keys.size for r in out))
+            out = [self._returned(keys, rows) for keys, rows in engine.give_back(batch_id, key_parts, keep)]
         done = len(batch) if batch is not None else 0
         self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
         self.gauges.set_sync(self.max_staleness, self.exchanged_bytes)
         return (*out, TrainOutcome(self.losses[batch_id], done))
+
+    @property
+    def max_staleness(self) -> int:
+        return self.relaxed.max_staleness if self.relaxed is not None else 0
+
+    def _count_sent(self) -> None:
+        """After a BSP step: this node's payload of it."""
+        self.exchanged_bytes.append(self.group.bytes_sent - self._sent)
+        self._sent = self.group.bytes_sent
 
     def _kept(self, inputs: TrainInputs, key_parts: list[np.ndarray]) -> list[np.ndarray] | None:
         """Per owner, which keys of this batch stay here at its end (``None``: none)."""
@@ -372,33 +377,6 @@ class Trainer(RelaxedSteps):
         assert self.mesh is not None
         return self.device.array(self.mesh.lookup(keys, self._weights))
 
-    def _train_local(self, batch) -> list[torch.Tensor]:
-        self.dense.train(True)
-        losses = []
-        for mb in batch.minibatches(self.config.minibatch_size):
-            loss, gkeys, grads = self.dense.step(mb, self._weights)
-            self.step += 1
-            self.hbm.apply_gradients(gkeys, grads, self.optimizer, self.step)
-            losses.append(loss)
-        return losses
-
-    def _train_steps(self, batch, sizes: list[int]) -> list[torch.Tensor]:
-        """BSP across nodes: after every global mini-batch, all trainers combine their sparse
-        updates (each applies every node's to the rows it holds) and sum their dense gradients."""
-        self.dense.train(True)
-        losses = []
-        for mb, total in self._global_minibatches(batch, sizes):
-            self._straggle(self.step + 1)
-            loss, gkeys, grads = self.dense.step(mb, self._weights, total=total, reduce=self._reduce_dense)
-            all_keys, all_grads = self.group.allgather_sparse(gkeys, grads)
-            self.step += 1
-            self.hbm.apply_gradients(all_keys, all_grads, self.optimizer, self.step, resident_only=True)
-            self.exchanged_bytes.append(self.group.bytes_sent - self._sent)
-            self._sent = self.group.bytes_sent
-            if len(mb):
-                losses.append(loss * total / len(mb))
-        return losses
-
     def _global_minibatches(self, batch, sizes: list[int]):
         """This node's part of each global mini-batch of the batch (empty once its examples are
         used up), with the global mini-batch's size: every node steps through as many as the
@@ -421,14 +399,23 @@ class Trainer(RelaxedSteps):
         if rng.random() < sync.straggler_probability:
             time.sleep(delay * rng.uniform(0.0, 2.0))
 
-    def _returned(self, keys: np.ndarray) -> Returned:
-        """This trainer's rows of ``keys`` for their owner; under SSP/ASP stamped with its clock
-        and the oldest clock of the others it holds (the owner keeps the freshest copy)."""
-        carry = self._carry if crosses_batches(self.sync) else None
-        if carry is None:
-            return Returned(self.node, keys, self.hbm.get(keys))
-        carry.parts.append(keys)
-        return Returned(self.node, keys, self.hbm.get(keys), self.step, min(self._seen.values()))
+    def _returned(self, keys: np.ndarray, rows: np.ndarray) -> Returned:
+        """This trainer's ``rows`` of ``keys`` for their owner; under SSP/ASP stamped with its
+        clock and the oldest clock of the others it holds (the owner keeps the freshest copy)."""
+        clock, oldest = self.relaxed.stamp(keys) if self.relaxed is not None else (None, None)
+        if clock is None:
+            return Returned(self.node, keys, rows)
+        return Returned(self.node, keys, rows, clock, oldest)
+
+    def settle(self, batch_id) -> tuple:
+        """The final barrier of a pass under SSP/ASP (the schedule calls it after the last
+        batch's ``train``): wait for every other trainer's last clock, apply all their updates,
+        and return the last batch's rows, complete, one :class:`Returned` per owner (call with
+        ``.options(num_returns=n_nodes)``)."""
+        assert self.relaxed is not None, "settle: only under ssp/asp"
+        with self.clock.timed(batch_id):
+            out = [Returned(self.node, k, rows, self.step, None) for k, rows in self.relaxed.settle()]
+        return tuple(out)
 
     def flush(self) -> list[Returned]:
         """The rows this node kept at the last batch's end instead of returning them, one
@@ -436,13 +423,12 @@ class Trainer(RelaxedSteps):
         ``MemPSShard.store_kept``: before a checkpoint, at a stop, after a failure. The rows
         stay resident; the next batch's end returns or keeps them as usual."""
         theirs = _get([w.flush.remote() for w in self.workers])
-        kept, self._unreturned = self._unreturned, []
         out = []
-        for o, keys in enumerate(kept):
-            parts = [(keys, self.hbm.get(keys)), *((t[o].keys, t[o].rows) for t in theirs)]
-            ks, rows = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-            out.append(Returned(self.node, ks, rows))
-        self.traffic.flushed += sum(r.keys.size for r in out)
+        for o, (keys, rows) in enumerate(self.engine.flush()):
+            parts = [(keys, rows), *((t[o].keys, t[o].rows) for t in theirs)]
+            self.traffic.flushed += sum(p[0].size for p in parts[1:])
+            ks, rs = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+            out.append(Returned(self.node, ks, rs))
         return out
 
     def _peer_failed(self, batch_id, error: BaseException | None) -> bool:
@@ -499,12 +485,10 @@ class Trainer(RelaxedSteps):
     def reset(self, path: str) -> int:
         """Forget the working set and continue from :meth:`save_state`'s file (a recovery that
         keeps this process); returns the step restored."""
-        c = self.config
         refs = [w.reset.remote(path) for w in self.workers]
-        self.hbm = HbmPS(self._capacity, c.row_width, c.row_init(), 1, self.n_nodes, self.hbm.device)
-        self._unreturned = []
-        self._seen = dict.fromkeys(self._seen, 0)
-        self._pending_dense = None
+        self.engine.forget()
+        if self.relaxed is not None:
+            self.relaxed.forget()
         step = self._load_own_state(path)
         _get(refs)
         return step
@@ -526,7 +510,8 @@ class Trainer(RelaxedSteps):
         self.step, self.examples = int(state["step"]), int(state["examples"])
         self.losses = dict(state["losses"])
         torch.set_rng_state(state["rng"])
-        self._restart_clocks()
+        if self.relaxed is not None:
+            self.relaxed.restart_clocks()
         return self.step
 
     def replicas_equal(self) -> bool:
@@ -538,6 +523,7 @@ class Trainer(RelaxedSteps):
 
     def stats(self) -> dict:
         sent = self.exchanged_bytes
+        carry = self.relaxed.carry if self.relaxed is not None else None
         return {
             **self.clock.snapshot(),
             "examples": self.examples,
@@ -545,8 +531,8 @@ class Trainer(RelaxedSteps):
             "losses": dict(self.losses),
             "exchanged_bytes_per_step": float(np.mean(sent)) if sent else 0.0,
             "max_staleness": self.max_staleness,
-            "max_staleness_across_batches": self._carry.max_across if self._carry is not None else 0,
-            "max_return_staleness": self._carry.max_return if self._carry is not None else 0,
+            "max_staleness_across_batches": carry.max_across if carry is not None else 0,
+            "max_return_staleness": carry.max_return if carry is not None else 0,
             "traffic": self.traffic.snapshot(),
         }
 

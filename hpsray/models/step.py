@@ -138,14 +138,21 @@ class DenseReplicas:
             # collectives (a device mesh) that every process must call in one order
             no_keys = xp.empty(0, dtype=xp.uint64)
             empty = no_keys, xp.zeros((0, weights_of(no_keys).shape[1]), dtype=xp.float32)
-        self._allreduce_and_step(reduce)
+        self.step_optimizers(reduce)
         if empty is not None:
             return loss_sum, *empty
         if len(keys_out) == 1:
             return loss_sum, keys_out[0], grads_out[0]
         return loss_sum, xp.concatenate(keys_out), xp.concatenate(grads_out)
 
-    def _allreduce_and_step(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def zero_grad(self) -> None:
+        """Forget every replica's gradients (a replica without examples must not keep old ones)."""
+        for model in self.models:
+            model.zero_grad(set_to_none=True)
+
+    def step_optimizers(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Step every replica's dense optimizer with the replicas' summed gradient, first summed
+        over the nodes by ``reduce(flat)`` when given."""
         if reduce is not None:
             self._reduce_across_nodes(reduce)
         elif len(self.models) > 1:

@@ -1,0 +1,290 @@
+"""``TrainerEngine``: a node's trainer without Ray (docs/architecture.md: The trainer).
+
+Per batch the :class:`~hpsray.actors.trainer.Trainer` actor resolves its inputs and calls, in
+order: :meth:`TrainerEngine.borrow` (the loaned rows become the working set),
+:meth:`TrainerEngine.index` (every key occurrence found once), :meth:`TrainerEngine.train_local`
+or :meth:`TrainerEngine.train_bsp` (the mini-batch steps, torch ops on the arena), then
+:meth:`TrainerEngine.close_batch` (the one read of the losses) and
+:meth:`TrainerEngine.give_back` (the rows that leave, per owner). Collectives come in as
+collaborators (:class:`SparseExchange`, a dense ``reduce``), so the same engine trains one node
+in a test, in the actor, or beside other engines in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hpsray.config import TrainConfig
+from hpsray.data.batch import Batch
+from hpsray.errors import MissingRowsError
+from hpsray.kernels.arrays import to_host
+from hpsray.models.device import StepDevice
+from hpsray.models.dnn import DNN
+from hpsray.models.step import DenseReplicas
+from hpsray.tiers.hbm import HbmPS
+from hpsray.tiers.lending import Loan, Refresh
+from hpsray.training.layout import BatchIndex, MiniBatchIndex, index_batch, keys_as_tensor
+from hpsray.training.step import ArenaStep
+from hpsray.training.working_set import Traffic
+
+__all__ = ["SparseExchange", "TrainerEngine", "loaned_rows"]
+
+DenseReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class SparseExchange(Protocol):
+    """Every node's sparse update of a global mini-batch (a collective group)."""
+
+    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]:
+        """Every rank's ``(uint64 keys, float32 grads)``, concatenated in rank order."""
+        ...
+
+
+def loaned_rows(loans: list[Loan], key_parts: list[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(rows, held)`` of the owners' loans put together in owner order: ``rows`` of the keys
+    shipped, ``held`` per key of all the owners' keys (``None``: none held)."""
+    if not loans:
+        return np.empty((0, width), np.float32), None
+    rows = loans[0].rows if len(loans) == 1 else np.concatenate([loan.rows for loan in loans])
+    if all(loan.held is None for loan in loans):
+        return rows, None
+    held = [np.zeros(k.size, bool) if ln.held is None else ln.held for ln, k in zip(loans, key_parts, strict=True)]
+    return rows, np.concatenate(held)
+
+
+class TrainerEngine:
+    """One node's working set (an :class:`~hpsray.tiers.hbm.HbmPS` table), its dense model and
+    the mini-batch step over them.
+
+    Args:
+        config: model shape, optimizers, mini-batch size, seed.
+        n_slots, n_dense: input shape.
+        capacity: rows the working set of two consecutive batches may hold.
+        n_nodes: ``N``, for the device hash of the table.
+        device: ``"cpu"`` or ``"cuda"``: where the table, the arena and the whole step live.
+        model: ``(pooled [B, n_slots, dim], dense) -> logits``; the DNN when ``None``.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        n_slots: int,
+        n_dense: int,
+        capacity: int,
+        n_nodes: int = 1,
+        device: str = "cpu",
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        self.config, self.n_slots, self.n_dense = config, n_slots, n_dense
+        self.capacity, self.n_nodes = capacity, n_nodes
+        self.device = StepDevice(device)
+        self.optimizer = config.optimizer()
+        self.hbm = HbmPS(capacity, config.row_width, config.row_init(), 1, n_nodes, device)
+        model = model if model is not None else DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
+        self.dense = DenseReplicas(model, 1, config.dense_optimizer, config.dense_lr, self.device)
+        self.step = 0  # mini-batch steps taken: the sparse optimizer's global step
+        self.examples = 0
+        self.traffic = Traffic(config.row_width * 4)
+        self.unreturned: list[np.ndarray] = []  # per owner: keys kept at the last batch's end, not returned
+        self._resident: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted int64 keys, their slots
+        self._arena: tuple[Any, ArenaStep] | None = None  # (table, its step): a grown table has a new arena
+
+    def forget(self) -> None:
+        """Drop the working set (a recovery that keeps this process; the dense model stays)."""
+        c = self.config
+        self.hbm = HbmPS(self.capacity, c.row_width, c.row_init(), 1, self.n_nodes, self.device.name)
+        self._arena, self._resident, self.unreturned = None, None, []
+
+    # -- a batch -----------------------------------------------------------------------------
+
+    def borrow(
+        self, batch_id: Any, key_parts: list[np.ndarray], loans: list[Loan], refreshed: Sequence[Refresh] = ()
+    ) -> int:
+        """Make the owners' loans for ``batch_id`` the working set (``key_parts[o]``: owner
+        ``o``'s keys, sorted; ``loans[o]`` their rows but those held already); returns how many
+        keys were resident."""
+        keys = (
+            key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts) if key_parts else np.empty(0, np.uint64)
+        )
+        rows, held = loaned_rows(loans, key_parts, self.config.row_width)
+        hits = self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed], held)
+        self.traffic.received(batch_id, loans)
+        self._resident = None
+        if self.n_nodes > 1:
+            self._resident = self._sorted_slots(keys)
+        return hits
+
+    @property
+    def arena(self) -> ArenaStep:
+        """The sparse step over the table's row array (a torch view, no copy)."""
+        table: Any = self.hbm.tables[0]  # CpuHashTable or CudaHashTable: both expose ``rows``
+        if self._arena is None or self._arena[0] is not table:
+            self._arena = (table, ArenaStep(self.device.tensor(table.rows), self.config.dim, self.optimizer))
+        return self._arena[1]
+
+    def _find(self, keys: np.ndarray, on_device: torch.Tensor) -> torch.Tensor:
+        """Slots of resident ``keys`` as an int64 tensor on the device (one table probe)."""
+        table = self.hbm.tables[0]
+        if self.device.is_cuda:  # the keys are on the device already: probe them there
+            xp = self.device.xp
+            slots = torch.as_tensor(table.find(xp.asarray(on_device).view(xp.uint64)), device=self.device.torch)
+        else:
+            slots = torch.from_numpy(table.find(keys))
+        missing = slots < 0
+        if bool(missing.any()):  # a batch-boundary check: one read per batch
+            first = int(keys[int(torch.nonzero(missing)[0, 0])])
+            raise MissingRowsError(int(missing.sum()), int(keys.size), first)
+        return slots.long()
+
+    def _sorted_slots(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The working set's keys (int64 bits, sorted) and their slots, for :meth:`_resolve`."""
+        on = keys_as_tensor(keys, self.device.torch)
+        slots = self._find(keys, on)
+        order = torch.argsort(on)
+        return on.index_select(0, order), slots.index_select(0, order)
+
+    def index(self, batch: Batch) -> BatchIndex:
+        """``batch`` resolved against the working set: find once per batch."""
+        if batch.n_slots != self.n_slots or batch.n_dense != self.n_dense:
+            raise ValueError(
+                f"batch has {batch.n_slots} slots and {batch.n_dense} dense features; "
+                f"the trainer was built for {self.n_slots} and {self.n_dense}"
+            )
+        table = self.hbm.tables[0]
+        return index_batch(batch, self.config.minibatch_size, self._find, table.capacity, self.device.torch)
+
+    def train_local(self, index: BatchIndex) -> list[torch.Tensor]:
+        """One node: a step per mini-batch; returns the losses (device tensors, unread)."""
+        self.dense.train(True)
+        arena, losses = self.arena, []
+        for mb in index.minibatches:
+            gathered, loss, grads = self.forward_backward(arena, mb, mb.n_examples)
+            self.dense.step_optimizers()
+            self.step += 1
+            arena.update(mb.rows, gathered, grads, self.step)
+            losses.append(loss)
+        self.examples += index.n_examples
+        return losses
+
+    def train_bsp(
+        self,
+        index: BatchIndex,
+        sizes: list[int],
+        exchange: SparseExchange,
+        reduce: DenseReduce,
+        before_step: Callable[[int], None] | None = None,
+        after_step: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """BSP across nodes: every node steps through as many global mini-batches as the node
+        with the most examples (``sizes``: every node's examples in this batch; an exhausted
+        node contributes empty ones); after each, ``reduce`` sums the dense gradient over the
+        nodes and ``exchange`` gives every node's row gradients, which each node applies to the
+        rows it holds, summed in rank order. Returns the losses (this node's part of each
+        global mini-batch's mean, unread); ``before_step(clock)`` and ``after_step()`` run around
+        each step."""
+        self.dense.train(True)
+        arena, losses = self.arena, []
+        for mb, total in self.global_minibatches(index, sizes):
+            if before_step is not None:
+                before_step(self.step + 1)
+            if mb is not None:
+                gathered, loss, grads = self.forward_backward(arena, mb, total)
+                keys = mb.keys
+            else:
+                self.dense.zero_grad()
+                keys = torch.empty(0, dtype=torch.int64, device=self.device.torch)
+                grads = torch.empty((0, self.config.dim), dtype=torch.float32, device=self.device.torch)
+            self.dense.step_optimizers(reduce)
+            all_keys, all_grads = exchange.allgather_sparse(self._out(keys, keys=True), self._out(grads))
+            self.step += 1
+            self.apply_updates(all_keys, all_grads)
+            if after_step is not None:
+                after_step()
+            if mb is not None:
+                losses.append(loss * total / mb.n_examples)
+        self.examples += index.n_examples
+        return losses
+
+    def close_batch(self, losses: list[torch.Tensor]) -> float:
+        """The batch's mean loss: the one read of the device per batch (``nan`` without steps)."""
+        return float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
+
+    def rows(self, keys: np.ndarray) -> np.ndarray:
+        """The current rows of resident ``keys`` (``float32[n, width]``, on the host)."""
+        return to_host(self.hbm.get(keys))
+
+    def give_back(
+        self, batch_id: Any, key_parts: list[np.ndarray], keep: list[np.ndarray] | None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """At a batch's end, per owner, ``(keys, rows)`` of the keys that leave the working set
+        (``keep[o]``: which of owner ``o``'s keys stay, :func:`keep_masks`; ``None``: none stay).
+        The kept keys stay resident until the next batch's end or a :meth:`flush`."""
+        self.unreturned = [k[m] for k, m in zip(key_parts, keep, strict=True)] if keep is not None else []
+        leaving = key_parts if keep is None else [k[~m] for k, m in zip(key_parts, keep, strict=True)]
+        out = [(k, self.rows(k)) for k in leaving]
+        self.traffic.returned(batch_id, sum(k.size for k in leaving))
+        return out
+
+    def flush(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per owner, ``(keys, rows)`` of the rows kept at the last batch's end (empty when none
+        were): their owners' copies are stale until these reach them. They stay resident."""
+        kept, self.unreturned = self.unreturned, []
+        self.traffic.flushed += sum(k.size for k in kept)
+        return [(k, self.rows(k)) for k in kept]
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def forward_backward(
+        self, arena: ArenaStep, mb: MiniBatchIndex, total: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward and backward of one mini-batch: ``(gathered rows, loss, row gradients)``;
+        the loss is this part's share of the mean over ``total`` examples."""
+        model = self.dense.models[0]
+        self.dense.zero_grad()
+        gathered = arena.gather(mb.rows)
+        pooled = arena.pool(gathered, mb)
+        logits = model(pooled, mb.dense)
+        loss = F.binary_cross_entropy_with_logits(logits, mb.labels, reduction="sum") / total
+        loss.backward()
+        return gathered, loss.detach(), arena.row_grads(mb, pooled)
+
+    def global_minibatches(self, index: BatchIndex, sizes: list[int]) -> Iterator[tuple[MiniBatchIndex | None, int]]:
+        """This node's part of each global mini-batch of the batch (``None`` once its examples
+        are used up) with the global mini-batch's size, for ``sizes`` (every node's examples)."""
+        m = self.config.minibatch_size
+        own = index.minibatches
+        for k in range(max((-(-s // m) for s in sizes), default=0)):
+            total = sum(min(max(s - k * m, 0), m) for s in sizes)
+            yield (own[k] if k < len(own) else None), total
+
+    def _out(self, t: torch.Tensor, keys: bool = False) -> Any:
+        """A tensor as the exchange takes it: numpy on the CPU (keys as uint64), CuPy on CUDA."""
+        a = self.device.from_tensor(t)
+        return a.view(self.device.xp.uint64) if keys else a
+
+    def apply_updates(self, keys: Any, grads: Any) -> None:
+        """Apply row gradients of any nodes (``uint64`` keys, ``float32`` grads: numpy, or CuPy on
+        CUDA) to the rows held here at the current step; keys not held are skipped, duplicates
+        summed in the order given (across nodes: rank order). Found by ``searchsorted`` in the
+        batch's sorted keys: one probe per call, no table probe."""
+        if self._resident is None or keys.shape[0] == 0:
+            return
+        dev = self.device.torch
+        res_keys, res_slots = self._resident
+        k = torch.as_tensor(keys.view(self.device.xp.int64), device=dev)
+        g = torch.as_tensor(grads, device=dev)
+        if res_keys.numel() == 0:
+            return
+        at = torch.searchsorted(res_keys, k).clamp_(max=res_keys.numel() - 1)
+        held = res_keys.index_select(0, at) == k
+        slots = res_slots.index_select(0, at)[held]
+        g = g[held]
+        distinct, inverse = torch.unique(slots, return_inverse=True)
+        summed = torch.zeros((distinct.numel(), g.shape[1]), dtype=g.dtype, device=dev).index_add_(0, inverse, g)
+        arena = self.arena
+        arena.update(distinct, arena.gather(distinct), summed, self.step)

@@ -1,0 +1,148 @@
+"""Find once per batch: every key occurrence of a batch resolved to its working-set slot.
+
+:func:`index_batch` runs once when a batch's rows are resident (docs/architecture.md: The
+mini-batch step). It asks the HBM-PS table for the slot of every key occurrence in one
+``find``, then with a handful of torch ops on the step's device (one stable sort over
+``(mini-batch, slot)``) lays out every mini-batch of the batch: its distinct rows, where each
+occurrence reads its row from, the pooling bags, and the order in which a row's gradient sums
+its bags. A mini-batch step is then slices of these arrays: no hash probe, no dedupe, no host
+work and no read-back. On CUDA the only host reads are the mini-batch bounds, once per batch.
+
+Orders (what makes the step bit-equal to the reference on the CPU): a bag sums its keys in
+batch order (keys sorted by bag, stable, as :class:`~hpsray.models.pooling.BagLayout` does);
+a row's gradient sums the gradients of its occurrences in that same order, starting from zero
+(as :func:`~hpsray.models.pooling._bag_grad` does): the stable sort keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hpsray.data.batch import Batch
+
+__all__ = ["BatchIndex", "MiniBatchIndex", "index_batch", "keys_as_tensor"]
+
+
+@dataclass(frozen=True)
+class MiniBatchIndex:
+    """One mini-batch as views of its batch's :class:`BatchIndex` (all on the step's device).
+
+    ``rows[inverse[i]]`` is the arena slot of occurrence ``i`` (occurrences in bag order);
+    ``bag_offsets`` start each of the ``n_examples * n_slots`` bags in that order;
+    ``grad_bags[grad_offsets[u]:grad_offsets[u + 1]]`` are the bags of row ``u``'s occurrences,
+    in bag order (``F.embedding_bag`` over the pooled gradient sums them: row ``u``'s gradient).
+    ``keys``: the rows' keys (``int64`` bit patterns of the ``uint64`` keys)."""
+
+    rows: torch.Tensor  # int64[U]
+    keys: torch.Tensor  # int64[U]
+    inverse: torch.Tensor  # int64[nnz]
+    bag_offsets: torch.Tensor  # int64[n_examples * n_slots]
+    grad_bags: torch.Tensor  # int64[nnz]
+    grad_offsets: torch.Tensor  # int64[U]
+    dense: torch.Tensor  # float32[n_examples, n_dense]
+    labels: torch.Tensor  # float32[n_examples]
+    n_examples: int
+    n_slots: int
+
+
+@dataclass(frozen=True)
+class BatchIndex:
+    """A batch resolved against the working set (see the module docstring); ``minibatches``
+    in order, each of ``minibatch_size`` examples but the last."""
+
+    minibatches: list[MiniBatchIndex]
+    rows: torch.Tensor  # int64[R]: every mini-batch's distinct rows, one after the other
+    n_examples: int
+
+    def __len__(self) -> int:
+        return len(self.minibatches)
+
+
+def keys_as_tensor(keys: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``uint64`` keys as an ``int64`` tensor of the same bits on ``device`` (torch sorts and
+    compares int64; the order differs from uint64's, which no caller relies on)."""
+    return torch.from_numpy(np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)).to(device)
+
+
+def index_batch(
+    batch: Batch,
+    minibatch_size: int,
+    find: Callable[[np.ndarray, torch.Tensor], torch.Tensor],
+    capacity: int,
+    device: torch.device,
+) -> BatchIndex:
+    """Resolve ``batch`` against the working set.
+
+    ``find(keys, keys_on_device)`` returns the arena slot (``int64``, on ``device``) of every
+    key, given both as ``uint64`` numpy and as an ``int64`` tensor on ``device``; every key must
+    be resident (the caller checks). ``capacity`` bounds the slots."""
+    if minibatch_size <= 0:
+        raise ValueError(f"mini-batch size must be positive, got {minibatch_size}")
+    n, n_slots, nnz = len(batch), batch.n_slots, batch.nnz
+    m = minibatch_size
+    counts = np.diff(batch.offsets)
+    example = np.repeat(np.arange(n, dtype=np.int64), counts)
+    bag = example * n_slots + batch.slots
+    keys = batch.keys
+    if nnz > 1 and np.any(bag[1:] < bag[:-1]):  # keys of an example not in slot order
+        order = np.argsort(bag, kind="stable")
+        bag, keys, example = bag[order], keys[order], example[order]
+    on = keys_as_tensor(keys, device)
+    slots = find(keys, on)
+    n_mb = -(-n // m)
+    # one stable sort by (mini-batch, slot); int32 when the composite fits (half the work)
+    narrow = n_mb * (capacity + 1) < 2**31
+    mb_of = torch.from_numpy((example // m).astype(np.int32 if narrow else np.int64)).to(device)
+    composite = slots.to(torch.int32 if narrow else torch.int64).add_(mb_of * (capacity + 1))
+    sorted_c, perm = torch.sort(composite, stable=True)
+    new = torch.ones(nnz, dtype=torch.bool, device=device)
+    if nnz > 1:
+        torch.ne(sorted_c[1:], sorted_c[:-1], out=new[1:])
+    starts = torch.nonzero(new).squeeze(1)  # sorted position of each group's first occurrence
+    group = torch.cumsum(new, 0, dtype=torch.int64)  # 1 + each sorted position's group (a distinct row)
+    ex_bounds = np.minimum(np.arange(n_mb + 1, dtype=np.int64) * m, n)
+    occ = batch.offsets[ex_bounds]  # each mini-batch's occurrences: [occ[k], occ[k + 1])
+    occ_t = torch.from_numpy(occ).to(device)
+    first_group = torch.searchsorted(starts, occ_t)  # each mini-batch's groups: [g[k], g[k + 1])
+    g = first_group.tolist()  # the batch's one read-back on CUDA
+    per_mb = torch.from_numpy(np.diff(occ)).to(device)  # sorted by mini-batch first: runs of each
+    group.sub_(
+        torch.repeat_interleave(first_group[:-1] + 1, per_mb, output_size=nnz)
+    )  # the group within its mini-batch
+    inverse = torch.empty(nnz, dtype=torch.int64, device=device).index_copy_(0, perm, group)
+    local_bag = torch.from_numpy(bag - (example // m) * (m * n_slots)).to(device)
+    grad_bags = local_bag.index_select(0, perm)
+    first = perm.index_select(0, starts)
+    grad_offsets = starts - torch.repeat_interleave(occ_t[:-1], torch.diff(first_group), output_size=starts.numel())
+    rows = slots.index_select(0, first)
+    row_keys = on.index_select(0, first)
+    bag_counts = np.bincount(bag, minlength=n * n_slots) if nnz else np.zeros(n * n_slots, np.int64)
+    bag_start = np.zeros(n * n_slots, dtype=np.int64)
+    np.cumsum(bag_counts[:-1], out=bag_start[1:])
+    bag_start -= np.repeat(occ[:-1], np.minimum(m, n - ex_bounds[:-1]) * n_slots)
+    bag_offsets = torch.from_numpy(bag_start).to(device)
+    dense = torch.from_numpy(np.ascontiguousarray(batch.dense, dtype=np.float32)).to(device)
+    labels = torch.from_numpy(np.ascontiguousarray(batch.labels, dtype=np.float32)).to(device)
+    out = []
+    for k in range(n_mb):
+        lo, hi = int(occ[k]), int(occ[k + 1])
+        e0, e1 = int(ex_bounds[k]), int(ex_bounds[k + 1])
+        out.append(
+            MiniBatchIndex(
+                rows=rows[g[k] : g[k + 1]],
+                keys=row_keys[g[k] : g[k + 1]],
+                inverse=inverse[lo:hi],
+                bag_offsets=bag_offsets[e0 * n_slots : e1 * n_slots],
+                grad_bags=grad_bags[lo:hi],
+                grad_offsets=grad_offsets[g[k] : g[k + 1]],
+                dense=dense[e0:e1],
+                labels=labels[e0:e1],
+                n_examples=e1 - e0,
+                n_slots=n_slots,
+            )
+        )
+    return BatchIndex(out, rows, n)

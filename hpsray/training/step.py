@@ -1,0 +1,74 @@
+"""The mini-batch step in torch ops on the working-set arena (docs/architecture.md: The
+mini-batch step).
+
+The arena is the HBM-PS table's row array (``[w | optimizer state]`` per slot) seen as a torch
+tensor without a copy. Per mini-batch of a :class:`~hpsray.training.layout.BatchIndex`:
+
+1. :meth:`ArenaStep.gather`: the mini-batch's distinct rows, one ``index_select``;
+2. :meth:`ArenaStep.pool`: their weights sum-pooled per bag, one ``embedding_bag``; the pooled
+   tensor is the autograd leaf the dense model's backward pass fills;
+3. :meth:`ArenaStep.row_grads`: each row's gradient, one ``embedding_bag`` over the pooled
+   gradient in the order the index gives (bag order, from zero);
+4. :meth:`ArenaStep.update`: the sparse optimizer on the gathered rows
+   (:func:`~hpsray.training.sparse_update.update_rows`) and one ``index_copy_`` back.
+
+Every op runs on the arena's device and none reads a result back, so on CUDA a mini-batch is a
+stream of kernel launches. The same lines run on the CPU, where they are bit-equal to the
+reference trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hpsray.kernels.optim import SparseOptimizer
+from hpsray.training.layout import MiniBatchIndex
+from hpsray.training.sparse_update import update_rows
+
+__all__ = ["ArenaStep"]
+
+
+class ArenaStep:
+    """The sparse half of a mini-batch step over ``arena`` (``float32[capacity, width]``, the
+    first ``dim`` columns the weights), with reusable scratch for the gathered rows."""
+
+    def __init__(self, arena: torch.Tensor, dim: int, optimizer: SparseOptimizer) -> None:
+        if arena.dim() != 2 or arena.dtype != torch.float32 or not arena.is_contiguous():
+            raise ValueError(
+                f"arena must be a contiguous float32 [capacity, width] tensor, got {arena.dtype}{tuple(arena.shape)}"
+            )
+        self.arena, self.dim, self.optimizer = arena, dim, optimizer
+        self._scratch = torch.empty((0, arena.shape[1]), dtype=torch.float32, device=arena.device)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """The arena's ``rows`` (slots), copied into scratch (valid until the next gather)."""
+        n = rows.shape[0]
+        if self._scratch.shape[0] < n:  # grows, never shrinks: large allocations fault pages in
+            self._scratch = torch.empty(
+                (max(n, 2 * self._scratch.shape[0]), self.arena.shape[1]), dtype=torch.float32, device=self.arena.device
+            )
+        out = self._scratch[:n]
+        torch.index_select(self.arena, 0, rows, out=out)
+        return out
+
+    def pool(self, gathered: torch.Tensor, mb: MiniBatchIndex) -> torch.Tensor:
+        """Sum-pooled weights ``[n_examples, n_slots, dim]`` of the mini-batch, a leaf that
+        requires grad (its ``.grad`` after the backward pass is the pooled gradient)."""
+        weights = gathered[:, : self.dim].contiguous()
+        pooled = F.embedding_bag(mb.inverse, weights, mb.bag_offsets, mode="sum")
+        return pooled.view(mb.n_examples, mb.n_slots, self.dim).requires_grad_(True)
+
+    @staticmethod
+    def row_grads(mb: MiniBatchIndex, pooled: torch.Tensor) -> torch.Tensor:
+        """``float32[U, dim]``: each distinct row's gradient, summed over its occurrences."""
+        if pooled.grad is None:
+            raise RuntimeError("row_grads before the backward pass: the pooled leaf has no gradient")
+        grad = pooled.grad.view(-1, pooled.shape[2])
+        return F.embedding_bag(mb.grad_bags, grad, mb.grad_offsets, mode="sum")
+
+    def update(self, slots: torch.Tensor, gathered: torch.Tensor, grads: torch.Tensor, step: int) -> None:
+        """Apply the sparse optimizer (global step ``step``) to ``gathered``, the rows of the
+        distinct ``slots``, for ``grads``, and write them back to the arena."""
+        update_rows(gathered, grads, self.optimizer, step)
+        self.arena.index_copy_(0, slots, gathered)
