@@ -4,7 +4,8 @@ For the demo's job (``hpsray demo``: Parquet click log, MEM-PS at 2.5 batches of
 spilling to SSD-PS) at ``--rows`` and at half and twice that size: ``hpsray plan``'s predicted
 examples/s, MEM-PS resident rows, distinct rows and SSD-PS bytes, then one real pipeline run
 (an embedded Ray) and what it measured — the run report's examples/s and ``cache.size``, the rows
-exported, and the bytes in the SSD-PS directory after the flush — and each ratio predicted / measured.
+exported, and the bytes in the SSD-PS directory after the flush — and each ratio predicted / measured;
+beside them each stage's seconds per batch and the bottleneck, predicted and measured.
 """
 
 from __future__ import annotations
@@ -78,7 +79,16 @@ def _one(rows: int, sample_rows: int | None) -> dict:
             "measured": measured,
             "predicted_over_measured": ratio,
             "stage_s_per_batch_predicted": plan.stage_s_per_batch,
+            "stage_s_per_batch_measured": {k: v / max(report["batches"], 1) for k, v in report["stage_busy_s"].items()},
             "stage_busy_s_measured": report["stage_busy_s"],
+            "bottleneck_predicted": plan.bottleneck,
+            "bottleneck_measured": max(report["stage_busy_s"], key=report["stage_busy_s"].get),
+            "pipeline_efficiency_measured": report["pipeline_efficiency"],
+            "memps_hit_rate": {
+                "predicted": plan.calibration.memps_hit_rate if plan.calibration else None,
+                "measured": report["cache"].get("hit_rate"),
+            },
+            "calibration_s": plan.calibration.seconds if plan.calibration else None,
             "batches": report["batches"],
         }
 

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 from hpsray.errors import CapacityError
-from hpsray.plan.calibrate import Calibration, calibrate, predict_rate
+from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, predict_rate
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.sample import InputSize, read_sample
 from hpsray.plan.sizing import (
@@ -58,6 +58,7 @@ class Plan:
     stage_s_per_batch: dict | None
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    bottleneck: str | None = None  # the stage that sets the predicted rate, or "cores"
 
     @property
     def errors(self) -> list[Problem]:
@@ -114,11 +115,14 @@ def make_plan(job, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: boo
     hit_share = min(1.0, capacity / shard) if shard else 1.0
     ssd_rows_per_batch = lent * (1.0 - hit_share)
 
-    cal = rate = stages = None
+    cal = rate = stages = slowest = None
     dense_bytes = 0
     if calibrate_stages:
         cal = calibrate(job, sample)
-        rate, stages = predict_rate(cal, examples_per_node_batch, keys.batch_distinct_mean, ssd_rows_per_batch)
+        if cal.memps_hit_rate is not None:  # MEM-PS itself at the job's budget, over the sample
+            ssd_rows_per_batch = lent * (1.0 - cal.memps_hit_rate)
+        rate, stages = predict_rate(cal, examples_per_node_batch, lent, ssd_rows_per_batch, batch_obj)
+        slowest = bottleneck(cal, stages)
         rate *= nodes
         dense_state = {"adam": 2, "adagrad": 1}.get(cfg.dense_optimizer, 0)
         dense_bytes = cal.dense_params * 4 * (2 + dense_state)  # weights, gradient, optimizer state
@@ -159,7 +163,9 @@ def make_plan(job, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: boo
             + (hbm_bytes + dense_bytes if p.device == "cpu" else 0)
         ),
     }
-    plan = Plan(job.where, nodes, bs, width, sample.size, keys, per_node, cal, rate, stages, notes=notes)
+    plan = Plan(
+        job.where, nodes, bs, width, sample.size, keys, per_node, cal, rate, stages, notes=notes, bottleneck=slowest
+    )
     plan.problems = _problems(job, plan, history)
     return plan
 

@@ -46,8 +46,10 @@ def render(plan: Plan) -> str:
     if plan.predicted_examples_per_s is not None and plan.stage_s_per_batch is not None:
         st = ", ".join(f"{name} {s * 1000:,.0f} ms" for name, s in plan.stage_s_per_batch.items())
         cores = plan.calibration.cores if plan.calibration else 0
+        limit = "the cores the stages share" if plan.bottleneck == "cores" else f"the {plan.bottleneck} stage"
         lines.append(
-            f"rate       ~{plan.predicted_examples_per_s:,.0f} examples/s predicted (per batch: {st}; {cores} cores)"
+            f"rate       ~{plan.predicted_examples_per_s:,.0f} examples/s predicted (per batch: {st}; {cores} cores); "
+            f"bottleneck: {limit}"
         )
     for note in plan.notes:
         lines.append(f"note       {note}")
