@@ -62,8 +62,12 @@ import os
 import shutil
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hpsray.serving import LoadOptions
 
 HELP = "serving: examples/s, p50, p99 of POST /predict at 5 % of rows in memory vs RocksDB and all in memory"
 
@@ -262,7 +266,9 @@ def drive(
 # -- the run ------------------------------------------------------------------------------------
 
 
-def load_options(system: str, mem_fraction: float, device: str = "cpu", device_fraction: float = 0.01, rows: int = 0):
+def load_options(
+    system: str, mem_fraction: float, device: str = "cpu", device_fraction: float = 0.01, rows: int = 0
+) -> LoadOptions:
     """The :class:`~hpsray.serving.LoadOptions` of one system of the bench."""
     from hpsray.serving import LoadOptions
 
@@ -301,7 +307,8 @@ def in_process(
 
     torch.set_num_threads(1)
     rows = int(read_meta(os.path.join(model_dir, "point"))["rows"])
-    models, best = {}, {}
+    models: dict[str, ServableModel] = {}
+    best: dict[str, float] = {}
     for system in systems:
         opts = load_options(system, mem_fraction, device, device_fraction, rows)
         models[system] = ServableModel.load(model_dir, opts)
@@ -473,7 +480,7 @@ def follow_delta(model_dir: str, gen, dim: int, mem_fraction: float, seed: int =
     }
 
 
-def _deploy(model_dir: str, system: str, args, rows: int, gpu_share: float):
+def _deploy(model_dir: str, system: str, args: argparse.Namespace, rows: int, gpu_share: float) -> Any:
     from dataclasses import replace
 
     from ray import serve
