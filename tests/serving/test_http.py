@@ -1,7 +1,8 @@
 """The model on a real Ray Serve over real HTTP (aiohttp/requests clients on loopback).
 
-One Serve instance for the module, five applications: ``mem`` (all rows in memory), ``ssd``
-(5 % in memory, the rest read from the point store), ``hex`` (the same model exported with the
+One Serve instance for the module, six applications: ``mem`` (all rows in memory), ``ssd``
+(5 % in memory, the rest read from the point store), ``driven`` (the device-driven lookup on
+NumPy, 5 % in memory, misses read in merged ranges by parallel ``preadv``), ``hex`` (the same model exported with the
 Criteo schema: hex strings in, multi-hot as "a,b"), ``swap`` (a directory of exports, watched),
 ``delta`` (one export, 5 % in memory, watched for incremental deltas).
 """
@@ -45,6 +46,7 @@ def served(ray_local, exports, tmp_path_factory):
     apps = {
         "mem": (exports["parquet"], ServeOptions(port=port)),
         "ssd": (exports["parquet"], ServeOptions(port=port, mem_fraction=0.05, limits=Limits(max_examples=64))),
+        "driven": (exports["parquet"], ServeOptions(port=port, mem_fraction=0.05, driver="device")),
         "hex": (exports["criteo"], ServeOptions(port=port)),
         "swap": (str(root), ServeOptions(port=port, watch_s=0.3)),
         "delta": (str(delta), ServeOptions(port=port, watch_s=0.3, mem_fraction=0.05)),
@@ -64,7 +66,7 @@ def _post(served, app: str, examples=None, data: bytes | None = None) -> request
     return requests.post(url, json={"examples": examples}, timeout=60)
 
 
-@pytest.mark.parametrize("app,fmt", [("mem", "parquet"), ("ssd", "parquet"), ("hex", "criteo")])
+@pytest.mark.parametrize("app,fmt", [("mem", "parquet"), ("ssd", "parquet"), ("driven", "parquet"), ("hex", "criteo")])
 def test_http_predictions_equal_the_reference_trainer(served, planted, trained, app, fmt):
     batch, examples = raw_examples(planted, 320, fmt=fmt)
     want = trained.predict(batch)
@@ -74,6 +76,26 @@ def test_http_predictions_equal_the_reference_trainer(served, planted, trained, 
         assert r.status_code == 200, r.text
         got += r.json()["probabilities"]
     assert close(got, want), np.max(np.abs(np.asarray(got) - want))
+
+
+def test_device_driven_app_answers_concurrent_requests_like_the_reference(served, planted, trained):
+    """Requests sent at once meet in dynamic batches: each answer is still its examples'
+    reference predictions, missed rows read in merged ranges (fewer reads than rows), and
+    every batch uploads its keys once and downloads its probabilities once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batch, examples = raw_examples(planted, 320, start_block=100_002)
+    want = trained.predict(batch)
+    slices = [(i, i + 32) for i in range(0, 320, 32)] * 3
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda ab: _post(served, "driven", examples[ab[0] : ab[1]]), slices))
+    for (a, b), r in zip(slices, answers):
+        assert r.status_code == 200, r.text
+        assert close(r.json()["probabilities"], want[a:b])
+    stats = served["handles"]["driven"].stats.remote().result()
+    assert stats["mode"] == "device-driven" and stats["ssd_reads"] > 0 and 0 < stats["reads_per_missed_row"] < 1
+    t = stats["transfers"]
+    assert t["host_to_device"]["keys"] == t["device_to_host"]["probabilities"]
 
 
 def test_python_handle_takes_a_batch(served, planted, trained):
