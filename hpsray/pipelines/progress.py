@@ -96,17 +96,17 @@ def progress_seconds(configured: float | None = None) -> float:
 
 
 def ensure_handler(level: int = logging.INFO) -> None:
-    """Make ``hpsray``'s INFO lines reach stderr when nothing routes them: a process whose
-    logging is not configured (no handler on ``hpsray`` or the root) gets one stderr handler on
-    the ``hpsray`` logger. A configured process is left as it is."""
-    root = logging.getLogger("hpsray")
-    if root.hasHandlers():
+    """Make the progress lines reach stderr when nothing routes them: in a process whose logging
+    is not configured (no handler on ``hpsray.progress``, its parents or the root), the
+    ``hpsray.progress`` logger gets one stderr handler at ``level``. A configured process, and
+    hpsray's other loggers, are left as they are."""
+    if log.hasHandlers():
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
-    root.addHandler(handler)
-    if root.level == logging.NOTSET or root.level > level:
-        root.setLevel(level)
+    log.addHandler(handler)
+    if log.level == logging.NOTSET or log.level > level:
+        log.setLevel(level)
 
 
 def _bytes(n: float) -> str:
