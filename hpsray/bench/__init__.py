@@ -18,4 +18,5 @@ BENCHMARKS = {
     "plan": "hpsray.bench.plan",
     "recovery": "hpsray.bench.recovery",
     "consistency": "hpsray.bench.consistency",
+    "bigger-than-memory": "hpsray.bench.bigger_than_memory",
 }

@@ -1,0 +1,51 @@
+"""``hpsray bench bigger-than-memory`` at a tiny size: every process in a real memory cgroup, a
+store imported from Parquet, trained, killed, reopened; the report's keys and its lossless check."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from hpsray.bench import BENCHMARKS, bigger_than_memory
+
+KEYS = (
+    "model_bytes_on_disk",
+    "memory_limit_bytes",
+    "peak_memory_bytes",
+    "examples_per_s",
+    "in_memory_examples_per_s",
+    "disk_high_water_vs_live",
+    "key_map_bytes_per_key",
+    "reopen_seconds_per_100m_keys",
+)
+
+
+def _cgroups() -> bool:
+    if os.geteuid() != 0:
+        return False
+    return (
+        os.path.isfile("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+        or "memory" in open("/sys/fs/cgroup/cgroup.controllers").read()
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cgroups(), reason="needs root and a memory cgroup controller")
+def test_bench_runs_in_a_cgroup_and_is_lossless(tmp_path):
+    assert BENCHMARKS["bigger-than-memory"] == "hpsray.bench.bigger_than_memory"
+    p = argparse.ArgumentParser()
+    bigger_than_memory.add_arguments(p)
+    argv = ["--memory-limit", "3GiB", "--ratio", "0.02", "--dim", "8", "--slots", "4", "--dense", "2"]
+    argv += ["--hidden", "8", "--examples", "8000", "--batch", "2000", "--minibatch", "1000", "--warmup-batches", "1"]
+    argv += ["--mem-rows", "20000", "--sample", "500", "--object-store", "128MiB", "--dir", str(tmp_path / "w")]
+    report = bigger_than_memory.run(p.parse_args(argv))
+    for key in KEYS:
+        assert report[key] > 0, key
+    assert report["lossless"]["equal"] is True
+    assert report["lossless"]["touched_rows"] > 1000 and report["lossless"]["untouched_sampled"] == 500
+    assert report["oom_kills"] == 0 and report["peak_within_limit"]
+    assert report["phases"]["check"]["touched_found"] == report["lossless"]["touched_rows"]  # all imported
+    assert report["key_map_bytes_per_key"] <= 30  # the compact map: 16 bytes a slot, at least 53 % full
+    assert not os.path.exists(tmp_path / "w")  # big files removed
