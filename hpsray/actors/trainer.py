@@ -21,12 +21,11 @@ from hpsray.cluster.mesh import DeviceMesh, rendezvous_address
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import PeerFailedError
-from hpsray.kernels.fused import LookupProbe
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.tiers.hbm import HbmPS
-from hpsray.tiers.partition import device_of
 from hpsray.tiers.warmup import warm_trainer_step
-from hpsray.training.engine import TrainerEngine, loaned_rows
+from hpsray.training.devices import DeviceShare
+from hpsray.training.engine import TrainerEngine
 
 
 class Trainer:
@@ -79,6 +78,7 @@ class Trainer:
             args = (node, n_nodes, config, n_slots, n_dense, capacity, n_devices, device, model, threads)
             self.workers = start_device_workers(Trainer, args, placement, name)
         self.mesh: DeviceMesh | None = None  # with D > 1 devices (see join)
+        self._share: DeviceShare | None = None  # this process's share of the node's batch (join_mesh)
         self.engine = TrainerEngine(config, n_slots, n_dense, self._capacity, n_nodes, device, model)
         self.optimizer, self.device = self.engine.optimizer, self.engine.device
         self.n_nodes = n_nodes
@@ -174,6 +174,7 @@ class Trainer:
             self.mesh.destroy()
         backend = "nccl" if self.device.is_cuda else "gloo"
         self.mesh = DeviceMesh(address, n_nodes, self.n_devices, self.node, self.device_index, backend)
+        self._share = DeviceShare(self.engine, self.n_devices, self.device_index, self.mesh)
         return self.mesh.rank
 
     def _reduce_on_mesh(self, flat: torch.Tensor) -> torch.Tensor:
@@ -256,9 +257,6 @@ class Trainer:
             return None  # an owner may need any of them back
         return kept_masks(inputs.next_batch, key_parts, inputs.must_return)
 
-    def _weights(self, keys):
-        return self.hbm.get(keys, columns=self.config.dim)
-
     # -- D devices: one process each (docs/architecture.md: Devices) -----------------------
 
     def _train_on_devices(self, batch_id, inputs: TrainInputs) -> tuple:
@@ -319,73 +317,16 @@ class Trainer:
             raise error
         if float(failed[0]) > 0:
             raise PeerFailedError(batch_id)
+        share = self._share
+        assert share is not None
         with self.clock.timed(batch_id):
-            devices = [device_of(k, self.n_nodes, self.n_devices) for k in key_parts]
-            keys = np.concatenate(key_parts) if key_parts else np.empty(0, np.uint64)
-            rows, held = loaned_rows(loans, key_parts, self.config.row_width)
-            mine = np.concatenate(devices) == self.device_index if devices else np.empty(0, bool)
-            fresh = []
-            for r in refreshed:
-                m = device_of(r.keys, self.n_nodes, self.n_devices) == self.device_index
-                fresh.append((r.keys[m], r.rows[m]))
-            if held is None:
-                self.hbm.borrow(keys[mine], rows[mine], fresh)
-            else:  # the rows shipped are those of the keys not held
-                self.hbm.borrow(keys[mine], rows[mine[~held]], fresh, held[mine])
-            if self.device_index == 0:
-                self.traffic.received(batch_id, loans)
+            devices = share.borrow(batch_id, key_parts, loans, refreshed)
             sizes = inputs.sizes or [len(batch) if batch is not None else 0]
-            shares, scales = self._device_steps(batch, sizes)
+            shares, scales = share.train(batch, sizes, self._reduce_on_mesh, self.exchanged_bytes)
         keep = self._kept(inputs, key_parts)  # waits for batch t+1's read
         with self.clock.timed(batch_id):
-            here = [d == self.device_index for d in devices]
-            self._unreturned = [k[h & m] for k, h, m in zip(key_parts, here, keep, strict=True)] if keep else []
-            back = [~m for m in keep] if keep is not None else [None] * len(key_parts)
-            rows_back = [self.hbm.get(k[h if b is None else h & b]) for k, h, b in zip(key_parts, here, back)]
+            rows_back, back = share.give_back(key_parts, devices, keep)
         return batch, key_parts, devices, DevicePart(rows_back, shares, scales, back)
-
-    def _device_steps(self, batch, sizes: list[int]) -> tuple[list[float], list[float]]:
-        """BSP over the mesh: per global mini-batch this device takes its contiguous slice of
-        the node's part, reads the slice's rows from the devices that hold them, steps, sends
-        the gradients to those devices, which apply every node's (paper App. C.3). Returns this
-        device's loss share of each global mini-batch and the factor that makes the node's
-        shares the node's mean loss (0 where the node's part is empty)."""
-        mesh = self.mesh
-        assert mesh is not None
-        self.dense.train(True)
-        d, n_dev = self.device_index, self.n_devices
-        shares, scales = [], []
-        for mb, total in self._global_minibatches(batch, sizes):
-            lo, hi = np.linspace(0, len(mb), n_dev + 1).astype(int)[d : d + 2]
-            part = mb.slice(lo, hi) if hi > lo else self._empty
-            loss, gkeys, grads = self.dense.step(part, self._weights_on_mesh, total=total, reduce=self._reduce_on_mesh)
-            keys, grads = mesh.route(gkeys, grads)  # the node's update of this device's rows
-            keys, grads = mesh.allgather_sparse(keys, grads)  # and every other node's
-            self.step += 1
-            self.hbm.apply_gradients(keys, grads, self.optimizer, self.step, resident_only=self.n_nodes > 1)
-            self.exchanged_bytes.append(mesh.bytes_sent - self._sent)
-            self._sent = mesh.bytes_sent
-            shares.append(loss)
-            scales.append(total / len(mb) if len(mb) else 0.0)
-        values = torch.stack(shares).cpu().tolist() if shares else []  # one read per batch
-        return values, scales
-
-    def _weights_on_mesh(self, keys):
-        """The step's ``weights_of`` with ``D`` devices: rows from the devices that hold them."""
-        if isinstance(keys, LookupProbe):  # no fused path across processes
-            return None
-        assert self.mesh is not None
-        return self.device.array(self.mesh.lookup(keys, self._weights))
-
-    def _global_minibatches(self, batch, sizes: list[int]):
-        """This node's part of each global mini-batch of the batch (empty once its examples are
-        used up), with the global mini-batch's size: every node steps through as many as the
-        node with the most examples."""
-        m = self.config.minibatch_size
-        n = len(batch) if batch is not None else 0
-        for k in range(max(-(-s // m) for s in sizes)):
-            total = sum(min(max(s - k * m, 0), m) for s in sizes)
-            yield (batch.slice(k * m, min((k + 1) * m, n)) if k * m < n else self._empty), total
 
     def _straggle(self, clock: int) -> None:
         """``SyncStage(straggler_delay_s=...)``: the trainer of ``straggler_node`` sleeps before

@@ -107,6 +107,11 @@ class HbmPS:
                 new_total += new.size
         return new_total
 
+    def erase(self, keys: npt.ArrayLike) -> int:
+        """Erase the rows of ``keys`` (absent ones are skipped); returns how many were erased."""
+        keys = as_keys(keys)
+        return sum(table.erase(keys if pos is None else keys[pos]) for _, table, pos in self._parts(keys))
+
     def retain(self, keys: npt.ArrayLike) -> int:
         """Erase every resident key not in ``keys``; returns how many were erased."""
         keys = np.sort(as_keys(keys))
@@ -222,13 +227,16 @@ class HbmPS:
         rows: npt.NDArray[np.float32],
         refreshed: Iterable[tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]] = (),
         held: npt.NDArray[np.bool_] | None = None,
+        stale: npt.NDArray[np.uint64] | None = None,
     ) -> int:
         """Make the batch's loaned rows the working set: rows resident from the previous batch
         are kept (fresher than the loan, docs/architecture.md: invariant 2), resident rows the
         batch does not need are dropped, and ``refreshed`` ``(keys, rows)`` pairs (re-read after
         another node's write-back) overwrite their keys. ``held`` marks the keys whose rows the
         owner did not ship (``rows`` are then those of the other keys): they must be resident.
-        Returns how many of ``keys`` were resident already (the working set's hits).
+        ``stale``: when the caller knows the resident keys, those the batch does not need (they
+        are erased instead of scanning the table for them). Returns how many of ``keys`` were
+        resident already (the working set's hits).
 
         Raises :class:`~hpsray.errors.WorkingSetError` when a held key is not resident."""
         keys = as_keys(keys)
@@ -240,7 +248,10 @@ class HbmPS:
         else:
             new = keys
         hits += new.size - self.insert(new, rows)
-        self.retain(keys)
+        if stale is None:
+            self.retain(keys)
+        elif stale.size:
+            self.erase(stale)
         for fresh_keys, fresh_rows in refreshed:
             if len(fresh_keys):
                 self.insert_or_assign(fresh_keys, fresh_rows)

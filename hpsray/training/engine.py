@@ -23,6 +23,7 @@ from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import MissingRowsError
 from hpsray.kernels.arrays import to_host
+from hpsray.kernels.distinct import in_sorted
 from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
 from hpsray.models.step import DenseReplicas
@@ -91,14 +92,17 @@ class TrainerEngine:
         self.examples = 0
         self.traffic = Traffic(config.row_width * 4)
         self.unreturned: list[np.ndarray] = []  # per owner: keys kept at the last batch's end, not returned
-        self._resident: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted int64 keys, their slots
+        self._resident: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._parts: list[np.ndarray] | None = (
+            None  # per owner, the sorted keys resident (the last batch's)  # sorted int64 keys, their slots
+        )
         self._arena: tuple[Any, ArenaStep] | None = None  # (table, its step): a grown table has a new arena
 
     def forget(self) -> None:
         """Drop the working set (a recovery that keeps this process; the dense model stays)."""
         c = self.config
         self.hbm = HbmPS(self.capacity, c.row_width, c.row_init(), 1, self.n_nodes, self.device.name)
-        self._arena, self._resident, self.unreturned = None, None, []
+        self._arena, self._resident, self.unreturned, self._parts = None, None, [], None
 
     # -- a batch -----------------------------------------------------------------------------
 
@@ -112,7 +116,12 @@ class TrainerEngine:
             key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts) if key_parts else np.empty(0, np.uint64)
         )
         rows, held = loaned_rows(loans, key_parts, self.config.row_width)
-        hits = self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed], held)
+        before, self._parts = self._parts, None  # unknown until the borrow succeeds
+        stale = None
+        if before is not None and len(before) == len(key_parts):  # the keys resident now: the last batch's
+            stale = np.concatenate([b[~in_sorted(b, k)] for b, k in zip(before, key_parts, strict=True)])
+        hits = self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed], held, stale)
+        self._parts = key_parts
         self.traffic.received(batch_id, loans)
         self._resident = None
         if self.n_nodes > 1:
@@ -156,7 +165,9 @@ class TrainerEngine:
                 f"the trainer was built for {self.n_slots} and {self.n_dense}"
             )
         table = self.hbm.tables[0]
-        return index_batch(batch, self.config.minibatch_size, self._find, table.capacity, self.device.torch)
+        return index_batch(
+            batch, self.config.minibatch_size, self._find, table.capacity, self.device.torch, self.n_nodes > 1
+        )
 
     def train_local(self, index: BatchIndex) -> list[torch.Tensor]:
         """One node: a step per mini-batch; returns the losses (device tensors, unread)."""
@@ -194,6 +205,7 @@ class TrainerEngine:
                 before_step(self.step + 1)
             if mb is not None:
                 gathered, loss, grads = self.forward_backward(arena, mb, total)
+                assert mb.keys is not None  # indexed with keys: several nodes
                 keys = mb.keys
             else:
                 self.dense.zero_grad()

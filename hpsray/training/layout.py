@@ -38,7 +38,7 @@ class MiniBatchIndex:
     ``keys``: the rows' keys (``int64`` bit patterns of the ``uint64`` keys)."""
 
     rows: torch.Tensor  # int64[U]
-    keys: torch.Tensor  # int64[U]
+    keys: torch.Tensor | None  # int64[U] (when the index was made with them)
     inverse: torch.Tensor  # int64[nnz]
     bag_offsets: torch.Tensor  # int64[n_examples * n_slots]
     grad_bags: torch.Tensor  # int64[nnz]
@@ -74,12 +74,14 @@ def index_batch(
     find: Callable[[np.ndarray, torch.Tensor], torch.Tensor],
     capacity: int,
     device: torch.device,
+    with_keys: bool = True,
 ) -> BatchIndex:
     """Resolve ``batch`` against the working set.
 
     ``find(keys, keys_on_device)`` returns the arena slot (``int64``, on ``device``) of every
     key, given both as ``uint64`` numpy and as an ``int64`` tensor on ``device``; every key must
-    be resident (the caller checks). ``capacity`` bounds the slots."""
+    be resident (the caller checks). ``capacity`` bounds the slots. ``with_keys``: also give
+    each mini-batch's rows' keys (for an exchange across nodes; one gather more)."""
     if minibatch_size <= 0:
         raise ValueError(f"mini-batch size must be positive, got {minibatch_size}")
     n, n_slots, nnz = len(batch), batch.n_slots, batch.nnz
@@ -116,10 +118,13 @@ def index_batch(
     inverse = torch.empty(nnz, dtype=torch.int64, device=device).index_copy_(0, perm, group)
     local_bag = torch.from_numpy(bag - (example // m) * (m * n_slots)).to(device)
     grad_bags = local_bag.index_select(0, perm)
-    first = perm.index_select(0, starts)
-    grad_offsets = starts - torch.repeat_interleave(occ_t[:-1], torch.diff(first_group), output_size=starts.numel())
-    rows = slots.index_select(0, first)
-    row_keys = on.index_select(0, first)
+    groups_per_mb = torch.diff(first_group)
+    grad_offsets = starts - torch.repeat_interleave(occ_t[:-1], groups_per_mb, output_size=starts.numel())
+    mb_of_group = torch.repeat_interleave(
+        torch.arange(n_mb, dtype=sorted_c.dtype, device=device), groups_per_mb, output_size=starts.numel()
+    )
+    rows = (sorted_c.index_select(0, starts) - mb_of_group * (capacity + 1)).long()  # sorted within a mini-batch
+    row_keys = on.index_select(0, perm.index_select(0, starts)) if with_keys else None
     bag_counts = np.bincount(bag, minlength=n * n_slots) if nnz else np.zeros(n * n_slots, np.int64)
     bag_start = np.zeros(n * n_slots, dtype=np.int64)
     np.cumsum(bag_counts[:-1], out=bag_start[1:])
@@ -134,7 +139,7 @@ def index_batch(
         out.append(
             MiniBatchIndex(
                 rows=rows[g[k] : g[k + 1]],
-                keys=row_keys[g[k] : g[k + 1]],
+                keys=row_keys[g[k] : g[k + 1]] if row_keys is not None else None,
                 inverse=inverse[lo:hi],
                 bag_offsets=bag_offsets[e0 * n_slots : e1 * n_slots],
                 grad_bags=grad_bags[lo:hi],

@@ -76,17 +76,22 @@ SCRIPT = textwrap.dedent(
         facts.update(evicted=mem.stats["evicted"], loaded=mem.stats["loaded"])
     else:
         from hpsray.actors.trainer import Trainer
+        from hpsray.data.batch import Batch
         from hpsray.kernels.init import initial_rows
+        from hpsray.tiers.lending import Loan
 
         trainer = Trainer(0, 1, cfg, gen.n_slots, gen.n_dense, 2000)  # warms its step
         before = compiled()
-        for batch in batches:
+        engine = trainer.engine
+        for t, batch in enumerate(batches):
+            batch = Batch(**{f: frozen(getattr(batch, f)) for f in ("labels", "dense", "keys", "offsets", "slots")},
+                          n_slots=batch.n_slots)
             keys = np.unique(batch.keys)
             rows = frozen(initial_rows(keys, cfg.row_width, cfg.row_init()))  # as MEM-PS lends them
             keys = frozen(keys)
-            trainer.hbm.insert(keys, rows)
-            trainer.hbm.retain(keys)
-            trainer._train_local(batch)
+            engine.borrow(t, [keys], [Loan(rows)])  # from the second batch on, erases the stale rows
+            engine.close_batch(engine.train_local(engine.index(batch)))
+            engine.give_back(t, [keys], None)
             trainer.hbm.insert_or_assign(keys[:9], frozen(trainer.hbm.get(keys[:9])))
         facts["steps"] = trainer.step
     after = compiled()

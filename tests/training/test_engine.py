@@ -81,6 +81,7 @@ def _train(engine: TrainerEngine, owner: Owner, batches: list[Batch]) -> list[fl
     for batch in batches:
         keys = np.unique(batch.keys)
         engine.borrow(0, [keys], [owner.lend(keys)])
+        np.testing.assert_array_equal(np.sort(engine.hbm.tables[0].keys()), keys)  # exactly the batch's rows
         losses.append(engine.close_batch(engine.train_local(engine.index(batch))))
         owner.take_back(keys, engine.rows(keys))
     return losses
@@ -163,7 +164,7 @@ def _one_minibatch_engine(keys_per_example: int = 26):
     engine.borrow(0, [keys], [Owner(config).lend(keys)])
     index = engine.index(batch)
     engine.train_local(index)  # warm: the first step allocates, later ones reuse
-    return engine, index
+    return engine, index, batch.keys
 
 
 # Each aten op that is not a view is at least one kernel launch on CUDA. Measured: 44 with the
@@ -181,7 +182,7 @@ aten::_local_scalar_dense aten::numel"""
 
 
 def test_a_minibatch_step_stays_within_its_launch_budget():
-    engine, index = _one_minibatch_engine()
+    engine, index, _ = _one_minibatch_engine()
     one = type(index)(index.minibatches[:1], index.rows, index.minibatches[0].n_examples)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         engine.train_local(one)
@@ -212,7 +213,7 @@ def _numba_dispatchers() -> list[tuple[object, str, object]]:
 
 
 def test_no_numba_dispatch_inside_a_minibatch(monkeypatch):
-    engine, index = _one_minibatch_engine()
+    engine, index, batch_keys = _one_minibatch_engine()
     calls: list[str] = []
     dispatchers = _numba_dispatchers()
     assert dispatchers, "the probe found no numba kernels to watch"
@@ -223,8 +224,7 @@ def test_no_numba_dispatch_inside_a_minibatch(monkeypatch):
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(module, attr, counted)
-    keys = np.unique(np.concatenate([mb.keys.numpy() for mb in index.minibatches]).view(np.uint64))
-    engine.rows(keys)  # the probe sees numba calls made from Python: the batch end's gather is one
+    engine.rows(np.unique(batch_keys))  # the probe sees numba calls made from Python: the batch end's gather is one
     assert calls, "the probe must see a numba call"
     calls.clear()
     engine.train_local(index)
