@@ -141,7 +141,8 @@ def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, fl
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # as the trainer actor sets them
     try:
-        one(batches[0], keys[0])  # warm-up: numba loads its kernels, torch allocates
+        for b, k in zip(batches, keys):  # warm-up: numba loads its kernels (per array type), torch allocates
+            one(b, k)
         wall, cpu = _fastest(lambda: one(batches[-1], keys[-1]))
     finally:
         torch.set_num_threads(before)
