@@ -61,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--minibatch", type=int, default=2048)
     parser.add_argument("--mem-rows", type=int, default=600_000, help="MEM-PS capacity of the bigger-than-memory run")
+    parser.add_argument("--io-threads", type=int, default=4, help="SSD-PS I/O threads ([tiers.ssd] io_threads)")
     parser.add_argument("--object-store", default="512MiB", help="Ray object store memory of each run")
     parser.add_argument("--sample", type=int, default=200_000, help="untouched rows compared with the table")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one under /var/tmp)")
@@ -98,6 +99,7 @@ class Job:
     examples: int
     mem_rows: int
     object_store: int
+    io_threads: int = 4
 
     def generator(self) -> Any:
         from hpsray.data import PlantedCTR
@@ -292,7 +294,7 @@ def _pipeline(job: Job, ssd_path: str, mem_rows: int, sources: tuple) -> Any:
         sources[0],
         TrainerStage(job.config()),
         MemPSStage(capacity_rows=mem_rows),
-        SSDPSStage(ssd_path),
+        SSDPSStage(ssd_path, options={"io_threads": job.io_threads}),
         batch_size=job.batch,
     )
 
@@ -440,6 +442,7 @@ def run(args: argparse.Namespace) -> dict:
         examples=args.examples,
         mem_rows=args.mem_rows,
         object_store=_size(args.object_store),
+        io_threads=args.io_threads,
     )
     base = args.dir or tempfile.mkdtemp(prefix="hpsray-btm-", dir="/var/tmp")
     os.makedirs(base, exist_ok=True)

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
@@ -94,3 +95,23 @@ def test_hpsray_train_init_from_equals_the_reference_from_it(tmp_path):
 def hpsray(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "hpsray", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_job_settings_name_init_from(tmp_path):
+    """``[tiers] init_from`` resolves against the job file; a missing directory, or a job of
+    several nodes, is refused before anything starts, naming the setting."""
+    from hpsray.job import ConfigError, JobConfig, build
+
+    (tmp_path / "table").mkdir()
+    body = '[data.synthetic]\nrows = 100\n[model]\ndim = 4\n[optimizer]\nsparse = "adagrad"\n'
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(body + '[tiers]\ninit_from = "table"\n')
+    job = JobConfig.load(str(job_file))
+    spec = build.init_from(job)["init_from"]
+    assert spec.path == str(tmp_path / "table") and spec.dim == 4
+    job_file.write_text(body + '[tiers]\ninit_from = "nowhere"\n')
+    with pytest.raises(ConfigError, match=r"tiers\.init_from.*nowhere: no such directory"):
+        JobConfig.load(str(job_file))
+    job_file.write_text(body + '[tiers]\ninit_from = "table"\n[cluster]\nnodes = 2\n')
+    with pytest.raises(ConfigError, match=r"tiers\.init_from.*cluster\.nodes = 1"):
+        build.init_from(JobConfig.load(str(job_file)))
