@@ -104,6 +104,7 @@ class Trainer:
             config.row_width,
             n_slots,
             n_dense,
+            table_step=n_devices > 1,  # one device: the engine's step, torch ops only
         )
 
     # the engine's state, as the relaxed steps and the device processes read and write it

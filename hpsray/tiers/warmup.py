@@ -149,17 +149,26 @@ def tiny_batch(n_slots: int, n_dense: int, examples: int = 24, seed: int = 0) ->
 
 
 def warm_trainer_step(
-    hbm_like: Any, dense: Any, optimizer: Any, dim: int, init: RowInit, width: int, n_slots: int, n_dense: int
+    hbm_like: Any,
+    dense: Any,
+    optimizer: Any,
+    dim: int,
+    init: RowInit,
+    width: int,
+    n_slots: int,
+    n_dense: int,
+    table_step: bool = True,
 ) -> None:
     """Two mini-batches (writable and read-only arrays) of a throwaway working set and a deep copy
-    of the dense replicas: insert, retain, get, the step (the fused sparse path where the HBM-PS
-    has one: bag layout, lookup and pooling, pooling's backward; the dense model and optimizer),
-    the sparse optimizer in the tables, assign and export. ``hbm_like`` is a fresh, empty HBM-PS of the same
-    shape as the trainer's; ``dense`` the trainer's :class:`~hpsray.models.step.DenseReplicas`,
-    which is copied, not trained."""
+    of the dense replicas: insert, retain, erase, find, get, assign and export; with
+    ``table_step`` also the step that runs in the tables (the fused sparse path where the HBM-PS
+    has one: bag layout, lookup and pooling, pooling's backward; the dense model and optimizer;
+    the sparse optimizer in the tables: what D > 1 device processes run). The trainer engine's
+    own step is torch ops, which compile nothing. ``hbm_like`` is a fresh, empty HBM-PS of the
+    same shape as the trainer's; ``dense`` the trainer's
+    :class:`~hpsray.models.step.DenseReplicas`, which is copied, not trained."""
     import torch
 
-    replicas = copy.deepcopy(dense)
     batch = tiny_batch(n_slots, n_dense)
     keys = np.unique(batch.keys)
     half = keys.size // 2
@@ -170,6 +179,15 @@ def warm_trainer_step(
     hbm_like.retain(_frozen(keys))
     hbm_like.insert(extra, initial_rows(extra, width, init))
     hbm_like.retain(keys)
+    hbm_like.insert(extra, initial_rows(extra, width, init))
+    hbm_like.erase(extra)  # the engine's erase of the last batch's stale rows
+    hbm_like.tables[0].find(_frozen(batch.keys))  # the engine's find once per batch
+    hbm_like.tables[0].find(batch.keys)
+    if not table_step:
+        hbm_like.insert_or_assign(keys[:7], hbm_like.get(keys[:7]))
+        hbm_like.insert_or_assign(_frozen(keys[:7]), _frozen(hbm_like.get(_frozen(keys[:7]))))
+        return
+    replicas = copy.deepcopy(dense)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
         # a model with dropout draws random numbers: the run's own draws must stay as they were
         loss, gkeys, grads = replicas.step(batch, lambda k: hbm_like.get(k, columns=dim))
