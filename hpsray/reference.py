@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
@@ -215,15 +216,61 @@ class ReferenceTrainer:
         self.train_seconds += time.perf_counter() - t0
         return loss
 
-    def train_minibatches(self, minibatches: list[Batch]) -> float:
-        """Train one batch given as its mini-batches, in order (several nodes': its global
-        mini-batches, :func:`global_batches`); returns the mean loss. Admission and expiry
-        count the batch as one."""
-        rejected = self._begin_batch(minibatches)
+    def train_shares(self, shares: list[Batch]) -> float:
+        """One step over a global mini-batch of several nodes, given as the nodes' shares in
+        rank order (:func:`global_batches`); returns its mean loss before the step.
+
+        The order of the sums is stated here (docs/architecture.md: invariant 1): each share's
+        gradients are what its node computes alone (its own forward and backward, its loss the
+        share's part of the mean over every share's examples); the rows' gradients and the
+        dense gradients are then summed over the shares in rank order, starting from zero, and
+        the optimizers step once with the sums."""
+        total = sum(len(share) for share in shares)
+        dim = self.config.dim
+        keys = np.unique(np.concatenate([share.keys for share in shares]))
+        pos = self.store.positions(keys)
+        rows = self.store.rows_at(pos)
+        sparse = np.zeros((keys.size, dim), dtype=np.float32)
+        params = list(self.model.parameters())
+        dense: list[torch.Tensor] | None = None
+        loss_sum = 0.0
+        for share in shares:
+            self._check(share)
+            layout = BagLayout.of(share)
+            at = np.searchsorted(keys, layout.unique_keys)
+            leaf = torch.from_numpy(rows[at, :dim]).requires_grad_(True)
+            self.model.zero_grad(set_to_none=True)
+            logits = self.model(pool_sum(leaf, layout), torch.from_numpy(np.array(share.dense)))
+            loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(np.array(share.labels)), reduction="sum")
+            (loss / total).backward()
+            assert leaf.grad is not None
+            sparse[at] += leaf.grad.numpy()  # a share's keys are distinct: one sum term per share
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            dense = [torch.zeros_like(g) + g for g in grads] if dense is None else [d + g for d, g in zip(dense, grads)]
+            loss_sum += float(loss.detach()) / total
+        assert dense is not None, "a global mini-batch has at least one share"
+        for p, g in zip(params, dense, strict=True):
+            p.grad = g
+        self.dense.optimizers[0].step()
+        self.step += 1
+        apply_to_rows(rows, sparse, self.optimizer, self.step)
+        self.store.write(pos, rows)
+        self.examples += total
+        return loss_sum
+
+    def train_minibatches(self, minibatches: list[Batch] | list[list[Batch]]) -> float:
+        """Train one batch given as its mini-batches, in order, or (several nodes) as its global
+        mini-batches, each its nodes' shares (:func:`global_batches`); returns the mean loss.
+        Admission and expiry count the batch as one."""
+        flat = [mb for item in minibatches for mb in (item if isinstance(item, list) else [item])]
+        rejected = self._begin_batch(flat)
         losses = []
-        for mb in minibatches:
-            self._check(mb)
-            losses.append(self.train_minibatch(mb))
+        for item in minibatches:
+            if isinstance(item, list):
+                losses.append(self.train_shares(item))
+            else:
+                self._check(item)
+                losses.append(self.train_minibatch(item))
         self._end_batch(rejected)
         return float(np.mean(losses)) if losses else float("nan")
 
@@ -267,14 +314,15 @@ class ReferenceTrainer:
         return keys, rows, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-def global_batches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[list[Batch]]:
+def global_batches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[list[list[Batch]]]:
     """Per batch, the global mini-batches that ``n_nodes`` nodes train under BSP, in order.
 
     Node ``i`` reads share ``i`` of ``n_nodes`` of ``source`` in batches of ``batch_size``; in
     batch ``t`` every node steps through the same number of mini-batches, and global mini-batch
-    ``k`` is the concatenation, in node order, of each node's ``k``-th mini-batch (a node whose
-    batch is shorter, or whose share has ended, contributes nothing). Training the reference
-    on these gives what the distributed system must reproduce (docs/architecture.md: invariant 1).
+    ``k`` is, in node order, each node's ``k``-th mini-batch (a node whose batch is shorter, or
+    whose share has ended, contributes nothing). Training the reference on these
+    (:meth:`ReferenceTrainer.train_shares`) gives what the distributed system must reproduce
+    (docs/architecture.md: invariant 1).
     """
     streams = [iter(source.open(batch_size, i, n_nodes)) for i in range(n_nodes)]
     m = minibatch_size
@@ -284,12 +332,12 @@ def global_batches(source, batch_size: int, n_nodes: int, minibatch_size: int) -
         if not present:
             return
         yield [
-            Batch.concat([b.slice(k * m, (k + 1) * m) for b in present if k * m < len(b)])
+            [b.slice(k * m, (k + 1) * m) for b in present if k * m < len(b)]
             for k in range(max(-(-len(b) // m) for b in present))
         ]
 
 
-def global_minibatches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[Batch]:
-    """:func:`global_batches`, flattened."""
+def global_minibatches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[list[Batch]]:
+    """:func:`global_batches`, flattened: each global mini-batch as its nodes' shares."""
     for batch in global_batches(source, batch_size, n_nodes, minibatch_size):
         yield from batch

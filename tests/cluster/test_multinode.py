@@ -201,3 +201,39 @@ def test_hpsray_train_on_two_nodes_matches_its_reference(two_nodes_cluster, tmp_
     assert report["nodes"] == 2 and report["examples"] == 3000 and report["sync"]["consistency"] == "bsp"
     assert report["cache"]["evicted"] > 0 and report["ssd"]["bytes_written"] > 0  # rows went to SSD
     hpsray("--reference", "--compare", str(tmp_path / "export"))
+
+
+def check_bit_for_bit(nodes: int, dense: str, batches: int = 60) -> None:
+    """Invariant 1 to the bit (docs/architecture.md): ``batches`` global batches of 4
+    mini-batches whose shares share keys in every mini-batch, with the optimizers that amplify
+    any difference in the order of the sums (adagrad rows, adam MLP); the reference states the
+    nodes' order (``ReferenceTrainer.train_shares``)."""
+    gen = PlantedCTR(n_slots=3, keys_per_slot=40, n_dense=2, seed=11)
+    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=16, sparse_optimizer="adagrad", dense_optimizer="adam")
+    batch = 64
+    source = SyntheticSource(gen, rows=nodes * batch * batches)
+    with Pipeline(
+        source,
+        TrainerStage(cfg),
+        MemPSStage(capacity_rows=400),
+        batch_size=batch,
+        nodes=nodes,
+        sync=SyncStage(dense=dense),
+    ) as p:
+        p.fit(progress=False)
+        keys, rows = p.export_rows()
+        dense_state = p.dense_state()
+    ref = ReferenceTrainer(gen.n_slots, gen.n_dense, cfg)
+    ref.fit_nodes(source, batch, nodes)
+    ref_keys, ref_rows, ref_dense = ref.export()
+    firsts = [next(iter(source.open(batch, i, nodes))).slice(0, 16).keys for i in range(nodes)]
+    assert np.intersect1d(firsts[0], firsts[1]).size > 0  # the shares of a mini-batch share keys
+    np.testing.assert_array_equal(keys, ref_keys)
+    np.testing.assert_array_equal(rows, ref_rows)
+    for name, value in ref_dense.items():
+        np.testing.assert_array_equal(dense_state[name].numpy(), value.numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("dense", ["allreduce", "chunked"])
+def test_bsp_two_nodes_equal_the_reference_bit_for_bit_with_adagrad_rows_and_adam(two_nodes_cluster, dense):
+    check_bit_for_bit(2, dense)

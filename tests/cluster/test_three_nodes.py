@@ -4,7 +4,7 @@ import pytest
 
 from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
 
-from test_multinode import CFG, GEN, check_lossless
+from test_multinode import CFG, GEN, check_bit_for_bit, check_lossless
 
 pytestmark = pytest.mark.slow
 
@@ -15,3 +15,9 @@ def test_bsp_three_nodes_equals_reference_through_ssd(three_nodes_cluster):
         report = p.fit(progress=False)
         assert report["nodes"] == 3 and report["ssd"]["bytes_read"] > 0
         check_lossless(p, source, 3, batch=100)
+
+
+def test_bsp_three_nodes_with_chunked_dense_sync_equal_the_reference_bit_for_bit(three_nodes_cluster):
+    """Chunked aggregation sums in rank order for any number of nodes (allreduce over three
+    sums in the backend's ring order: equal to the rounding only)."""
+    check_bit_for_bit(3, "chunked")
