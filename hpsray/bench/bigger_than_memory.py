@@ -195,10 +195,12 @@ class Cgroup:
                 return int(v)
         return 0
 
-    def remove(self) -> None:
-        procs = _read(os.path.join(self.path, "cgroup.procs"), "").split()
-        if procs:
-            return  # a process we did not start is still inside: leave it
+    def remove(self, wait_s: float = 15.0) -> None:
+        """Remove the cgroup once the processes started in it have exited (Ray's workers may
+        outlive their driver by a few seconds); left in place if some are still there."""
+        deadline = time.monotonic() + wait_s
+        while _read(os.path.join(self.path, "cgroup.procs"), "").split() and time.monotonic() < deadline:
+            time.sleep(0.5)
         try:
             os.rmdir(self.path)
         except OSError:
