@@ -37,6 +37,7 @@ HELP = (
 
 EXIT_CONFIG = 2  # bad job file or arguments
 EXIT_FAILED = 1  # training failed, or --compare found a difference
+ROUNDING_ULPS = 8  # --compare: a difference of at most this many float32 ulps is called rounding-sized
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports it
 
 
@@ -576,4 +577,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{d['max_abs_row_diff']:.3g}, dense {d['max_abs_dense_diff']:.3g}: {verdict} "
                 f"within {args.tolerance:g}"
             )
+            if d["rows_differing"] or d["max_ulps"]:
+                size = "rounding-sized" if 0 <= d["max_ulps"] <= ROUNDING_ULPS else "beyond rounding"
+                print(
+                    f"  {d['rows_differing']:,} rows differ; largest relative difference "
+                    f"{d['max_rel_diff']:.3g}, at most {d['max_ulps']:,} ulps: {size} "
+                    f"(rounding: <= {ROUNDING_ULPS} ulps)"
+                )
     return code

@@ -150,3 +150,24 @@ def test_an_incremental_export_of_another_shape_is_refused(tmp_path):
     with pytest.raises(ExportError, match="an incremental export of dim 2 and width 3 cannot go on top of it"):
         export((keys, np.zeros((keys.size, 3), np.float32), state[2]), tmp_path / "e", other, incremental=True)
     assert not (tmp_path / "e" / "delta-000001").exists()
+
+
+def test_compare_says_how_many_rows_differ_and_whether_by_rounding():
+    rng = np.random.default_rng(4)
+    keys = np.arange(1, 101, dtype=np.uint64)
+    rows = rng.standard_normal((100, 4)).astype(np.float32)
+    dense = {"w": torch.from_numpy(rng.standard_normal(6).astype(np.float32))}
+    same = compare_exports((keys, rows, dense), (keys[::-1].copy(), rows[::-1].copy(), dense))
+    assert same["rows_differing"] == 0 and same["max_ulps"] == 0 and same["max_rel_diff"] == 0.0
+    nudged = rows.copy()
+    nudged[[3, 50]] = np.nextafter(nudged[[3, 50]], np.float32(np.inf))  # one ulp up
+    nudged[50, 1] = np.nextafter(np.nextafter(nudged[50, 1], np.float32(np.inf)), np.float32(np.inf))
+    d = compare_exports((keys, rows, dense), (keys, nudged, dense))
+    assert d["rows_differing"] == 2 and d["max_ulps"] == 3
+    assert 0 < d["max_rel_diff"] < 1e-6
+    wrong = rows.copy()
+    wrong[7, 0] = -wrong[7, 0]  # a sign flipped: far beyond rounding
+    d = compare_exports((keys, rows, dense), (keys, wrong, dense))
+    assert d["rows_differing"] == 1 and d["max_ulps"] > 2**24 and d["max_rel_diff"] == pytest.approx(2.0)
+    zeros = np.zeros((100, 4), np.float32)
+    assert compare_exports((keys, zeros, dense), (keys, -zeros, dense))["max_ulps"] == 0  # -0.0 is 0.0
