@@ -92,10 +92,8 @@ class TrainerEngine:
         self.examples = 0
         self.traffic = Traffic(config.row_width * 4)
         self.unreturned: list[np.ndarray] = []  # per owner: keys kept at the last batch's end, not returned
-        self._resident: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._parts: list[np.ndarray] | None = (
-            None  # per owner, the sorted keys resident (the last batch's)  # sorted int64 keys, their slots
-        )
+        self._resident: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted int64 keys, their slots
+        self._parts: list[np.ndarray] | None = None  # per owner, the sorted keys resident (the last batch's)
         self._arena: tuple[Any, ArenaStep] | None = None  # (table, its step): a grown table has a new arena
 
     def forget(self) -> None:
@@ -121,6 +119,8 @@ class TrainerEngine:
         if before is not None and len(before) == len(key_parts):  # the keys resident now: the last batch's
             stale = np.concatenate([b[~in_sorted(b, k)] for b, k in zip(before, key_parts, strict=True)])
         hits = self.hbm.borrow(keys, rows, [(r.keys, r.rows) for r in refreshed], held, stale)
+        if self.hbm.size != keys.size:  # a refreshed row outside the batch: find the residents again
+            self.hbm.retain(keys)
         self._parts = key_parts
         self.traffic.received(batch_id, loans)
         self._resident = None
