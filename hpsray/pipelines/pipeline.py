@@ -183,6 +183,10 @@ class Pipeline:
             counts = admission_of(restore, i) if restore is not None else None
             self._nodes.append(place_node(self, i, node, n_nodes, f"{ssd_path}/node-{i}", snapshot, counts))
         if needs_group(n_nodes, self.trainer_stage.n_devices):
+            # forming the group waits for the trainers: the readers start beside them, not after
+            # (fit() opens them again where its pass starts)
+            for node in self._nodes:
+                self._open_reader(node, self.source, node.index, n_nodes)
             self._aggregators = join_group(self.name, self._nodes, self.sync, n_devices=self.trainer_stage.n_devices)
         if restore is not None:
             load_trainers(restore, self._nodes)
