@@ -39,10 +39,10 @@ class MiniBatchIndex:
 
     rows: torch.Tensor  # int64[U]
     keys: torch.Tensor | None  # int64[U] (when the index was made with them)
-    inverse: torch.Tensor  # int64[nnz]
-    bag_offsets: torch.Tensor  # int64[n_examples * n_slots]
-    grad_bags: torch.Tensor  # int64[nnz]
-    grad_offsets: torch.Tensor  # int64[U]
+    inverse: torch.Tensor  # int32[nnz]
+    bag_offsets: torch.Tensor  # int32[n_examples * n_slots]
+    grad_bags: torch.Tensor  # int32[nnz]
+    grad_offsets: torch.Tensor  # int32[U]
     dense: torch.Tensor  # float32[n_examples, n_dense]
     labels: torch.Tensor  # float32[n_examples]
     n_examples: int
@@ -84,6 +84,9 @@ def index_batch(
     each mini-batch's rows' keys (for an exchange across nodes; one gather more)."""
     if minibatch_size <= 0:
         raise ValueError(f"mini-batch size must be positive, got {minibatch_size}")
+    # a mini-batch's positions are int32 (half the index's memory and traffic)
+    if batch.nnz and int(np.max(np.diff(np.append(batch.offsets[::minibatch_size], batch.nnz)))) >= 2**31:
+        raise ValueError(f"a mini-batch of {minibatch_size} examples holds 2**31 keys or more")
     n, n_slots, nnz = len(batch), batch.n_slots, batch.nnz
     m = minibatch_size
     counts = np.diff(batch.offsets)
@@ -115,11 +118,11 @@ def index_batch(
     group.sub_(
         torch.repeat_interleave(first_group[:-1] + 1, per_mb, output_size=nnz)
     )  # the group within its mini-batch
-    inverse = torch.empty(nnz, dtype=torch.int64, device=device).index_copy_(0, perm, group)
-    local_bag = torch.from_numpy(bag - (example // m) * (m * n_slots)).to(device)
+    inverse = torch.empty(nnz, dtype=torch.int32, device=device).index_copy_(0, perm, group.to(torch.int32))
+    local_bag = torch.from_numpy((bag - (example // m) * (m * n_slots)).astype(np.int32)).to(device)
     grad_bags = local_bag.index_select(0, perm)
     groups_per_mb = torch.diff(first_group)
-    grad_offsets = starts - torch.repeat_interleave(occ_t[:-1], groups_per_mb, output_size=starts.numel())
+    grad_offsets = (starts - torch.repeat_interleave(occ_t[:-1], groups_per_mb, output_size=starts.numel())).int()
     mb_of_group = torch.repeat_interleave(
         torch.arange(n_mb, dtype=sorted_c.dtype, device=device), groups_per_mb, output_size=starts.numel()
     )
@@ -129,7 +132,7 @@ def index_batch(
     bag_start = np.zeros(n * n_slots, dtype=np.int64)
     np.cumsum(bag_counts[:-1], out=bag_start[1:])
     bag_start -= np.repeat(occ[:-1], np.minimum(m, n - ex_bounds[:-1]) * n_slots)
-    bag_offsets = torch.from_numpy(bag_start).to(device)
+    bag_offsets = torch.from_numpy(bag_start.astype(np.int32)).to(device)
     dense = torch.from_numpy(np.ascontiguousarray(batch.dense, dtype=np.float32)).to(device)
     labels = torch.from_numpy(np.ascontiguousarray(batch.labels, dtype=np.float32)).to(device)
     out = []
