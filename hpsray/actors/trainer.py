@@ -94,17 +94,13 @@ class Trainer:
         self.losses: dict = {}
         self.clock = StageClock("train", node)
         self.gauges = LiveGauges(stage="train", node=node)
-        # numba (and on CUDA, CuPy and torch's kernels) compile here, before the pipeline's clock
+        # the table's numba kernels compile here, before the pipeline's clock
         warm_trainer_step(
             HbmPS(256, config.row_width, config.row_init(), 1, n_nodes, device),
-            self.dense,
-            self.optimizer,
-            config.dim,
             config.row_init(),
             config.row_width,
             n_slots,
             n_dense,
-            table_step=n_devices > 1,  # one device: the engine's step, torch ops only
         )
 
     # the engine's state, as the relaxed steps and the device processes read and write it

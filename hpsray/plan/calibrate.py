@@ -8,9 +8,9 @@ batches (the job's batch size), no Ray.
   copy of the rows it lends; the same run gives the MEM-PS hit rate of the sample's later half;
 * **load**: :class:`hpsray.tiers.ssd.SSDPS` ``dump`` and ``load`` of a batch's rows in a
   temporary directory on the job's SSD-PS disk, per row, plus the copy of the loan;
-* **train**: the trainer's local step (HBM-PS insert, then per mini-batch the
-  :class:`~hpsray.models.step.DenseReplicas` step and the sparse update), with the trainer's
-  torch threads, after one warm-up batch.
+* **train**: the trainer's engine on a batch (:class:`~hpsray.training.engine.TrainerEngine`:
+  borrow, the find-once index, the mini-batch steps, the rows back), with the trainer's torch
+  threads, after one warm-up batch.
 
 Every stage is timed ``repeats`` times and the fastest kept (a busy machine only slows a
 timing), in wall seconds and in CPU seconds of this process (all its threads); a stage's seconds
@@ -37,14 +37,13 @@ import torch
 from hpsray.data.batch import Batch
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.init import initial_rows
-from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
-from hpsray.models.step import DenseReplicas
 from hpsray.plan.sample import Sample
 from hpsray.plan.sizing import mem_capacity_rows
-from hpsray.tiers.hbm import HbmPS
+from hpsray.tiers.lending import Loan
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.ssd import SSDPS
+from hpsray.training.engine import TrainerEngine
 
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
@@ -116,27 +115,18 @@ class _Nothing:
 def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, float, int]:
     """``(wall, cpu)`` seconds per example of the trainer's step on a sampled batch, and the
     dense parameters."""
-    cfg, p = job.train_config(), job.pipeline
+    cfg = job.train_config()
     batches = sample.batches[:2] if len(sample.batches) >= 2 else sample.batches * 2
     keys = [distinct_sorted(b.keys) for b in batches]
     model = DNN(sample.n_slots, cfg.dim, sample.n_dense, cfg.hidden, seed=cfg.seed)
-    dense = DenseReplicas(model, p.n_devices, cfg.dense_optimizer, cfg.dense_lr, StepDevice("cpu"))
-    optimizer = cfg.optimizer()
-    step = [0]
+    capacity = 2 * max(q.size for q in keys) + 64
+    engine = TrainerEngine(cfg, sample.n_slots, sample.n_dense, capacity, model=model)
 
     def one(batch: Batch, k: np.ndarray) -> None:
-        hbm = HbmPS(2 * max(q.size for q in keys) + 64, cfg.row_width, cfg.row_init(), p.n_devices)
-        hbm.insert(k, initial_rows(k, cfg.row_width, cfg.row_init()))
-        hbm.retain(k)
-        dense.train(True)
-        losses = []
-        for mb in batch.minibatches(cfg.minibatch_size):
-            loss, gkeys, grads = dense.step(mb, lambda u: hbm.get(u, columns=cfg.dim))
-            step[0] += 1
-            hbm.apply_gradients(gkeys, grads, optimizer, step[0])
-            losses.append(loss)
-        float(torch.stack(losses).sum())
-        hbm.get(k)
+        engine.forget()
+        engine.borrow(0, [k], [Loan(initial_rows(k, cfg.row_width, cfg.row_init()))])
+        engine.close_batch(engine.train_local(engine.index(batch)))
+        engine.rows(k)
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # as the trainer actor sets them

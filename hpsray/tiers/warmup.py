@@ -14,7 +14,6 @@ therefore run with writable and with read-only inputs.
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from typing import Any
 
@@ -148,27 +147,11 @@ def tiny_batch(n_slots: int, n_dense: int, examples: int = 24, seed: int = 0) ->
     )
 
 
-def warm_trainer_step(
-    hbm_like: Any,
-    dense: Any,
-    optimizer: Any,
-    dim: int,
-    init: RowInit,
-    width: int,
-    n_slots: int,
-    n_dense: int,
-    table_step: bool = True,
-) -> None:
-    """Two mini-batches (writable and read-only arrays) of a throwaway working set and a deep copy
-    of the dense replicas: insert, retain, erase, find, get, assign and export; with
-    ``table_step`` also the step that runs in the tables (the fused sparse path where the HBM-PS
-    has one: bag layout, lookup and pooling, pooling's backward; the dense model and optimizer;
-    the sparse optimizer in the tables: what D > 1 device processes run). The trainer engine's
-    own step is torch ops, which compile nothing. ``hbm_like`` is a fresh, empty HBM-PS of the
-    same shape as the trainer's; ``dense`` the trainer's
-    :class:`~hpsray.models.step.DenseReplicas`, which is copied, not trained."""
-    import torch
-
+def warm_trainer_step(hbm_like: Any, init: RowInit, width: int, n_slots: int, n_dense: int) -> None:
+    """What a batch's boundary asks of a trainer's table, with writable and read-only arrays,
+    on a throwaway working set: insert, retain, erase, find, get and assign. The trainer
+    engine's mini-batch step is torch ops, which compile nothing. ``hbm_like`` is a fresh,
+    empty HBM-PS of the same shape as the trainer's."""
     batch = tiny_batch(n_slots, n_dense)
     keys = np.unique(batch.keys)
     half = keys.size // 2
@@ -183,25 +166,5 @@ def warm_trainer_step(
     hbm_like.erase(extra)  # the engine's erase of the last batch's stale rows
     hbm_like.tables[0].find(_frozen(batch.keys))  # the engine's find once per batch
     hbm_like.tables[0].find(batch.keys)
-    if not table_step:
-        hbm_like.insert_or_assign(keys[:7], hbm_like.get(keys[:7]))
-        hbm_like.insert_or_assign(_frozen(keys[:7]), _frozen(hbm_like.get(_frozen(keys[:7]))))
-        return
-    replicas = copy.deepcopy(dense)
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
-        # a model with dropout draws random numbers: the run's own draws must stay as they were
-        loss, gkeys, grads = replicas.step(batch, lambda k: hbm_like.get(k, columns=dim))
-        hbm_like.apply_gradients(gkeys, grads, optimizer, 1)
-        # a batch from the object store is read-only: the fused path's bag layout compiles anew
-        frozen = Batch(
-            **{f: _frozen(getattr(batch, f)) for f in ("labels", "dense", "keys", "offsets", "slots")},
-            n_slots=batch.n_slots,
-        )
-        loss, gkeys, grads = replicas.step(frozen, lambda k: hbm_like.get(k, columns=dim))
-    hbm_like.apply_gradients(gkeys, grads, optimizer, 1)
-    hbm_like.apply_gradients(
-        np.concatenate([keys, keys[:5]]), np.ones((keys.size + 5, dim), np.float32), optimizer, 2, resident_only=True
-    )
     hbm_like.insert_or_assign(keys[:7], hbm_like.get(keys[:7]))
     hbm_like.insert_or_assign(_frozen(keys[:7]), _frozen(hbm_like.get(_frozen(keys[:7]))))
-    float(loss)

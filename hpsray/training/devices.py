@@ -13,12 +13,14 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hpsray.data.batch import Batch
-from hpsray.kernels.fused import LookupProbe
 from hpsray.tiers.lending import Loan, Refresh
 from hpsray.tiers.partition import device_of
 from hpsray.training.engine import TrainerEngine, loaned_rows
+from hpsray.training.layout import MiniBatchIndex, index_batch
+from hpsray.training.step import ArenaStep
 
 __all__ = ["DeviceShare", "Mesh"]
 
@@ -63,6 +65,7 @@ class DeviceShare:
             engine.hbm.borrow(keys[mine], rows[mine], fresh)
         else:  # the rows shipped are those of the keys not held
             engine.hbm.borrow(keys[mine], rows[mine[~held]], fresh, held[mine])
+        engine.hold(keys[mine])  # the updates of a step find this device's rows
         if d == 0:
             engine.traffic.received(batch_id, loans)
         return devices
@@ -75,36 +78,63 @@ class DeviceShare:
         dense gradient summed by ``reduce``), sends the gradients to those devices, which apply
         every node's (paper App. C.3); ``sent`` gets each step's payload. Returns this device's
         loss share of each global mini-batch and the factor that makes the node's shares the
-        node's mean loss (0 where the node's part is empty)."""
+        node's mean loss (0 where the node's part is empty).
+
+        The slices are indexed once per batch (:func:`~hpsray.training.layout.index_batch`
+        over each slice's distinct keys); a step is then the engine's torch ops on the rows the
+        mesh brings, and the updates reach this device's rows through
+        :meth:`~hpsray.training.engine.TrainerEngine.apply_updates`."""
         engine, mesh = self.engine, self.mesh
         engine.dense.train(True)
         d, n_dev, m = self.device_index, self.n_devices, engine.config.minibatch_size
         n = len(batch) if batch is not None else 0
-        shares, scales = [], []
+        dim, dev = engine.config.dim, engine.device
+        parts = []
         for k in range(max((-(-s // m) for s in sizes), default=0)):
             total = sum(min(max(s - k * m, 0), m) for s in sizes)
-            mb = batch.slice(k * m, min((k + 1) * m, n)) if batch is not None and k * m < n else self._empty
-            lo, hi = np.linspace(0, len(mb), n_dev + 1).astype(int)[d : d + 2]
-            part = mb.slice(lo, hi) if hi > lo else self._empty
-            loss, gkeys, grads = engine.dense.step(part, self._weights, total=total, reduce=reduce)
-            keys, grads = mesh.route(gkeys, grads)  # the node's update of this device's rows
-            keys, grads = mesh.allgather_sparse(keys, grads)  # and every other node's
+            size = max(min(m, n - k * m), 0)
+            lo, hi = np.linspace(0, size, n_dev + 1).astype(int)[d : d + 2]
+            part = batch.slice(k * m + lo, k * m + hi) if batch is not None and hi > lo else None
+            parts.append((self._index(part), total, size))
+        shares, scales = [], []
+        for (index, keys), total, size in parts:
+            rows = dev.tensor(mesh.lookup(dev.array(keys), lambda k: engine.hbm.get(k, columns=dim)))
+            engine.dense.zero_grad()
+            if index is not None:
+                pooled = ArenaStep.pool_rows(rows, index, dim)
+                logits = engine.dense.models[0](pooled, index.dense)
+                loss = F.binary_cross_entropy_with_logits(logits, index.labels, reduction="sum") / total
+                loss.backward()
+                grads = dev.from_tensor(ArenaStep.row_grads(index, pooled))
+                loss = loss.detach()
+            else:
+                loss = torch.zeros((), device=dev.torch)
+                grads = dev.xp.zeros((0, dim), dtype=dev.xp.float32)
+            engine.dense.step_optimizers(reduce)
+            got_keys, got_grads = mesh.route(dev.array(keys), grads)  # the node's update of this device's rows
+            got_keys, got_grads = mesh.allgather_sparse(got_keys, got_grads)  # and every other node's
             engine.step += 1
-            engine.hbm.apply_gradients(keys, grads, engine.optimizer, engine.step, resident_only=engine.n_nodes > 1)
+            engine.apply_updates(got_keys, got_grads)
             sent.append(mesh.bytes_sent - self._sent)
             self._sent = mesh.bytes_sent
             shares.append(loss)
-            scales.append(total / len(mb) if len(mb) else 0.0)
+            scales.append(total / size if size else 0.0)
         values = torch.stack(shares).cpu().tolist() if shares else []  # one read per batch
         return values, scales
 
-    def _weights(self, keys: Any) -> Any:
-        """The step's ``weights_of``: rows from the devices that hold them (no fused path
-        across processes)."""
-        if isinstance(keys, LookupProbe):
-            return None
-        engine = self.engine
-        return engine.device.array(self.mesh.lookup(keys, lambda k: engine.hbm.get(k, columns=engine.config.dim)))
+    def _index(self, part: Batch | None) -> tuple[MiniBatchIndex | None, np.ndarray]:
+        """A slice as one mini-batch indexed over its distinct keys (rows come from the mesh in
+        their order), and those keys, sorted (none for an empty slice)."""
+        if part is None or len(part) == 0:
+            return None, np.empty(0, np.uint64)
+        distinct = np.unique(part.keys)
+        device = self.engine.device.torch
+
+        def positions(keys: np.ndarray, on_device: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(np.searchsorted(distinct, keys)).to(device)
+
+        index = index_batch(part, len(part), positions, distinct.size, device, with_keys=False)
+        return index.minibatches[0], distinct
 
     def give_back(
         self, key_parts: list[np.ndarray], devices: list[np.ndarray], keep: list[np.ndarray] | None

@@ -125,8 +125,13 @@ class TrainerEngine:
         self.traffic.received(batch_id, loans)
         self._resident = None
         if self.n_nodes > 1:
-            self._resident = self._sorted_slots(keys)
+            self.hold(keys)
         return hits
+
+    def hold(self, keys: np.ndarray) -> None:
+        """Note ``keys`` as the rows held (resident) for :meth:`apply_updates`: sorted once, so
+        each update finds its rows by ``searchsorted``."""
+        self._resident = self._sorted_slots(keys)
 
     @property
     def arena(self) -> ArenaStep:

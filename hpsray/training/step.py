@@ -55,9 +55,15 @@ class ArenaStep:
     def pool(self, gathered: torch.Tensor, mb: MiniBatchIndex) -> torch.Tensor:
         """Sum-pooled weights ``[n_examples, n_slots, dim]`` of the mini-batch, a leaf that
         requires grad (its ``.grad`` after the backward pass is the pooled gradient)."""
-        weights = gathered[:, : self.dim].contiguous()
+        return self.pool_rows(gathered, mb, self.dim)
+
+    @staticmethod
+    def pool_rows(rows: torch.Tensor, mb: MiniBatchIndex, dim: int) -> torch.Tensor:
+        """:meth:`pool` over any rows of the mini-batch's distinct keys (``[U, >= dim]``, in
+        the index's row order)."""
+        weights = rows[:, :dim].contiguous()
         pooled = F.embedding_bag(mb.inverse, weights, mb.bag_offsets, mode="sum")
-        return pooled.view(mb.n_examples, mb.n_slots, self.dim).requires_grad_(True)
+        return pooled.view(mb.n_examples, mb.n_slots, dim).requires_grad_(True)
 
     @staticmethod
     def row_grads(mb: MiniBatchIndex, pooled: torch.Tensor) -> torch.Tensor:
