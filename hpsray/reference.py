@@ -281,10 +281,11 @@ class ReferenceTrainer:
             if progress:
                 progress(i, batch, loss)
 
-    def fit_nodes(self, source, batch_size: int, n_nodes: int) -> None:
-        """Train what ``n_nodes`` nodes train on ``source`` (see :func:`global_minibatches`)."""
+    def fit_nodes(self, source, batch_size: int, n_nodes: int, n_devices: int = 1) -> None:
+        """Train what ``n_nodes`` nodes of ``n_devices`` devices each train on ``source`` (see
+        :func:`global_batches`)."""
         self.model.train()
-        for minibatches in global_batches(source, batch_size, n_nodes, self.config.minibatch_size):
+        for minibatches in global_batches(source, batch_size, n_nodes, self.config.minibatch_size, n_devices):
             self.train_minibatches(minibatches)
 
     @torch.no_grad()
@@ -314,15 +315,18 @@ class ReferenceTrainer:
         return keys, rows, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-def global_batches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[list[list[Batch]]]:
+def global_batches(
+    source, batch_size: int, n_nodes: int, minibatch_size: int, n_devices: int = 1
+) -> Iterator[list[list[Batch]]]:
     """Per batch, the global mini-batches that ``n_nodes`` nodes train under BSP, in order.
 
     Node ``i`` reads share ``i`` of ``n_nodes`` of ``source`` in batches of ``batch_size``; in
     batch ``t`` every node steps through the same number of mini-batches, and global mini-batch
     ``k`` is, in node order, each node's ``k``-th mini-batch (a node whose batch is shorter, or
-    whose share has ended, contributes nothing). Training the reference on these
-    (:meth:`ReferenceTrainer.train_shares`) gives what the distributed system must reproduce
-    (docs/architecture.md: invariant 1).
+    whose share has ended, contributes nothing); with ``n_devices`` per node, each node's part
+    cut into that many contiguous slices (``linspace`` bounds), in device order, empty ones
+    left out. Training the reference on these (:meth:`ReferenceTrainer.train_shares`) gives what
+    the distributed system must reproduce (docs/architecture.md: invariant 1).
     """
     streams = [iter(source.open(batch_size, i, n_nodes)) for i in range(n_nodes)]
     m = minibatch_size
@@ -332,9 +336,17 @@ def global_batches(source, batch_size: int, n_nodes: int, minibatch_size: int) -
         if not present:
             return
         yield [
-            [b.slice(k * m, (k + 1) * m) for b in present if k * m < len(b)]
+            [s for b in present if k * m < len(b) for s in _slices(b.slice(k * m, (k + 1) * m), n_devices)]
             for k in range(max(-(-len(b) // m) for b in present))
         ]
+
+
+def _slices(part: Batch, n: int) -> list[Batch]:
+    """``part`` cut into ``n`` contiguous slices at ``linspace`` bounds, the empty ones left out."""
+    if n == 1:
+        return [part]
+    bounds = np.linspace(0, len(part), n + 1).astype(int)
+    return [part.slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
 
 
 def global_minibatches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[list[Batch]]:
