@@ -288,13 +288,14 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     n_nodes = job.cluster.nodes
     if n_nodes == 0:
         raise ValueError("cluster.nodes: --reference needs the node count (0 means 'whatever the cluster has')")
-    data_reader = source.reader(bs) if hasattr(source, "reader") and n_nodes == 1 else None
+    one_share = n_nodes == 1 and job.pipeline.n_devices == 1
+    data_reader = source.reader(bs) if hasattr(source, "reader") and one_share else None
     if data_reader is not None:
         it = iter(data_reader)
-    elif n_nodes == 1:
+    elif one_share:
         it = source.open(bs)
-    else:  # what N nodes train: per batch, the global mini-batches of every node's share
-        it = global_batches(source, bs, n_nodes, job.train_config().minibatch_size)
+    else:  # what N nodes of D devices train: per batch, the global mini-batches of every share
+        it = global_batches(source, bs, n_nodes, job.train_config().minibatch_size, job.pipeline.n_devices)
     trainer = ReferenceTrainer(
         source.n_slots,
         source.n_dense,
