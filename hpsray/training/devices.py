@@ -130,7 +130,7 @@ class DeviceShare:
         distinct = np.unique(part.keys)
         device = self.engine.device.torch
 
-        def positions(keys: np.ndarray, on_device: torch.Tensor) -> torch.Tensor:
+        def positions(keys: np.ndarray, on_device: torch.Tensor | None) -> torch.Tensor:
             return torch.from_numpy(np.searchsorted(distinct, keys)).to(device)
 
         index = index_batch(part, len(part), positions, distinct.size, device, with_keys=False)

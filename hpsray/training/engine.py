@@ -141,11 +141,13 @@ class TrainerEngine:
             self._arena = (table, ArenaStep(self.device.tensor(table.rows), self.config.dim, self.optimizer))
         return self._arena[1]
 
-    def _find(self, keys: np.ndarray, on_device: torch.Tensor) -> torch.Tensor:
+    def _find(self, keys: np.ndarray, on_device: torch.Tensor | None = None) -> torch.Tensor:
         """Slots of resident ``keys`` as an int64 tensor on the device (one table probe)."""
         table = self.hbm.tables[0]
         if self.device.is_cuda:  # the keys are on the device already: probe them there
             xp = self.device.xp
+            if on_device is None:
+                on_device = keys_as_tensor(keys, self.device.torch)
             slots = torch.as_tensor(table.find(xp.asarray(on_device).view(xp.uint64)), device=self.device.torch)
         else:
             slots = torch.from_numpy(table.find(keys))

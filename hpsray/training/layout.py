@@ -65,13 +65,16 @@ class BatchIndex:
 def keys_as_tensor(keys: np.ndarray, device: torch.device) -> torch.Tensor:
     """``uint64`` keys as an ``int64`` tensor of the same bits on ``device`` (torch sorts and
     compares int64; the order differs from uint64's, which no caller relies on)."""
-    return torch.from_numpy(np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)).to(device)
+    bits = np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)
+    if not bits.flags.writeable:  # an object-store array: torch wants a writable one
+        bits = bits.copy()
+    return torch.from_numpy(bits).to(device)
 
 
 def index_batch(
     batch: Batch,
     minibatch_size: int,
-    find: Callable[[np.ndarray, torch.Tensor], torch.Tensor],
+    find: Callable[[np.ndarray, torch.Tensor | None], torch.Tensor],
     capacity: int,
     device: torch.device,
     with_keys: bool = True,
@@ -79,9 +82,10 @@ def index_batch(
     """Resolve ``batch`` against the working set.
 
     ``find(keys, keys_on_device)`` returns the arena slot (``int64``, on ``device``) of every
-    key, given both as ``uint64`` numpy and as an ``int64`` tensor on ``device``; every key must
-    be resident (the caller checks). ``capacity`` bounds the slots. ``with_keys``: also give
-    each mini-batch's rows' keys (for an exchange across nodes; one gather more)."""
+    key, given as ``uint64`` numpy and as an ``int64`` tensor on ``device`` where one was made
+    (off the CPU, or ``with_keys``; else ``None``); every key must be resident (the caller
+    checks). ``capacity`` bounds the slots. ``with_keys``: also give each mini-batch's rows'
+    keys (for an exchange across nodes; one gather more)."""
     if minibatch_size <= 0:
         raise ValueError(f"mini-batch size must be positive, got {minibatch_size}")
     # a mini-batch's positions are int32 (half the index's memory and traffic)
@@ -96,7 +100,7 @@ def index_batch(
     if nnz > 1 and np.any(bag[1:] < bag[:-1]):  # keys of an example not in slot order
         order = np.argsort(bag, kind="stable")
         bag, keys, example = bag[order], keys[order], example[order]
-    on = keys_as_tensor(keys, device)
+    on = keys_as_tensor(keys, device) if with_keys or device.type != "cpu" else None
     slots = find(keys, on)
     n_mb = -(-n // m)
     # one stable sort by (mini-batch, slot); int32 when the composite fits (half the work)
@@ -127,7 +131,7 @@ def index_batch(
         torch.arange(n_mb, dtype=sorted_c.dtype, device=device), groups_per_mb, output_size=starts.numel()
     )
     rows = (sorted_c.index_select(0, starts) - mb_of_group * (capacity + 1)).long()  # sorted within a mini-batch
-    row_keys = on.index_select(0, perm.index_select(0, starts)) if with_keys else None
+    row_keys = on.index_select(0, perm.index_select(0, starts)) if on is not None and with_keys else None
     bag_counts = np.bincount(bag, minlength=n * n_slots) if nnz else np.zeros(n * n_slots, np.int64)
     bag_start = np.zeros(n * n_slots, dtype=np.int64)
     np.cumsum(bag_counts[:-1], out=bag_start[1:])
