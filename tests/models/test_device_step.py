@@ -26,22 +26,7 @@ from hpsray.models.step import DenseReplicas
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.hbm import HbmPS
 
-
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cupy  # noqa: F401
-        from numba import cuda
-
-        return bool(cuda.is_available())
-    except Exception:  # noqa: BLE001 - any missing piece means: no usable GPU here
-        return False
-
-
-CUDA = _cuda_ready()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device with torch, CuPy and numba-cuda")
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+from gpus import DEVICES, needs_cuda  # tests/gpus.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=3, seed=3)
 BATCH = 1000

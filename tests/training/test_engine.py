@@ -23,23 +23,9 @@ from hpsray.tiers.lending import Loan
 from hpsray.training.engine import TrainerEngine
 from hpsray.training.layout import index_batch
 
+from gpus import DEVICES  # tests/gpus.py
+
 N_SLOTS, N_DENSE = 6, 3
-
-
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cupy  # noqa: F401
-        from numba import cuda
-
-        return bool(cuda.is_available())
-    except Exception:  # noqa: BLE001 - any missing piece means: no usable GPU here
-        return False
-
-
-needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device with torch, CuPy and numba-cuda")
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
 
 
 def _batches(n: int, rows: int, keys_per_example: int = 12, seed: int = 5) -> list[Batch]:
