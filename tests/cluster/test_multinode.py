@@ -205,22 +205,23 @@ def test_hpsray_train_on_two_nodes_matches_its_reference(two_nodes_cluster, tmp_
 
 def check_bit_for_bit(nodes: int, dense: str, batches: int = 60) -> None:
     """Invariant 1 to the bit (docs/architecture.md): ``batches`` global batches of 4
-    mini-batches whose shares share keys in every mini-batch, with the optimizers that amplify
+    mini-batches whose shares share keys, rows through SSD-PS, with the optimizers that amplify
     any difference in the order of the sums (adagrad rows, adam MLP); the reference states the
     nodes' order (``ReferenceTrainer.train_shares``)."""
-    gen = PlantedCTR(n_slots=3, keys_per_slot=40, n_dense=2, seed=11)
+    gen = PlantedCTR(n_slots=3, keys_per_slot=150, n_dense=2, seed=11)  # 450 rows: some go to SSD-PS and back
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=16, sparse_optimizer="adagrad", dense_optimizer="adam")
     batch = 64
     source = SyntheticSource(gen, rows=nodes * batch * batches)
     with Pipeline(
         source,
         TrainerStage(cfg),
-        MemPSStage(capacity_rows=400),
+        MemPSStage(capacity_rows=160),
         batch_size=batch,
         nodes=nodes,
         sync=SyncStage(dense=dense),
     ) as p:
-        p.fit(progress=False)
+        report = p.fit(progress=False)
+        assert report["ssd"]["bytes_read"] > 0  # rows went through SSD-PS
         keys, rows = p.export_rows()
         dense_state = p.dense_state()
     ref = ReferenceTrainer(gen.n_slots, gen.n_dense, cfg)
