@@ -42,18 +42,15 @@ class DNN(nn.Module):
 def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     """The optimizer of the replicated dense parameters: ``adam``, ``adagrad`` or ``sgd``.
 
-    torch's fused implementation where it has one for the parameters' device (one kernel per
-    step for all parameters instead of several per parameter; Adagrad on CUDA: the multi-tensor
-    one). Every trainer and the reference build theirs here, so they step alike."""
+    torch's multi-tensor (``foreach``) implementation: the single-tensor arithmetic, step for
+    step (the chunked aggregation's owner-side optimizer reproduces it to the bit), issued as a
+    few ops for all parameters instead of several per parameter (on CUDA, a few kernels).
+    Every trainer and the reference build theirs here, so they step alike."""
     name = name.lower()
-    params = list(params)
-    cuda = any(p.is_cuda for p in params)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, fused=True)
+        return torch.optim.Adam(params, lr=lr, foreach=True)
     if name == "adagrad":
-        return (
-            torch.optim.Adagrad(params, lr=lr, foreach=True) if cuda else torch.optim.Adagrad(params, lr=lr, fused=True)
-        )
+        return torch.optim.Adagrad(params, lr=lr, foreach=True)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, fused=True)
+        return torch.optim.SGD(params, lr=lr, foreach=True)
     raise ValueError(f"unknown dense optimizer {name!r}; choose adam, adagrad or sgd")

@@ -244,7 +244,7 @@ def test_owner_side_optimizer_equals_the_replicas_optimizer_bit_for_bit(optimize
             for model, gs in zip(reps.models, grads):
                 for p, gr in zip(model.parameters(), gs):
                     p.grad = gr.clone()
-        ref._allreduce_and_step(lambda flat: flat.clone())  # the replicas' optimizers, as a trainer steps
+        ref.step_optimizers(lambda flat: flat.clone())  # the replicas' optimizers, as a trainer steps
         agg.step_models(ours.models, step)  # the owners' optimizer
     for model in ref.models[1:] + ours.models:
         for pa, pb in zip(ref.models[0].parameters(), model.parameters()):

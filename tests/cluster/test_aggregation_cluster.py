@@ -64,7 +64,7 @@ def _train_dense(self, mode: str, world: int, optimizer: str, lr: float, steps: 
     for s in range(steps):
         mb = gen.generate(64, start_row=(s * world + self.rank) * 64)
         if owner_side:  # the trainer change: the owners step, the replicas only take the weights
-            reps._allreduce_and_step = lambda reduce, s=s: reducer.step_models(reps.models, s)
+            reps.step_optimizers = lambda reduce=None, s=s: reducer.step_models(reps.models, s)
             reps.step(mb, weights_of)
         else:
             reps.step(mb, weights_of, reduce=lambda flat, s=s: reducer.reduce(flat, s))
