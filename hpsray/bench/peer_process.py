@@ -40,7 +40,8 @@ def _put_batches(batch, spec: PeerSpec, start: int, stop: int, size: int) -> lis
 
 
 def _start_ray(spec: PeerSpec) -> None:
-    """A fresh local Ray for this system alone (never a cluster that happens to run here).
+    """A fresh local Ray for this system alone (never a cluster that happens to run here), started
+    again within ``$HPSRAY_RAY_START_SECONDS`` when a loaded machine's start fails.
 
     Ray 2.60 runs its workers at niceness 15; the other peers run at the shell's niceness, so on
     a machine with other load the actors would lose the CPU to it. ``spec.extra["ray_worker_niceness"]``
@@ -48,9 +49,16 @@ def _start_ray(spec: PeerSpec) -> None:
     """
     import ray
 
+    from hpsray.cluster.runtime import start_seconds, with_retries
+
     niceness = spec.extra.get("ray_worker_niceness")
     system_config = {} if niceness is None else {"worker_niceness": int(niceness)}
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, _system_config=system_config)
+    with_retries(  # a loaded machine's GCS may not answer the first start in time
+        lambda: ray.init(address="local", include_dashboard=False, log_to_driver=False, _system_config=system_config),
+        "starting a local Ray for a peer",
+        start_seconds(),
+        ray.shutdown,
+    )
 
 
 def run_hpsray(spec: PeerSpec) -> dict:
