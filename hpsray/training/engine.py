@@ -158,7 +158,7 @@ class TrainerEngine:
         return slots.long()
 
     def _sorted_slots(self, keys: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The working set's keys (int64 bits, sorted) and their slots, for :meth:`_resolve`."""
+        """The working set's keys (int64 bits, sorted) and their slots, for :meth:`apply_updates`."""
         on = keys_as_tensor(keys, self.device.torch)
         slots = self._find(keys, on)
         order = torch.argsort(on)
