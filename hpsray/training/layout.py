@@ -119,9 +119,8 @@ def index_batch(
     first_group = torch.searchsorted(starts, occ_t)  # each mini-batch's groups: [g[k], g[k + 1])
     g = first_group.tolist()  # the batch's one read-back on CUDA
     per_mb = torch.from_numpy(np.diff(occ)).to(device)  # sorted by mini-batch first: runs of each
-    group.sub_(
-        torch.repeat_interleave(first_group[:-1] + 1, per_mb, output_size=nnz)
-    )  # the group within its mini-batch
+    before_mb = torch.repeat_interleave(first_group[:-1] + 1, per_mb, output_size=nnz)
+    group.sub_(before_mb)  # now the group within its mini-batch
     inverse = torch.empty(nnz, dtype=torch.int32, device=device).index_copy_(0, perm, group.to(torch.int32))
     local_bag = torch.from_numpy((bag - (example // m) * (m * n_slots)).astype(np.int32)).to(device)
     grad_bags = local_bag.index_select(0, perm)
@@ -137,8 +136,7 @@ def index_batch(
     np.cumsum(bag_counts[:-1], out=bag_start[1:])
     bag_start -= np.repeat(occ[:-1], np.minimum(m, n - ex_bounds[:-1]) * n_slots)
     bag_offsets = torch.from_numpy(bag_start.astype(np.int32)).to(device)
-    dense = torch.from_numpy(np.ascontiguousarray(batch.dense, dtype=np.float32)).to(device)
-    labels = torch.from_numpy(np.ascontiguousarray(batch.labels, dtype=np.float32)).to(device)
+    dense, labels = _tensor(batch.dense, device), _tensor(batch.labels, device)
     out = []
     for k in range(n_mb):
         lo, hi = int(occ[k]), int(occ[k + 1])
@@ -158,3 +156,10 @@ def index_batch(
             )
         )
     return BatchIndex(out, rows, n)
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A float32 array as a tensor on ``device``; a read-only one (from the object store) is
+    copied first, since torch tensors are writable."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return torch.from_numpy(a if a.flags.writeable else a.copy()).to(device)
