@@ -67,7 +67,7 @@ def test_hpsray_serve_answers_on_localhost(exports, planted, trained, tmp_path):
                 r = requests.post(url, json={"examples": examples}, timeout=30)
                 if r.status_code == 200:
                     break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not up yet, or a cold first batch
                 pass
             time.sleep(1)
         assert r is not None and r.status_code == 200, (tmp_path / "serve.log").read_text()[-3000:]
