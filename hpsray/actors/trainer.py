@@ -29,7 +29,7 @@ from hpsray.training.engine import TrainerEngine
 
 
 class Trainer:
-    """Trains each batch on its working set (paper Algorithm 1, step 4).
+    """Trains each batch on its working set (paper Algorithm 1, step 4) through its engine.
 
     Args:
         node, n_nodes: this node and how many there are (for the device hash).
@@ -40,10 +40,11 @@ class Trainer:
             on CUDA), each holding the keys of its device and a dense replica. This actor is
             device 0, the node's trainer the pipeline calls; it starts the other ``D - 1``
             (``device_index`` 1 .. D-1) and they meet in a :class:`DeviceMesh` (``join``).
-        device: where the whole step runs: ``"cpu"`` (numba tables, torch on CPU) or ``"cuda"``
-            (numba.cuda tables, CuPy key work and torch on this process's GPU; Ray gives the
-            actor its own GPU with ``num_gpus=1``). Per mini-batch only the keys, dense
-            features and labels go to the GPU; the loss is read once per batch.
+        device: where the whole step runs (:class:`~hpsray.training.engine.TrainerEngine`):
+            ``"cpu"`` (a numba table, torch on the CPU) or ``"cuda"`` (a numba.cuda table and
+            torch on this process's GPU; Ray gives the actor its own GPU with ``num_gpus=1``).
+            A batch's keys, dense features and labels go to the GPU once; the loss is read
+            once per batch.
         model: a module ``(pooled [B, n_slots, dim], dense) -> logits``; the DNN when ``None``.
         threads: torch intra-op threads (default: all cores).
         device_index: this process's device (0: the node's trainer).
