@@ -13,14 +13,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hpsray.data.batch import Batch
 from hpsray.tiers.lending import Loan, Refresh
 from hpsray.tiers.partition import device_of
 from hpsray.training.engine import TrainerEngine, loaned_rows
 from hpsray.training.layout import MiniBatchIndex, index_batch
-from hpsray.training.step import ArenaStep
 
 __all__ = ["DeviceShare", "Mesh"]
 
@@ -99,15 +97,11 @@ class DeviceShare:
         shares, scales = [], []
         for (index, keys), total, size in parts:
             rows = dev.tensor(mesh.lookup(dev.array(keys), lambda k: engine.hbm.get(k, columns=dim)))
-            engine.dense.zero_grad()
             if index is not None:
-                pooled = ArenaStep.pool_rows(rows, index, dim)
-                logits = engine.dense.models[0](pooled, index.dense)
-                loss = F.binary_cross_entropy_with_logits(logits, index.labels, reduction="sum") / total
-                loss.backward()
-                grads = dev.from_tensor(ArenaStep.row_grads(index, pooled))
-                loss = loss.detach()
+                loss, row_grads = engine.backward_from(rows, index, total)
+                grads = dev.from_tensor(row_grads)
             else:
+                engine.dense.zero_grad()
                 loss = torch.zeros((), device=dev.torch)
                 grads = dev.xp.zeros((0, dim), dtype=dev.xp.float32)
             engine.dense.step_optimizers(reduce)

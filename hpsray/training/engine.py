@@ -263,14 +263,20 @@ class TrainerEngine:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward and backward of one mini-batch: ``(gathered rows, loss, row gradients)``;
         the loss is this part's share of the mean over ``total`` examples."""
-        model = self.dense.models[0]
-        self.dense.zero_grad()
         gathered = arena.gather(mb.rows)
-        pooled = arena.pool(gathered, mb)
-        logits = model(pooled, mb.dense)
+        loss, grads = self.backward_from(gathered, mb, total)
+        return gathered, loss, grads
+
+    def backward_from(self, rows: torch.Tensor, mb: MiniBatchIndex, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one mini-batch over ``rows`` (its distinct rows in the
+        index's order, ``[U, >= dim]``): ``(loss, row gradients)``, the loss this part's share of
+        the mean over ``total`` examples."""
+        self.dense.zero_grad()
+        pooled = ArenaStep.pool_rows(rows, mb, self.config.dim)
+        logits = self.dense.models[0](pooled, mb.dense)
         loss = F.binary_cross_entropy_with_logits(logits, mb.labels, reduction="sum") / total
         loss.backward()
-        return gathered, loss.detach(), arena.row_grads(mb, pooled)
+        return loss.detach(), ArenaStep.row_grads(mb, pooled)
 
     def global_minibatches(self, index: BatchIndex, sizes: list[int]) -> Iterator[tuple[MiniBatchIndex | None, int]]:
         """This node's part of each global mini-batch of the batch (``None`` once its examples
