@@ -19,6 +19,8 @@
     ├── ExportError        (also ValueError)    an export directory that cannot be read back
     ├── TrainingStopped    (also RuntimeError)  a stage failed in ``fit()``; what trained was kept
     ├── PeerFailedError    (also RuntimeError)  this trainer is fine, another node's failed the batch
+    ├── FaultTimeout       (also TimeoutError)  a wait on another process passed ``[cluster] fault_timeout_s``:
+    │                                           names what it waited for and who is missing
     └── WorkingSetError    (also RuntimeError)  the trainer lacks rows its owners counted on it holding
         └── MissingRowsError                    a batch's keys have no row once its loans are in
 
@@ -39,6 +41,7 @@ __all__ = [
     "DataError",
     "DiskFullError",
     "ExportError",
+    "FaultTimeout",
     "HpsrayError",
     "MissingRowsError",
     "PeerFailedError",
@@ -235,6 +238,28 @@ class PeerFailedError(HpsrayError, RuntimeError):
 
     def __reduce__(self):  # keep batch_id across pickling (the message is built from it)
         return (type(self), (self.batch_id,))
+
+
+class FaultTimeout(HpsrayError, TimeoutError):
+    """A wait on another process (a Ray call, a collective, an aggregation socket, a rendezvous)
+    passed ``[cluster] fault_timeout_s`` (docs/operations.md: Network faults).
+
+    ``waited_for`` says what was awaited (and where), ``timeout_s`` how long, ``missing`` who
+    was found gone or silent when it expired (Ray's node and actor state: "node 1 (Ray node
+    ab12…, 10.77.0.2) is dead: Trainer[node 1], ..."); empty when every party looked alive.
+    """
+
+    def __init__(self, waited_for: str, timeout_s: float, missing: tuple[str, ...] | list[str] = ()) -> None:
+        self.waited_for, self.timeout_s, self.missing = waited_for, float(timeout_s), tuple(missing)
+        who = (
+            "; ".join(self.missing)
+            if self.missing
+            else "no node or actor was found lost (a call slower than fault_timeout_s? raise it)"
+        )
+        super().__init__(f"waited {self.timeout_s:g} s (cluster.fault_timeout_s) for {waited_for}: {who}")
+
+    def __reduce__(self):  # keep the fields across pickling (Ray ships errors between actors)
+        return (type(self), (self.waited_for, self.timeout_s, self.missing))
 
 
 class WorkingSetError(HpsrayError, RuntimeError):
