@@ -8,6 +8,10 @@ submitting, the driver calls :meth:`BoundedEdge.wait_room`, which blocks in ``ra
 oldest batch's consumers while the edge is full (a *stall*). It is preferred to
 ``ray.util.queue.Queue``, which adds an actor hop per item and copies values
 (docs/benchmarks.md, "Notes from the code").
+
+Every wait here is bounded by the fault timeout (:mod:`hpsray.cluster.faults`): a consumer that
+does not finish within ``fault_timeout_s`` of the last one raises
+:class:`~hpsray.errors.FaultTimeout` naming the edge and who is missing, never a silent wait.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import ray
 
 from hpsray.actors.livemetrics import LiveGauges
+from hpsray.cluster import faults
 
 
 @dataclass
@@ -72,7 +77,7 @@ class BoundedEdge:
             if oldest.consumers is None:
                 raise RuntimeError(f"edge {self.name!r} is full and its oldest batch has no consumer yet")
             stalled = True
-            wait_all(oldest.consumers)
+            wait_all(oldest.consumers, f"the consumers of the oldest batch on edge {self.name!r}")
             self._reap()
         self.stalls += stalled
 
@@ -100,17 +105,16 @@ class BoundedEdge:
         consumers' values; batches still waiting for a consumer stay."""
         held = [b for b in self._batches if b.consumers is not None]
         refs = [ref for b in held for ref in b.consumers]  # type: ignore[union-attr]
-        wait_all(refs)
+        wait_all(refs, f"the consumers of the batches on edge {self.name!r}")
         values = ray.get(refs)
         self._batches = deque(b for b in self._batches if b.consumers is None)
         return values
 
 
-def wait_all(refs: list) -> None:
+def wait_all(refs: list, waited_for: str = "Ray calls", timeout_s: float | None = None) -> None:
     """Wait until every ref is done, raising the first failure as soon as it is known: a dead
     consumer's error must not wait behind another consumer that may wait for it forever (a
-    trainer under SSP waiting for a dead peer's updates)."""
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)
+    trainer under SSP waiting for a dead peer's updates). When none finishes for ``timeout_s``
+    (``None``: the fault timeout), :class:`~hpsray.errors.FaultTimeout` names ``waited_for``
+    and who is missing."""
+    faults.wait_all(refs, waited_for, timeout_s)
