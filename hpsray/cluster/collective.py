@@ -9,13 +9,25 @@ exchange first all-gathers the lengths, pads every payload to the longest, and t
 Sparse updates travel as one float32 payload per node: the keys' 64 bits as two float32 words
 each, then the gradient rows. Every node concatenates the gathered parts in rank order, so all
 nodes hold the same arrays in the same order and sum duplicates identically (bit-equal copies).
+
+Every operation is bounded by ``timeout_s`` (``[cluster] fault_timeout_s``): Ray's gloo group
+is made with torch's default of 30 minutes, so the group's timeout is set on its process group
+(and on the rendezvous); an operation that times out raises
+:class:`~hpsray.errors.FaultTimeout` naming the group, the rank and what Ray says is missing;
+a :class:`~hpsray.cluster.faults.Watchdog` ends the process should an operation outlive twice
+the timeout all the same (the actor then dies, which recovery handles).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from datetime import timedelta
+
 import torch
 
+from hpsray.cluster import faults
 from hpsray.cluster.netaddr import bind_collectives
+from hpsray.errors import FaultTimeout
 from hpsray.kernels.arrays import array_module, is_device_array
 
 _WORDS_PER_KEY = 2  # a uint64 key viewed as two float32 words
@@ -28,24 +40,52 @@ class CollectiveGroup:
     report can give bytes exchanged per mini-batch.
     """
 
-    def __init__(self, world: int, rank: int, name: str, backend: str = "gloo") -> None:
+    def __init__(self, world: int, rank: int, name: str, backend: str = "gloo", timeout_s: float | None = None) -> None:
+        import ray
         import ray.util.collective as col
 
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside a group of {world}")
         self.col, self.world, self.rank, self.name, self.backend = col, world, rank, name, backend
+        self.timeout_s = float(timeout_s if timeout_s is not None else faults.fault_timeout())
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         # NCCL moves device memory only: payloads go to the GPU and back
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         # the node's own address, never the hostname's (which may resolve to loopback): issue 20
         self.binding = bind_collectives(backend)
-        col.init_collective_group(world, rank, backend=backend, group_name=name)
+        self._known = {n["NodeID"]: n for n in ray.nodes()}  # to tell which node died while we waited
+        self._watchdog = faults.Watchdog(f"collective {name} rank {rank}")
+        with self._guard("joining the group"), _default_timeout(self.timeout_s):
+            col.init_collective_group(
+                world, rank, backend=backend, group_name=name, gloo_timeout=int(self.timeout_s * 1000)
+            )
+        _set_timeout(col, name, self.timeout_s)
         self.bytes_sent = 0
         self.exchanges = 0
+
+    @contextmanager
+    def _guard(self, what: str):
+        """Run one operation under the watchdog (twice the timeout, plus the settling time) and
+        turn a timeout into :class:`FaultTimeout`."""
+        waited_for = f"{what} (collective group {self.name!r}, rank {self.rank} of {self.world})"
+        self._watchdog.arm(2 * self.timeout_s + faults.settle_seconds(self.timeout_s) + 10, waited_for)
+        try:
+            yield
+        except FaultTimeout:
+            raise
+        except Exception as e:
+            if not _timed_out(e):
+                raise
+            raise faults.expired(waited_for, self.timeout_s, self._known) from e
+        finally:
+            self._watchdog.disarm()
 
     def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
         """Element-wise sum of ``flat`` over every rank (a new tensor; ``flat`` is untouched)."""
         out = flat.detach().to(self.device, copy=True).contiguous()
-        self.col.allreduce(out, group_name=self.name)
+        with self._guard("the all-reduce of the dense gradient"):
+            self.col.allreduce(out, group_name=self.name)
         self.bytes_sent += out.numel() * out.element_size()
         return out.to(flat.device)
 
@@ -58,7 +98,8 @@ class CollectiveGroup:
         payload = xp.ascontiguousarray(payload, dtype=xp.float32).reshape(-1)
         dev = self.device
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world)]
-        self.col.allgather(sizes, torch.tensor([payload.size], dtype=torch.int64, device=dev), group_name=self.name)
+        with self._guard("the all-gather of the sparse updates' sizes"):
+            self.col.allgather(sizes, torch.tensor([payload.size], dtype=torch.int64, device=dev), group_name=self.name)
         lengths = [int(s.item()) for s in sizes]
         longest = max(lengths)
         if longest == 0:
@@ -67,7 +108,8 @@ class CollectiveGroup:
         if payload.size:
             padded[: payload.size] = torch.as_tensor(payload).to(dev)
         parts = [torch.empty(longest, dtype=torch.float32, device=dev) for _ in range(self.world)]
-        self.col.allgather(parts, padded, group_name=self.name)
+        with self._guard("the all-gather of the sparse updates"):
+            self.col.allgather(parts, padded, group_name=self.name)
         self.bytes_sent += 8 + longest * 4
         self.exchanges += 1
         if on_device:
@@ -90,7 +132,42 @@ class CollectiveGroup:
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
-        self.col.barrier(group_name=self.name)
+        with self._guard("a barrier"):
+            self.col.barrier(group_name=self.name)
 
     def destroy(self) -> None:
         self.col.destroy_collective_group(self.name)
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a collective's error says it timed out (gloo: "Timed out waiting ... for recv")."""
+    text = str(error).lower()
+    return isinstance(error, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+@contextmanager
+def _default_timeout(seconds: float):
+    """torch's default process-group timeout set to ``seconds`` while Ray makes its group (it
+    passes none, and torch's default is 30 minutes)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    saved = c10d.default_pg_timeout, getattr(c10d, "default_pg_nccl_timeout", None)
+    c10d.default_pg_timeout = timedelta(seconds=seconds)
+    if saved[1] is not None:
+        c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
+    try:
+        yield
+    finally:
+        c10d.default_pg_timeout = saved[0]
+        if saved[1] is not None:
+            c10d.default_pg_nccl_timeout = saved[1]
+
+
+def _set_timeout(col, name: str, seconds: float) -> None:
+    """Set the timeout of the process group behind Ray's group ``name`` (gloo; NCCL's is the
+    group's own)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    pg = getattr(col.get_group_handle(name), "_pg", None)
+    if pg is not None and hasattr(c10d, "_set_pg_timeout"):
+        c10d._set_pg_timeout(timedelta(seconds=seconds), pg)
