@@ -20,8 +20,10 @@ the timeout all the same (the actor then dies, which recovery handles).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -65,7 +67,7 @@ class CollectiveGroup:
         self.exchanges = 0
 
     @contextmanager
-    def _guard(self, what: str):
+    def _guard(self, what: str) -> Iterator[None]:
         """Run one operation under the watchdog (twice the timeout, plus the settling time) and
         turn a timeout into :class:`FaultTimeout`."""
         waited_for = f"{what} (collective group {self.name!r}, rank {self.rank} of {self.world})"
@@ -146,7 +148,7 @@ def _timed_out(error: BaseException) -> bool:
 
 
 @contextmanager
-def _default_timeout(seconds: float):
+def _default_timeout(seconds: float) -> Iterator[None]:
     """torch's default process-group timeout set to ``seconds`` while Ray makes its group (it
     passes none, and torch's default is 30 minutes)."""
     import torch.distributed.distributed_c10d as c10d
@@ -163,7 +165,7 @@ def _default_timeout(seconds: float):
             c10d.default_pg_nccl_timeout = saved[1]
 
 
-def _set_timeout(col, name: str, seconds: float) -> None:
+def _set_timeout(col: Any, name: str, seconds: float) -> None:
     """Set the timeout of the process group behind Ray's group ``name`` (gloo; NCCL's is the
     group's own)."""
     import torch.distributed.distributed_c10d as c10d
