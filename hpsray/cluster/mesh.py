@@ -18,6 +18,10 @@ A key lives on device ``(h(key) // N) % D`` of every node that holds it
 copies and its peers group carries exactly their updates. Received parts are concatenated in
 rank order, so every copy applies the same arrays in the same order (bit-equal copies).
 
+The rendezvous and every operation are bounded by ``timeout_s`` (the fault timeout, issue 34):
+a process that died at its start ends the others' join in
+:class:`~hpsray.errors.FaultTimeout`, not in torch's ten minutes.
+
 Ray's ``ray.util.collective`` makes one default process group per process and cannot form the
 node and peer subgroups, so the mesh uses ``torch.distributed`` itself; a process is in at most
 one mesh (the trainer uses either this or :class:`~hpsray.cluster.collective.CollectiveGroup`).
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 
+from hpsray.cluster import faults
 from hpsray.cluster.netaddr import bind_collectives, node_address
 from hpsray.kernels.arrays import array_module, is_device_array, to_host
 from hpsray.tiers.partition import device_of, group_by
@@ -64,7 +69,7 @@ class DeviceMesh:
         node: int,
         device: int,
         backend: str = "gloo",
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -75,9 +80,17 @@ class DeviceMesh:
         self.world, self.rank = n_nodes * n_devices, node * n_devices + device
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.binding = bind_collectives(backend)
-        dist.init_process_group(
-            backend, init_method=address, world_size=self.world, rank=self.rank, timeout=timedelta(seconds=timeout_s)
-        )
+        # every wait of the mesh (its rendezvous, each operation) ends within the fault timeout
+        timeout_s = faults.fault_timeout() if timeout_s is None else timeout_s
+        try:
+            wait = timedelta(seconds=timeout_s)
+            dist.init_process_group(backend, init_method=address, world_size=self.world, rank=self.rank, timeout=wait)
+        except Exception as e:  # a process that died at its start leaves the others here
+            if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                raise
+            raise faults.expired(
+                f"the device mesh's rendezvous at {address} (rank {self.rank} of {self.world})", timeout_s
+            ) from e
         # every process forms every subgroup, in the same order (torch.distributed's rule)
         nodes = [dist.new_group([i * n_devices + d for d in range(n_devices)]) for i in range(n_nodes)]
         peers = [dist.new_group([i * n_devices + d for i in range(n_nodes)]) for d in range(n_devices)]
