@@ -26,7 +26,7 @@ from ray.exceptions import (
 
 from hpsray.checkpoint import Checkpoint, Checkpoints, node_dir
 from hpsray.cluster.runtime import training_nodes
-from hpsray.errors import HpsrayError, caused_by
+from hpsray.errors import FaultTimeout, HpsrayError, caused_by
 from hpsray.pipelines.placement import NodeActors, join_group, needs_group, start_mem, start_ssd, start_trainer
 
 ACTOR_LOST = (
@@ -37,6 +37,7 @@ ACTOR_LOST = (
     OwnerDiedError,
     RayActorError,
     WorkerCrashedError,
+    FaultTimeout,  # a peer silent past cluster.fault_timeout_s: handled as lost (issue 34)
 )
 TRAINER_STATE = "trainer.pt"
 SSD_SNAPSHOT = "ssd"
