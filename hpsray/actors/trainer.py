@@ -16,6 +16,7 @@ from hpsray.actors.messages import Returned, TrainInputs, TrainOutcome
 from hpsray.actors.relaxed import RelaxedSteps
 from hpsray.actors.timing import StageClock
 from hpsray.actors.working_set import kept_masks
+from hpsray.cluster import faults
 from hpsray.cluster.consistency import crosses_batches
 from hpsray.cluster.mesh import DeviceMesh, rendezvous_address
 from hpsray.config import TrainConfig
@@ -124,6 +125,8 @@ class Trainer:
         (:meth:`mesh_address` of node 0's trainer; BSP only)."""
         from hpsray.cluster.collective import CollectiveGroup
 
+        timeout_s = getattr(sync, "fault_timeout_s", None)  # every wait on a peer ends within it (issue 34)
+        faults.configure(timeout_s)
         if self.n_devices > 1:
             import ray
 
@@ -135,10 +138,12 @@ class Trainer:
             if chunked:
                 from hpsray.cluster.aggregation import ChunkedAggregator
 
-                self.dense_reducer = ChunkedAggregator(aggregators, world, self.node, chunk_bytes=sync.chunk_bytes)
+                self.dense_reducer = ChunkedAggregator(
+                    aggregators, world, self.node, chunk_bytes=sync.chunk_bytes, timeout_s=timeout_s
+                )
             return self.node
         backend = "nccl" if self.hbm.device == "cuda" else "gloo"
-        self.group = CollectiveGroup(world, self.node, group, backend)
+        self.group = CollectiveGroup(world, self.node, group, backend, timeout_s=timeout_s)
         self.sync, self.board = sync, board
         self.exchange = None
         if sync.consistency != "bsp":
@@ -156,7 +161,9 @@ class Trainer:
         if sync.dense == "chunked":
             from hpsray.cluster.aggregation import ChunkedAggregator
 
-            self.dense_reducer = ChunkedAggregator(aggregators, world, self.node, chunk_bytes=sync.chunk_bytes)
+            self.dense_reducer = ChunkedAggregator(
+                aggregators, world, self.node, chunk_bytes=sync.chunk_bytes, timeout_s=timeout_s
+            )
         return self.node
 
     def mesh_address(self) -> str:
@@ -207,11 +214,10 @@ class Trainer:
         """
         if self.n_devices > 1:
             return self._train_on_devices(batch_id, inputs)
-        import ray
 
         error = None
         try:
-            batch, key_parts, loans, refreshed = inputs.unpack(ray.get(inputs.refs()))
+            batch, key_parts, loans, refreshed = inputs.unpack(faults.get(inputs.refs(), f"batch {batch_id}'s inputs"))
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the peers
             error = e
         if self.n_nodes > 1 and self.group is not None and self._peer_failed(batch_id, error):

@@ -34,6 +34,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from hpsray.cluster import faults
 from hpsray.cluster.aggregation_topology import (
     DEFAULT_CHUNK_BYTES,
     ELEMENT_BYTES,
@@ -76,7 +77,7 @@ def start_aggregators(
     node_ids: Sequence[str] | None = None,
     name_prefix: str | None = None,
     workers: int = DEFAULT_WORKERS,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
 ) -> list:
     """Start what chunked aggregation needs for ``world`` trainers; returns the handles to give
     every :class:`ChunkedAggregator` (and to ``ray.kill`` at the end).
@@ -91,7 +92,7 @@ def start_aggregators(
         raise ValueError(f"workers must be >= 1, got {workers}")
     name = f"{name_prefix}:AggregatorDirectory" if name_prefix else None
     node = node_ids[0] if node_ids else None
-    return [start_directory(world, workers, node, name)]
+    return [start_directory(world, workers, node, name, timeout_s)]
 
 
 def _check_flat(flat: torch.Tensor) -> None:
@@ -116,6 +117,8 @@ class ChunkedAggregator:
             :meth:`update` / :meth:`step_models`; the same on every rank.
         optimizer_bytes: the owners step their chunks in runs of this many bytes (whole chunks,
             at least one), each once it is reduced; 0: :data:`DEFAULT_OPTIMIZER_BYTES`.
+        timeout_s: how long any wait on another rank may last before
+            :class:`~hpsray.errors.FaultTimeout` (``None``: the fault timeout).
 
     Every rank connects on its first call (or :meth:`connect`, which every rank calls at once).
     """
@@ -130,7 +133,7 @@ class ChunkedAggregator:
         optimizer: str | None = None,
         lr: float | None = None,
         optimizer_bytes: int = 0,
-        timeout_s: float = 300.0,
+        timeout_s: float | None = None,
     ) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} outside world of {world}")
@@ -142,7 +145,8 @@ class ChunkedAggregator:
         if optimizer is not None and lr is None:
             raise ValueError("an optimizer at the aggregators needs its lr")
         self.handles, self.world, self.rank, self.chunk_bytes = list(handles), world, rank, chunk_bytes
-        self.workers, self.timeout_s = workers, timeout_s
+        # every wait on another rank (registering, connecting, a step's data) ends within this
+        self.workers, self.timeout_s = workers, faults.fault_timeout() if timeout_s is None else timeout_s
         self.optimizer, self.lr = optimizer, lr
         self._engine = None
         self._opt = None

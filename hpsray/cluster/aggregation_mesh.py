@@ -22,7 +22,9 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
+from hpsray.cluster import faults
 from hpsray.cluster.aggregation_topology import Topology
+from hpsray.errors import FaultTimeout
 
 OWNER, LOCAL = 1, 2  # connection kinds
 _IDENT = struct.Struct("<qqqq")  # magic, kind, worker, peer (client's node for OWNER, rank for LOCAL)
@@ -38,7 +40,7 @@ class AggregatorDirectory:
     meet in the right one.
     """
 
-    def __init__(self, world: int, workers: int, timeout_s: float = 300.0) -> None:
+    def __init__(self, world: int, workers: int, timeout_s: float = faults.DEFAULT_FAULT_TIMEOUT_S) -> None:
         if world < 1 or workers < 1:
             raise ValueError(f"world and workers must be >= 1, got {world}, {workers}")
         self.world, self.workers, self.timeout_s = world, workers, timeout_s
@@ -63,7 +65,7 @@ class AggregatorDirectory:
             await asyncio.wait_for(r["done"].wait(), self.timeout_s)
         except asyncio.TimeoutError:
             missing = [k for k, e in enumerate(r["entries"]) if e is None]
-            raise TimeoutError(f"{self!r}: ranks {missing} did not register within {self.timeout_s:g} s") from None
+            raise FaultTimeout(f"the aggregation ranks {missing} to register with {self!r}", self.timeout_s) from None
         finally:
             r["served"] += 1
             if r["served"] == self.world:
@@ -71,8 +73,11 @@ class AggregatorDirectory:
         return {"entries": list(r["entries"]), "workers": self.workers}
 
 
-def start_directory(world: int, workers: int, node_id: str | None = None, name: str | None = None):
-    """Start the directory actor (no CPU reserved; on ``node_id`` when given)."""
+def start_directory(
+    world: int, workers: int, node_id: str | None = None, name: str | None = None, timeout_s: float | None = None
+):
+    """Start the directory actor (no CPU reserved; on ``node_id`` when given); a rank waits at
+    most ``timeout_s`` (``None``: the fault timeout) for the others to register."""
     import ray
 
     from hpsray.cluster.runtime import on_node
@@ -82,7 +87,8 @@ def start_directory(world: int, workers: int, node_id: str | None = None, name: 
         opts["scheduling_strategy"] = on_node(node_id)
     if name:
         opts["name"] = name
-    return ray.remote(AggregatorDirectory).options(**opts).remote(world, workers)
+    timeout = faults.fault_timeout() if timeout_s is None else timeout_s
+    return ray.remote(AggregatorDirectory).options(**opts).remote(world, workers, timeout)
 
 
 def local_address() -> str:
@@ -135,7 +141,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def build_mesh(directory, rank: int, world: int, workers: int | None = None, timeout_s: float = 120.0) -> Mesh:
+def build_mesh(
+    directory, rank: int, world: int, workers: int | None = None, timeout_s: float = faults.DEFAULT_FAULT_TIMEOUT_S
+) -> Mesh:
     """Register with ``directory`` and open this rank's connections (every rank calls it at once).
 
     ``workers`` per node: ``None`` takes the directory's. Blocks until every rank registered.
@@ -148,7 +156,10 @@ def build_mesh(directory, rank: int, world: int, workers: int | None = None, tim
     try:
         host, port = listener.getsockname()[:2]
         entry = {"node": ray.get_runtime_context().get_node_id(), "host": host, "port": port}
-        reply = ray.get(directory.register.remote(rank, entry), timeout=timeout_s)
+        try:
+            reply = ray.get(directory.register.remote(rank, entry), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise faults.expired(f"the aggregation directory's reply to rank {rank}", timeout_s) from None
         entries = reply["entries"]
         workers = int(workers or reply["workers"])
         topo = Topology.from_keys([e["node"] for e in entries])

@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from hpsray.cluster import faults
 from hpsray.cluster.aggregation_mesh import Mesh
 from hpsray.cluster.aggregation_topology import ELEMENT_BYTES, ChunkPlan
 
@@ -299,7 +300,7 @@ class Stripe:
                 raise ConnectionError(f"aggregation step {step}: the connection to {peer} failed")
         if not events and time.monotonic() - last > self.timeout_s:
             waiting = [c.peer for c in self.conns if c.recv_pending()]
-            raise TimeoutError(f"aggregation step {step}: no data for {self.timeout_s:g} s; waiting on {waiting}")
+            raise faults.expired(f"aggregation step {step}'s data from {waiting}", self.timeout_s)
 
 
 class _Worker(threading.Thread):
@@ -328,7 +329,7 @@ class StreamEngine:
     """All workers of one rank: ``run(step, flat)`` returns the reduced ``flat`` (or, with
     ``params`` and an optimizer, the updated weights)."""
 
-    def __init__(self, mesh: Mesh, chunk_bytes: int, timeout_s: float = 300.0) -> None:
+    def __init__(self, mesh: Mesh, chunk_bytes: int, timeout_s: float = faults.DEFAULT_FAULT_TIMEOUT_S) -> None:
         self.mesh, self.chunk_bytes = mesh, chunk_bytes
         self.stripes = [Stripe(mesh, w, timeout_s) for w in range(mesh.workers)]
         self.threads = [_Worker(s, self._fail) for s in self.stripes[1:]]

@@ -87,6 +87,7 @@ def cluster_kwargs(job: JobConfig) -> dict:
             propagation=c.propagation,
             dense=c.dense_sync,
             chunk_bytes=c.chunk_bytes,
+            fault_timeout_s=c.fault_timeout_s,
         ),
     }
 

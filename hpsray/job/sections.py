@@ -167,7 +167,9 @@ class PipelineSection:
 @dataclass(frozen=True)
 class ClusterSection:
     """``[cluster]``: Ray address (empty: ``RAY_ADDRESS`` or an embedded local Ray), node count
-    (0: every node of the cluster), consistency across nodes and dense aggregation."""
+    (0: every node of the cluster), consistency across nodes and dense aggregation;
+    ``fault_timeout_s``: how long any wait on another process may last (docs/operations.md:
+    Network faults)."""
 
     address: str | None = None
     nodes: int = 1
@@ -178,6 +180,7 @@ class ClusterSection:
     propagation: str = "push"
     dense_sync: str = "allreduce"
     chunk_bytes: int = 32768
+    fault_timeout_s: float = 90.0  # hpsray.cluster.faults.DEFAULT_FAULT_TIMEOUT_S (this layer imports no Ray code)
 
 
 @dataclass(frozen=True)
@@ -371,6 +374,7 @@ def parse_cluster(t: chk.Table) -> ClusterSection:
         propagation=t.take("propagation", chk.choice(PROPAGATIONS), "push"),
         dense_sync=t.take("dense_sync", chk.choice(DENSE_SYNC), "allreduce"),
         chunk_bytes=t.take("chunk_bytes", chk.size, 32768),
+        fault_timeout_s=t.take("fault_timeout_s", chk.number(0.0, lo_open=True), ClusterSection.fault_timeout_s),
     )
     t.done()
     return c

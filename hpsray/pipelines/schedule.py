@@ -45,6 +45,7 @@ from typing import Any
 import ray
 
 from hpsray.actors.messages import ReadBatch, TrainInputs
+from hpsray.cluster import faults
 from hpsray.cluster.consistency import crosses_batches
 from hpsray.errors import PeerFailedError, caused_by
 from hpsray.pipelines.edge import BoundedEdge
@@ -99,6 +100,8 @@ class PassSchedule:
         def edges(k: int, capacity: int) -> list[BoundedEdge]:
             return [BoundedEdge(f"{EDGES[k]}[node {i}]" if n > 1 else EDGES[k], capacity) for i in range(n)]
 
+        # every wait of the driver ends within the job's fault timeout, naming who is missing (issue 34)
+        faults.configure(getattr(self.sync, "fault_timeout_s", None), self.nodes)
         self.reads = edges(0, self.read_queue)
         self.pulls = edges(1, self.pull_queue)
         self.loads = edges(2, self.load_queue)
@@ -131,7 +134,7 @@ class PassSchedule:
 
     def _next_read(self) -> list[ReadBatch]:
         """The oldest batch read ahead, by node; raises a reader's error (bad input, say)."""
-        return ray.get(self._pending.popleft())
+        return faults.get(self._pending.popleft(), "the readers' next batch")
 
     def _lend(self, t: int, read: list[ReadBatch]) -> list[list]:
         """Refs of the loans of batch ``t``: ``[borrower][owner]``, every owner pulling and then
@@ -264,7 +267,8 @@ class PassSchedule:
         stale until then; docs/architecture.md: The trainer's working set): before a
         checkpoint, at a stop, after a failure. Returns the rows stored."""
         flushed = [node.trainer.flush.remote() for node in self.nodes]
-        return sum(ray.get([node.mem.store_kept.remote(*flushed) for node in self.nodes]))
+        stored = [node.mem.store_kept.remote(*flushed) for node in self.nodes]
+        return sum(faults.get(stored, "the trainers' kept rows stored at their owners"))
 
     def salvage(self) -> int:
         """After a failure: finish the write-backs of every batch that trained, flush MEM-PS to
@@ -275,7 +279,9 @@ class PassSchedule:
             batch_id, results = self._training.batch_id, self._training.results
             refs += [node.mem.write_back.remote(batch_id, *[r[o] for r in results]) for o, node in enumerate(nodes)]
         saved = 0
-        for ref in refs:
+        # one deadline for them all: a write-back whose owner is gone is not waited for again
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=faults.fault_timeout()) if refs else ([], [])
+        for ref in ready:
             try:
                 ray.get(ref)
                 saved += 1
@@ -285,7 +291,7 @@ class PassSchedule:
             self.flush_trainers()
         except Exception:  # noqa: BLE001,S110 - a trainer is gone: what it kept is in the last checkpoint
             pass
-        ray.get([node.mem.flush.remote() for node in nodes])
+        faults.get([node.mem.flush.remote() for node in nodes], "MEM-PS flushed after a failure")
         return saved // len(nodes)
 
     def first_failure(self, error: BaseException) -> BaseException:

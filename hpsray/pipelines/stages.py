@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hpsray.cluster.faults import DEFAULT_FAULT_TIMEOUT_S
 from hpsray.config import CONSISTENCY_MODES, DENSE_SYNC, DEVICES, PROPAGATIONS, TrainConfig
 from hpsray.tiers.admission import check_admission
 
@@ -98,6 +99,11 @@ class SyncStage:
     under the relaxed modes every trainer calls ``before_minibatch(node, clock)`` before computing
     each mini-batch (e.g. a straggler that sleeps on one node). It travels to the trainers'
     processes, so it must pickle (a closure or lambda does).
+
+    ``fault_timeout_s``: how long any wait on another process (the driver's on the stages, a
+    collective, the chunked aggregation's sockets) may last before it fails with
+    :class:`~hpsray.errors.FaultTimeout` naming who is missing (docs/operations.md: Network
+    faults); above the slowest batch and Ray's detection of a silent node.
     """
 
     consistency: str = "bsp"
@@ -112,6 +118,7 @@ class SyncStage:
     straggler_node: int = 1
     straggler_probability: float = 1.0
     straggler_seed: int = 0
+    fault_timeout_s: float = DEFAULT_FAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCY_MODES:
@@ -130,6 +137,8 @@ class SyncStage:
             raise ValueError(f"SyncStage.chunk_bytes must be >= 4, got {self.chunk_bytes}")
         if self.straggler_delay_s < 0 or not 0 <= self.straggler_probability <= 1:
             raise ValueError("SyncStage: straggler_delay_s must be >= 0 and straggler_probability in [0, 1]")
+        if not self.fault_timeout_s > 0:
+            raise ValueError(f"SyncStage.fault_timeout_s must be > 0, got {self.fault_timeout_s}")
 
     @property
     def slack(self) -> int | None:

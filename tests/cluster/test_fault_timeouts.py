@@ -69,3 +69,21 @@ def test_a_driver_wait_on_a_call_that_never_ends_raises_fault_timeout(local_ray)
     assert time.monotonic() - t0 < 2.0 + faults.settle_seconds(2.0) + 10
     assert info.value.waited_for.startswith("a sleeping call") and info.value.timeout_s == 2.0
     ray.kill(member)
+
+
+def test_one_default_and_the_job_file_sets_it(tmp_path):
+    from hpsray.job.build import cluster_kwargs
+    from hpsray.job.sections import ClusterSection
+    from hpsray.pipelines import SyncStage
+
+    assert ClusterSection().fault_timeout_s == SyncStage().fault_timeout_s == faults.DEFAULT_FAULT_TIMEOUT_S
+    with pytest.raises(ValueError, match="fault_timeout_s"):
+        SyncStage(fault_timeout_s=0)
+    from hpsray.job import ConfigError, JobConfig
+
+    job = tmp_path / "job.toml"
+    job.write_text("[data.synthetic]\nrows = 100\n[cluster]\nfault_timeout_s = 12.5\n")
+    assert cluster_kwargs(JobConfig.load(job))["sync"].fault_timeout_s == 12.5
+    job.write_text("[data.synthetic]\nrows = 100\n[cluster]\nfault_timeout_s = 0\n")
+    with pytest.raises(ConfigError, match="cluster.fault_timeout_s"):
+        JobConfig.load(job)
