@@ -34,6 +34,7 @@ from hpsray.pipelines.recovery import (
     admission_of,
     dead_actors,
     load_trainers,
+    reshape,
     restart_from,
     snapshot_of,
     write_checkpoint,
@@ -128,7 +129,9 @@ class Pipeline:
         self._checkpointed: int | None = None  # batches trained at the newest checkpoint
         self._costs = CheckpointCosts()
         self._generation = 0  # collective groups formed by recoveries
+        self._lost_nodes: set[str] = set()  # Ray nodes a recovery gave up: not used again until a new start
         self.recovery: list[dict] = []
+        self.reshaped: dict | None = None  # a resume on another number of nodes: from, to, seconds
         self.report: dict = {}
         self.progress_seconds = progress_seconds_of(progress_seconds)  # ValueError: a negative one
         self._checkpoint_path: str | None = None
@@ -140,15 +143,14 @@ class Pipeline:
     @property
     def fingerprint(self) -> str:
         """What a checkpoint must match to be resumed by this pipeline: the model, optimizers,
-        source, batch size and nodes."""
+        source and batch size (not the number of nodes: :mod:`~hpsray.checkpoint.reshard`)."""
         return job_fingerprint(
             {
                 "config": repr(self.config),
                 "source": re.sub(r" at 0x[0-9a-fA-F]+", "", repr(self.source)),  # a default repr: class only
                 "admission": [self.mem_stage.admit_after, self.mem_stage.expire_after_batches],
                 "batch_size": self.batch_size,
-                "nodes": self.n_nodes,
-                "row_width": self.config.row_width,
+                "row_width": self.config.row_width,  # not the nodes: a checkpoint resumes on any shape
             }
         )
 
@@ -168,13 +170,13 @@ class Pipeline:
                 raise CheckpointError(str(self._checkpoints.directory), "no checkpoint to resume from")
         alive = training_nodes()
         n_nodes = self.n_nodes or len(alive)
-        if restore is not None:
-            n_nodes = int(restore.meta["nodes"])
         if n_nodes > len(alive):
             raise ValueError(
                 f"the pipeline asks for {n_nodes} nodes but the Ray cluster has {len(alive)} alive; "
                 "start more nodes (ray start --address=...) or lower cluster.nodes"
             )
+        if restore is not None and self._checkpoints is not None:
+            restore, self.reshaped = reshape(self._checkpoints, restore, n_nodes, self.ssd_stage.options)
         ssd_path = self.ssd_stage.path
         if ssd_path is None:
             self._tmp = ssd_path = self._tmp or tempfile.mkdtemp(prefix="hpsray-ssd-")
@@ -289,6 +291,8 @@ class Pipeline:
         if self._checkpoints is not None:
             self.report["checkpoints"] = self._costs.summary(wall)
             self.report["recovery"] = recovery
+            if self.reshaped is not None:
+                self.report["reshaped"] = self.reshaped
         return self.report
 
     def _after_batch(self, batch_id: int, schedule: PassSchedule) -> None:

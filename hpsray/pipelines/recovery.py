@@ -10,6 +10,7 @@ MEM-PS cache refill from SSD-PS, and the readers skip the batches already traine
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -25,9 +26,19 @@ from ray.exceptions import (
 )
 
 from hpsray.checkpoint import Checkpoint, Checkpoints, node_dir
+from hpsray.checkpoint.reshard import ADMISSION, SSD_SNAPSHOT, TRAINER_STATE, checkpoint_nodes, reshard
 from hpsray.cluster.runtime import training_nodes
 from hpsray.errors import FaultTimeout, HpsrayError, caused_by
-from hpsray.pipelines.placement import NodeActors, join_group, needs_group, start_mem, start_ssd, start_trainer
+from hpsray.pipelines.placement import (
+    NodeActors,
+    join_group,
+    needs_group,
+    place_node,
+    release_placements,
+    start_mem,
+    start_ssd,
+    start_trainer,
+)
 
 ACTOR_LOST = (
     ActorDiedError,
@@ -39,9 +50,6 @@ ACTOR_LOST = (
     WorkerCrashedError,
     FaultTimeout,  # a peer silent past cluster.fault_timeout_s: handled as lost (issue 34)
 )
-TRAINER_STATE = "trainer.pt"
-SSD_SNAPSHOT = "ssd"
-ADMISSION = "admission.npz"  # the owner's admission counts (only with admission on)
 
 
 @dataclass
@@ -101,10 +109,87 @@ class NoSpareNode(HpsrayError, RuntimeError):
     """A node of the job is gone and the cluster has no other node to take its place."""
 
 
+def reshape(checkpoints: Checkpoints, checkpoint: Checkpoint, nodes: int, ssd_options: dict) -> tuple:
+    """``checkpoint`` on ``nodes`` nodes (:func:`~hpsray.checkpoint.reshard.reshard`, committed in
+    its place) and what was done (``None`` when it has that shape already)."""
+    old = checkpoint_nodes(checkpoint)
+    if old == nodes:
+        return checkpoint, None
+    t0 = time.perf_counter()
+    new = reshard(checkpoints, checkpoint, nodes, rows_per_file=ssd_options.get("rows_per_file"))
+    return new, {
+        "checkpoint": str(new.path),
+        "batch": new.batch,
+        "from_nodes": old,
+        "to_nodes": nodes,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def lost_nodes(nodes: list[NodeActors], dead: list[str], alive: dict) -> dict[int, str]:
+    """The job's nodes that are lost, by index, with why: the Ray node is gone, or every stage
+    actor of the node is dead."""
+    lost = {}
+    for node in nodes:
+        names = [f"{k}[node {node.index}]" for k, a in zip(("SSDPS", "MemPS", "Trainer", "Reader"), _handles(node))]
+        if node.node_id not in alive:
+            lost[node.index] = f"Ray node {node.node_id} is gone"
+        elif names and all(name in dead for name in names):
+            lost[node.index] = f"every actor of node {node.index} (Ray node {node.node_id}) died"
+    return lost
+
+
+def _handles(node: NodeActors) -> list:
+    return [a for a in (node.ssd, node.mem, node.trainer, node.reader) if a is not None]
+
+
+def shrink(pipeline, checkpoint: Checkpoint, lost: dict[int, str]) -> dict:
+    """Continue on the nodes that are left: stop every actor, re-partition ``checkpoint`` onto
+    the survivors (committed in its place) and start the stages there from it. The lost nodes'
+    Ray nodes are not used again by this pipeline. Returns the recovery's record."""
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    nodes: list[NodeActors] = pipeline._nodes
+    survivors = [nd for nd in nodes if nd.index not in lost]
+    stop_actors([a for nd in nodes for a in _handles(nd)] + list(pipeline._aggregators or []))
+    pipeline._aggregators = None
+    release_placements(f"{pipeline.name}:")
+    pipeline._lost_nodes |= {nodes[i].node_id for i in lost}
+    n = len(survivors)
+    new, reshaped = reshape(pipeline._checkpoints, checkpoint, n, pipeline.ssd_stage.options)
+    alive = {node["NodeID"]: node for node in training_nodes()}
+    root = os.path.dirname(nodes[0].ssd_dir)
+    placed = []
+    for i, nd in enumerate(survivors):
+        if nd.node_id not in alive:
+            raise NoSpareNode(f"node {nd.index} of the job (Ray node {nd.node_id}) is gone too; no node is left")
+        placed.append(
+            place_node(pipeline, i, alive[nd.node_id], n, f"{root}/node-{i}", snapshot_of(new, i), admission_of(new, i))
+        )
+    pipeline._nodes, pipeline.n_nodes = placed, n
+    devices = pipeline.trainer_stage.n_devices
+    if needs_group(n, devices):
+        pipeline._generation += 1
+        pipeline._aggregators = join_group(pipeline.name, placed, pipeline.sync, pipeline._generation, devices)
+    load_trainers(new, placed)
+    return {
+        "restarted": sorted(f"{k}[node {nd.index}]" for nd in placed for k in ("SSDPS", "MemPS", "Trainer")),
+        "reset": [],
+        "lost_nodes": [
+            {"node": i, "ray_node": nodes[i].node_id, "why": why, "at": at} for i, why in sorted(lost.items())
+        ],
+        "nodes": n,
+        "ray_nodes": [nd.node_id for nd in placed],
+        "reshaped": reshaped,
+    }
+
+
 def restart_from(pipeline, checkpoint: Checkpoint, dead: list[str], timeout: float = 60.0) -> dict:
     """Bring ``pipeline``'s actors to ``checkpoint``'s state after the ``dead`` ones died.
 
-    Dead actors (and every actor of a node that is gone, moved to a spare node) start again;
+    A lost node (its Ray node gone, or every actor of it dead: :func:`lost_nodes`) moves to a
+    spare node; with none, the job shrinks onto the nodes left (:func:`shrink`; with none left,
+    a node whose Ray node is alive starts again in place, one that is gone raises
+    :class:`NoSpareNode`). Dead actors start again;
     the others are reset in place, which costs no process start: MEM-PS drops its cache unwritten
     first, then SSD-PS is restored from the checkpoint's snapshot (so no stale row reaches it),
     and trainers reload their state. A MEM-PS whose SSD-PS restarted restarts with it. With
@@ -118,16 +203,23 @@ def restart_from(pipeline, checkpoint: Checkpoint, dead: list[str], timeout: flo
     kinds = ("SSDPS", "MemPS", "Trainer", "Reader")
     restart = {(kind, node.index) for node in nodes for kind in kinds if f"{kind}[node {node.index}]" in dead}
     alive = {node["NodeID"]: node for node in training_nodes()}
-    spare = [node_id for node_id in alive if node_id not in {nd.node_id for nd in nodes}]
+    used = {nd.node_id for nd in nodes} | pipeline._lost_nodes
+    spare = [node_id for node_id in alive if node_id not in used]
+    lost = lost_nodes(nodes, dead, alive)
+    for i in list(lost):
+        if spare:
+            pipeline._lost_nodes.add(nodes[i].node_id)
+            nodes[i].node_id = spare.pop(0)
+            restart |= {(kind, i) for kind in kinds}
+            del lost[i]
+    if lost and len(lost) < n:
+        return shrink(pipeline, checkpoint, lost)
     for node in nodes:
         if node.node_id not in alive:
-            if not spare:
-                raise NoSpareNode(
-                    f"node {node.index} of the job (Ray node {node.node_id}) is gone and the cluster has no other "
-                    "alive node to take its place; add a node (ray start --address=...) and resume"
-                )
-            node.node_id = spare.pop(0)
-            restart |= {(kind, node.index) for kind in kinds}
+            raise NoSpareNode(
+                f"node {node.index} of the job (Ray node {node.node_id}) is gone and the cluster has no other "
+                "alive node to take its place; add a node (ray start --address=...) and resume"
+            )
     sync = pipeline.sync
     trainers_together = n > 1 and (
         any(kind == "Trainer" for kind, _ in restart) or sync.consistency != "bsp" or sync.dense != "allreduce"
