@@ -401,6 +401,10 @@ def summary(report: dict) -> str:
     resumed = report.get("resumed_from")
     if resumed:
         lines.append(f"resumed from {resumed['checkpoint']} (batch {resumed['batch']})")
+    reshaped = report.get("reshaped")
+    if reshaped:
+        shape = f"{reshaped['from_nodes']} to {reshaped['to_nodes']} nodes"
+        lines.append(f"re-partitioned from {shape} in {reshaped['seconds']:.1f} s")
     ckpt = report.get("checkpoints")
     if ckpt is not None:
         lines.append(
@@ -414,6 +418,8 @@ def summary(report: dict) -> str:
             f"of batch {r['resumed_from_batch']}, {_batches(r['replayed_batches'])} replayed, "
             f"restarted in {r['restart_s']:.1f} s"
         )
+        for lost in r.get("lost_nodes") or []:
+            lines.append(f"node {lost['node']} lost at {lost['at']} ({lost['why']}); continued on {r['nodes']} nodes")
     lines.append(format_stage_table(report))
     return "\n".join(lines)
 
