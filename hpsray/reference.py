@@ -7,10 +7,13 @@ none of its tables, tiers or actors: rows live in a sorted key array with a grow
 array. Tiering, pipelining, devices and nodes must not change what it computes (docs/architecture.md: invariant 1).
 
 With ``admit_after`` / ``expire_after_batches`` it applies the pipeline's admission and expiry
-rules (docs/architecture.md: Admission and expiry) with the same exact counter
-(:class:`~hpsray.tiers.admission.Admission`): per batch, its distinct keys are counted; a key not
-admitted trains the batch from its initial row and its row is dropped at the batch's end; then
-the rows expiring at that end are dropped.
+rules (docs/architecture.md: Admission and expiry), stated here again on their own
+(:class:`SeenCounts`, not the owner's table, so a bug in either shows as a difference): per
+batch, its distinct keys are counted; a key not admitted trains the batch from its initial row
+and its row is dropped at the batch's end; then the rows expiring at that end are dropped.
+
+The oracle stands apart from the system under test: it imports nothing from ``hpsray.tiers``,
+``hpsray.actors`` or ``hpsray.pipelines`` (tests/test_reference.py checks it, transitively).
 """
 
 from __future__ import annotations
@@ -31,7 +34,66 @@ from hpsray.models.dnn import DNN
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
-from hpsray.tiers.admission import Admission
+
+_NEVER = np.iinfo(np.int64).min  # "last seen" of a key not seen yet
+
+
+class SeenCounts:
+    """Admission and expiry as plain arrays: per key (kept sorted), in how many batches it was
+    seen (capped at the count that admits it) and the last batch it was seen in.
+
+    * ``see(b, keys)``: each distinct key counts once for batch ``b``; it is admitted once seen
+      in ``max(admit_after, 1)`` batches, and stays admitted until it expires.
+    * ``expire(b)``: at the end of batch ``b``, every key last seen in batch
+      ``b - expire_after_batches`` or earlier is forgotten (its count starts again at its next
+      sighting); returns those that were admitted, i.e. had rows, sorted. A batch already
+      expired through returns nothing.
+    """
+
+    def __init__(self, admit_after: int = 0, expire_after_batches: int | None = None) -> None:
+        if isinstance(admit_after, bool) or not isinstance(admit_after, (int, np.integer)) or admit_after < 0:
+            raise ValueError(f"admit_after must be an integer >= 0, got {admit_after!r}")
+        if expire_after_batches is not None and (
+            isinstance(expire_after_batches, bool)
+            or not isinstance(expire_after_batches, (int, np.integer))
+            or expire_after_batches < 1
+        ):
+            raise ValueError(f"expire_after_batches must be an integer >= 1 or None, got {expire_after_batches!r}")
+        self.need = max(int(admit_after), 1)
+        self.expire_after = None if expire_after_batches is None else int(expire_after_batches)
+        self.enabled = int(admit_after) > 1 or self.expire_after is not None
+        self.keys = np.empty(0, dtype=np.uint64)  # sorted
+        self.count = np.empty(0, dtype=np.int64)
+        self.last = np.empty(0, dtype=np.int64)
+        self.expired_through: int | None = None
+
+    def see(self, batch: int, keys: np.ndarray) -> np.ndarray:
+        """Count sorted distinct ``keys`` as seen in ``batch``; returns which are admitted."""
+        idx = np.searchsorted(self.keys, keys)
+        found = idx < self.keys.size
+        found[found] = self.keys[idx[found]] == keys[found]
+        new = keys[~found]
+        if new.size:
+            at = idx[~found]
+            self.keys = np.insert(self.keys, at, new)
+            self.count = np.insert(self.count, at, 0)
+            self.last = np.insert(self.last, at, _NEVER)
+            idx = np.searchsorted(self.keys, keys)
+        first = self.last[idx] != batch
+        self.count[idx[first]] = np.minimum(self.count[idx[first]] + 1, self.need)
+        self.last[idx] = batch
+        return self.count[idx] >= self.need
+
+    def expire(self, through: int) -> np.ndarray:
+        """Forget the keys expiring at the end of batch ``through``; returns those with rows."""
+        if self.expire_after is None or (self.expired_through is not None and through <= self.expired_through):
+            return np.empty(0, dtype=np.uint64)
+        self.expired_through = through
+        gone = self.last <= through - self.expire_after
+        had_row = self.keys[gone & (self.count >= self.need)]
+        keep = ~gone
+        self.keys, self.count, self.last = self.keys[keep], self.count[keep], self.last[keep]
+        return had_row
 
 
 class SortedRowStore:
@@ -165,7 +227,7 @@ class ReferenceTrainer:
         self.batches = 0  # batches trained: the next batch's id, as the pipeline numbers them
         self.examples = 0
         self.train_seconds = 0.0
-        admission = Admission(admit_after, expire_after_batches)
+        admission = SeenCounts(admit_after, expire_after_batches)
         self.admission = admission if admission.enabled else None
 
     def _begin_batch(self, minibatches: list[Batch]) -> np.ndarray:
@@ -216,39 +278,48 @@ class ReferenceTrainer:
         self.train_seconds += time.perf_counter() - t0
         return loss
 
-    def train_shares(self, shares: list[Batch]) -> float:
+    def train_shares(self, shares: list[Batch] | list[list[Batch]]) -> float:
         """One step over a global mini-batch of several nodes, given as the nodes' shares in
-        rank order (:func:`global_batches`); returns its mean loss before the step.
+        rank order, each node's share a :class:`Batch` or (``D`` devices per node) a list of its
+        devices' slices in device order (:func:`global_batches`); returns its mean loss before
+        the step.
 
-        The order of the sums is stated here (docs/architecture.md: invariant 1): each share's
-        gradients are what its node computes alone (its own forward and backward, its loss the
-        share's part of the mean over every share's examples); the rows' gradients and the
-        dense gradients are then summed over the shares in rank order, starting from zero, and
-        the optimizers step once with the sums."""
-        total = sum(len(share) for share in shares)
+        The order of the sums is stated here (docs/architecture.md: invariant 1): each slice's
+        gradients are what its device computes alone (its own forward and backward, its loss
+        the slice's part of the mean over every share's examples). A row's gradient is summed
+        over the slices in (node, device) order, starting from zero. The dense gradient is
+        summed per node over its devices in device order, then over the node sums in node
+        order, each sum starting from its first term. The optimizers then step once."""
+        nodes = [share if isinstance(share, list) else [share] for share in shares]
+        slices = [s for node in nodes for s in node]
+        total = sum(len(s) for s in slices)
         dim = self.config.dim
-        keys = np.unique(np.concatenate([share.keys for share in shares]))
+        keys = np.unique(np.concatenate([s.keys for s in slices]))
         pos = self.store.positions(keys)
         rows = self.store.rows_at(pos)
         sparse = np.zeros((keys.size, dim), dtype=np.float32)
         params = list(self.model.parameters())
         dense: list[torch.Tensor] | None = None
         loss_sum = 0.0
-        for share in shares:
-            self._check(share)
-            layout = BagLayout.of(share)
-            at = np.searchsorted(keys, layout.unique_keys)
-            leaf = torch.from_numpy(rows[at, :dim]).requires_grad_(True)
-            self.model.zero_grad(set_to_none=True)
-            logits = self.model(pool_sum(leaf, layout), torch.from_numpy(np.array(share.dense)))
-            loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(np.array(share.labels)), reduction="sum")
-            (loss / total).backward()
-            assert leaf.grad is not None
-            sparse[at] += leaf.grad.numpy()  # a share's keys are distinct: one sum term per share
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            dense = [torch.zeros_like(g) + g for g in grads] if dense is None else [d + g for d, g in zip(dense, grads)]
-            loss_sum += float(loss.detach()) / total
-        assert dense is not None, "a global mini-batch has at least one share"
+        for node in nodes:
+            node_sum: list[torch.Tensor] | None = None
+            for s in node:
+                self._check(s)
+                layout = BagLayout.of(s)
+                at = np.searchsorted(keys, layout.unique_keys)
+                leaf = torch.from_numpy(rows[at, :dim]).requires_grad_(True)
+                self.model.zero_grad(set_to_none=True)
+                logits = self.model(pool_sum(leaf, layout), torch.from_numpy(np.array(s.dense)))
+                loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(np.array(s.labels)), reduction="sum")
+                (loss / total).backward()
+                assert leaf.grad is not None
+                sparse[at] += leaf.grad.numpy()  # a slice's keys are distinct: one sum term per slice
+                grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+                node_sum = grads if node_sum is None else [a + g for a, g in zip(node_sum, grads, strict=True)]
+                loss_sum += float(loss.detach()) / total
+            if node_sum is not None:
+                dense = node_sum if dense is None else [a + g for a, g in zip(dense, node_sum, strict=True)]
+        assert dense is not None, "a global mini-batch has at least one slice"
         for p, g in zip(params, dense, strict=True):
             p.grad = g
         self.dense.optimizers[0].step()
@@ -258,11 +329,11 @@ class ReferenceTrainer:
         self.examples += total
         return loss_sum
 
-    def train_minibatches(self, minibatches: list[Batch] | list[list[Batch]]) -> float:
+    def train_minibatches(self, minibatches: list) -> float:
         """Train one batch given as its mini-batches, in order, or (several nodes) as its global
-        mini-batches, each its nodes' shares (:func:`global_batches`); returns the mean loss.
-        Admission and expiry count the batch as one."""
-        flat = [mb for item in minibatches for mb in (item if isinstance(item, list) else [item])]
+        mini-batches, each its nodes' shares (:func:`global_batches`, :meth:`train_shares`);
+        returns the mean loss. Admission and expiry count the batch as one."""
+        flat = list(_batches_in(minibatches))
         rejected = self._begin_batch(flat)
         losses = []
         for item in minibatches:
@@ -317,15 +388,15 @@ class ReferenceTrainer:
 
 def global_batches(
     source, batch_size: int, n_nodes: int, minibatch_size: int, n_devices: int = 1
-) -> Iterator[list[list[Batch]]]:
+) -> Iterator[list[list]]:
     """Per batch, the global mini-batches that ``n_nodes`` nodes train under BSP, in order.
 
     Node ``i`` reads share ``i`` of ``n_nodes`` of ``source`` in batches of ``batch_size``; in
     batch ``t`` every node steps through the same number of mini-batches, and global mini-batch
     ``k`` is, in node order, each node's ``k``-th mini-batch (a node whose batch is shorter, or
-    whose share has ended, contributes nothing); with ``n_devices`` per node, each node's part
-    cut into that many contiguous slices (``linspace`` bounds), in device order, empty ones
-    left out. Training the reference on these (:meth:`ReferenceTrainer.train_shares`) gives what
+    whose share has ended, contributes nothing); with ``n_devices > 1`` each node's part is a
+    list of that many contiguous slices (``linspace`` bounds), in device order, empty ones left
+    out. Training the reference on these (:meth:`ReferenceTrainer.train_shares`) gives what
     the distributed system must reproduce (docs/architecture.md: invariant 1).
     """
     streams = [iter(source.open(batch_size, i, n_nodes)) for i in range(n_nodes)]
@@ -336,15 +407,25 @@ def global_batches(
         if not present:
             return
         yield [
-            [s for b in present if k * m < len(b) for s in _slices(b.slice(k * m, (k + 1) * m), n_devices)]
+            [_slices(b.slice(k * m, (k + 1) * m), n_devices) for b in present if k * m < len(b)]
             for k in range(max(-(-len(b) // m) for b in present))
         ]
 
 
-def _slices(part: Batch, n: int) -> list[Batch]:
-    """``part`` cut into ``n`` contiguous slices at ``linspace`` bounds, the empty ones left out."""
+def _batches_in(items: list) -> Iterator[Batch]:
+    """Every :class:`Batch` in nested lists of them, in order."""
+    for item in items:
+        if isinstance(item, list):
+            yield from _batches_in(item)
+        else:
+            yield item
+
+
+def _slices(part: Batch, n: int) -> Batch | list[Batch]:
+    """``part`` cut into ``n`` contiguous slices at ``linspace`` bounds, the empty ones left out
+    (``part`` itself for one)."""
     if n == 1:
-        return [part]
+        return part
     bounds = np.linspace(0, len(part), n + 1).astype(int)
     return [part.slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
 

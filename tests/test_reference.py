@@ -146,3 +146,61 @@ def test_trainer_refuses_a_batch_of_another_shape():
     t = ReferenceTrainer(4, 3, TrainConfig(**SMALL))
     with pytest.raises(ValueError, match="built for 4 and 3"):
         t.train_batch(PlantedCTR(n_slots=5, n_dense=3).generate(10))
+
+
+def _hpsray_imports_of(module: str) -> set[str]:
+    """Every hpsray module ``module`` imports, transitively: any import statement anywhere in a
+    file (inside functions and ``TYPE_CHECKING`` blocks too), and each imported module's parent
+    packages (their ``__init__`` runs first)."""
+    import ast
+    from pathlib import Path
+
+    import hpsray
+
+    root = Path(hpsray.__file__).parent.parent
+
+    def path_of(name: str) -> Path | None:
+        base = root.joinpath(*name.split("."))
+        for p in (base.with_suffix(".py"), base / "__init__.py"):
+            if p.is_file():
+                return p
+        return None
+
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen or path_of(name) is None:
+            continue
+        seen.add(name)
+        path = path_of(name)
+        assert path is not None
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.split(".")[0] == "hpsray"]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] == "hpsray":
+                    todo.append(target)
+                    todo += [f"{target}.{a.name}" for a in node.names]  # a submodule, when it is one
+    return seen
+
+
+def test_the_reference_imports_nothing_of_the_system_under_test():
+    """The oracle stands apart (issue 26): no module it reaches imports hpsray.tiers, .actors
+    or .pipelines, so a bug there shows as a difference instead of in both."""
+    reached = _hpsray_imports_of("hpsray.reference")
+    assert "hpsray.models.step" in reached and "hpsray.kernels.optim" in reached  # the walk follows imports
+    system = sorted(m for m in reached if m.split(".")[:2][-1] in ("tiers", "actors", "pipelines"))
+    assert not system, f"hpsray.reference reaches {system}"
+
+
+def test_the_import_walk_sees_a_system_module_where_there_is_one():
+    assert "hpsray.tiers.admission" in _hpsray_imports_of("hpsray.actors.memps")

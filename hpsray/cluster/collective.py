@@ -84,10 +84,22 @@ class CollectiveGroup:
             self._watchdog.disarm()
 
     def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
-        """Element-wise sum of ``flat`` over every rank (a new tensor; ``flat`` is untouched)."""
+        """Element-wise sum of ``flat`` over every rank in rank order, rank 0's first, the same
+        bits on every rank (a new tensor; ``flat`` is untouched): the order the reference states
+        (docs/architecture.md: invariant 1). Two ranks all-reduce (``a + b`` commutes); more
+        all-gather and add the parts in rank order, as the backend's ring order depends on the
+        rank and the chunk."""
         out = flat.detach().to(self.device, copy=True).contiguous()
-        with self._guard("the all-reduce of the dense gradient"):
-            self.col.allreduce(out, group_name=self.name)
+        if self.world <= 2:
+            with self._guard("the all-reduce of the dense gradient"):
+                self.col.allreduce(out, group_name=self.name)
+        else:
+            parts = [torch.empty_like(out) for _ in range(self.world)]
+            with self._guard("the all-gather of the dense gradient"):
+                self.col.allgather(parts, out, group_name=self.name)
+            out = parts[0]
+            for part in parts[1:]:
+                out += part
         self.bytes_sent += out.numel() * out.element_size()
         return out.to(flat.device)
 

@@ -4,8 +4,8 @@ Paper §4.2 / App. C.3 with one trainer process per device (docs/architecture.md
 ``torch.distributed`` (``gloo`` on CPU, ``nccl`` on GPU, on device tensors) with three kinds of
 group, all formed at once by every process:
 
-* **world** (``N × D`` ranks, rank ``node * D + device``): the dense gradient's all-reduce and
-  the batch's "inputs ok" flag;
+* **world** (``N × D`` ranks, rank ``node * D + device``): the dense gradient's sum (over the
+  node groups, then the peers groups: the reference's order) and the batch's "inputs ok" flag;
 * **node** (the ``D`` processes of one node): the paper's inter-GPU step as all-to-all — each
   device asks the others for the rows of its slice of the mini-batch (:meth:`DeviceMesh.lookup`)
   and sends them back their gradients (:meth:`DeviceMesh.route`);
@@ -101,16 +101,30 @@ class DeviceMesh:
     # -- whole mesh ----------------------------------------------------------------------
 
     def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
-        """Element-wise sum of ``flat`` over every rank (a new tensor; ``flat`` is untouched)."""
-        return self._sum(flat, None)
+        """Element-wise sum of ``flat`` over every rank (a new tensor; ``flat`` is untouched), in
+        the order the reference states (docs/architecture.md: invariant 1): each node's devices
+        in device order, then the node sums in node order (the peers of every device index sum
+        the same node sums alike)."""
+        if self.n_nodes == 1 or self.n_devices == 1:
+            return self._sum(flat, None, self.world)
+        return self._sum(self._sum(flat, self.node_group, self.n_devices), self.peer_group, self.n_nodes)
 
     def node_sum(self, flat: torch.Tensor) -> torch.Tensor:
-        """Element-wise sum of ``flat`` over this node's devices (a new tensor)."""
-        return self._sum(flat, self.node_group)
+        """Element-wise sum of ``flat`` over this node's devices, in device order (a new tensor)."""
+        return self._sum(flat, self.node_group, self.n_devices)
 
-    def _sum(self, flat: torch.Tensor, group: Any) -> torch.Tensor:
+    def _sum(self, flat: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+        """The sum over ``group`` (``size`` ranks) in its rank order: two all-reduce (``a + b``
+        commutes); more all-gather and add in rank order (the backend's ring order is not fixed)."""
         out = flat.detach().to(self.device, copy=True).contiguous()
-        self.dist.all_reduce(out, group=group)
+        if size <= 2:
+            self.dist.all_reduce(out, group=group)
+        else:
+            parts = [torch.empty_like(out) for _ in range(size)]
+            self.dist.all_gather(parts, out, group=group)
+            out = parts[0]
+            for part in parts[1:]:
+                out += part
         self.bytes_sent += out.numel() * out.element_size()
         return out.to(flat.device)
 

@@ -26,9 +26,9 @@ GEN = PlantedCTR(n_slots=4, keys_per_slot=300, n_dense=2, seed=3)
 BATCH = 200
 
 
-def reference(source, nodes, batch):
+def reference(source, nodes, batch, n_devices=1):
     ref = ReferenceTrainer(GEN.n_slots, GEN.n_dense, CFG)
-    ref.fit_nodes(source, batch, nodes)
+    ref.fit_nodes(source, batch, nodes, n_devices=n_devices)
     return ref.export()
 
 
@@ -44,14 +44,16 @@ def stored_rows_by_node(pipeline):
     return out
 
 
-def check_lossless(pipeline, source, nodes, batch=BATCH):
+def check_lossless(pipeline, source, nodes, batch=BATCH, n_devices=1, atol=1e-5):
+    """The pipeline's rows and dense weights are the reference's (``atol``: 0 for bit for bit)
+    and every row sits at its owner only."""
     keys, rows = pipeline.export_rows()
-    ref_keys, ref_rows, ref_dense = reference(source, nodes, batch)
+    ref_keys, ref_rows, ref_dense = reference(source, nodes, batch, n_devices)
     np.testing.assert_array_equal(keys, ref_keys)
-    np.testing.assert_allclose(rows, ref_rows, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(rows, ref_rows, atol=atol, rtol=0)
     dense = pipeline.dense_state()
     for name, value in ref_dense.items():
-        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), atol=1e-5, rtol=0, err_msg=name)
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), atol=atol, rtol=0, err_msg=name)
     # ownership: every row sits at its owner only, with the reference's value
     by_node = stored_rows_by_node(pipeline)
     seen = np.concatenate([k for k, _ in by_node.values()])
@@ -59,7 +61,7 @@ def check_lossless(pipeline, source, nodes, batch=BATCH):
     for node, (k, r) in by_node.items():
         assert np.all(owner_of(k, nodes) == node)
         order = np.searchsorted(ref_keys, k)
-        np.testing.assert_allclose(r, ref_rows[order], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(r, ref_rows[order], atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("dense", ["allreduce", "chunked"])
@@ -88,7 +90,7 @@ def test_bsp_two_nodes_equals_reference_through_ssd(two_nodes_cluster, dense):
             for a in (p._nodes[0].trainer, p._nodes[1].trainer)
         }
         assert len(nodes) == 2  # one trainer per Ray node
-        check_lossless(p, source, 2)
+        check_lossless(p, source, 2, n_devices=2, atol=0)  # two device processes per node: bit for bit
     assert report["working_set"]["per_batch"] == expected_traffic(source, 2)
     assert report["working_set"]["trainer_hit_rate"] > 0.2
 
@@ -203,18 +205,18 @@ def test_hpsray_train_on_two_nodes_matches_its_reference(two_nodes_cluster, tmp_
     hpsray("--reference", "--compare", str(tmp_path / "export"))
 
 
-def check_bit_for_bit(nodes: int, dense: str, batches: int = 60) -> None:
+def check_bit_for_bit(nodes: int, dense: str, batches: int = 60, n_devices: int = 1) -> None:
     """Invariant 1 to the bit (docs/architecture.md): ``batches`` global batches of 4
     mini-batches whose shares share keys, rows through SSD-PS, with the optimizers that amplify
-    any difference in the order of the sums (adagrad rows, adam MLP); the reference states the
-    nodes' order (``ReferenceTrainer.train_shares``)."""
+    any difference in the order of the sums (adagrad rows, adam MLP), ``n_devices`` device
+    processes per node; the reference states the order (``ReferenceTrainer.train_shares``)."""
     gen = PlantedCTR(n_slots=3, keys_per_slot=150, n_dense=2, seed=11)  # 450 rows: some go to SSD-PS and back
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=16, sparse_optimizer="adagrad", dense_optimizer="adam")
     batch = 64
     source = SyntheticSource(gen, rows=nodes * batch * batches)
     with Pipeline(
         source,
-        TrainerStage(cfg),
+        TrainerStage(cfg, n_devices=n_devices),
         MemPSStage(capacity_rows={2: 160, 3: 135}[nodes]),  # below each owner's share of the 450 rows
         batch_size=batch,
         nodes=nodes,
@@ -225,7 +227,7 @@ def check_bit_for_bit(nodes: int, dense: str, batches: int = 60) -> None:
         keys, rows = p.export_rows()
         dense_state = p.dense_state()
     ref = ReferenceTrainer(gen.n_slots, gen.n_dense, cfg)
-    ref.fit_nodes(source, batch, nodes)
+    ref.fit_nodes(source, batch, nodes, n_devices=n_devices)
     ref_keys, ref_rows, ref_dense = ref.export()
     firsts = [next(iter(source.open(batch, i, nodes))).slice(0, 16).keys for i in range(nodes)]
     assert np.intersect1d(firsts[0], firsts[1]).size > 0  # the shares of a mini-batch share keys
@@ -238,3 +240,10 @@ def check_bit_for_bit(nodes: int, dense: str, batches: int = 60) -> None:
 @pytest.mark.parametrize("dense", ["allreduce", "chunked"])
 def test_bsp_two_nodes_equal_the_reference_bit_for_bit_with_adagrad_rows_and_adam(two_nodes_cluster, dense):
     check_bit_for_bit(2, dense)
+
+
+@pytest.mark.parametrize("dense", ["allreduce", "chunked"])
+def test_two_nodes_of_two_device_processes_equal_the_reference_bit_for_bit(two_nodes_cluster, dense):
+    """D = 2 on N = 2: a row's gradient summed over the (node, device) slices in order, the
+    dense gradient per node first, then over the nodes (``ReferenceTrainer.train_shares``)."""
+    check_bit_for_bit(2, dense, batches=30, n_devices=2)
