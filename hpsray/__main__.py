@@ -20,7 +20,13 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command's parser, for ``argv`` (the words after ``hpsray``; default ``sys.argv``):
+    only the command named there gets its options (and for ``bench NAME`` only that
+    benchmark's), so a command does not first import the others' modules (torch, numba: seconds
+    before anything starts); with no command named, every command's."""
+    words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
+    command = words[0] if words else None
     parser = argparse.ArgumentParser(
         prog="hpsray",
         description="Hierarchical parameter server on Ray for CTR models with huge sparse embedding tables.",
@@ -30,13 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
+        if command not in SUBCOMMANDS:  # help: every command's options
+            module.add_arguments(p)
+        elif name == command:
+            module.add_arguments(p, *([words[1]] if name == "bench" and len(words) > 1 else []))
         p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

@@ -21,6 +21,28 @@ def test_version_and_help():
     assert "bench" in out.stdout and "reference" in out.stdout
 
 
+def test_bench_help_lists_every_benchmark():
+    from hpsray.bench import BENCHMARKS
+
+    out = hpsray_cmd("bench", "--help")
+    assert out.returncode == 0, out.stderr
+    assert all(name in out.stdout for name in BENCHMARKS)
+
+
+@pytest.mark.parametrize("command", ["train", "demo", "serve", "gen-data"])
+def test_a_command_parses_without_the_benchmarks_imports(command):
+    """The start of a command: parsing its options imports neither torch nor numba (the other
+    commands' and the benchmarks' modules do: seconds before anything starts)."""
+    code = (
+        "import sys; from hpsray.__main__ import build_parser; "
+        f"build_parser([{command!r}, 'x']); "
+        "print(sorted(m for m in ('torch', 'numba') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_no_command_prints_help_and_fails():
     out = hpsray_cmd()
     assert out.returncode == 2 and "usage: hpsray" in out.stdout

@@ -69,7 +69,7 @@ import numpy as np
 if TYPE_CHECKING:
     from hpsray.serving import LoadOptions
 
-HELP = "serving: examples/s, p50, p99 of POST /predict at 5 % of rows in memory vs RocksDB and all in memory"
+HELP = "serving: examples/s, p50, p99 of POST /predict at 5 %% of rows in memory vs RocksDB and all in memory"
 
 SYSTEMS = ("tiered", "memory", "rocksdb", "bound", "driven", "tiered-mmap", "tiered-blocks")
 DEFAULT_SYSTEMS = {"cpu": "tiered,memory,rocksdb,bound", "cuda": "tiered,driven,rocksdb,bound"}

@@ -14,9 +14,14 @@ from hpsray.bench import BENCHMARKS
 HELP = "run a benchmark side by side with its baseline; prints a report (JSON with --json)"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, only: str | None = None) -> None:
+    """Every benchmark's subcommand; with ``only`` (a benchmark's name), only that one's module
+    is imported and given its options (the others are listed without them)."""
     sub = parser.add_subparsers(dest="benchmark", metavar="NAME", required=True)
     for name, module_name in BENCHMARKS.items():
+        if only in BENCHMARKS and name != only:
+            sub.add_parser(name, help=f"see hpsray bench {name} --help")
+            continue
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")

@@ -80,6 +80,7 @@ def demo_job(workdir: str, rows: int, quiet: bool = True) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpsray.cli.start import connect_alongside
     from hpsray.cli.train import summary, train_pipeline
     from hpsray.job import ConfigError, JobConfig
 
@@ -89,15 +90,22 @@ def run(args: argparse.Namespace) -> int:
     keep = args.workdir is not None
     workdir = os.path.abspath(args.workdir) if keep else tempfile.mkdtemp(prefix="hpsray-demo-")
     os.makedirs(workdir, exist_ok=True)
-    try:
+    job_file = os.path.join(workdir, "job.toml")
+
+    def write_job() -> JobConfig:
         demo_job(workdir, args.rows, quiet=args.quiet)
-        job_file = os.path.join(workdir, "job.toml")
-        try:
-            job = JobConfig.load(job_file)
+        return JobConfig.load(job_file)
+
+    try:
+        try:  # the data is written while Ray comes up
+            ray_started = connect_alongside(args.address, args.quiet, write_job)
         except ConfigError as e:  # a bug in the demo, but say where
             print(f"hpsray demo: error: {e}", file=sys.stderr)
             return 2
-        report, _ = train_pipeline(job, args.address, args.quiet, export_dir=os.path.join(workdir, "export"))
+        job = ray_started.result
+        report, _ = train_pipeline(
+            job, args.address, args.quiet, export_dir=os.path.join(workdir, "export"), ray_started=ray_started
+        )
         report["bad_rows"] = int((report.get("bad_input") or {}).get("rows_bad", 0))
         report["config"] = job.to_dict()
         report["config_file"] = job_file

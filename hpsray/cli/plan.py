@@ -13,8 +13,6 @@ import argparse
 import json
 import sys
 
-from hpsray.plan.plan import DEFAULT_SAMPLE_ROWS
-
 HELP = (
     "size a TOML job before training: MEM-PS rows, trainer and SSD bytes, predicted examples/s, "
     "the fix if it cannot fit"
@@ -25,6 +23,8 @@ EXIT_WONT_FIT = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hpsray.plan import DEFAULT_SAMPLE_ROWS
+
     parser.add_argument("config", metavar="JOB.toml", help="the job file (see examples/train.toml)")
     parser.add_argument(
         "--sample-rows",

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpsray.checkpoint import Checkpoint
+    from hpsray.cli.start import RayStarted
     from hpsray.job import JobConfig
 
 HELP = (
@@ -221,29 +222,28 @@ def train_pipeline(
     *,
     resume: bool = False,
     incremental: bool = False,
+    ray_started: RayStarted | None = None,
 ) -> tuple[dict, Any]:
     """Fit ``job`` with the :class:`~hpsray.pipelines.Pipeline`, evaluate, optionally export.
 
     Returns ``(report, model)`` where ``model`` is ``(keys, rows, dense_state)`` when exported
     (else ``None``). Ray is started (and stopped) here unless the process is already connected.
     ``resume``: continue from the newest checkpoint of ``[checkpoint] dir``; ``incremental``:
-    export a delta beside an earlier export in ``export_dir``.
+    export a delta beside an earlier export in ``export_dir``. ``ray_started``: Ray as the
+    caller's :func:`~hpsray.cli.start.connect_alongside` left it (else it is joined here, the
+    pipeline's imports meanwhile).
     """
-    import logging
-
     import ray
 
-    from hpsray.cluster.runtime import connect, dashboard_hint
+    from hpsray.cli.start import connect_alongside
+    from hpsray.cluster.runtime import dashboard_hint
+
+    if ray_started is None:
+        ray_started = connect_alongside(address or job.cluster.address, quiet, lambda: None)
+    started, ray_init_s = ray_started.started, ray_started.ray_init_s
     from hpsray.job import build
     from hpsray.pipelines.export import export, schema_of_source
 
-    t0 = time.perf_counter()
-    started = connect(
-        address or job.cluster.address,
-        logging_level=logging.WARNING if quiet else logging.INFO,
-        log_to_driver=not quiet,
-    )
-    ray_init_s = time.perf_counter() - t0
     hint = dashboard_hint() if started and not quiet else None
     if hint:  # the local Ray's dashboard, and where its auth token is (docs/operations.md)
         print(f"hpsray: {hint}", file=sys.stderr)

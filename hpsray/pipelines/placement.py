@@ -120,9 +120,10 @@ def place_node(
     ``pipeline`` gives the stages, config, source shape and the actor-name prefix.
     """
     node_id = node["NodeID"]
+    trainer = start_trainer(pipeline, index, node, n_nodes)  # first: the slowest to start (torch, its warm-up)
     ssd = start_ssd(pipeline, index, node_id, ssd_dir, restore_from)
     mem = start_mem(pipeline, index, node_id, ssd, admission_from)
-    return NodeActors(index, node_id, ssd, mem, start_trainer(pipeline, index, node, n_nodes), ssd_dir)
+    return NodeActors(index, node_id, ssd, mem, trainer, ssd_dir)
 
 
 def open_reader(pipeline, node: NodeActors, source, index: int, count: int, n_nodes: int, skip: int = 0):

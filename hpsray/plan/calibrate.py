@@ -32,18 +32,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from hpsray.data.batch import Batch
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.init import initial_rows
-from hpsray.models.dnn import DNN
 from hpsray.plan.sample import Sample
 from hpsray.plan.sizing import mem_capacity_rows
 from hpsray.tiers.lending import Loan
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.ssd import SSDPS
-from hpsray.training.engine import TrainerEngine
 
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
@@ -115,6 +112,11 @@ class _Nothing:
 def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, float, int]:
     """``(wall, cpu)`` seconds per example of the trainer's step on a sampled batch, and the
     dense parameters."""
+    import torch  # here: a plan without calibration (``hpsray train``'s check) needs no torch
+
+    from hpsray.models.dnn import DNN
+    from hpsray.training.engine import TrainerEngine
+
     cfg = job.train_config()
     batches = sample.batches[:2] if len(sample.batches) >= 2 else sample.batches * 2
     keys = [distinct_sorted(b.keys) for b in batches]

@@ -1,0 +1,77 @@
+"""The start of a training command: Ray comes up while the driver prepares the rest.
+
+Starting a local Ray takes seconds of waiting for its processes (GCS, raylet, dashboard), and
+the driver has seconds of its own work before the first actor starts: importing the pipeline
+(torch among it) and, for ``hpsray demo``, writing the data. :func:`connect_alongside` does both
+at once. Ray is started from the calling (main) thread, because Ray's processes die with the
+thread that started them; the driver's work runs in a helper thread meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["RayStarted", "connect_alongside", "import_pipeline"]
+
+
+@dataclass(frozen=True)
+class RayStarted(Generic[T]):
+    """What :func:`connect_alongside` did: ``started`` whether this process started Ray (and so
+    stops it), ``ray_init_s`` the seconds Ray took to come up (the report's ``start.ray_init_s``),
+    ``result`` what the work returned."""
+
+    started: bool
+    ray_init_s: float
+    result: T
+
+
+def import_pipeline() -> None:
+    """Import what the driver needs to build and run a pipeline (the trainer's torch included)."""
+    import hpsray.job.build  # noqa: F401
+    import hpsray.pipelines.export  # noqa: F401
+    import hpsray.pipelines.pipeline  # noqa: F401
+
+
+def connect_alongside(address: str | None, quiet: bool, work: Callable[[], T]) -> RayStarted[T]:
+    """Join (or start) Ray at ``address`` in this thread while ``work()`` and
+    :func:`import_pipeline` run in a helper thread; wait for both.
+
+    An error of either is raised after both have ended, the work's first; a Ray this call
+    started is stopped again when the work failed.
+    """
+    import ray
+
+    from hpsray.cluster.runtime import connect
+
+    outcome: dict[str, object] = {}
+
+    def meanwhile() -> None:
+        try:
+            import_pipeline()
+            outcome["result"] = work()
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread below
+            outcome["error"] = e
+
+    helper = threading.Thread(target=meanwhile, name="hpsray-start", daemon=True)
+    helper.start()
+    t0 = time.perf_counter()
+    try:
+        started = connect(
+            address, logging_level=logging.WARNING if quiet else logging.INFO, log_to_driver=not quiet
+        )
+    finally:
+        ray_init_s = time.perf_counter() - t0
+        helper.join()
+    error = outcome.get("error")
+    if isinstance(error, BaseException):
+        if started:
+            ray.shutdown()
+        raise error
+    return RayStarted(started, ray_init_s, outcome["result"])  # type: ignore[arg-type]
