@@ -63,9 +63,7 @@ def connect_alongside(address: str | None, quiet: bool, work: Callable[[], T]) -
     helper.start()
     t0 = time.perf_counter()
     try:
-        started = connect(
-            address, logging_level=logging.WARNING if quiet else logging.INFO, log_to_driver=not quiet
-        )
+        started = connect(address, logging_level=logging.WARNING if quiet else logging.INFO, log_to_driver=not quiet)
     finally:
         ray_init_s = time.perf_counter() - t0
         helper.join()
