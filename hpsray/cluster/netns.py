@@ -14,6 +14,15 @@ drivers therefore run on host 0, the head, where that choice is right (a driver 
 would need ``ray.init(_node_ip_address=...)``). Workers are started by their own host's
 raylet and are placed right.
 
+**Cores of their own.** With ``pin=True`` every host gets ``cpus_per_host`` cores of its own
+(:func:`host_cpus`: host ``i`` the ``i``-th group of this process's allowed cores, wrapping round
+when the hosts ask for more cores than there are, which the object's ``shared_cores`` then says):
+a cgroup v1 cpuset (``/sys/fs/cgroup/cpuset/<tag>-h<i>``) that every command started in the host
+joins before it runs, so its children (Ray's raylet, GCS, workers, a driver) stay on the host's
+cores and no host can take another's; where the cpuset controller cannot be written, ``taskset``
+pins them instead (``pinning`` says which). :meth:`NetnsHosts.busy` starts a busy loop on a
+host's cores (a straggler: the host's processes get half its core).
+
 Teardown signals the processes inside the namespaces (``ip netns pids``: only processes this
 object started live there) and deletes the namespaces; it never runs ``ray stop``. Needs root
 and iproute2 (:func:`unavailable` says why not). :meth:`NetnsHosts.shape` limits the links'
@@ -32,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUBNET = "10.77.0"
+CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
+_JOIN_CPUSET = 'echo $$ > "$0/cgroup.procs" && exec "$@"'  # sh -c: join the cgroup $0, then run argv
 RAY_PORT = 6379
 DASHBOARD_PORT = 8265
 _WAIT_FOR_NODES = """
@@ -74,6 +85,23 @@ def unavailable() -> str | None:
     return None
 
 
+def host_cpus(n: int, per_host: int, available: list[int] | None = None) -> list[list[int]]:
+    """The cores of each of ``n`` hosts, ``per_host`` each: host ``i`` takes cores
+    ``[i * per_host, (i + 1) * per_host)`` of ``available`` (default: this process's allowed
+    cores, sorted), wrapping round when there are fewer (hosts then share cores)."""
+    if per_host < 1:
+        raise ValueError(f"cpus per host must be >= 1, got {per_host}")
+    cores = sorted(available if available is not None else os.sched_getaffinity(0))
+    if not cores:
+        raise ValueError("no cores available")
+    return [[cores[(i * per_host + k) % len(cores)] for k in range(per_host)] for i in range(n)]
+
+
+def _cpuset_writable() -> bool:
+    """Whether a cgroup v1 cpuset can be made here (the controller mounted, root)."""
+    return (CPUSET_ROOT / "cpuset.cpus").exists() and os.access(CPUSET_ROOT, os.W_OK)
+
+
 def _ip(*args: str) -> None:
     out = subprocess.run(["ip", *args], capture_output=True, text=True)
     if out.returncode != 0:
@@ -84,7 +112,9 @@ class NetnsHosts:
     """``n`` namespace hosts with a Ray cluster over them; a context manager.
 
     ``dashboard`` starts the head's dashboard on ``0.0.0.0:8265`` (for ``ray job submit``);
-    Ray runs with token authentication (``RAY_AUTH_MODE=token``) on every host.
+    Ray runs with token authentication (``RAY_AUTH_MODE=token``) on every host. ``pin``: each
+    host on ``cpus_per_host`` cores of its own (module docstring); ``start_ray=False`` makes the
+    hosts (network, cores) without a Ray cluster.
     """
 
     def __init__(
@@ -94,9 +124,17 @@ class NetnsHosts:
         object_store_bytes: int = 150 * 1024**2,
         dashboard: bool = False,
         tag: str | None = None,
+        pin: bool = False,
+        start_ray: bool = True,
     ) -> None:
         if not 1 <= n <= 200:
             raise ValueError(f"between 1 and 200 hosts, got {n}")
+        self.cpus: list[list[int]] | None = host_cpus(n, cpus_per_host) if pin else None
+        cores = {c for cs in self.cpus or [] for c in cs}
+        self.shared_cores = bool(self.cpus) and len(cores) < n * cpus_per_host
+        self.pinning: str | None = None  # "cpuset" or "taskset" once made
+        self.start_ray = start_ray
+        self._cpusets: list[Path] = []
         self.n, self.cpus_per_host, self.dashboard = n, cpus_per_host, dashboard
         self.object_store_bytes = object_store_bytes
         self.tag = tag or f"hps{os.getpid()}"
@@ -122,8 +160,19 @@ class NetnsHosts:
         return {**env, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", **extra}
 
     def argv(self, host: int, argv: list[str]) -> list[str]:
-        """``argv`` as run inside host ``host``'s namespace."""
-        return ["ip", "netns", "exec", self.hosts[host].netns, *argv]
+        """``argv`` as run inside host ``host``'s namespace (and on its cores when pinned)."""
+        inside = ["ip", "netns", "exec", self.hosts[host].netns]
+        if self.pinning == "cpuset":  # joined before `ip netns exec`, which mounts a sysfs of its own
+            return ["sh", "-c", _JOIN_CPUSET, str(self._cpusets[host]), *inside, *argv]
+        if self.pinning == "taskset" and self.cpus is not None:
+            return [*inside, "taskset", "-c", ",".join(map(str, self.cpus[host])), *argv]
+        return [*inside, *argv]
+
+    def busy(self, host: int, loops: int = 1) -> list[subprocess.Popen]:
+        """Start ``loops`` busy loops inside host ``host`` (on its cores when pinned); they end
+        with the hosts (or when killed)."""
+        code = "while True:\n    pass"
+        return [self.popen(host, [sys.executable, "-c", code], f"busy-h{host}-{k}.log") for k in range(loops)]
 
     def run(
         self, host: int, argv: list[str], timeout: float = 600, env: dict | None = None, **kwargs
@@ -153,7 +202,9 @@ class NetnsHosts:
         self.temp.mkdir(parents=True, exist_ok=True)
         try:
             self._make_network()
-            self._start_ray()
+            self._make_cpusets()
+            if self.start_ray:
+                self._start_ray()
         except BaseException:
             self.close()
             raise
@@ -179,6 +230,24 @@ class NetnsHosts:
             _ip("-n", h.netns, "link", "set", "lo", "up")
             # a default route, as a real host has: Ray finds the node's address from it
             _ip("-n", h.netns, "route", "add", "default", "dev", "eth0")
+
+    def _make_cpusets(self) -> None:
+        """One cpuset per host (or ``taskset``); nothing unless pinned."""
+        if self.cpus is None:
+            return
+        if not _cpuset_writable():
+            if shutil.which("taskset") is None:
+                raise NetnsUnavailable("pinning hosts to cores needs the cgroup v1 cpuset controller or taskset")
+            self.pinning = "taskset"
+            return
+        mems = (CPUSET_ROOT / "cpuset.mems").read_text().strip()
+        for h, cpus in zip(self.hosts, self.cpus, strict=True):
+            d = CPUSET_ROOT / f"{self.tag}-h{h.index}"
+            d.mkdir(exist_ok=True)
+            self._cpusets.append(d)
+            (d / "cpuset.cpus").write_text(",".join(map(str, cpus)))
+            (d / "cpuset.mems").write_text(mems)
+        self.pinning = "cpuset"
 
     def _ray_start(self, h: Host) -> list[str]:
         ray = str(Path(sys.executable).with_name("ray"))
@@ -284,6 +353,16 @@ class NetnsHosts:
                 pass
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for d in self._cpusets:  # empty once the processes are gone
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        self._cpusets.clear()
         self._made.clear()
         self._procs.clear()
         shutil.rmtree(self.temp, ignore_errors=True)
