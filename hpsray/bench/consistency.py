@@ -13,6 +13,12 @@ interpolated between passes, reaches it), final AUC and its difference to BSP's,
 staleness observed (mini-batches, measured by the trainers) against the mode's bound, the
 payload bytes each trainer received per mini-batch, and the ratios of the times to BSP's (the
 baseline, in the same run). The plot of AUC against time goes beside ``--out`` (or ``--plot``).
+
+``--hosts netns`` runs every mode on network-namespace hosts instead (:mod:`hpsray.cluster.netns`),
+the driver inside host 0; with ``--cpus-per-host N`` each host has N cores of its own, and
+``--busy-loops K`` busy loops share the straggler host's cores (a real straggler, beside or
+instead of the sleeps: ``--delay 0``). ``best_relaxed_time_vs_bsp`` is the smallest time to the
+target of a relaxed mode ÷ BSP's; the load average before and after is reported with it.
 """
 
 from __future__ import annotations
@@ -48,6 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=None, help="only these modes (e.g. bsp,ssp4-push,asp-pull)")
     parser.add_argument("--plot", default=None, help="PNG of AUC against time (default: beside --out)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hosts", choices=("simulated", "netns"), default="simulated", help="netns: namespace hosts (needs root)"
+    )
+    parser.add_argument(
+        "--cpus-per-host", type=int, default=None, help="--hosts netns: cores of its own per host (cpuset or taskset)"
+    )
+    parser.add_argument(
+        "--busy-loops", type=int, default=1, help="--hosts netns: busy loops on the straggler host's cores"
+    )
 
 
 def mode_list(args: argparse.Namespace) -> list[tuple[str, dict]]:
@@ -149,19 +164,66 @@ def plot(results: dict, target: float, path: str) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from hpsray.cluster.simulated import SimulatedCluster
+def _job(args: argparse.Namespace):
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
 
     hidden = tuple(int(h) for h in args.hidden.split(",") if h)
     cfg = TrainConfig(dim=args.dim, hidden=hidden, minibatch_size=args.minibatch, seed=args.seed, sparse_lr=0.1)
     gen = PlantedCTR(n_slots=args.slots, keys_per_slot=args.keys, n_dense=args.dense, seed=args.seed)
+    return gen, cfg
+
+
+def _on_hosts(args: argparse.Namespace) -> tuple[dict, dict]:
+    """Every mode on namespace hosts, each run's driver inside host 0; the results and the hosts' setup."""
+    import json
+
+    from hpsray.cluster.netns import NetnsHosts
+
     results: dict = {}
-    with SimulatedCluster(args.nodes, cpus_per_node=1):
-        for name, kw in mode_list(args):
-            print(f"[bench consistency] {name} ...", file=sys.stderr, flush=True)
-            results[name] = _train(args, gen, cfg, kw)
+    pinned = args.cpus_per_host is not None
+    with NetnsHosts(args.nodes, cpus_per_host=args.cpus_per_host or 1, pin=pinned) as hosts:
+        loops = hosts.busy(args.straggler, args.busy_loops) if args.busy_loops > 0 else []
+        try:
+            for name, kw in mode_list(args):
+                print(f"[bench consistency] {name} on namespace hosts ...", file=sys.stderr, flush=True)
+                spec = json.dumps({"args": {k: v for k, v in vars(args).items() if _plain(v)}, "sync": kw})
+                out = hosts.run(
+                    0,
+                    [sys.executable, "-m", "hpsray.bench.consistency", spec],
+                    timeout=3600,
+                    env=hosts.env(RAY_ADDRESS=hosts.address),
+                )
+                if out.returncode != 0:
+                    raise RuntimeError(f"mode {name} on the namespace hosts failed:\n{out.stderr[-4000:]}")
+                results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            for loop in loops:
+                loop.kill()
+                loop.wait()
+        setup = {"host_cpus": hosts.cpus, "pinning": hosts.pinning, "busy_loops_on_straggler": args.busy_loops}
+    return results, setup
+
+
+def _plain(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def run(args: argparse.Namespace) -> dict:
+    load_before = os.getloadavg()
+    hosts_setup: dict = {"hosts": args.hosts}
+    if args.hosts == "netns":
+        results, more = _on_hosts(args)
+        hosts_setup.update(more)
+    else:
+        from hpsray.cluster.simulated import SimulatedCluster
+
+        gen, cfg = _job(args)
+        results = {}
+        with SimulatedCluster(args.nodes, cpus_per_node=1):
+            for name, kw in mode_list(args):
+                print(f"[bench consistency] {name} ...", file=sys.stderr, flush=True)
+                results[name] = _train(args, gen, cfg, kw)
     bsp = results["bsp"]
     target = args.target_auc if args.target_auc is not None else bsp["final_auc"] - args.target_margin
     bsp_time = time_to(bsp["auc_points"], target)
@@ -182,8 +244,15 @@ def run(args: argparse.Namespace) -> dict:
     plot(results, target, path)
     reached = {n: r["time_to_target_vs_bsp"] for n, r in results.items() if r["time_to_target_vs_bsp"] is not None}
     fastest = min(reached, key=reached.get) if reached else None
+    relaxed = {n: t for n, t in reached.items() if n != "bsp"}
     return {
+        "best_relaxed_time_vs_bsp": min(relaxed.values()) if relaxed else None,
+        "best_relaxed_mode": min(relaxed, key=lambda n: relaxed[n]) if relaxed else None,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
         "setup": {
+            **hosts_setup,
+            "cpus_per_host": args.cpus_per_host,
             "nodes": args.nodes,
             "rows_per_pass": args.rows,
             "passes": args.passes,
@@ -201,3 +270,20 @@ def run(args: argparse.Namespace) -> dict:
         "fastest_to_target": fastest,
         "plot": path,
     }
+
+
+def _main(spec: str) -> None:
+    """Driver side (inside host 0): train one mode on the cluster at ``RAY_ADDRESS``, print its result."""
+    import json
+
+    import ray
+
+    fields = json.loads(spec)
+    args = argparse.Namespace(**fields["args"])
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    gen, cfg = _job(args)
+    print(json.dumps(_train(args, gen, cfg, fields["sync"])))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

@@ -59,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "projection for each link (needs root; docs/benchmarks.md)",
     )
     parser.add_argument(
+        "--cpus-per-host",
+        type=int,
+        default=None,
+        help="--hosts netns: pin each host to this many cores of its own (cgroup cpuset, or taskset); "
+        "default: the hosts share every core",
+    )
+    parser.add_argument(
         "--links",
         default="none,10gbit,1gbit,100mbit",
         help="--hosts netns: link shapes, tc rates ('none': unshaped), each optionally "

@@ -7,8 +7,13 @@ round trip between host 0 and host 1), then examples/s and bytes per mini-batch 
 ``n``-node run, and sets beside it the projection of the model in :mod:`hpsray.bench.scale_model`
 for that link (``BW`` = the shaped rate, or the measured throughput when unshaped; ``alpha`` =
 half the measured round trip), from stage costs measured by a 1-node run on host 0, at
-``g = 1``. The hosts share this machine's cores, which the model does not know: on a 2-core
-machine two nodes compute slower than one node alone, and the report says so beside the ratio.
+``g = 1``. Without ``--cpus-per-host`` the hosts share this machine's cores, which the model does
+not know: on a 2-core machine two nodes compute slower than one node alone, and the report says
+so beside the ratio. With ``--cpus-per-host N`` each host runs on N cores of its own (a cpuset,
+:mod:`hpsray.cluster.netns`), so the 1-node baseline and each node of an ``n``-node run get the
+same cores. JSON: ``projection_vs_measured`` (link → projected ÷ measured examples/s of the
+largest node count), ``measured_vs_one_host`` (link → node count → examples/s ÷ the 1-node run's)
+and the load average before and after (figures taken on a busy machine say so).
 """
 
 from __future__ import annotations
@@ -114,7 +119,9 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
         raise ValueError("--hosts netns needs a node count above 1 in --nodes, e.g. --nodes 1,2")
     links = [x.strip() for x in args.links.split(",") if x.strip()]
     results: dict = {}
-    with NetnsHosts(max(counts), cpus_per_host=1) as hosts:
+    load_before = os.getloadavg()
+    pinned = args.cpus_per_host is not None
+    with NetnsHosts(max(counts), cpus_per_host=args.cpus_per_host or 1, pin=pinned) as hosts:
         print("[bench scale] 1 node on host 0 ...", file=sys.stderr, flush=True)
         base = _drive(hosts, args, 1)
         for link in links:
@@ -145,6 +152,7 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
                     # the model's compute is the 1-node run's; on shared cores it is not (sync included)
                     "train_s_per_batch": train_s,
                     "train_slowdown_vs_1_node": train_s / costs["train_s"] if costs["train_s"] else None,
+                    "pulls": measured.get("pulls"),  # HierPS Fig. 4b: local vs remote lookups of a batch's keys
                 }
             results[link] = {
                 "rate": rate,
@@ -154,14 +162,34 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
                 "nodes": per_n,
             }
         hosts.shape(None, None)
+        cpus, pinning, shared = hosts.cpus, hosts.pinning, hosts.shared_cores
+    top = str(max(multi))
     return {
         "hosts": "netns",
         "one_node": base,
         "links": results,
+        "projection_vs_measured": {
+            link: r["nodes"][top]["projected_over_measured"] for link, r in results.items() if "nodes" in r
+        },
+        "measured_vs_one_host": {
+            link: {n: m["measured_examples_per_s"] / base["examples_per_s"] for n, m in r["nodes"].items()}
+            for link, r in results.items()
+            if "nodes" in r
+        },
         "target": "projection within +-25 % of the measurement",
         "cores": os.cpu_count(),
-        "note": "the namespace hosts share this machine's cores; the projection (g = 1) assumes each "
-        "node computes as fast as the 1-node run did alone",
+        "cpus_per_host": args.cpus_per_host,
+        "host_cpus": cpus,
+        "pinning": pinning,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+        "note": (
+            "each host on cores of its own" + (" (more hosts than cores: some share)" if shared else "")
+            if pinned
+            else "the namespace hosts share this machine's cores"
+        )
+        + "; the projection (g = 1) assumes each node computes as fast as the 1-node run did alone; "
+        "figures are only meaningful when load_avg_before is below the core count minus the hosts' cores",
     }
 
 

@@ -89,7 +89,41 @@ def fit_nodes(args: argparse.Namespace, n: int) -> dict:
     ) as p:
         p.fit(progress=False)
         p.source = source
-        return p.fit(progress=False)
+        report = p.fit(progress=False)
+        report["pulls"] = pull_times(p, SyntheticSource(gen, rows=args.batch), args.batch)
+        return report
+
+
+def pull_times(p, source, batch: int, repeats: int = 3) -> dict:
+    """HierPS Fig. 4b: seconds to look up one batch's distinct keys at their owners, from the
+    driver (on node 0's host): the owner-0 part (local) and the mean of the others (remote: their
+    rows cross the link), each the best of ``repeats`` after training (MEM-PS holds every row)."""
+    import time
+
+    import numpy as np
+    import ray
+
+    from hpsray.tiers.partition import owner_of
+
+    keys = np.unique(next(iter(source.open(batch, 0, 1))).keys)
+    owner = owner_of(keys, len(p._nodes))
+    seconds, counts = [], []
+    for i, node in enumerate(p._nodes):
+        mine = keys[owner == i]
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            ray.get(node.mem.lookup.remote(mine))
+            best = min(best, time.perf_counter() - t0)
+        seconds.append(best)
+        counts.append(int(mine.size))
+    remote = seconds[1:]
+    return {
+        "keys_per_owner": counts,
+        "local_s": seconds[0],
+        "remote_s": sum(remote) / len(remote) if remote else None,
+        "per_owner_s": seconds,
+    }
 
 
 def summarize(r: dict) -> dict:
@@ -101,6 +135,7 @@ def summarize(r: dict) -> dict:
         "batches": r["batches"],
         "exchanged_bytes_per_minibatch": r.get("sync", {}).get("exchanged_bytes_per_minibatch", 0.0),
         "distinct_keys_per_batch": distinct_keys(r),
+        "pulls": r.get("pulls"),
     }
 
 
