@@ -160,7 +160,8 @@ def test_more_nodes_than_the_cluster_has_is_a_clear_error(two_nodes_cluster):
 
 def test_hpsray_train_on_two_nodes_matches_its_reference(two_nodes_cluster, tmp_path):
     """``hpsray train`` with ``[cluster] nodes = 2`` against the running cluster, then
-    ``hpsray train --reference --compare``: the user-facing losslessness check."""
+    ``hpsray train --reference --compare``: the user-facing losslessness check, bit for bit
+    with the default optimizers (adagrad rows, adam MLP)."""
     import os
     import subprocess
     import sys
@@ -202,7 +203,14 @@ def test_hpsray_train_on_two_nodes_matches_its_reference(two_nodes_cluster, tmp_
     report = __import__("json").loads((tmp_path / "run.json").read_text())
     assert report["nodes"] == 2 and report["examples"] == 3000 and report["sync"]["consistency"] == "bsp"
     assert report["cache"]["evicted"] > 0 and report["ssd"]["bytes_written"] > 0  # rows went to SSD
-    hpsray("--reference", "--compare", str(tmp_path / "export"))
+    # the user-facing check at tolerance 0 (issue 33): no row differs, not even by an ulp
+    out = hpsray(
+        "--reference", "--compare", str(tmp_path / "export"), "--tolerance", "0", "--report", str(tmp_path / "ref.json")
+    )
+    assert "EQUAL within 0" in out.stdout and "rows differ" not in out.stdout, out.stdout
+    compare = __import__("json").loads((tmp_path / "ref.json").read_text())["compare"]
+    assert compare["rows_a"] == compare["rows_b"] > 0 and compare["rows_differing"] == 0, compare
+    assert compare["max_abs_row_diff"] == compare["max_abs_dense_diff"] == compare["max_ulps"] == 0, compare
 
 
 def check_bit_for_bit(nodes: int, dense: str, batches: int = 60, n_devices: int = 1) -> None:
