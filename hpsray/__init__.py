@@ -8,7 +8,7 @@ torch: every actor process of a pipeline imports ``hpsray`` first.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpsray.version import __version__
 
@@ -31,7 +31,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'hpsray' has no attribute {name!r}")

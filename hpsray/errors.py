@@ -216,8 +216,8 @@ class TrainingStopped(HpsrayError, RuntimeError):
         self.cause = cause
         self.saved_batches = saved_batches
         root = cause
-        while getattr(root, "cause", None) is not None and root.cause is not root:
-            root = root.cause
+        while (inner := getattr(root, "cause", None)) is not None and inner is not root:
+            root = inner
         super().__init__(
             f"{type(root).__name__}: {root}\n(the rows of the {saved_batches} batches trained "
             f"before the failure were written back and flushed to SSD-PS)"

@@ -19,8 +19,9 @@ The oracle stands apart from the system under test: it imports nothing from ``hp
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
-from hpsray.kernels.init import initial_rows
+from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.kernels.optim import apply_to_rows
 from hpsray.models.dnn import DNN
 from hpsray.models.metrics import auc, logloss
@@ -36,6 +37,13 @@ from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
 
 _NEVER = np.iinfo(np.int64).min  # "last seen" of a key not seen yet
+
+
+class ShardedSource(Protocol):
+    """What the reference reads: ``open(batch_size, reader_index, num_readers)`` gives one
+    node's batches (the pipeline's sources are such)."""
+
+    def open(self, batch_size: int, reader_index: int = 0, num_readers: int = 1) -> Iterator[Batch]: ...
 
 
 class SeenCounts:
@@ -99,7 +107,7 @@ class SeenCounts:
 class SortedRowStore:
     """Every row in memory: keys kept sorted beside their row positions; rows appended."""
 
-    def __init__(self, width: int, init) -> None:
+    def __init__(self, width: int, init: RowInit) -> None:
         self.width = width
         self.init = init
         self._keys = np.empty(0, dtype=np.uint64)  # sorted
@@ -345,14 +353,14 @@ class ReferenceTrainer:
         self._end_batch(rejected)
         return float(np.mean(losses)) if losses else float("nan")
 
-    def fit(self, batches: Iterable[Batch], progress=None) -> None:
+    def fit(self, batches: Iterable[Batch], progress: Callable[[int, Batch, float], Any] | None = None) -> None:
         """Train on each batch in order; ``progress(i, batch, loss)`` is called after each."""
         for i, batch in enumerate(batches):
             loss = self.train_batch(batch)
             if progress:
                 progress(i, batch, loss)
 
-    def fit_nodes(self, source, batch_size: int, n_nodes: int, n_devices: int = 1) -> None:
+    def fit_nodes(self, source: ShardedSource, batch_size: int, n_nodes: int, n_devices: int = 1) -> None:
         """Train what ``n_nodes`` nodes of ``n_devices`` devices each train on ``source`` (see
         :func:`global_batches`)."""
         self.model.train()
@@ -387,7 +395,7 @@ class ReferenceTrainer:
 
 
 def global_batches(
-    source, batch_size: int, n_nodes: int, minibatch_size: int, n_devices: int = 1
+    source: ShardedSource, batch_size: int, n_nodes: int, minibatch_size: int, n_devices: int = 1
 ) -> Iterator[list[list]]:
     """Per batch, the global mini-batches that ``n_nodes`` nodes train under BSP, in order.
 
@@ -430,7 +438,9 @@ def _slices(part: Batch, n: int) -> Batch | list[Batch]:
     return [part.slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
 
 
-def global_minibatches(source, batch_size: int, n_nodes: int, minibatch_size: int) -> Iterator[list[Batch]]:
+def global_minibatches(
+    source: ShardedSource, batch_size: int, n_nodes: int, minibatch_size: int
+) -> Iterator[list[Batch]]:
     """:func:`global_batches`, flattened: each global mini-batch as its nodes' shares."""
     for batch in global_batches(source, batch_size, n_nodes, minibatch_size):
         yield from batch

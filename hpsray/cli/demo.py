@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Any
 
 HELP = "generate data, train it on an embedded Ray with rows travelling to SSD and back, print AUC and stages"
 
@@ -63,7 +64,7 @@ def demo_job(workdir: str, rows: int, quiet: bool = True) -> dict:
 
     files = write_synthetic(data, gen, rows + eval_rows, "parquet", shard_rows=batch, progress=progress)
     per_batch = int(np.unique(gen.generate(batch).keys).size)
-    job = {
+    job: dict[str, dict[str, Any]] = {
         "data": {
             "paths": [os.path.relpath(f, workdir) for f in files[:-1]],
             "eval_paths": [os.path.relpath(files[-1], workdir)],

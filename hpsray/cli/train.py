@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def with_init_from(job, directory: str):
+def with_init_from(job: JobConfig, directory: str) -> JobConfig:
     """``job`` with ``[tiers] init_from`` set to ``directory`` (``--init-from``)."""
     import dataclasses
 
@@ -175,7 +176,7 @@ def check_checkpoints(job: JobConfig, resume: bool) -> Checkpoint | None:
     return None
 
 
-def check_capacity(job, quiet: bool) -> None:
+def check_capacity(job: JobConfig, quiet: bool) -> None:
     """``hpsray plan``'s check (its sample, no calibration): raise the
     :class:`~hpsray.errors.CapacityError` the run would hit, with the fix; print warnings."""
     from hpsray.plan import check_plan, make_plan
@@ -208,8 +209,8 @@ _IMPORTED = time.time()
 def _cause(e: BaseException) -> BaseException:
     """The user-facing exception inside a Ray task error."""
     seen = 0
-    while seen < 8 and getattr(e, "cause", None) is not None and e.cause is not e:
-        e = e.cause
+    while seen < 8 and (inner := getattr(e, "cause", None)) is not None and inner is not e:
+        e = inner
         seen += 1
     return e
 
@@ -277,7 +278,7 @@ def train_pipeline(
     return report, model
 
 
-def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
+def train_reference(job: JobConfig, quiet: bool) -> tuple[dict, tuple]:
     """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
     from hpsray.job import build
     from hpsray.pipelines.progress import Progress, known_examples, progress_seconds
@@ -350,7 +351,7 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
         "bad_input": data_reader.report.to_dict() if data_reader is not None else {},
     }
 
-    def evaluate(eval_source) -> dict:
+    def evaluate(eval_source: Any) -> dict:
         r = trainer.evaluate(eval_source.open(bs))
         return {"auc": r.auc, "logloss": r.logloss, "examples": r.examples}
 
@@ -360,7 +361,7 @@ def train_reference(job, quiet: bool) -> tuple[dict, tuple]:
     return report, model
 
 
-def _evaluate(report: dict, job, evaluate) -> None:
+def _evaluate(report: dict, job: JobConfig, evaluate: Callable[[Any], dict]) -> None:
     from hpsray.job import build
 
     eval_source = build.eval_source(job)

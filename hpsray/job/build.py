@@ -7,6 +7,7 @@ and validating a job file (:class:`~hpsray.job.JobConfig`) needs neither.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from hpsray.errors import ConfigError
 from hpsray.job.jobconfig import JobConfig
@@ -40,7 +41,7 @@ def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerStage, Me
     """``(TrainerStage, MemPSStage, SSDPSStage)`` of ``job``. ``n_slots`` sizes the default
     MEM-PS budget (read from the schema when not given)."""
     t, p = job.tiers, job.pipeline
-    admission = {
+    admission: dict[str, Any] = {
         "admit_after": t.admit_after,
         "expire_after_batches": t.expire_after_batches,
         "dumps_in_flight": t.dumps_in_flight,

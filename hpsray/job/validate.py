@@ -9,7 +9,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from hpsray.errors import ConfigError
 
@@ -58,7 +58,7 @@ class Table:
     def key(self, k: str) -> str:
         return f"{self.prefix}.{k}" if self.prefix else k
 
-    def fail(self, k: str, reason: str):
+    def fail(self, k: str, reason: str) -> NoReturn:
         raise ConfigError(self.where, self.key(k) if k else self.prefix, reason)
 
     def take(self, k: str, check: Callable[[Any], Any] | None, default: Any = None, required: bool = False) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ class DNN(nn.Module):
         return self.mlp(x).squeeze(1)
 
 
-def make_dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def make_dense_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """The optimizer of the replicated dense parameters: ``adam``, ``adagrad`` or ``sgd``.
 
     torch's multi-tensor (``foreach``) implementation: the single-tensor arithmetic, step for

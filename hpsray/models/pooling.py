@@ -70,14 +70,14 @@ def _index(a: Any, device: torch.device) -> torch.Tensor:
 
 class _PoolSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, layout: BagLayout) -> torch.Tensor:
+    def forward(ctx: Any, rows: torch.Tensor, layout: BagLayout) -> torch.Tensor:
         ctx.layout, ctx.n_rows = layout, rows.shape[0]
         return F.embedding_bag(
             torch.from_numpy(layout.inverse), rows.detach(), torch.from_numpy(layout.bag_offsets), mode="sum"
         )
 
     @staticmethod
-    def backward(ctx, grad_pooled: torch.Tensor):
+    def backward(ctx: Any, grad_pooled: torch.Tensor) -> tuple[torch.Tensor, None]:
         g = grad_pooled.detach().contiguous().numpy()
         out = np.zeros((ctx.n_rows, g.shape[1]), dtype=g.dtype)
         _bag_grad(ctx.layout.inverse, ctx.layout.bag_offsets, g, out)

@@ -126,6 +126,7 @@ class DenseReplicas:
             )
             loss.backward()
             loss_sum = loss_sum + loss.detach()
+            assert leaf.grad is not None  # backward reached the leaf
             if fused is not None:
                 keys, grads = fused.backward(bags, dev.from_tensor(leaf.grad))
             else:

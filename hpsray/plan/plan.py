@@ -12,11 +12,15 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from hpsray.errors import CapacityError
 from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, predict_rate
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.sample import InputSize, read_sample
+
+if TYPE_CHECKING:
+    from hpsray.job import JobConfig
 from hpsray.plan.sizing import (
     batch_bytes,
     hbm_capacity,
@@ -84,7 +88,7 @@ def _free_bytes(path: str | None) -> tuple[str, int]:
     return probe, shutil.disk_usage(probe).free
 
 
-def make_plan(job, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: bool = True) -> Plan:
+def make_plan(job: JobConfig, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: bool = True) -> Plan:
     """Plan ``job`` (a :class:`~hpsray.job.JobConfig`) from its first ``sample_rows`` examples
     (at least three global batches). ``calibrate_stages=False`` skips timing (no rate predicted)."""
     nodes = job.cluster.nodes or 1
@@ -170,7 +174,7 @@ def make_plan(job, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: boo
     return plan
 
 
-def _problems(job, plan: Plan, history: float) -> list[Problem]:
+def _problems(job: JobConfig, plan: Plan, history: float) -> list[Problem]:
     out = []
     mem, keys, bs = plan.per_node["mem_ps"], plan.keys, plan.batch_size
     need, cap = keys.pinned_max, mem["capacity_rows"]

@@ -10,13 +10,19 @@ are the keys training will see. The input's size is exact for generated data and
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hpsray.data import LENIENT, Batch, DataReader, list_files
 from hpsray.data.sources import compression_of
 from hpsray.kernels.distinct import distinct_sorted
+
+if TYPE_CHECKING:
+    from hpsray.data.sources import Split
+    from hpsray.job import JobConfig
 
 __all__ = ["InputSize", "Sample", "input_size", "read_sample"]
 
@@ -62,13 +68,13 @@ class Sample:
         return int(sum(self.batch_examples))
 
 
-def _source_batches(job, batch_size: int):
+def _source_batches(job: JobConfig, batch_size: int) -> tuple[Iterator[Batch], int, int]:
     """The batches one reader of one node reads, and the schema's slot/dense counts."""
     syn = job.data.synthetic
     if syn is not None:
         gen = syn.generator()
 
-        def generated():
+        def generated() -> Iterator[Batch]:
             for lo in range(0, syn.rows, batch_size):
                 yield gen.generate(min(batch_size, syn.rows - lo), start_row=lo)
 
@@ -78,11 +84,13 @@ def _source_batches(job, batch_size: int):
     return iter(reader), schema.n_slots, schema.n_dense
 
 
-def read_sample(job, rows: int, keep_batches: int = 3) -> Sample:
+def read_sample(job: JobConfig, rows: int, keep_batches: int = 3) -> Sample:
     """Read at least ``rows`` examples (whole batches; all of them if the input is smaller)."""
     bs = job.pipeline.batch_size
     it, n_slots, n_dense = _source_batches(job, bs)
-    keys, examples, kept = [], [], []
+    keys: list[np.ndarray] = []
+    examples: list[int] = []
+    kept: list[Batch] = []
     nnz = 0
     complete = True
     read_s = read_cpu_s = 0.0
@@ -127,7 +135,7 @@ def read_sample(job, rows: int, keep_batches: int = 3) -> Sample:
     )
 
 
-def input_size(job) -> InputSize:
+def input_size(job: JobConfig) -> InputSize:
     """The number of training examples the job reads (exact where the format records it)."""
     syn = job.data.synthetic
     if syn is not None:
@@ -157,7 +165,7 @@ def input_size(job) -> InputSize:
     )
 
 
-def _count_lines(split, declared: str) -> tuple[int, int]:
+def _count_lines(split: Split, declared: str) -> tuple[int, int]:
     """Lines in the first ``_COUNT_BYTES`` decompressed bytes of ``split``, and how many bytes of
     the file (compressed, as stored) held them. Counting is ``bytes.count``: no per-line Python."""
     import pyarrow as pa

@@ -13,10 +13,14 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from hpsray.kernels.table import bucket_count
 from hpsray.tiers.cache_policy import DEFAULT_HISTORY, FrequencySketch
 from hpsray.tiers.mem import _META_BYTES_PER_ROW, rows_for_bytes
+
+if TYPE_CHECKING:
+    from hpsray.job import JobConfig
 
 __all__ = [
     "SSD_RECORD_EXTRA",
@@ -39,7 +43,7 @@ def mem_bytes_for_rows(rows: int, width: int, history: float | None = DEFAULT_HI
     return rows * (4 * width + _META_BYTES_PER_ROW) + 16 * bucket_count(rows) + sketch
 
 
-def mem_capacity_rows(job, n_slots: int) -> int:
+def mem_capacity_rows(job: JobConfig, n_slots: int) -> int:
     """The MEM-PS budget in rows each node gets from the job (``mem_rows``, ``mem_bytes`` or the default)."""
     t, width = job.tiers, job.train_config().row_width
     if t.mem_bytes is not None:
@@ -49,7 +53,7 @@ def mem_capacity_rows(job, n_slots: int) -> int:
     return 4 * job.pipeline.batch_size * max(n_slots, 1)
 
 
-def hbm_capacity(job, n_slots: int) -> int:
+def hbm_capacity(job: JobConfig, n_slots: int) -> int:
     """Rows the trainer's HBM-PS tables are sized for at start."""
     p = job.pipeline
     return int(p.hbm_rows) if p.hbm_rows else 2 * p.batch_size * max(n_slots, 1)
