@@ -9,7 +9,6 @@ from hpsray.actors.messages import Loan, Pulled
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.ssd import SSDPS, restore_snapshot
 from hpsray.tiers.ssd.bulkload import TableImport
-from hpsray.tiers.ssd.snapshot import take_snapshot
 from hpsray.tiers.warmup import warm_ssd_ps
 
 
@@ -96,7 +95,7 @@ class SSDPSShard:
 
     def snapshot(self, dest: str) -> dict:
         """Reference the store's current state in ``dest`` (a checkpoint's node directory)."""
-        return take_snapshot(self.store, dest)
+        return self.store.snapshot(dest)
 
     def restore(self, snapshot: str) -> dict:
         """Replace the store with a snapshot's state (a recovery that keeps this process)."""

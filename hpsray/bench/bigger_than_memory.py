@@ -282,7 +282,7 @@ def _phase_import(p: dict) -> dict:
 
     with SSDPS(p["store"], p["width"]) as store:
         done = store.bulk_load(TableImport(p["table"], p["dim"], TABLE_STATE))
-        done["key_map_bytes"] = store._keys.nbytes
+        done["key_map_bytes"] = store.stats["key_map_bytes"]
     return done
 
 
@@ -357,7 +357,7 @@ def _phase_check(p: dict) -> dict:
             "reopen_s": reopen,
             "reopen_fixed_s": fixed,
             "keys": len(store),
-            "key_map_bytes": store._keys.nbytes,
+            "key_map_bytes": store.stats["key_map_bytes"],
         }
         for name in ("touched", "sample"):
             keys = np.load(p[name])

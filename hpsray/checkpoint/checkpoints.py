@@ -32,7 +32,7 @@ from typing import Any
 from hpsray.checkpoint.record import FORMAT, NAME, VERSION, check_files, describe_files, read_record, seal
 from hpsray.checkpoint.space import full_cause, full_error, written_bytes
 from hpsray.errors import CheckpointError, CheckpointFullError
-from hpsray.tiers.ssd.paramfile import fsync_dir
+from hpsray.fileio import fsync_dir
 
 __all__ = ["Checkpoint", "Checkpoints", "node_dir"]
 

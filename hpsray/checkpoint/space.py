@@ -6,7 +6,7 @@ import errno
 import os
 
 from hpsray.errors import CheckpointFullError
-from hpsray.tiers.ssd.paramfile import FULL_ERRNOS, free_bytes
+from hpsray.fileio import FULL_ERRNOS, free_bytes
 
 __all__ = ["full_cause", "full_error", "written_bytes"]
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from hpsray.errors import ExportError
+from hpsray.fileio import fsync_dir
 
 FORMAT = "hpsray-export"
 VERSION = 1
@@ -313,17 +314,9 @@ def export_delta(
         **dict(extra or {}),
     }
     _write_manifest(os.path.join(target, MANIFEST), manifest)
-    _fsync_dir(target)
-    _fsync_dir(directory)
+    fsync_dir(target)
+    fsync_dir(directory)
     return manifest
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _diff(

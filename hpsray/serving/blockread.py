@@ -18,7 +18,6 @@ of them on the device (see :mod:`hpsray.serving.gds`).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,19 +26,13 @@ from typing import Any
 import numba as nb
 import numpy as np
 
+from hpsray.blockio import IOV_MAX, MIN_RANGES_PER_THREAD, preadv_ranges, read_parallel
 from hpsray.serving.errors import ServingError
 from hpsray.serving.layout import BLOCK_BYTES
 
 __all__ = ["BlockReader", "Ranges", "plan_ranges"]
 
-IOV_MAX = 1024  # Linux's limit of one preadv's vector: a range of r rows takes at most 2r - 1 entries
-MAX_RANGE_ROWS = IOV_MAX // 2
-MIN_RANGES_PER_THREAD = 16  # fewer ranges than this per thread: the pool's hand-off costs more than it saves
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_preadv = _libc.preadv
-_preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-_preadv.restype = ctypes.c_ssize_t
+MAX_RANGE_ROWS = IOV_MAX // 2  # a range of r rows takes at most 2r - 1 I/O vector entries
 
 
 @nb.njit(nogil=True, cache=True)
@@ -74,17 +67,6 @@ def _vectors(rows, dst, starts, n_ranges, out_addr, out_row_bytes, scratch_addr,
             iov[k, 1] = nbytes
             k += 1
         n_iov[r] = k - first_iov[r]
-
-
-@nb.njit(nogil=True)  # not cached: it calls libc's preadv through a ctypes pointer
-def _read_ranges(fd, iov_addr, first_iov, n_iov, offsets, lengths, lo, hi):
-    """``preadv`` ranges ``lo..hi-1``; returns how many came back short."""
-    short = 0
-    for r in range(lo, hi):
-        got = _preadv(fd, iov_addr + 16 * first_iov[r], n_iov[r], offsets[r])
-        if got != lengths[r]:
-            short += 1
-    return short
 
 
 class _Repeated(ValueError):
@@ -208,16 +190,11 @@ class BlockReader:
             n_iov,
         )
         args = (self._fd, iov.ctypes.data, first_iov, n_iov, ranges.offsets, ranges.lengths)
-        workers = min(self.threads, n // MIN_RANGES_PER_THREAD)
-        if workers <= 1:
-            short = _read_ranges(*args, 0, n)
-        else:
+        if self.threads > 1 and n >= 2 * MIN_RANGES_PER_THREAD:
             with self._lock:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hpsray-blockread")
-            cuts = np.linspace(0, n, workers + 1).astype(np.int64)
-            futures = [self._pool.submit(_read_ranges, *args, int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
-            short = sum(f.result() for f in futures)
+        short = read_parallel(self._pool, self.threads, preadv_ranges, args, n)
         self._count(n, int(ranges.rows.size))
         if short:
             raise ServingError(f"{self.path}: {short} short reads (file truncated?)")

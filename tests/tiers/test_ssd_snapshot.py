@@ -94,7 +94,7 @@ def test_snapshot_waits_for_the_compaction_pass_in_flight(tmp_path):
             paused.set()
             resume.wait(5)
 
-    s._hook = hook
+    s.state.hook = hook
     compacting = threading.Thread(target=s._compact_pass)
     compacting.start()
     assert paused.wait(5)
@@ -107,7 +107,7 @@ def test_snapshot_waits_for_the_compaction_pass_in_flight(tmp_path):
     compacting.join(5)
     snapping.join(5)
     assert not snapping.is_alive() and result["rows"] == 40
-    s._hook = lambda p: None
+    s.state.hook = lambda p: None
     restore_snapshot(tmp_path / "snap", tmp_path / "r")
     with SSDPS(tmp_path / "r") as r:
         assert state(r) == expected

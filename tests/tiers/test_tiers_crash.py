@@ -77,11 +77,11 @@ def writer(start, w, hook_point=None):
     try:
         s = SSDPS(directory, W, **OPTS)
         if hook_point:  # deterministic crash at a named step of the protocol
-            s._hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == hook_point else None
+            s.state.hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == hook_point else None
             if hook_point.startswith("compaction"):
                 s.close()
                 s = SSDPS(directory, W, background=False, **{k: v for k, v in OPTS.items()})
-                s._hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == hook_point else None
+                s.state.hook = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == hook_point else None
                 os.write(w, (0).to_bytes(8, "little") + (0).to_bytes(8, "little"))
                 s.compact(full=True)
                 os._exit(4)  # compaction found nothing to do: the test is misconfigured

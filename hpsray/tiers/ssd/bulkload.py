@@ -25,26 +25,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from hpsray.errors import SSDError
+from hpsray.fileio import FULL_ERRNOS, fsync_dir, fsync_path, full_error, unlink_quiet
 from hpsray.tiers.ssd.files import FileTable
 from hpsray.tiers.ssd.keymap import KeyMap
-from hpsray.tiers.ssd.paramfile import (
-    FULL_ERRNOS,
-    file_bytes,
-    file_name,
-    fsync_dir,
-    fsync_path,
-    full_error,
-    unlink_quiet,
-    write_tmp,
-)
-
-if TYPE_CHECKING:
-    from hpsray.tiers.ssd.store import SSDPS
+from hpsray.tiers.ssd.paramfile import file_bytes, file_name, write_tmp
+from hpsray.tiers.ssd.state import StoreState
 
 __all__ = ["TableImportError", "TableImport", "bulk_load", "import_files", "iter_table", "read_table"]
 
@@ -217,9 +207,9 @@ def read_table(
 
 
 def bulk_load(
-    store: SSDPS, spec: TableImport, shard: tuple[int, int] | None = None, batch_rows: int = BATCH_ROWS
+    store: StoreState, spec: TableImport, shard: tuple[int, int] | None = None, batch_rows: int = BATCH_ROWS
 ) -> dict:
-    """Load the table ``spec`` names into ``store``, which must be empty (see the module
+    """Load the table ``spec`` names into a store (``store``: its shared state), which must be empty (see the module
     docstring); ``shard=(node, n_nodes)`` keeps only the keys that node owns. Returns
     ``{"rows", "files", "bytes", "source_files", "seconds"}``.
 
@@ -232,12 +222,12 @@ def bulk_load(
     width, rpf = store.width, store.rows_per_file
     if not 0 < spec.dim <= width:
         raise TableImportError(f"init_from {spec.path}: dim {spec.dim} does not fit rows of width {width}")
-    with store._dump_lock, store._compaction.lock:
-        store._check_open()
-        with store._lock:
-            if store._keys.size or len(store._files):
+    with store.dump_lock, store.compaction_lock:
+        store.check_open()
+        with store.lock:
+            if store.keys.size or len(store.files):
                 raise SSDError(
-                    f"SSD-PS {store.directory} already holds {store._keys.size} rows; init_from loads "
+                    f"SSD-PS {store.directory} already holds {store.keys.size} rows; init_from loads "
                     "into an empty store (remove the directory, or drop init_from to keep training it)"
                 )
         n_shards = shard[1] if shard is not None else 1
@@ -257,7 +247,7 @@ def bulk_load(
             nonlocal fill, written
             if fill == 0:
                 return
-            (no,) = store._allocate_file_numbers(1)
+            (no,) = store.allocate_file_numbers(1)
             k, r = buf_k[:fill], buf_r[:fill]
             before = kmap.size
             seen = kmap.find(k) >= 0
@@ -265,10 +255,10 @@ def bulk_load(
                 _duplicate(int(k[np.argmax(seen)]), path, spec.path)
             kmap.grow(fill)
             versions = np.full(fill, no, dtype=np.uint64)
-            tmp, size, table = write_tmp(store.directory, no, k, versions, r, 0, store._write, fsync=False)
+            tmp, size, table = write_tmp(store.directory, no, k, versions, r, 0, store.write, fsync=False)
             tmps.append(tmp)
             nos.append(no)
-            syncs.append(store._pool.submit(fsync_path, tmp))
+            syncs.append(store.pool.submit(fsync_path, tmp))
             s = files.add(no, fill, size, fill, 0, table)
             kmap.place(k, np.int32(s), np.arange(fill, dtype=np.int32))
             if kmap.size - before != fill:  # a key twice in this file
@@ -300,7 +290,7 @@ def bulk_load(
                 os.rename(tmp, os.path.join(store.directory, file_name(no)))
             fsync_dir(store.directory)
             if nos:
-                store._manifest.append(add=nos, next_file_no=nos[-1] + 1)
+                store.manifest.append(add=nos, next_file_no=nos[-1] + 1)
         except BaseException as e:
             for fut in syncs:
                 fut.exception()  # wait: none may still write a file being removed
@@ -311,13 +301,13 @@ def bulk_load(
                 needed = written + file_bytes(rpf, width)
                 raise full_error(e, store.directory, needed, f"importing {spec.path}", "nothing was imported") from e
             raise
-        with store._lock:
-            store._keys, store._files = kmap, files
-            st = store._stats
+        with store.lock:
+            store.keys, store.files = kmap, files
+            st = store.stats
             st["rows_dumped"] += kmap.size
             st["bytes_written"] += written
             st["files_written"] += len(nos)
-        store._manifest.maybe_rewrite()
+        store.manifest.maybe_rewrite()
     return {
         "rows": kmap.size,
         "files": len(nos),

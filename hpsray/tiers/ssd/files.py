@@ -12,18 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from hpsray.tiers.ssd.paramfile import (
-    FLAG_TOMBSTONE,
-    FULL_ERRNOS,
-    Writer,
-    file_bytes,
-    file_name,
-    fsync_dir,
-    fsync_path,
-    full_error,
-    unlink_quiet,
-    write_tmp,
-)
+from hpsray.fileio import FULL_ERRNOS, Writer, fsync_dir, fsync_path, full_error, unlink_quiet
+from hpsray.tiers.ssd.paramfile import FLAG_TOMBSTONE, file_bytes, file_name, write_tmp
 
 __all__ = ["FileTable", "remove_files", "write_files"]
 

@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Iterable
 
 from hpsray.errors import CorruptFileError, SSDError
-from hpsray.tiers.ssd.paramfile import FULL_ERRNOS, Writer, _write_all, fsync_dir, full_error
+from hpsray.fileio import FULL_ERRNOS, Writer, fsync_dir, full_error, write_all
 
 __all__ = ["FORMAT_VERSION", "NAME", "Manifest", "write_manifest"]
 
@@ -145,7 +145,7 @@ class Manifest:
         data = _meta(width) + _edit(next_file_no, sorted(live), ())
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(fd, (data,), write)
+            write_all(fd, (data,), write)
             os.fsync(fd)
         except OSError as e:
             os.close(fd)
@@ -175,7 +175,7 @@ class Manifest:
         assert fd is not None, f"{self.path}: append to a closed manifest"
         start = os.lseek(fd, 0, os.SEEK_CUR)
         try:
-            _write_all(fd, (record,), self._write)
+            write_all(fd, (record,), self._write)
             os.fsync(fd)
         except OSError as e:
             try:

@@ -24,7 +24,7 @@ Layout (little-endian)::
 Formats 2 and 3 store the block size ``B`` (``block_rows``) and the crc32 of the block table in
 the first 8 of the 16 header bytes that format 1 left zero. Block ``b``'s checksum covers the
 keys and rows of rows ``b·B .. (b+1)·B - 1`` (:func:`block_sums`), so a load that needs a few
-rows of a large file reads and verifies only their blocks (:func:`pick_blocks`) instead of the
+rows of a large file reads and verifies only their blocks (:func:`pick_staged`) instead of the
 whole file. Format 3 (current) differs from 2 only in the block hash (four lanes, ~3x faster)
 and uses smaller blocks (~1 KiB of rows: 8 rows at width 32). Format 1 and 2 files are still
 read, always whole (their whole-file crc32s are verified as before).
@@ -36,25 +36,23 @@ and block tables, while a whole-file load verifies everything.
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from numba import njit
 
-from hpsray.errors import CorruptFileError, SSDError, SSDFullError
+from hpsray.errors import CorruptFileError
+from hpsray.fileio import FULL_ERRNOS, Writer, full_error, unlink_quiet, write_all
 
 __all__ = [
     "BLOCK_BYTES",
     "FLAG_COMPACTED",
     "FLAG_TOMBSTONE",
     "FORMAT_VERSION",
-    "FULL_ERRNOS",
     "HEADER_BYTES",
     "MAGIC",
     "PARTIAL_VERSIONS",
@@ -64,27 +62,19 @@ __all__ = [
     "CorruptFileError",
     "Header",
     "ParamFile",
-    "SSDError",
-    "SSDFullError",
-    "Writer",
     "block_rows_for",
     "block_sums",
     "decode_header",
     "encode_header",
     "file_bytes",
     "file_name",
-    "fsync_dir",
-    "free_bytes",
-    "fsync_path",
-    "full_error",
     "n_blocks",
     "parse_file_name",
-    "pick_blocks",
+    "pick_staged",
     "read_file",
     "read_index",
     "record_bytes",
     "touched_blocks",
-    "unlink_quiet",
     "write_tmp",
 ]
 
@@ -98,7 +88,6 @@ FLAG_COMPACTED = 1
 FLAG_TOMBSTONE = 2  # every row is a deletion (zeros): the key is absent from this version on
 SUFFIX = ".hps"
 TMP_SUFFIX = ".tmp"
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space
 
 _HEADER = struct.Struct("<8sIIQQIIIII8s")  # 60 bytes, followed by the header crc
 assert _HEADER.size == 60
@@ -181,10 +170,16 @@ def _block_sum(keys_u32, rows_u32, b, block_rows, width):
     a whole (crc32) but not used for partial reads."""
     n = keys_u32.size // 2
     lo = b * block_rows
-    hi = min(n, lo + block_rows)
+    return _span_sum(keys_u32, lo, rows_u32, lo, min(n, lo + block_rows) - lo, b, width)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _span_sum(keys_u32, klo, rows_u32, rlo, n, b, width):
+    """Checksum of block ``b`` of ``n`` rows whose keys are keys ``klo..`` and whose rows are
+    rows ``rlo..`` of the arrays given (the file's own, or staging copies of its blocks)."""
     h = np.uint64(0xCBF29CE484222325) ^ np.uint64(b)
-    h = _lanes(h, keys_u32, 2 * lo, 2 * hi)
-    h = _lanes(h, rows_u32, lo * width, hi * width)
+    h = _lanes(h, keys_u32, 2 * klo, 2 * (klo + n))
+    h = _lanes(h, rows_u32, rlo * width, (rlo + n) * width)
     return np.uint32((h ^ (h >> np.uint64(32))) & np.uint64(0xFFFFFFFF))
 
 
@@ -209,42 +204,54 @@ def block_sums(keys: np.ndarray, rows: np.ndarray, block_rows: int) -> np.ndarra
 
 
 @njit(cache=True, nogil=True)
-def _pick_blocks(data, n, width, block_rows, table, out, idx, pos, keys):
-    """Copy ``out[idx[j]] = rows[pos[j]]`` straight from a file's bytes (``data``, e.g. a
-    memory map), verifying each touched block's checksum once and the key at each position.
-    Returns ``(status, blocks touched)``; status 0, ``-(j + 1)`` for the first key mismatch, or
-    ``b + 1`` for a bad block ``b``."""
-    keys_u32 = data[HEADER_BYTES : HEADER_BYTES + 8 * n].view(np.uint32)
-    rows_u32 = data[HEADER_BYTES + 16 * n : HEADER_BYTES + 16 * n + 4 * n * width].view(np.uint32)
-    file_keys = data[HEADER_BYTES : HEADER_BYTES + 8 * n].view(np.uint64)
-    rows = rows_u32.view(np.float32)
-    seen = np.zeros(table.size, dtype=np.bool_)
-    touched = 0
+def _pick_staged(skeys, srows, blk_b, blk_kat, blk_at, blk_n, expected, out, idx, pos, ublk, keys, block_rows):
+    keys_u32 = skeys.view(np.uint32)
+    width = srows.shape[1]
+    rows_u32 = srows.reshape(-1).view(np.uint32)
+    for u in range(blk_b.size):
+        if _span_sum(keys_u32, blk_kat[u], rows_u32, blk_at[u], blk_n[u], blk_b[u], width) != expected[u]:
+            return u + 1
     for j in range(idx.size):
-        p = pos[j]
-        if p >= n:
-            return -(j + 1), touched
-        b = p // block_rows
-        if not seen[b]:
-            if _block_sum(keys_u32, rows_u32, b, block_rows, width) != table[b]:
-                return b + 1, touched
-            seen[b] = True
-            touched += 1
-        if file_keys[p] != keys[idx[j]]:
-            return -(j + 1), touched
+        u = ublk[j]
         i = idx[j]
+        if u < 0:
+            return -(j + 1)
+        off = pos[j] - blk_b[u] * block_rows
+        if skeys[blk_kat[u] + off] != keys[i]:
+            return -(j + 1)
+        r = blk_at[u] + off
         for c in range(width):
-            out[i, c] = rows[p * width + c]
-    return 0, touched
+            out[i, c] = srows[r, c]
+    return 0
 
 
-def pick_blocks(
-    data: np.ndarray, h: Header, table: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, keys: np.ndarray
-) -> tuple[int, int]:
-    """See :func:`_pick_blocks`; ``data`` is the whole file as ``uint8`` (a map of it).
-    Returns ``(status, blocks touched)``."""
-    r, touched = _pick_blocks(data, h.n, h.width, h.block_rows, table, out, idx, pos, keys)
-    return int(r), int(touched)
+def pick_staged(
+    staged_keys: np.ndarray,
+    staged_rows: np.ndarray,
+    blocks: np.ndarray,
+    key_at: np.ndarray,
+    row_at: np.ndarray,
+    block_n: np.ndarray,
+    expected: np.ndarray,
+    out: np.ndarray,
+    idx: np.ndarray,
+    pos: np.ndarray,
+    block_of: np.ndarray,
+    keys: np.ndarray,
+    block_rows: int,
+) -> int:
+    """Verify blocks read into staging arrays and pick rows out of them (partial loads).
+
+    Block ``u`` (number ``blocks[u]`` of its file) has ``block_n[u]`` rows: their keys from
+    ``staged_keys[key_at[u]]`` on, their values from ``staged_rows[row_at[u]]`` on; its checksum
+    must equal ``expected[u]`` (the file's block table). Then, for position ``pos[j]`` of block
+    ``block_of[j]``, ``out[idx[j]]`` gets its staged row where its staged key equals
+    ``keys[idx[j]]``. Returns 0, ``u + 1`` for the first bad block ``u``, or ``-(j + 1)`` for the
+    first key mismatch (``block_of[j] < 0``: a position outside its file)."""
+    r = _pick_staged(
+        staged_keys, staged_rows, blocks, key_at, row_at, block_n, expected, out, idx, pos, block_of, keys, block_rows
+    )
+    return int(r)
 
 
 @njit(cache=True)
@@ -331,21 +338,6 @@ def decode_header(buf: np.ndarray | bytes, path: str) -> Header:
     return Header(n, width, file_no, flags, index_crc, rows_crc, block_rows, table_crc, version)
 
 
-Writer = Callable[[int, memoryview], int]
-
-
-def _write_all(fd: int, parts: Iterable[Any], write: Writer) -> None:  # numpy arrays or bytes
-    for part in parts:
-        if isinstance(part, np.ndarray):
-            part = part.reshape(-1).view(np.uint8)  # also fine for zero-width rows
-        mv = memoryview(part).cast("B")
-        while mv.nbytes:
-            k = write(fd, mv)
-            if k <= 0:  # a regular file only returns 0 when it cannot grow
-                raise OSError(errno.ENOSPC, "short write")
-            mv = mv[k:]
-
-
 def _preallocate(fd: int, size: int) -> None:
     """Reserve the file's blocks in one request, so the file system lays it out as one
     contiguous extent (written piecewise by delayed allocation, a 9 MiB file came out as two
@@ -388,7 +380,7 @@ def write_tmp(
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         _preallocate(fd, file_bytes(n, width))
-        _write_all(fd, (header, keys, versions, rows, table), write)
+        write_all(fd, (header, keys, versions, rows, table), write)
         if fsync:
             os.fsync(fd)
     except OSError as e:
@@ -404,53 +396,6 @@ def write_tmp(
         if fd is not None:
             os.close(fd)
     return tmp, file_bytes(n, width), table
-
-
-def free_bytes(directory: str) -> int | None:
-    """Bytes an unprivileged writer may still use on the file system of ``directory`` (``None``:
-    unknown)."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def full_error(e: OSError, directory: str, needed: int, what: str, after: str) -> SSDFullError:
-    """The :class:`SSDFullError` for a write of ``needed`` bytes into ``directory`` that the disk
-    refused (``e``); call it after the failed write was cleaned up, so that "free" is what the
-    store can use. ``what`` says what was written, ``after`` what state it left."""
-    free = free_bytes(directory)
-    return SSDFullError(
-        e.errno or errno.ENOSPC,
-        f"SSD-PS {directory}: no space left: {what} needs {needed} bytes, "
-        f"{'an unknown number of' if free is None else free} bytes are free "
-        f"({os.strerror(e.errno or errno.ENOSPC)}); {after}",
-        directory=directory,
-        needed=needed,
-        free=free,
-    )
-
-
-def unlink_quiet(path: str) -> None:
-    """Remove ``path`` if it exists."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(directory: str) -> None:
-    """Make a rename or unlink in ``directory`` durable (a directory is fsynced like a file)."""
-    fsync_path(directory)
 
 
 def _read_exact(fd: int, buf: np.ndarray, offset: int, path: str) -> None:

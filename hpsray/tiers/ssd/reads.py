@@ -2,41 +2,36 @@
 
 A load looks every key up once, groups the found keys by file (a counting sort), and reads each
 file holding a requested key once: whole (one I/O, every checksum verified), or, when the
-requested rows lie in few checksummed blocks, only those blocks through a memory map kept across
-loads. Files are opened in rounds under the store's lock, so a compaction that retires a file a
-moment later cannot take it away from a round in flight; later rounds look again the rows of
-files a compaction retired meanwhile.
+requested rows lie in few checksummed blocks, only those blocks: the touched blocks of many files
+are sorted by file and offset, adjacent blocks merged into one range, every range hinted to the
+kernel (``WILLNEED``, so the device sees them all at once) and read with ``pread`` from numba
+loops on the I/O threads into one staging buffer (:mod:`hpsray.blockio`, shared with serving),
+then each block's checksum is verified and the rows picked out, with no Python per row or block.
+Files are opened in rounds under the store's lock, so a compaction that retires a file a moment
+later cannot take it away from a round in flight; later rounds look again the rows of files a
+compaction retired meanwhile.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
-import zlib
 from concurrent.futures import wait
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import njit
 
+from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
-from hpsray.tiers.ssd.paramfile import (
-    HEADER_BYTES,
-    PARTIAL_VERSIONS,
-    decode_header,
-    pick_blocks,
-    read_file,
-    touched_blocks,
-)
+from hpsray.tiers.ssd.paramfile import HEADER_BYTES, pick_staged, read_file, touched_blocks
+from hpsray.tiers.ssd.state import StoreState
 
-if TYPE_CHECKING:
-    from hpsray.tiers.ssd.store import SSDPS
+__all__ = ["MAX_OPEN_FILES", "PARTIAL_ROUND_FILES", "ROUND_BYTES", "Reads"]
 
-__all__ = ["MAX_OPEN_FILES", "ROUND_BYTES", "FileMap", "Reads"]
-
-MAX_OPEN_FILES = 64  # files opened per load round: bounds descriptors...
+MAX_OPEN_FILES = 64  # files opened per whole-file round: bounds descriptors...
 ROUND_BYTES = 128 << 20  # ...and the bytes read ahead of the rows being picked
+PARTIAL_ROUND_FILES = 256  # files whose blocks one partial round reads (their ranges all in flight)
+MERGE_GAP_BYTES = 4096  # blocks of a file closer than this (a page) are read in one range, the gap too
 
 
 @njit(cache=True)
@@ -89,39 +84,106 @@ def _pick_rows(out, idx, rows, pos, file_keys, keys):
     return -1
 
 
-class FileMap:
-    """A read-only memory map of one parameter file, kept across loads (partial reads of a
-    cached file then cost no mmap/munmap and no page faults for pages already mapped).
-    ``refs`` counts loads using it; a file that compaction retires is unmapped once unused."""
+@njit(cache=True, inline="always")
+def _close_run(ranges, nr, fd, base, first_row, rows, unit, at, kind):
+    """Range ``nr``: ``rows`` of ``unit`` bytes from row ``first_row`` of the section at ``base``,
+    staged at row ``at`` of the buffer of ``kind``; returns ``nr + 1``."""
+    ranges[nr, 0] = fd
+    ranges[nr, 1] = base + unit * first_row
+    ranges[nr, 2] = unit * rows
+    ranges[nr, 3] = kind
+    ranges[nr, 4] = unit * at
+    return nr + 1
 
-    __slots__ = ("dead", "mm", "refs", "size", "table")
 
-    def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.size = os.fstat(fd).st_size
-            if self.size < HEADER_BYTES:
-                raise CorruptFileError(f"{path}: truncated header ({self.size} of {HEADER_BYTES} bytes)")
-            self.mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
-        self.mm.madvise(mmap.MADV_RANDOM)  # no read-around: only the touched pages
-        self.refs = 0
-        self.dead = False
-        # the file's block checksums, kept with the map: compaction may retire the file meanwhile
-        self.table: np.ndarray | None = None
-
-    def release(self) -> None:
-        """One load is done with the map (call under the store's lock)."""
-        self.refs -= 1
-        if self.dead and self.refs == 0:
-            self.mm.close()
-
-    def retire(self) -> None:
-        """The file left the live set: unmap now, or when the last load releases it."""
-        self.dead = True
-        if self.refs == 0:
-            self.mm.close()
+@njit(cache=True)
+def _plan_blocks(tstart, pos, nrows, tfd, block_rows, row_bytes, max_gap):
+    """The blocks and ranges of a partial round. Task ``t`` (a file: descriptor ``tfd[t]``,
+    ``nrows[t]`` rows) wants positions ``pos[tstart[t]:tstart[t+1]]``; its distinct blocks, in
+    file order, are block ``u`` = number ``blk_b[u]`` of ``blk_n[u]`` rows. The keys of blocks
+    less than ``max_gap`` bytes apart are read as one range (the keys between them too), and so
+    are their rows: one range per run (``ranges``: descriptor, file offset, length, kind 0 for
+    keys (8 bytes a row) or 1 for rows (``row_bytes``), staging byte in that kind's buffer);
+    block ``u``'s first key is staged key ``blk_kat[u]``, its first row staged row
+    ``blk_at[u]``. ``ublk[j]``: the block of position ``pos[j]`` (-1 outside its file).
+    Returns the arrays, then the numbers of staged keys and staged rows."""
+    m = pos.size
+    blk_task = np.empty(m, np.int64)
+    blk_b = np.empty(m, np.int64)
+    blk_kat = np.empty(m, np.int64)
+    blk_at = np.empty(m, np.int64)
+    blk_n = np.empty(m, np.int64)
+    ublk = np.full(m, -1, np.int64)
+    ranges = np.empty((2 * m, 5), np.int64)  # fd, offset, length, kind, staging byte
+    nb = 0
+    nr = 0
+    kstage = 0  # staged keys so far
+    rstage = 0  # staged rows so far
+    key_gap = max_gap // 8  # rows between two blocks' keys that still join one range
+    row_gap = max_gap // max(row_bytes, 1)
+    for t in range(tstart.size - 1):
+        a, e = tstart[t], tstart[t + 1]
+        n = nrows[t]
+        if a == e:
+            continue
+        fd = tfd[t]
+        rows_base = HEADER_BYTES + 16 * n
+        bs = np.unique(pos[a:e] // block_rows)
+        first = nb
+        k_first = -1  # first row of the open key run, its staging row
+        k_at = 0
+        r_first = -1
+        r_at = 0
+        end = 0  # the row after the previous block
+        for k in range(bs.size):
+            b = bs[k]
+            lo = b * block_rows
+            if lo >= n:  # positions outside the file: their key check fails
+                break
+            hi = min(n, lo + block_rows)
+            if k_first >= 0 and lo - end >= key_gap:
+                nr = _close_run(ranges, nr, fd, HEADER_BYTES, k_first, end - k_first, 8, k_at, 0)
+                kstage = k_at + end - k_first
+                k_first = -1
+            if r_first >= 0 and lo - end >= row_gap:
+                nr = _close_run(ranges, nr, fd, rows_base, r_first, end - r_first, row_bytes, r_at, 1)
+                rstage = r_at + end - r_first
+                r_first = -1
+            if k_first < 0:
+                k_first = lo
+                k_at = kstage
+            if r_first < 0:
+                r_first = lo
+                r_at = rstage
+            blk_task[nb] = t
+            blk_b[nb] = b
+            blk_kat[nb] = k_at + lo - k_first
+            blk_at[nb] = r_at + lo - r_first
+            blk_n[nb] = hi - lo
+            nb += 1
+            end = hi
+        if k_first >= 0:
+            nr = _close_run(ranges, nr, fd, HEADER_BYTES, k_first, end - k_first, 8, k_at, 0)
+            kstage = k_at + end - k_first
+        if r_first >= 0:
+            nr = _close_run(ranges, nr, fd, rows_base, r_first, end - r_first, row_bytes, r_at, 1)
+            rstage = r_at + end - r_first
+        for j in range(a, e):
+            b = pos[j] // block_rows
+            k = np.searchsorted(blk_b[first:nb], b)
+            if pos[j] < n and first + k < nb and blk_b[first + k] == b:
+                ublk[j] = first + k
+    return (
+        blk_task[:nb],
+        blk_b[:nb],
+        blk_kat[:nb],
+        blk_at[:nb],
+        blk_n[:nb],
+        ublk,
+        ranges[:nr],
+        kstage,
+        rstage,
+    )
 
 
 def _will_need(fds: list[int]) -> None:
@@ -132,36 +194,37 @@ def _will_need(fds: list[int]) -> None:
 
 
 class Reads:
-    """The loads of one store: its kept memory maps and per-thread read buffers. Works on the
-    store's key map and file table under the store's lock."""
+    """The loads of one store and their per-thread read buffers. Works on the store's key map
+    and file table (``state``) under the state's lock."""
 
-    def __init__(self, store: SSDPS) -> None:
-        self.store = store
-        self.maps: dict[int, FileMap] = {}  # file number -> memory map kept for partial reads
+    def __init__(self, state: StoreState) -> None:
+        self.state = state
         self._tls = threading.local()
+        # files opened per whole-file round: about ROUND_BYTES, at least 2, at most MAX_OPEN_FILES
+        self.round_files = int(min(MAX_OPEN_FILES, max(2, ROUND_BYTES // (state.record * state.rows_per_file))))
 
     def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
         """Rows of ``keys``, the found mask, and the load's counters (see :meth:`SSDPS.load`)."""
-        st = self.store
-        pool = st._pool
+        st = self.state
+        pool = st.pool
         # zeros: absent rows stay zero, and the pages fault in on the I/O threads as rows land
         out = np.zeros((keys.size, st.width), dtype=np.float32)
         first_fds: list[int] = []
         pending: list[list] = []  # futures of whole-file rounds in flight
-        opened: list[tuple[list, list]] = []
+        opened: list[tuple[list, list, list]] = []
         prefetch: list = []
         n_files = n_bytes = 0
         n_partial = 0
         try:
-            with st._lock:
-                files, kmap = st._files, st._keys
-                if keys.size * st._block_rows >= 2 * st.partial_read_share * kmap.size:
+            with st.lock:
+                files, kmap = st.files, st.keys
+                if keys.size * st.block_rows >= 2 * st.partial_read_share * kmap.size:
                     # So many keys that (nearly) every file will be read whole: start reading
                     # the first files while the lookup and grouping below run (~0.1 s per 2M keys).
-                    early = np.flatnonzero(files.no >= 0)[: st._round_files]
-                    opened.append(([], first_fds))  # closed at the end
+                    early = np.flatnonzero(files.no >= 0)[: self.round_files]
+                    opened.append(([], first_fds, []))  # closed at the end
                     for no in files.no[early].tolist():
-                        first_fds.append(os.open(st._path(no), os.O_RDONLY))
+                        first_fds.append(os.open(st.path(no), os.O_RDONLY))
                     prefetch.append(pool.submit(_will_need, first_fds))
                 slots = kmap.find(keys)
                 idx, pos, starts = _resolve(slots, kmap.file_slot, kmap.pos, files.capacity)
@@ -169,7 +232,7 @@ class Reads:
                 groups = np.flatnonzero(starts[1:] > starts[:-1])
                 partial = self._partial_groups(groups, starts, pos, file_no)
                 whole = groups[~partial]
-                rf = st._round_files
+                rf = self.round_files
                 rounds = [whole[r : r + rf] for r in range(0, whole.size, rf)]
                 if rounds:  # start the I/O right away
                     opened.append(self._open_round(keys, rounds[0], starts, idx, pos, file_no))
@@ -178,25 +241,25 @@ class Reads:
                 prefetch.append(pool.submit(_will_need, whole_rounds[0][1]))
             found = slots >= 0
             n_present = int(idx.size)
-            # Files whose requested rows fill few blocks: only those blocks are read (memory
-            # map, checksummed blocks), in rounds of open descriptors, no read-ahead hint.
+            # Files whose requested rows fill few blocks: only those blocks are read (merged
+            # ranges, all in flight, checksummed blocks), in rounds of open descriptors.
             part = groups[partial]
-            for r in range(0, part.size, MAX_OPEN_FILES):
-                tasks, fds = self._open_round(
-                    keys, part[r : r + MAX_OPEN_FILES], starts, idx, pos, file_no, mapped=True
-                )
-                opened.append((tasks, fds))
-                futures = [
-                    pool.submit(self._read_partial, keys, out, i, p, st._path(no), fd)
-                    if isinstance(fd, FileMap)
-                    else pool.submit(self._read_rows, keys, out, i, p, st._path(no), fd)
-                    for (i, p, no), fd in zip(tasks, fds)
-                ]
-                wait(futures)
-                for fut in futures:
-                    b, was_partial = fut.result()
-                    n_bytes += b
-                    n_partial += was_partial
+            for r in range(0, part.size, PARTIAL_ROUND_FILES):
+                opened.append(self._open_round(keys, part[r : r + PARTIAL_ROUND_FILES], starts, idx, pos, file_no))
+                tasks, fds, metas = opened[-1]
+                blocky = [t for t, (_, table) in enumerate(metas) if table is not None]
+                if len(blocky) < len(tasks):  # moved to a file without a block table: read whole
+                    futures = [
+                        pool.submit(self._read_rows, keys, out, tasks[t][0], tasks[t][1], st.path(tasks[t][2]), fds[t])
+                        for t in range(len(tasks))
+                        if metas[t][1] is None
+                    ]
+                    wait(futures)
+                    n_bytes += sum(fut.result()[0] for fut in futures)
+                if blocky:
+                    picked = ([tasks[t] for t in blocky], [fds[t] for t in blocky], [metas[t] for t in blocky])
+                    n_bytes += self._read_blocks(keys, out, *picked)
+                    n_partial += len(blocky)
                 n_files += len(tasks)
             # Whole files: rounds of a few files (ROUND_BYTES), opened under the lock: an open
             # descriptor keeps a file readable even if compaction unlinks it a moment later.
@@ -205,10 +268,10 @@ class Reads:
             # sees a deep queue) and queued on the I/O threads as soon as round r is queued; round
             # r + 2 waits until round r is done (two rounds in flight, no idle threads between).
             for r in range(len(rounds)):
-                tasks, fds = whole_rounds[r]
+                tasks, fds, _ = whole_rounds[r]
                 pending.append(
                     [
-                        pool.submit(self._read_rows, keys, out, i, p, st._path(no), fd)
+                        pool.submit(self._read_rows, keys, out, i, p, st.path(no), fd)
                         for (i, p, no), fd in zip(tasks, fds)
                     ]
                 )
@@ -227,7 +290,7 @@ class Reads:
             for futures in pending:  # an error left reads running: they use the descriptors
                 wait(futures)
             wait(prefetch)  # before their descriptors close
-            for _, fds in opened:
+            for _, fds, _ in opened:
                 self.close_all(fds)
         counts = {
             "rows_loaded": n_present,
@@ -238,29 +301,10 @@ class Reads:
         }
         return out, found, counts
 
-    def _acquire_map(self, no: int) -> FileMap:
-        """The kept memory map of live file ``no`` (created on first use); call under the lock."""
-        m = self.maps.get(no)
-        if m is None:
-            m = self.maps[no] = FileMap(self.store._path(no))
-        m.table = self.store._files.tables.get(no)
-        m.refs += 1
-        return m
-
-    def close_all(self, fds: list) -> None:
-        """Close the descriptors of a round and release its kept maps."""
-        with self.store._lock:
-            for fd in fds:
-                if isinstance(fd, FileMap):
-                    fd.release()
-                else:
-                    os.close(fd)
-
-    def drop_map(self, no: int) -> None:
-        """File ``no`` leaves the live set (call under the lock)."""
-        m = self.maps.pop(no, None)
-        if m is not None:
-            m.retire()
+    def close_all(self, fds: list[int]) -> None:
+        """Close the descriptors of a round."""
+        for fd in fds:
+            os.close(fd)
 
     def _open_round(
         self,
@@ -270,16 +314,16 @@ class Reads:
         idx: np.ndarray,
         pos: np.ndarray,
         file_no: np.ndarray,
-        mapped: bool = False,
-    ) -> tuple[list, list]:
+    ) -> tuple[list, list, list]:
         """Tasks ``(idx, pos, file number)`` for the file slots ``group_slots`` and, per task, an
-        open descriptor (``mapped``: the file's kept memory map where it has a block table)."""
-        st = self.store
+        open descriptor and ``(rows, block table or None)`` of the file, taken under the lock."""
+        st = self.state
         tasks: list[tuple[np.ndarray, np.ndarray, int]] = []
-        fds: list[int | FileMap] = []
+        fds: list[int] = []
+        metas: list[tuple[int, np.ndarray | None]] = []
         moved: list[np.ndarray] = []
-        with st._lock:
-            files, kmap = st._files, st._keys
+        with st.lock:
+            files, kmap = st.files, st.keys
             for s in group_slots.tolist():
                 a, b = int(starts[s]), int(starts[s + 1])
                 if files.no[s] == file_no[s]:
@@ -295,14 +339,12 @@ class Reads:
                     tasks.append((mi[sel], mp[sel], int(files.no[s])))
             try:
                 for t in tasks:
-                    if mapped and t[2] in files.tables:
-                        fds.append(self._acquire_map(t[2]))
-                    else:
-                        fds.append(os.open(st._path(t[2]), os.O_RDONLY))
+                    fds.append(os.open(st.path(t[2]), os.O_RDONLY))
+                    metas.append((int(files.n[files.slot_of[t[2]]]), files.tables.get(t[2])))
             except BaseException:
                 self.close_all(fds)
                 raise
-        return tasks, fds
+        return tasks, fds, metas
 
     def _read_rows(
         self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str, fd: int
@@ -311,7 +353,7 @@ class Reads:
         size = os.fstat(fd).st_size
         if buf is None or buf.size < size:
             buf = self._tls.buf = np.empty(max(size, 1 << 20), dtype=np.uint8)
-        pf = read_file(path, fd, self.store.width, buf=buf)
+        pf = read_file(path, fd, self.state.width, buf=buf)
         bad = _pick_rows(out, idx, pf.rows, pos, pf.keys, keys)
         if bad >= 0:
             raise CorruptFileError(
@@ -324,53 +366,65 @@ class Reads:
     ) -> np.ndarray:
         """Which of the file slots ``groups`` to read partially: files with a block table
         (format 3) whose requested rows lie in at most ``partial_read_share`` of their blocks."""
-        st = self.store
-        tables = st._files.tables
+        st = self.state
+        tables = st.files.tables
         if groups.size == 0 or st.partial_read_share <= 0 or not tables:
             return np.zeros(groups.size, dtype=bool)
-        br = st._block_rows
+        br = st.block_rows
         touched = touched_blocks(pos, starts, groups, br)
-        blocks = -(-st._files.n[groups] // br)
+        blocks = -(-st.files.n[groups] // br)
         ok = touched <= st.partial_read_share * blocks
         if ok.any():
             have = np.fromiter((int(no) in tables for no in file_no[groups[ok]]), bool, int(ok.sum()))
             ok[np.flatnonzero(ok)[~have]] = False
         return ok
 
-    def _read_partial(
-        self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str, m: FileMap
-    ) -> tuple[int, bool]:
-        """Copy the requested rows of one file out of its read-only memory map, verifying the
-        checksum of every block touched and the key at every position. Returns the bytes of the
-        blocks touched (an estimate of what the device read)."""
-        st = self.store
-        table = m.table
-        size = m.size
-        data = np.frombuffer(m.mm, dtype=np.uint8)
-        try:
-            h = decode_header(data[:HEADER_BYTES], path)
-            if table is None:
-                raise CorruptFileError(f"{path}: no block table to verify a partial read with")
-            if (
-                h.width != st.width
-                or h.size != size
-                or h.block_rows != st._block_rows
-                or h.version not in PARTIAL_VERSIONS
-            ):
-                raise CorruptFileError(
-                    f"{path}: size {size} bytes, header says {h.size} "
-                    f"({h.n} rows of width {h.width}, blocks of {h.block_rows})"
-                )
-            if table.size != h.n_blocks or zlib.crc32(table.data) != h.table_crc:
-                raise CorruptFileError(f"{path}: block table checksum mismatch")
-            r, touched = pick_blocks(data, h, table, out, idx, pos, keys)
-        finally:
-            del data
+    def _read_blocks(self, keys: np.ndarray, out: np.ndarray, tasks: list, fds: list[int], metas: list) -> int:
+        """Read the touched blocks of the files ``tasks`` (open as ``fds``; ``metas``: rows and
+        block table of each) in merged ranges, all hinted then read on the I/O threads into one
+        staging buffer; verify each block's checksum and the key at each position, and place the
+        rows. Returns the bytes read."""
+        st = self.state
+        sizes = np.fromiter((t[0].size for t in tasks), np.int64, len(tasks))
+        tstart = np.zeros(len(tasks) + 1, np.int64)
+        np.cumsum(sizes, out=tstart[1:])
+        idx = np.concatenate([t[0] for t in tasks])
+        pos = np.concatenate([t[1] for t in tasks])
+        nrows = np.fromiter((m[0] for m in metas), np.int64, len(metas))
+        tfd = np.asarray(fds, np.int32)
+        row_bytes = 4 * st.width
+        blk_task, blk_b, blk_kat, blk_at, blk_n, ublk, ranges, n_keys, n_rows = _plan_blocks(
+            tstart, pos, nrows, tfd, st.block_rows, row_bytes, MERGE_GAP_BYTES
+        )
+        r_fd, r_off, r_len, r_kind, r_dest = (np.ascontiguousarray(c) for c in ranges.T)
+        staged_keys = np.empty(n_keys, np.uint64)
+        staged_rows = np.empty((n_rows, st.width), np.float32)
+        dest = r_dest + np.where(r_kind == 0, staged_keys.ctypes.data, staged_rows.ctypes.data)
+        expected = np.empty(blk_b.size, np.uint32)
+        bstart = np.searchsorted(blk_task, np.arange(len(tasks) + 1))
+        for t, (_, table) in enumerate(metas):
+            a, b = bstart[t], bstart[t + 1]
+            expected[a:b] = table[blk_b[a:b]]
+        short = read_ranges(st.pool, st.io_threads, r_fd, dest, r_off, r_len)
+        if short:
+            raise CorruptFileError(
+                f"{short} short reads of blocks in {len(tasks)} parameter files "
+                f"({st.path(tasks[0][2])}, ...): a file shorter than its rows (truncated)"
+            )
+        r = pick_staged(
+            staged_keys, staged_rows, blk_b, blk_kat, blk_at, blk_n, expected, out, idx, pos, ublk, keys, st.block_rows
+        )
         if r > 0:
-            raise CorruptFileError(f"{path}: block {r - 1} checksum mismatch (rows {(r - 1) * h.block_rows}.. damaged)")
+            u = r - 1
+            t = int(blk_task[u])
+            raise CorruptFileError(
+                f"{st.path(tasks[t][2])}: block {int(blk_b[u])} checksum mismatch "
+                f"(rows {int(blk_b[u]) * st.block_rows}.. damaged)"
+            )
         if r < 0:
             j = -r - 1
+            t = int(np.searchsorted(tstart, j, side="right") - 1)
             raise CorruptFileError(
-                f"{path}: row {int(pos[j])} does not hold key {int(keys[idx[j]])} as the mapping says"
+                f"{st.path(tasks[t][2])}: row {int(pos[j])} does not hold key {int(keys[idx[j]])} as the mapping says"
             )
-        return HEADER_BYTES + touched * h.block_rows * st._rec, True
+        return int(r_len.sum())

@@ -25,27 +25,15 @@ import os
 import shutil
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hpsray.errors import CorruptFileError, SSDError
+from hpsray.fileio import FULL_ERRNOS, fsync_dir, fsync_path, full_error
 from hpsray.tiers.ssd.manifest import NAME as MANIFEST_NAME
 from hpsray.tiers.ssd.manifest import Manifest, write_manifest
-from hpsray.tiers.ssd.paramfile import (
-    FULL_ERRNOS,
-    HEADER_BYTES,
-    decode_header,
-    file_name,
-    fsync_dir,
-    fsync_path,
-    full_error,
-    parse_file_name,
-    read_file,
-)
-
-if TYPE_CHECKING:
-    from hpsray.tiers.ssd.store import SSDPS
+from hpsray.tiers.ssd.paramfile import HEADER_BYTES, decode_header, file_name, parse_file_name, read_file
+from hpsray.tiers.ssd.state import StoreState
 
 __all__ = ["FORMAT", "NAME", "VERSION", "check_param_file", "restore_snapshot", "take_snapshot", "verify_snapshot"]
 
@@ -100,11 +88,12 @@ def _needed(files: list[tuple[int, int]], done: dict) -> int:
     return meta + (sum(size for _, size in files) if done["copying"] else 0)
 
 
-def take_snapshot(store: SSDPS, dest: str | os.PathLike, *, link: bool = True) -> dict:
-    """Reference the store's current state in ``dest`` (absent or empty; created): see the module
-    docstring. Consistent while dumps and background compaction run: the live file set is read
-    under the store's lock, and compaction waits until every file is linked (or copied: copies
-    hold compaction back for their duration). ``link=False`` always copies.
+def take_snapshot(store: StoreState, dest: str | os.PathLike, *, link: bool = True) -> dict:
+    """Reference the current state of a store (``store``: its shared state) in ``dest`` (absent
+    or empty; created): see the module docstring. Consistent while dumps and background
+    compaction run: the live file set is read under the store's lock, and compaction waits
+    until every file is linked (or copied: copies hold compaction back for their duration).
+    ``link=False`` always copies.
 
     Returns ``{"files", "bytes", "rows", "linked", "copied", "dumps", "seconds"}`` (``dumps``:
     the store's dump count at the snapshot, whose state it holds). Raises
@@ -120,12 +109,12 @@ def take_snapshot(store: SSDPS, dest: str | os.PathLike, *, link: bool = True) -
     files: list[tuple[int, int]] = []
     done = {"linked": 0, "copied": 0, "copying": False}
     try:
-        with store._compaction.lock:  # no pass unlinks a listed file before it is linked
-            store._check_open()
-            with store._lock:
-                f = store._files
+        with store.compaction_lock:  # no pass unlinks a listed file before it is linked
+            store.check_open()
+            with store.lock:
+                f = store.files
                 files = sorted((int(no), int(f.size[s])) for no, s in f.slot_of.items())
-                rows, next_no, dumps = store._keys.size, store._next_file_no, store._stats["dumps"]
+                rows, next_no, dumps = store.keys.size, store.next_file_no, int(store.stats["dumps"])
             _link_files(store.directory, dest, files, link, done)
         total = sum(size for _, size in files)
         write_manifest(dest, store.width, {no for no, _ in files}, next_no)

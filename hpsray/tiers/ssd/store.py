@@ -1,15 +1,15 @@
 """SSD-PS: a node's shard of rows in append-only parameter files (paper §6, App. E).
 
-* **Mapping.** key → (file, position) lives in memory: a width-0
-  :class:`~hpsray.kernels.cpu.CpuHashTable` as the key → slot index plus two ``int32``
-  arrays indexed by that slot (the file's dense *file slot* and the row's position in it).
-  Live files sit in dense file slots of numpy arrays (number, rows, live rows, bytes), so
-  stale counting and victim selection are vectorised. Reopening rebuilds all of it from the
-  manifest and the files' key/version indexes.
+* **Mapping.** key → (file, position) lives in memory: a compact open-addressing table
+  (:class:`~hpsray.tiers.ssd.keymap.KeyMap`, 20–30 bytes per key: the key, the file's dense
+  *file slot* and the row's position in it). Live files sit in dense file slots of numpy
+  arrays (number, rows, live rows, bytes), so stale counting and victim selection are
+  vectorised. Reopening rebuilds all of it from the manifest and the files' key/version indexes.
 * **load(keys)** reads every file that holds a requested key whole (one I/O per file, several
   files in flight), verifies its checksums and picks the rows out; a file whose requested rows
-  lie in few checksummed blocks is read partially instead, through a memory map kept across
-  loads. Keys never stored come back flagged absent so that the caller initialises them.
+  lie in few checksummed blocks is read partially instead: the touched blocks of all such
+  files in merged ranges, all in flight at once (``pread`` on the I/O threads). Keys never
+  stored come back flagged absent so that the caller initialises them.
 * **dump(keys, rows)** writes the rows as *new* files, sequentially, each under a temporary
   name; fsyncs them, renames them, fsyncs the directory; appends one manifest record adding
   them and fsyncs it; only then updates the mapping and returns (the acknowledgement). The
@@ -30,44 +30,33 @@
   can hold an older copy of its keys.
 
 The parts, one idea per module (like LevelDB's version set, table cache and compaction):
-``store`` (this facade: dump, the public API, lifecycle), ``keymap`` (key → file and position;
-recovery), ``files`` (the file table, victim choice, writing files), ``reads`` (load planning
-and I/O), ``compaction`` (passes, thread, backpressure), and the on-disk format in ``paramfile``
-and ``manifest``. See ``docs/tiers.md`` for the formats, the durability protocol and measurements.
+``store`` (this facade: dump, the public API, lifecycle), ``state`` (the one object the parts
+share: options, locks, file table, key map, manifest, file numbers, counters), ``keymap``
+(key → file and position; recovery), ``files`` (the file table, victim choice, writing files),
+``reads`` (load planning and I/O), ``compaction`` (passes, thread, backpressure, tombstone
+retirement), and the on-disk format in ``paramfile`` and ``manifest``. See ``docs/tiers.md``
+for the formats, the durability protocol and measurements.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from hpsray.errors import CorruptFileError, SSDError, SSDFullError
+from hpsray.fileio import Writer
 from hpsray.kernels.table import as_keys, as_rows
 from hpsray.tiers.ssd.bulkload import TableImport, bulk_load
 from hpsray.tiers.ssd.compaction import Compaction, space_ratio
-from hpsray.tiers.ssd.files import FileTable, remove_files, write_files
-from hpsray.tiers.ssd.keymap import KeyMap, recover
-from hpsray.tiers.ssd.manifest import Manifest
-from hpsray.tiers.ssd.paramfile import (
-    FLAG_COMPACTED,
-    FLAG_TOMBSTONE,
-    HEADER_BYTES,
-    Writer,
-    block_rows_for,
-    file_name,
-    fsync_path,
-    read_file,
-    record_bytes,
-    unlink_quiet,
-)
-from hpsray.tiers.ssd.reads import MAX_OPEN_FILES, ROUND_BYTES, Reads
+from hpsray.tiers.ssd.files import remove_files
+from hpsray.tiers.ssd.paramfile import FLAG_COMPACTED, FLAG_TOMBSTONE, HEADER_BYTES, read_file, record_bytes
+from hpsray.tiers.ssd.reads import Reads
 from hpsray.tiers.ssd.snapshot import restore_snapshot, take_snapshot
+from hpsray.tiers.ssd.state import StoreState
 
 __all__ = ["DEFAULT_FILE_BYTES", "SSDPS", "CorruptFileError", "SSDError", "SSDFullError", "default_rows_per_file"]
 
@@ -99,8 +88,8 @@ class SSDPS:
         background: run compaction in a background thread (else only inline, see above).
         io_threads: files read (and fsynced) concurrently.
         partial_read_share: a load reads only the checksummed blocks holding the requested
-            rows of a file (through a memory map, see :func:`~hpsray.tiers.ssd.paramfile.pick_blocks`)
-            when those blocks are at most this share of the file; else the whole file.
+            rows of a file (see :mod:`~hpsray.tiers.ssd.reads`) when those blocks are at most
+            this share of the file; else the whole file.
         compact_pass_bytes: most input bytes one compaction pass rewrites (the most stale
             files first), so a pass, and a dump waiting on it, stays short.
         merge_small_files: once this many files hold fewer than ``rows_per_file / 2`` rows
@@ -133,116 +122,42 @@ class SSDPS:
             raise ValueError(f"compact_trigger must be >= 1, got {compact_trigger}")
         if width is not None and width < 0:
             raise ValueError(f"width must be >= 0, got {width}")
-        self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
-        self.stale_threshold = float(stale_threshold)
-        self.compact_trigger = float(compact_trigger)
-        self.max_space_ratio = max_space_ratio
-        self.compact_pass_bytes = int(compact_pass_bytes)
         if merge_small_files < 2:
             raise ValueError(f"merge_small_files must be >= 2, got {merge_small_files}")
-        self.merge_small_files = int(merge_small_files)
-        self.partial_read_share = float(partial_read_share)
-        self._write = write
-
-        self._lock = threading.RLock()  # key map, file table, counters; held briefly
-        self._dump_lock = threading.Lock()  # dumps are sequential
-        self._closed = False
-        self._stats = {
-            "dumps": 0,
-            "rows_dumped": 0,
-            "bytes_written": 0,
-            "files_written": 0,
-            "dump_seconds": 0.0,
-            "loads": 0,
-            "rows_loaded": 0,
-            "rows_absent": 0,
-            "bytes_read": 0,
-            "files_read": 0,
-            "load_seconds": 0.0,
-            "files_read_partially": 0,
-            "compactions": 0,
-            "files_compacted": 0,
-            "compaction_bytes_read": 0,
-            "compaction_bytes_written": 0,
-            "compaction_seconds": 0.0,
-            "backpressure_waits": 0,
-            "garbage_files_removed": 0,
-            "deletes": 0,
-            "rows_deleted": 0,
-            "tombstone_files_written": 0,
-            "tombstone_files_retired": 0,
-        }
-
-        self._manifest = Manifest.open(self.directory, width, write)
-        self.width = self._manifest.width
-        self._rec = record_bytes(self.width)
-        self._block_rows = block_rows_for(self.width)
-        self.rows_per_file = int(rows_per_file or default_rows_per_file(self.width))
-        self._round_files = int(min(MAX_OPEN_FILES, max(2, ROUND_BYTES // (self._rec * self.rows_per_file))))
-        self._files = FileTable()
-        self._keys = KeyMap()
-        self._tombstones: dict[int, np.ndarray] = {}  # tombstone file number -> its dependencies
-        self._next_file_no, self._stats["garbage_files_removed"] = recover(
-            self.directory, self._manifest, self.width, self._block_rows, self._files, self._keys, self._tombstones
-        )
-        self._manifest.maybe_rewrite()
-
-        self._reads = Reads(self)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="ssdps-io")
-        self._compaction = Compaction(self, background)
-        self._compaction.start()
-
-    # -- shared by the parts -------------------------------------------------------------
-
-    def _path(self, file_no: int) -> str:
-        return os.path.join(self.directory, file_name(file_no))
-
-    def _live_bytes(self) -> int:
-        return self._keys.size * self._rec
-
-    def _allocate_file_numbers(self, n: int) -> range:
-        """``n`` fresh file numbers (dumps and compaction draw from one counter)."""
-        with self._lock:
-            first = self._next_file_no
-            self._next_file_no += n
-        return range(first, first + n)
-
-    def _write_files(
-        self, nos: list[int], keys: np.ndarray, versions: np.ndarray, rows: np.ndarray, flags: int
-    ) -> tuple[list[int], dict[int, np.ndarray]]:
-        """Write (and fsync) the files ``nos``, ``rows_per_file`` rows each: see :func:`write_files`."""
-        return write_files(
+        self.directory = os.fspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.state = StoreState(
             self.directory,
-            nos,
-            keys,
-            versions,
-            rows,
-            self.rows_per_file,
-            flags,
-            self._write,
-            lambda paths: list(self._pool.map(fsync_path, paths)),
+            width,
+            rows_per_file=rows_per_file,
+            default_rows_per_file=default_rows_per_file,
+            stale_threshold=float(stale_threshold),
+            compact_trigger=float(compact_trigger),
+            max_space_ratio=max_space_ratio,
+            compact_pass_bytes=int(compact_pass_bytes),
+            merge_small_files=int(merge_small_files),
+            partial_read_share=float(partial_read_share),
+            io_threads=io_threads,
+            write=write,
         )
-
-    def _hook(self, point: str) -> None:
-        """Test seam: called at named points of the write protocol (see the crash tests)."""
-
-    @property
-    def _maps(self) -> dict:
-        """The memory maps kept for partial reads, by file number."""
-        return self._reads.maps
+        """The state the store's parts share (:class:`~hpsray.tiers.ssd.state.StoreState`)."""
+        self.width = self.state.width
+        self.rows_per_file = self.state.rows_per_file
+        self._reads = Reads(self.state)
+        self._compaction = Compaction(self.state, background)
+        self._compaction.start()
 
     # -- public API ----------------------------------------------------------------------
 
     def __len__(self) -> int:
-        with self._lock:
-            return self._keys.size
+        with self.state.lock:
+            return self.state.keys.size
 
     def contains(self, keys: ArrayLike) -> np.ndarray:
         """Whether each key has a stored row."""
         keys = as_keys(keys)
-        with self._lock:
-            return self._keys.find(keys) >= 0
+        with self.state.lock:
+            return self.state.keys.find(keys) >= 0
 
     def load(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``keys`` and a mask of which keys were found.
@@ -253,11 +168,11 @@ class SSDPS:
         Raises :class:`CorruptFileError` when a file fails its checks.
         """
         keys = as_keys(keys)
-        self._check_open()
+        self.state.check_open()
         t0 = time.perf_counter()
         out, found, counts = self._reads.load(keys)
-        with self._lock:
-            st = self._stats
+        with self.state.lock:
+            st = self.state.stats
             st["loads"] += 1
             for k, v in counts.items():
                 st[k] += v
@@ -280,45 +195,45 @@ class SSDPS:
         keys, rows = keys[pick], rows[pick]
         t0 = time.perf_counter()
         rpf = self.rows_per_file
-        with self._dump_lock:
-            self._check_open()
+        with self.state.dump_lock:
+            self.state.check_open()
             self._compaction.raise_fatal()
             n_files = -(-keys.size // rpf)
-            nos = self._allocate_file_numbers(n_files)
+            nos = self.state.allocate_file_numbers(n_files)
             versions = np.repeat(np.asarray(nos, dtype=np.uint64), rpf)[: keys.size]
-            sizes, tables = self._write_files(list(nos), keys, versions, rows, 0)
-            self._hook("dump:written")
+            sizes, tables = self.state.write_files(list(nos), keys, versions, rows, 0)
+            self.state.hook("dump:written")
             try:
-                self._manifest.append(add=list(nos), next_file_no=nos.stop)
+                self.state.manifest.append(add=list(nos), next_file_no=nos.stop)
             except BaseException:
                 remove_files(self.directory, nos)
                 raise
-            self._hook("dump:recorded")
-            with self._lock:
-                kmap = self._keys
+            self.state.hook("dump:recorded")
+            with self.state.lock:
+                kmap = self.state.keys
                 kmap.grow(keys.size)
                 slots = kmap.find(keys)
-                self._files.kill(kmap.file_slot[slots[slots >= 0]])
-                fslots = self._files.add_written(nos, sizes, tables, int(keys.size), rpf, None, 0)
+                self.state.files.kill(kmap.file_slot[slots[slots >= 0]])
+                fslots = self.state.files.add_written(nos, sizes, tables, int(keys.size), rpf, None, 0)
                 pos = np.arange(keys.size, dtype=np.int64)
                 kmap.place(keys, fslots[pos // rpf], pos % rpf)
-                st = self._stats
+                st = self.state.stats
                 st["dumps"] += 1
                 st["rows_dumped"] += int(keys.size)
                 st["bytes_written"] += sum(sizes)
                 st["files_written"] += n_files
                 st["dump_seconds"] += time.perf_counter() - t0
-                ratio = space_ratio(self._files.disk_bytes, self._live_bytes())
-            self._manifest.maybe_rewrite()
+                ratio = space_ratio(self.state.files.disk_bytes, self.state.live_bytes())
+            self.state.manifest.maybe_rewrite()
         self._compaction.wake.set()  # the thread checks needs_compaction(): space ratio, small files
-        if self.max_space_ratio is not None and ratio > self.max_space_ratio:
+        if self.state.max_space_ratio is not None and ratio > self.state.max_space_ratio:
             self._compaction.backpressure()
 
     def bulk_load(self, spec: TableImport, shard: tuple[int, int] | None = None) -> dict:
         """Load an exported table (``spec``) into this empty store: sequential file writes, the
         key map built as they are written, one manifest edit at the end; on any error nothing is
         loaded. See :func:`~hpsray.tiers.ssd.bulkload.bulk_load`."""
-        return bulk_load(self, spec, shard)
+        return bulk_load(self.state, spec, shard)
 
     def delete(self, keys: ArrayLike) -> int:
         """Durably delete the rows of ``keys`` (absent keys are skipped); returns the rows deleted.
@@ -332,62 +247,43 @@ class SSDPS:
             return 0
         t0 = time.perf_counter()
         rpf = self.rows_per_file
-        with self._dump_lock, self._compaction.lock:  # no pass may copy a row it is deleting
-            self._check_open()
-            with self._lock:
-                keys = keys[self._keys.find(keys) >= 0]
+        with self.state.dump_lock, self.state.compaction_lock:  # no pass may copy a row it is deleting
+            self.state.check_open()
+            with self.state.lock:
+                keys = keys[self.state.keys.find(keys) >= 0]
             if keys.size == 0:
                 return 0
             n_files = -(-keys.size // rpf)
-            nos = self._allocate_file_numbers(n_files)
+            nos = self.state.allocate_file_numbers(n_files)
             versions = np.repeat(np.asarray(nos, dtype=np.uint64), rpf)[: keys.size]
             zeros = np.zeros((keys.size, self.width), dtype=np.float32)
-            sizes, tables = self._write_files(list(nos), keys, versions, zeros, FLAG_TOMBSTONE)
-            self._hook("delete:written")
+            sizes, tables = self.state.write_files(list(nos), keys, versions, zeros, FLAG_TOMBSTONE)
+            self.state.hook("delete:written")
             try:
-                self._manifest.append(add=list(nos), next_file_no=nos.stop)
+                self.state.manifest.append(add=list(nos), next_file_no=nos.stop)
             except BaseException:
                 remove_files(self.directory, nos)
                 raise
-            self._hook("delete:recorded")
-            with self._lock:
-                _, file_slots = self._keys.remove(keys)
-                f = self._files
+            self.state.hook("delete:recorded")
+            with self.state.lock:
+                _, file_slots = self.state.keys.remove(keys)
+                f = self.state.files
                 f.kill(file_slots)
                 slots = f.add_written(nos, sizes, tables, int(keys.size), rpf, None, FLAG_TOMBSTONE)
                 # any older copy of a deleted key is a stale row, so it sits in a file with stale rows
                 rows_files = (f.no >= 0) & ((f.flags & FLAG_TOMBSTONE) == 0) & (f.n > f.live)
                 deps = f.no[rows_files].copy()
                 for s in slots.tolist():
-                    self._tombstones[int(f.no[s])] = deps
-                st = self._stats
+                    self.state.tombstones[int(f.no[s])] = deps
+                st = self.state.stats
                 st["deletes"] += 1
                 st["rows_deleted"] += int(keys.size)
                 st["tombstone_files_written"] += n_files
                 st["bytes_written"] += sum(sizes)
                 st["dump_seconds"] += time.perf_counter() - t0
-            self._manifest.maybe_rewrite()
+            self.state.manifest.maybe_rewrite()
         self._compaction.wake.set()
         return int(keys.size)
-
-    def _retire_tombstones(self) -> int:
-        """Remove the tombstone files none of whose dependencies is live any more (the caller
-        holds the compaction lock); returns how many."""
-        with self._lock:
-            live = np.fromiter(self._files.slot_of, dtype=np.int64, count=len(self._files.slot_of))
-            done = [no for no, deps in self._tombstones.items() if not np.isin(deps, live).any()]
-        if not done:
-            return 0
-        self._manifest.append(delete=done)
-        with self._lock:
-            for no in done:
-                self._files.remove(self._files.slot_of[no])
-                self._reads.drop_map(no)
-                unlink_quiet(self._path(no))
-                del self._tombstones[no]
-            self._stats["tombstone_files_retired"] += len(done)
-        self._manifest.maybe_rewrite()
-        return len(done)
 
     # -- compaction (compaction.py) ------------------------------------------------------
 
@@ -399,7 +295,7 @@ class SSDPS:
     def compact(self, full: bool = False) -> int:
         """Run compaction passes now, in this thread, until no file exceeds the stale
         threshold (``full=True``: until no file has a stale row). Returns files rewritten."""
-        self._check_open()
+        self.state.check_open()
         done = 0
         while True:
             n = self._compact_pass(full)
@@ -408,11 +304,7 @@ class SSDPS:
             done += n
 
     def _compact_pass(self, full: bool = False) -> int:
-        done = self._compaction.run_pass(full)
-        if self._tombstones:
-            with self._compaction.lock:
-                done += self._retire_tombstones()
-        return done
+        return self._compaction.step(full)
 
     def wait_compaction(self, timeout: float | None = None) -> bool:
         """Block until compaction has nothing left to do (per ``compact_trigger``); compacts
@@ -423,15 +315,16 @@ class SSDPS:
 
     @property
     def stats(self) -> dict:
-        """Counters and sizes: files, disk/live bytes, space ratio, I/O and compaction totals."""
-        with self._lock:
-            f = self._files
-            live = self._live_bytes()
+        """Counters and sizes: files, disk/live bytes, space ratio, key map bytes, I/O and compaction totals."""
+        with self.state.lock:
+            f = self.state.files
+            live = self.state.live_bytes()
             return dict(
-                self._stats,
+                self.state.stats,
                 files=len(f),
-                tombstone_files=len(self._tombstones),
-                live_rows=self._keys.size,
+                tombstone_files=len(self.state.tombstones),
+                live_rows=self.state.keys.size,
+                key_map_bytes=self.state.keys.nbytes,
                 live_bytes=live,
                 disk_bytes=f.disk_bytes,
                 space_ratio=space_ratio(f.disk_bytes, live),
@@ -442,8 +335,8 @@ class SSDPS:
 
     def file_stats(self) -> list[dict]:
         """Per file: number, rows, live rows, stale rows, bytes, whether compaction wrote it."""
-        with self._lock:
-            f = self._files
+        with self.state.lock:
+            f = self.state.files
             return [
                 {
                     "file_no": int(f.no[s]),
@@ -463,25 +356,25 @@ class SSDPS:
         scanned into a new one would hide them from it); every live row is yielded once as long
         as no dump runs concurrently.
         """
-        with self._compaction.lock:
+        with self.state.compaction_lock:
             yield from self._scan()
 
     def _scan(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        with self._lock:
-            nos = sorted(self._files.slot_of)
+        with self.state.lock:
+            nos = sorted(self.state.files.slot_of)
         for no in nos:
-            with self._lock:
-                s = self._files.slot_of.get(no)
+            with self.state.lock:
+                s = self.state.files.slot_of.get(no)
                 if s is None:
                     continue
-                fd = os.open(self._path(no), os.O_RDONLY)
+                fd = os.open(self.state.path(no), os.O_RDONLY)
             try:
-                pf = read_file(self._path(no), fd, self.width)
+                pf = read_file(self.state.path(no), fd, self.width)
             finally:
                 os.close(fd)
             assert pf.rows is not None  # a whole read has rows
-            with self._lock:
-                ok, _ = self._keys.lives_at(pf.keys, s, np.arange(pf.keys.size))
+            with self.state.lock:
+                ok, _ = self.state.keys.lives_at(pf.keys, s, np.arange(pf.keys.size))
             yield pf.keys[ok].copy(), pf.rows[ok].copy()
 
     def verify(self) -> int:
@@ -495,7 +388,7 @@ class SSDPS:
         immutable parameter files (copies where linking fails), consistent while dumps and
         compaction run; see :func:`~hpsray.tiers.ssd.snapshot.take_snapshot`. Returns
         ``{"files", "bytes", "rows", "linked", "copied", "dumps", "seconds"}``."""
-        return take_snapshot(self, dest, link=link)
+        return take_snapshot(self.state, dest, link=link)
 
     @staticmethod
     def restore(snapshot_dir: str | os.PathLike, directory: str | os.PathLike, **options: bool) -> dict:
@@ -505,23 +398,16 @@ class SSDPS:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SSDError(f"SSD-PS {self.directory} is closed")
-
     def close(self) -> None:
         """Stop the compaction thread (after its current pass), release files. Idempotent."""
-        if self._closed:
+        if self.state.closed:
             return
-        with self._dump_lock:
-            self._closed = True
+        with self.state.dump_lock:
+            self.state.closed = True
             self._compaction.stop()
-            with self._compaction.lock:
-                self._pool.shutdown(wait=True)
-                self._manifest.close()
-                with self._lock:
-                    for no in list(self._reads.maps):
-                        self._reads.drop_map(no)
+            with self.state.compaction_lock:
+                self.state.pool.shutdown(wait=True)
+                self.state.manifest.close()
 
     def __enter__(self):
         return self
@@ -530,4 +416,4 @@ class SSDPS:
         self.close()
 
     def __repr__(self) -> str:
-        return f"SSDPS({self.directory!r}, width={self.width}, rows={len(self)}, files={len(self._files)})"
+        return f"SSDPS({self.directory!r}, width={self.width}, rows={len(self)}, files={len(self.state.files)})"

@@ -1,0 +1,130 @@
+"""Parallel positioned reads of many small ranges, without Python per range (Ray-free).
+
+Shared by serving's :mod:`~hpsray.serving.blockread` (rows of a point store) and SSD-PS partial
+loads (:mod:`~hpsray.tiers.ssd.reads`): a caller plans its ranges (sorted by file and offset,
+adjacent blocks merged), then :func:`read_parallel` issues them from numba loops that hold no GIL,
+split among a thread pool, so several reads are in flight at once (an SSD's queue depth instead
+of one page fault at a time). :func:`read_ranges` puts it together for ranges of many files:
+what the page cache holds is copied at once (``preadv2(RWF_NOWAIT)``); the rest is split among
+the threads, each of which first asks the kernel to start reading its whole share
+(``POSIX_FADV_WILLNEED``: asynchronous, so the device sees every range at once), then reads it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+import numba as nb
+import numpy as np
+from numba import types as nbt
+
+__all__ = [
+    "IOV_MAX",
+    "MIN_RANGES_PER_THREAD",
+    "hinted_pread_ranges",
+    "pread_ranges",
+    "preadv_ranges",
+    "read_parallel",
+    "read_ranges",
+]
+
+IOV_MAX = 1024  # Linux's limit of one preadv's vector
+MIN_RANGES_PER_THREAD = 16  # fewer ranges than this per thread: the pool's hand-off costs more than it saves
+
+# libc's calls, linked by name (no address baked in, so the kernels below are cached on disk);
+# pointers are passed as 64-bit integers (the same registers on the 64-bit ABIs)
+_i32, _i64, _u64 = nbt.int32, nbt.int64, nbt.uint64
+_preadv: Any = nbt.ExternalFunction("preadv", _i64(_i32, _u64, _i32, _i64))
+_preadv2: Any = nbt.ExternalFunction("preadv2", _i64(_i32, _u64, _i32, _i64, _i32))
+_pread: Any = nbt.ExternalFunction("pread", _i64(_i32, _u64, _u64, _i64))
+_fadvise: Any = nbt.ExternalFunction("posix_fadvise", _i32(_i32, _i64, _i64, _i32))
+_WILLNEED = int(getattr(os, "POSIX_FADV_WILLNEED", 3))
+_NOWAIT = int(getattr(os, "RWF_NOWAIT", 8))
+
+
+@nb.njit(nogil=True, cache=True)
+def preadv_ranges(fd, iov_addr, first_iov, n_iov, offsets, lengths, lo, hi):
+    """``preadv`` ranges ``lo..hi-1`` of one file: range ``r`` is ``n_iov[r]`` I/O vector entries
+    (16 bytes each) from ``first_iov[r]`` at ``iov_addr``, read at ``offsets[r]``; returns how
+    many came back short of ``lengths[r]``."""
+    short = 0
+    for r in range(lo, hi):
+        got = _preadv(fd, iov_addr + 16 * first_iov[r], n_iov[r], offsets[r])
+        if got != lengths[r]:
+            short += 1
+    return short
+
+
+@nb.njit(nogil=True, cache=True)
+def pread_ranges(fds, buf_addr, dest, offsets, lengths, lo, hi):
+    """``pread`` ranges ``lo..hi-1``: ``lengths[r]`` bytes of file ``fds[r]`` at ``offsets[r]``
+    into ``buf_addr + dest[r]``; returns how many came back short."""
+    short = 0
+    for r in range(lo, hi):
+        done = 0
+        while done < lengths[r]:
+            got = _pread(fds[r], buf_addr + dest[r] + done, lengths[r] - done, offsets[r] + done)
+            if got <= 0:
+                break
+            done += got
+        if done != lengths[r]:
+            short += 1
+    return short
+
+
+@nb.njit(nogil=True, cache=True)
+def hinted_pread_ranges(fds, buf_addr, dest, offsets, lengths, lo, hi):
+    """:func:`pread_ranges` after hinting ranges ``lo..hi-1`` (``WILLNEED``), so that the device
+    sees them all while the reads wait for the first ones."""
+    for r in range(lo, hi):
+        _fadvise(fds[r], offsets[r], lengths[r], _WILLNEED)
+    return pread_ranges(fds, buf_addr, dest, offsets, lengths, lo, hi)
+
+
+@nb.njit(nogil=True, cache=True)
+def _read_cached(fds, iov_addr, offsets, lengths, flags, done):
+    """One ``preadv2(flags)`` per range (``iov_addr``: one 16-byte vector entry each); marks in
+    ``done`` the ranges read whole; returns how many."""
+    n = 0
+    for r in range(fds.size):
+        got = _preadv2(fds[r], iov_addr + 16 * r, 1, offsets[r], flags)
+        if got == lengths[r]:
+            done[r] = 1
+            n += 1
+    return n
+
+
+def read_parallel(pool: Executor | None, threads: int, read: Callable[..., int], args: tuple, n: int) -> int:
+    """Run ``read(*args, lo, hi)`` over ranges ``0..n-1``, split into up to ``threads`` slices on
+    ``pool`` (in this thread when there are too few ranges to share, or no pool); returns the sum
+    of what the calls return (short reads)."""
+    workers = min(threads, n // MIN_RANGES_PER_THREAD)
+    if pool is None or workers <= 1:
+        return int(read(*args, 0, n)) if n else 0
+    cuts = np.linspace(0, n, workers + 1).astype(np.int64)
+    futures = [pool.submit(read, *args, int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+    return sum(int(f.result()) for f in futures)
+
+
+def read_ranges(
+    pool: Executor | None, threads: int, fds: np.ndarray, dest: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> int:
+    """Read ``lengths[r]`` bytes of file ``fds[r]`` at ``offsets[r]`` to address ``dest[r]``, for
+    every range ``r`` (sorted by file and offset, so the device sees them in order): cached ones
+    at once, the rest hinted then read in parallel (module docstring). Returns the short reads."""
+    n = int(fds.size)
+    if n == 0:
+        return 0
+    fds = np.ascontiguousarray(fds, np.int32)
+    iov = np.empty((n, 2), np.uint64)
+    iov[:, 0] = dest
+    iov[:, 1] = lengths
+    done = np.zeros(n, np.uint8)
+    if _read_cached(fds, iov.ctypes.data, offsets, lengths, _NOWAIT, done) == n:
+        return 0
+    rest = np.flatnonzero(done == 0)
+    fds, dest, offsets, lengths = fds[rest], dest[rest], offsets[rest], lengths[rest]
+    return read_parallel(pool, threads, hinted_pread_ranges, (fds, 0, dest, offsets, lengths), int(rest.size))

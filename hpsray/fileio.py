@@ -1,0 +1,96 @@
+"""Durable file I/O helpers shared by the SSD-PS, checkpoints and exports (Ray-free, numpy only).
+
+Contracts: :func:`fsync_path` / :func:`fsync_dir` make a file's data or a directory's renames
+durable; :func:`write_all` writes every byte or raises (``ENOSPC`` for a file that cannot grow);
+:func:`free_bytes` is what an unprivileged writer may still use; :func:`full_error` turns a write
+refused for want of space (:data:`FULL_ERRNOS`) into an :class:`~hpsray.errors.SSDFullError`
+naming the directory, the bytes needed and the bytes free.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from hpsray.errors import SSDFullError
+
+__all__ = [
+    "FULL_ERRNOS",
+    "Writer",
+    "free_bytes",
+    "fsync_dir",
+    "fsync_path",
+    "full_error",
+    "unlink_quiet",
+    "write_all",
+]
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space
+
+Writer = Callable[[int, memoryview], int]
+"""An ``os.write``-compatible function (fault injection in tests)."""
+
+
+def write_all(fd: int, parts: Iterable[Any], write: Writer = os.write) -> None:
+    """Write every byte of ``parts`` (numpy arrays or bytes-like) to ``fd``, in order."""
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            part = part.reshape(-1).view(np.uint8)  # also fine for zero-width rows
+        mv = memoryview(part).cast("B")
+        while mv.nbytes:
+            k = write(fd, mv)
+            if k <= 0:  # a regular file only returns 0 when it cannot grow
+                raise OSError(errno.ENOSPC, "short write")
+            mv = mv[k:]
+
+
+def fsync_path(path: str) -> None:
+    """fsync the file (or directory) at ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename or unlink in ``directory`` durable (a directory is fsynced like a file)."""
+    fsync_path(directory)
+
+
+def free_bytes(directory: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``directory`` (``None``:
+    unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def full_error(e: OSError, directory: str, needed: int, what: str, after: str) -> SSDFullError:
+    """The :class:`SSDFullError` for a write of ``needed`` bytes into ``directory`` that the disk
+    refused (``e``); call it after the failed write was cleaned up, so that "free" is what the
+    store can use. ``what`` says what was written, ``after`` what state it left."""
+    free = free_bytes(directory)
+    return SSDFullError(
+        e.errno or errno.ENOSPC,
+        f"SSD-PS {directory}: no space left: {what} needs {needed} bytes, "
+        f"{'an unknown number of' if free is None else free} bytes are free "
+        f"({os.strerror(e.errno or errno.ENOSPC)}); {after}",
+        directory=directory,
+        needed=needed,
+        free=free,
+    )
+
+
+def unlink_quiet(path: str) -> None:
+    """Remove ``path`` if it exists."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,102 @@
+"""SSD-PS partial loads: the touched blocks of many files in merged ranges, read in parallel
+(``hpsray.blockio``), from the page cache or the device, equal the rows; damage is named."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from hpsray.blockio import read_ranges
+from hpsray.tiers.ssd import SSDPS, CorruptFileError
+from hpsray.tiers.ssd.paramfile import block_rows_for, file_name
+
+W = 32  # 8-row blocks of 1 KiB: blocks a few KiB apart share one range
+
+
+def rows_for(keys: np.ndarray) -> np.ndarray:
+    r = np.empty((keys.size, W), np.float32)
+    r[:] = np.arange(W, dtype=np.float32) * 0.5
+    r[:, 0] = keys
+    return r
+
+
+def _drop(directory) -> None:
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_read_ranges_reads_cached_and_uncached_ranges_in_parallel(tmp_path):
+    paths = [tmp_path / f"f{i}" for i in range(3)]
+    data = [np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8) for i in range(3)]
+    fds = []
+    for p, d in zip(paths, data):
+        p.write_bytes(d.tobytes())
+        fds.append(os.open(p, os.O_RDONLY))
+    try:
+        rng = np.random.default_rng(9)
+        n = 200  # enough ranges for several threads
+        f = np.sort(rng.integers(0, 3, n))
+        off = rng.integers(0, (1 << 20) - 5000, n)
+        length = rng.integers(1, 5000, n)
+        at = np.zeros(n + 1, np.int64)
+        np.cumsum(length, out=at[1:])
+        out = np.zeros(int(at[-1]), np.uint8)
+        _drop(tmp_path)
+        data[0][:4096].sum()  # noqa: B018 - only the page cache matters: file 0's first pages stay cached
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(4) as pool:
+            short = read_ranges(pool, 4, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
+        assert short == 0
+        for r in range(n):
+            assert np.array_equal(out[at[r] : at[r + 1]], data[f[r]][off[r] : off[r] + length[r]])
+        end = np.asarray([(1 << 20) - 10])
+        past = read_ranges(None, 1, np.asarray(fds[:1]), np.asarray([out.ctypes.data]), end, np.asarray([20]))
+        assert past == 1  # a range past the end of its file is a short read
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_partial_loads_of_many_files_equal_the_rows_cold_and_cached(tmp_path):
+    br = block_rows_for(W)
+    rpf = 64 * br
+    rng = np.random.default_rng(3)
+    with SSDPS(tmp_path / "s", W, rows_per_file=rpf, background=False) as s:
+        keys = np.arange(1, 20 * rpf + 1, dtype=np.uint64)
+        s.dump(keys, rows_for(keys))
+        for _ in range(3):
+            want = rng.choice(keys, 20 * 6, replace=False)  # a few blocks of every file, some adjacent
+            want = np.concatenate([want, want[:5] + 1, [np.uint64(10**9)]])  # neighbours, an absent key
+            want = np.unique(want)[rng.permutation(np.unique(want).size)]
+            _drop(tmp_path / "s")
+            cold, found = s.load(want)
+            hot, found2 = s.load(want)
+            present = want <= keys[-1]
+            assert found.tolist() == present.tolist() and found2.tolist() == present.tolist()
+            assert np.array_equal(cold[present], rows_for(want[present])) and np.array_equal(cold, hot)
+            assert not cold[~present].any()
+        st = s.stats
+        assert st["files_read_partially"] == st["files_read"] == 6 * 20
+        assert st["bytes_read"] < 6 * s.stats["disk_bytes"] // 4  # blocks, not whole files
+
+
+def test_a_truncated_file_is_named_by_a_partial_load(tmp_path):
+    br = block_rows_for(W)
+    rpf = 64 * br
+    s = SSDPS(tmp_path / "s", W, rows_per_file=rpf, background=False)
+    keys = np.arange(1, 2 * rpf + 1, dtype=np.uint64)
+    s.dump(keys, rows_for(keys))
+    last = tmp_path / "s" / file_name(s.file_stats()[-1]["file_no"])
+    os.truncate(last, os.path.getsize(last) // 2)
+    with pytest.raises(CorruptFileError, match="short reads.*truncated"):
+        s.load(keys[[-1, 5]])
+    rows, _ = s.load(keys[[5, 9]])  # the other file is still served
+    assert np.array_equal(rows, rows_for(keys[[5, 9]]))
+    s.close()
