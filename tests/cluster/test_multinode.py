@@ -254,4 +254,4 @@ def test_bsp_two_nodes_equal_the_reference_bit_for_bit_with_adagrad_rows_and_ada
 def test_two_nodes_of_two_device_processes_equal_the_reference_bit_for_bit(two_nodes_cluster, dense):
     """D = 2 on N = 2: a row's gradient summed over the (node, device) slices in order, the
     dense gradient per node first, then over the nodes (``ReferenceTrainer.train_shares``)."""
-    check_bit_for_bit(2, dense, batches=30, n_devices=2)
+    check_bit_for_bit(2, dense, batches=20, n_devices=2)
