@@ -40,15 +40,42 @@ def link_up(hosts: NetnsHosts, host: int) -> None:
     _run(["ip", "-n", hosts.switch, "link", "set", f"p{host}", "up"])
 
 
-def netem(hosts: NetnsHosts, host: int, loss_pct: float = 0.0, delay_ms: float = 0.0) -> None:
+def _loss_bytecode(loss_pct: float) -> str:
+    """Classic BPF for ``cls_bpf`` in direct-action mode: drop (TC_ACT_SHOT) a packet when a
+    random 32-bit number falls below ``loss_pct`` % of its range, else pass (TC_ACT_OK)."""
+    threshold = min(int(loss_pct / 100 * 2**32), 2**32 - 1)
+    random_word = 0xFFFFF000 + 56  # SKF_AD_OFF + SKF_AD_RANDOM: "ld rand"
+    return f"4,32 0 0 {random_word},53 0 1 {threshold},6 0 0 0,6 0 0 2"
+
+
+def netem(hosts: NetnsHosts, host: int, loss_pct: float = 0.0, delay_ms: float = 0.0) -> str:
     """Lose ``loss_pct`` % of the packets and delay each by ``delay_ms`` on both directions of
-    host ``host``'s link; ``0, 0`` removes it."""
+    host ``host``'s link (``tc netem``); ``0, 0`` removes it. A kernel without ``sch_netem``
+    gets the loss alone, from a random-drop BPF filter on each end's ingress (no delay: nothing
+    else here can delay). Returns what was applied."""
     h = hosts.hosts[host]
-    for ns, dev in ((h.netns, "eth0"), (hosts.switch, f"p{host}")):
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
-        if loss_pct or delay_ms:
-            qdisc = ["netem", "loss", f"{loss_pct}%", "delay", f"{delay_ms}ms"]
-            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc])
+    ends = ((h.netns, "eth0"), (hosts.switch, f"p{host}"))
+    for ns, dev in ends:
+        for kind in ("root", "clsact"):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, kind], capture_output=True)
+    if not (loss_pct or delay_ms):
+        return "none"
+    qdisc = ["netem", "loss", f"{loss_pct}%", "delay", f"{delay_ms}ms"]
+    tried = subprocess.run(
+        ["ip", "netns", "exec", h.netns, "tc", "qdisc", "add", "dev", "eth0", "root", *qdisc],
+        capture_output=True,
+        text=True,
+    )
+    if tried.returncode == 0:
+        _run(["ip", "netns", "exec", hosts.switch, "tc", "qdisc", "add", "dev", f"p{host}", "root", *qdisc])
+        return f"netem loss {loss_pct}% delay {delay_ms} ms"
+    if not loss_pct:
+        raise RuntimeError(f"no delay without sch_netem: {tried.stderr.strip()}")
+    for ns, dev in ends:
+        _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "clsact"])
+        bpf = ["bpf", "da", "bytecode", _loss_bytecode(loss_pct)]
+        _run(["ip", "netns", "exec", ns, "tc", "filter", "add", "dev", dev, "ingress", *bpf])
+    return f"BPF random drop {loss_pct}% (no sch_netem in this kernel: no delay)"
 
 
 def partition(hosts: NetnsHosts, a: int, b: int) -> None:

@@ -159,7 +159,7 @@ def test_five_percent_loss_for_20_s_is_ridden_out(chaos, tmp_path, trial):
         tmp_path,
         "5% loss 50 ms for 20 s",
         trial,
-        lambda: linkfaults.netem(chaos, WORKER, loss_pct=5, delay_ms=50),
+        lambda: print("applied:", linkfaults.netem(chaos, WORKER, loss_pct=5, delay_ms=50)),
         20.0,
         lambda: linkfaults.netem(chaos, WORKER),
     )
