@@ -236,11 +236,11 @@ def train_pipeline(
     """
     import ray
 
-    from hpsray.cli.start import connect_alongside
+    from hpsray.cli.start import connect_alongside, warm_kernels
     from hpsray.cluster.runtime import dashboard_hint
 
     if ray_started is None:
-        ray_started = connect_alongside(address or job.cluster.address, quiet, lambda: None)
+        ray_started = connect_alongside(address or job.cluster.address, quiet, lambda: warm_kernels(job))
     started, ray_init_s = ray_started.started, ray_started.ray_init_s
     from hpsray.job import build
     from hpsray.pipelines.export import export, schema_of_source
