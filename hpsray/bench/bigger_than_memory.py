@@ -556,6 +556,7 @@ def run(args: argparse.Namespace) -> dict:
             reopen_keys=checked["keys"],
             reopen_seconds_per_100m_keys=checked["reopen_s"] * 1e8 / max(checked["keys"], 1),
             crash={"dumps_acknowledged_before_kill": dumps},
+            planned=_planned(job, imported["rows"], int(touched.size), limit),
             phases={
                 "table": written,
                 "import": {
@@ -576,6 +577,31 @@ def run(args: argparse.Namespace) -> dict:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     return out
+
+
+def _planned(job: Job, rows: int, touched: int, limit: int) -> dict:
+    """What ``hpsray plan`` predicts for this job (the same sizing functions): the node's memory
+    (Ray and processes, key map at its peak, MEM-PS, the object store) and the disk's high water."""
+    from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, ssd_memory
+    from hpsray.plan.sizing import mem_bytes_for_rows
+
+    ssd = ssd_memory(rows, job.width, imported=rows)
+    memory = {
+        "runtime_bytes": RUNTIME_BYTES,
+        "key_map_bytes": ssd["key_map_peak_bytes"] + ssd["block_table_bytes"],
+        "mem_ps_bytes": mem_bytes_for_rows(job.mem_rows, job.width),
+        "object_store_bytes": job.object_store,
+    }
+    disk = disk_high_water(rows, job.width, touched, 1.5, 2.0)
+    return {
+        **memory,
+        "memory_bytes": sum(memory.values()),
+        "memory_limit_bytes": limit,
+        "key_map_steady_bytes": ssd["key_map_bytes"],
+        "bytes_per_key_memory": ssd["bytes_per_key_memory"],
+        "bytes_per_key_disk": ssd["bytes_per_key_disk"],
+        "disk_high_water_bytes": disk["expected_bytes"],
+    }
 
 
 def _vocabulary_sample(job: Job, rng: np.random.Generator, n: int) -> np.ndarray:

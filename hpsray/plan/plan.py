@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 from hpsray.errors import CapacityError
 from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, predict_rate
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
+from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
 from hpsray.plan.sample import InputSize, read_sample
+from hpsray.tiers.mem import rows_for_bytes
 
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
@@ -111,6 +113,12 @@ def make_plan(job: JobConfig, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_
     hbm_bytes, hbm_rows = hbm_table_bytes(hbm_cap, width, p.n_devices, keys.hbm_working_set_max)
     space_ratio = dict(job.tiers.ssd).get("max_space_ratio", 2.0) or 2.0
     live = ssd_live_bytes(shard, width)
+    imported = import_rows(job.tiers.init_from) // nodes  # an import's rows, spread over the nodes
+    ssd_rows = max(int(shard), imported)
+    ssd_mem = ssd_memory(ssd_rows, width, imported)
+    disk = disk_high_water(ssd_rows, width, shard, float(dict(job.tiers.ssd).get("compact_trigger", 1.5)), space_ratio)
+    if imported:
+        live = ssd_live_bytes(ssd_rows, width)
     ssd_dir, free = _free_bytes(job.tiers.ssd_path)
     examples_per_node_batch = bs
     batch_obj = batch_bytes(examples_per_node_batch, sample.keys_per_example, sample.n_dense)
@@ -153,7 +161,9 @@ def make_plan(job: JobConfig, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_
             "device": p.device,
         },
         "ssd_ps": {
+            **ssd_mem,
             "live_bytes": live,
+            "disk_bytes_expected": disk["expected_bytes"],
             "disk_bytes_max": int(live * space_ratio),
             "max_space_ratio": space_ratio,
             "path": ssd_dir,
@@ -161,12 +171,18 @@ def make_plan(job: JobConfig, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_
             "rows_per_batch": ssd_rows_per_batch,
         },
         "object_store_bytes": int(in_flight),
-        "host_bytes": int(
-            mem_bytes_for_rows(capacity, width, history)
-            + in_flight
-            + (hbm_bytes + dense_bytes if p.device == "cpu" else 0)
-        ),
     }
+    memory = {
+        "runtime_bytes": RUNTIME_BYTES,
+        "key_map_bytes": ssd_mem["key_map_peak_bytes"] + ssd_mem["block_table_bytes"],
+        "mem_ps_bytes": mem_bytes_for_rows(capacity, width, history),
+        "object_store_bytes": int(in_flight),
+        "trainer_bytes": hbm_bytes + dense_bytes if p.device == "cpu" else 0,
+    }
+    limit, limit_from = memory_limit()
+    total = sum(memory.values())
+    per_node["memory"] = {**memory, "total_bytes": total, "limit_bytes": limit, "limit_from": limit_from}
+    per_node["host_bytes"] = total
     plan = Plan(
         job.where, nodes, bs, width, sample.size, keys, per_node, cal, rate, stages, notes=notes, bottleneck=slowest
     )
@@ -229,7 +245,36 @@ def _problems(job: JobConfig, plan: Plan, history: float) -> list[Problem]:
                 f"set [tiers] ssd_path to a disk with >= {ssd['disk_bytes_max']:,} bytes free, or raise cluster.nodes",
             )
         )
+    out.extend(_memory_problems(job, plan))
     return out
+
+
+def _memory_problems(job: JobConfig, plan: Plan) -> list[Problem]:
+    """The node's memory cannot hold what it must (:mod:`~hpsray.plan.footprint`): name the part
+    to shrink — the key map (more nodes) when it does not fit even beside the smallest MEM-PS,
+    else MEM-PS's budget."""
+    m, ssd, width = plan.per_node["memory"], plan.per_node["ssd_ps"], plan.row_width
+    need, limit = m["total_bytes"], m["limit_bytes"]
+    if need <= limit:
+        return []
+    parts = ", ".join(
+        f"{k.removesuffix('_bytes').replace('_', ' ')} {m[k]:,}"
+        for k in ("runtime_bytes", "key_map_bytes", "mem_ps_bytes", "object_store_bytes", "trainer_bytes")
+    )
+    what = f"a node needs ~{need:,} bytes of memory ({parts}) but may use {limit:,} ({m['limit_from']})"
+    history = dict(job.tiers.mem).get("history", 4.0)
+    others = need - m["key_map_bytes"] - m["mem_ps_bytes"] + mem_bytes_for_rows(plan.keys.pinned_max, width, history)
+    if m["key_map_bytes"] + others > limit:
+        room = limit - others
+        nodes = int(plan.nodes * m["key_map_bytes"] / room) + 1 if room > 0 else 0
+        fix = f"raise cluster.nodes to >= {nodes:,} (the keys spread over the nodes)" if nodes else "more memory"
+        why = f"the SSD-PS key map of {ssd['rows']:,} keys per node alone takes {m['key_map_bytes']:,} at its peak"
+        return [Problem("error", "cluster.nodes", f"{what}: {why}", fix)]
+    budget = m["mem_ps_bytes"] - (need - limit)
+    if job.tiers.mem_bytes is not None:
+        return [Problem("error", "tiers.mem_bytes", what, f"set [tiers] mem_bytes <= {budget:,}")]
+    rows = rows_for_bytes(budget, width, history)
+    return [Problem("error", "tiers.mem_rows", what, f"set [tiers] mem_rows <= {rows:,}")]
 
 
 def check_plan(plan: Plan) -> None:

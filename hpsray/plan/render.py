@@ -40,8 +40,13 @@ def render(plan: Plan) -> str:
         f"({human_bytes(tr['hbm_bytes'])}) + dense model {human_bytes(tr['dense_bytes'])} on {tr['device']}",
         f"  SSD-PS   {human_bytes(ssd['live_bytes'])} live, up to {human_bytes(ssd['disk_bytes_max'])} with compaction "
         f"headroom (×{ssd['max_space_ratio']:g}); {human_bytes(ssd['free_bytes'])} free at {ssd['path']}",
+        f"  key map  {ssd['rows']:,} keys ({ssd['imported_rows']:,} imported): {human_bytes(ssd['key_map_bytes'])}, "
+        f"{human_bytes(ssd['key_map_peak_bytes'])} at its peak, + {human_bytes(ssd['block_table_bytes'])} of block "
+        f"tables ({ssd['bytes_per_key_memory']:.1f} B/key in memory, {ssd['bytes_per_key_disk']:.1f} on disk); disk "
+        f"high water ~{human_bytes(ssd['disk_bytes_expected'])}",
         f"  objects  {human_bytes(plan.per_node['object_store_bytes'])} in the object store in flight; host memory "
-        f"~{human_bytes(plan.per_node['host_bytes'])}",
+        f"~{human_bytes(plan.per_node['host_bytes'])} with Ray and the processes "
+        f"(limit {human_bytes(plan.per_node['memory']['limit_bytes'])})",
     ]
     if plan.predicted_examples_per_s is not None and plan.stage_s_per_batch is not None:
         st = ", ".join(f"{name} {s * 1000:,.0f} ms" for name, s in plan.stage_s_per_batch.items())

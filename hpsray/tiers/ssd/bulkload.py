@@ -36,7 +36,7 @@ from hpsray.tiers.ssd.keymap import KeyMap
 from hpsray.tiers.ssd.paramfile import file_bytes, file_name, write_tmp
 from hpsray.tiers.ssd.state import StoreState
 
-__all__ = ["TableImportError", "TableImport", "bulk_load", "import_files", "iter_table", "read_table"]
+__all__ = ["TableImport", "TableImportError", "bulk_load", "declared_rows", "import_files", "iter_table", "read_table"]
 
 ROW_COLUMNS = ("row", "weights")
 BATCH_ROWS = 1 << 18  # rows per Parquet record batch read
@@ -231,7 +231,7 @@ def bulk_load(
                     "into an empty store (remove the directory, or drop init_from to keep training it)"
                 )
         n_shards = shard[1] if shard is not None else 1
-        kmap = KeyMap(_declared_rows(spec.path) // n_shards)  # sized once: 20 bytes per key, no rebuilds
+        kmap = KeyMap(declared_rows(spec.path) // n_shards)  # sized once: 20 bytes per key, no rebuilds
         files = FileTable()
         tmps: list[str] = []
         nos: list[int] = []
@@ -317,7 +317,7 @@ def bulk_load(
     }
 
 
-def _declared_rows(directory: str) -> int:
+def declared_rows(directory: str) -> int:
     """Rows the import's Parquet footers declare (0 where a file cannot be read: the import
     itself then names it)."""
     import pyarrow as pa

@@ -40,7 +40,7 @@ from hpsray.tiers.ssd.paramfile import (
     read_index,
 )
 
-__all__ = ["MAX_LOAD", "KeyMap", "recover"]
+__all__ = ["MAX_LOAD", "KeyMap", "map_bytes", "recover"]
 
 MAX_LOAD = 0.8
 """Most keys per index slot; beyond it the table grows by half (so 0.53–0.8 full: 20–30 bytes per
@@ -199,6 +199,23 @@ def _capacity_for(n: int) -> int:
     if cap >= 1 << 32:
         raise ValueError(f"SSD-PS key map: {n} keys in one store exceed its 2**32 index slots; use more nodes")
     return cap
+
+
+def map_bytes(n: int, grown_from: int | None = None) -> tuple[int, int]:
+    """``(steady, peak)`` bytes of a key map holding ``n`` keys: sized once for them (a bulk
+    load, a reopen: 20 bytes per key), or grown by half from a map sized for ``grown_from`` keys
+    (20–30 bytes per key). The peak counts what exists at once: on a reopen the map and the
+    versions recovery keeps per slot (8 bytes), on a growth the old and the new arrays."""
+    cap = _capacity_for(n)
+    steady, peak = 16 * cap, 24 * cap
+    if grown_from is not None and n > grown_from:
+        old = _capacity_for(grown_from or _MIN_CAPACITY)  # as KeyMap(grown_from) starts
+        while MAX_LOAD * old < n:  # keys arriving a batch at a time: each growth is by half
+            new = int(GROWTH * old)
+            peak = max(peak, 16 * (old + new))
+            old = new
+        steady = 16 * old
+    return steady, peak
 
 
 class KeyMap:

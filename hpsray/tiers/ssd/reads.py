@@ -30,7 +30,8 @@ __all__ = ["MAX_OPEN_FILES", "PARTIAL_ROUND_FILES", "ROUND_BYTES", "Reads"]
 
 MAX_OPEN_FILES = 64  # files opened per whole-file round: bounds descriptors...
 ROUND_BYTES = 128 << 20  # ...and the bytes read ahead of the rows being picked
-PARTIAL_ROUND_FILES = 256  # files whose blocks one partial round reads (their ranges all in flight)
+PARTIAL_ROUND_FILES = 256  # most files whose blocks one partial round reads (their ranges all in flight)...
+PARTIAL_ROUND_BYTES = 32 << 20  # ...and about the most bytes of blocks it stages (one file's blocks at least)
 MERGE_GAP_BYTES = 4096  # blocks of a file closer than this (a page) are read in one range, the gap too
 
 
@@ -244,8 +245,8 @@ class Reads:
             # Files whose requested rows fill few blocks: only those blocks are read (merged
             # ranges, all in flight, checksummed blocks), in rounds of open descriptors.
             part = groups[partial]
-            for r in range(0, part.size, PARTIAL_ROUND_FILES):
-                opened.append(self._open_round(keys, part[r : r + PARTIAL_ROUND_FILES], starts, idx, pos, file_no))
+            for cut in self._partial_rounds(part, starts, pos):
+                opened.append(self._open_round(keys, cut, starts, idx, pos, file_no))
                 tasks, fds, metas = opened[-1]
                 blocky = [t for t, (_, table) in enumerate(metas) if table is not None]
                 if len(blocky) < len(tasks):  # moved to a file without a block table: read whole
@@ -378,6 +379,23 @@ class Reads:
             have = np.fromiter((int(no) in tables for no in file_no[groups[ok]]), bool, int(ok.sum()))
             ok[np.flatnonzero(ok)[~have]] = False
         return ok
+
+    def _partial_rounds(self, part: np.ndarray, starts: np.ndarray, pos: np.ndarray) -> list[np.ndarray]:
+        """The file slots ``part`` cut into rounds of at most :data:`PARTIAL_ROUND_FILES` files
+        and about :data:`PARTIAL_ROUND_BYTES` of touched blocks (bounding the staging memory)."""
+        if part.size == 0:
+            return []
+        st = self.state
+        block_bytes = st.block_rows * (8 + 4 * st.width)
+        done = np.cumsum(touched_blocks(pos, starts, part, st.block_rows) * block_bytes)
+        rounds, at = [], 0
+        while at < part.size:
+            base = done[at - 1] if at else 0
+            end = int(np.searchsorted(done, base + PARTIAL_ROUND_BYTES, side="right"))
+            end = min(max(end, at + 1), at + PARTIAL_ROUND_FILES)
+            rounds.append(part[at:end])
+            at = end
+        return rounds
 
     def _read_blocks(self, keys: np.ndarray, out: np.ndarray, tasks: list, fds: list[int], metas: list) -> int:
         """Read the touched blocks of the files ``tasks`` (open as ``fds``; ``metas``: rows and

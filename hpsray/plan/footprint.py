@@ -1,0 +1,116 @@
+"""What a node's memory and disk must hold for its SSD-PS store, and what the node has (issue 27).
+
+* Key map: :func:`~hpsray.tiers.ssd.keymap.map_bytes` — 20 bytes per key sized once (a bulk load
+  from ``[tiers] init_from``, a reopen), 20–30 while it grows; its peak counts the old and new
+  arrays of a growth, or the versions a reopen keeps per slot (30 bytes per key).
+* Block tables: 4 bytes per checksummed block of :func:`~hpsray.tiers.ssd.paramfile.block_rows_for`
+  rows, in memory and on disk.
+* Disk: live bytes (16 + 4·width + the block table per row); the high-water mark is live bytes
+  plus what training dumps before compaction reclaims it (at most ``compact_trigger - 1`` × live,
+  the bound ``max_space_ratio`` × live).
+* The node's memory: :data:`RUNTIME_BYTES` (Ray and the processes themselves) + key map peak +
+  block tables + MEM-PS + objects in flight + the trainer's tables on a CPU device; the limit is
+  the smaller of the machine's memory and this process's memory cgroup (what Ray's processes,
+  started from it, inherit).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hpsray.plan.sizing import ssd_live_bytes
+from hpsray.tiers.ssd.keymap import map_bytes
+from hpsray.tiers.ssd.paramfile import block_rows_for
+
+__all__ = ["RUNTIME_BYTES", "disk_high_water", "import_rows", "memory_limit", "ssd_memory"]
+
+RUNTIME_BYTES = 2_700_000_000
+"""Memory of a node beyond the tiers' data: Ray's GCS and raylet, the driver, the actors'
+interpreters, numpy/numba/torch, read buffers. Measured by ``hpsray bench bigger-than-memory``:
+resident peak 4.10 GB = this + key map 0.73 + MEM-PS 0.35 + batches in flight (docs/benchmarks.md)."""
+
+
+def import_rows(init_from: str | None) -> int:
+    """Rows ``[tiers] init_from`` holds, from its Parquet footers (0 without one)."""
+    if not init_from:
+        return 0
+    from hpsray.tiers.ssd.bulkload import declared_rows
+
+    return declared_rows(init_from)
+
+
+def ssd_memory(rows: int, width: int, imported: int = 0) -> dict:
+    """Memory of a node's SSD-PS holding ``rows`` keys of ``width`` floats, ``imported`` of them
+    bulk-loaded (the key map sized once for those, grown for the rest)."""
+    steady, peak = map_bytes(max(int(rows), 1), None if imported >= rows else int(imported))
+    tables = 4 * -(-int(rows) // block_rows_for(width))
+    return {
+        "rows": int(rows),
+        "imported_rows": int(imported),
+        "key_map_bytes": steady,
+        "key_map_peak_bytes": peak,
+        "block_table_bytes": tables,
+        "bytes_per_key_memory": (steady + tables) / max(int(rows), 1),
+        "bytes_per_key_disk": (ssd_live_bytes(rows, width) + tables) / max(int(rows), 1),
+    }
+
+
+def disk_high_water(rows: int, width: int, dumped_rows: float, compact_trigger: float, max_space_ratio: float) -> dict:
+    """``{"live_bytes", "expected_bytes", "max_bytes"}`` of a store of ``rows`` live rows into
+    which training dumps ``dumped_rows`` rows (each a new copy until compaction reclaims the old)."""
+    live = ssd_live_bytes(rows, width) + 4 * -(-int(rows) // block_rows_for(width))
+    written = ssd_live_bytes(dumped_rows, width)
+    return {
+        "live_bytes": live,
+        "expected_bytes": int(live + min(written, (compact_trigger - 1.0) * live)),
+        "max_bytes": int(live * max_space_ratio),
+    }
+
+
+def memory_limit() -> tuple[int, str]:
+    """``(bytes, where from)``: the memory this process and the processes it starts may use —
+    the machine's ``MemTotal`` or, when lower, the limit of its memory cgroup (v2 ``memory.max``,
+    v1 ``memory.limit_in_bytes``)."""
+    total, where = _meminfo_total(), "MemTotal in /proc/meminfo"
+    for path in _cgroup_limit_files():
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total, where = int(text), path
+    return total, where
+
+
+def _meminfo_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cgroup_limit_files() -> list[str]:
+    """The memory limit files of this process's cgroup and its ancestors (a parent's limit binds too)."""
+    out: list[str] = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            root, name = "/sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for i in range(len(parts), -1, -1):
+            out.append(os.path.join(root, *parts[:i], name))
+    return out
