@@ -12,22 +12,29 @@
     │                                           needed (``needed``) and free (``free``)
     ├── SSDError                                SSD-PS storage (closed store, ...)
     │   ├── CorruptFileError                    a parameter file or the manifest fails its checks
-    │   └── SSDFullError   (+ DiskFullError)    the disk refused a write; nothing was recorded
+    │   ├── SSDFullError   (+ DiskFullError)    the disk refused a write; nothing was recorded
+    │   └── TableImportError                    ``[tiers] init_from`` names a table that cannot be
+    │                                           loaded: names the file and why; nothing was loaded
     ├── CheckpointError                         a checkpoint that cannot be written or used: "PATH: reason"
     │   └── CheckpointFullError (+ DiskFullError) the disk refused a checkpoint write; the staging
     │                                           directory was removed, earlier checkpoints stay usable
     ├── ExportError        (also ValueError)    an export directory that cannot be read back
     ├── TrainingStopped    (also RuntimeError)  a stage failed in ``fit()``; what trained was kept
     ├── PeerFailedError    (also RuntimeError)  this trainer is fine, another node's failed the batch
+    ├── NoSpareNode        (also RuntimeError)  a node is gone and no node can take its place
+    ├── RayStartError      (also ConnectionError) Ray did not come up, or could not be joined, in time
+    ├── NetnsUnavailable   (also RuntimeError)  namespace hosts cannot be made here (not root, no ``ip``)
+    ├── ServingError                            a model directory that cannot be served
+    │   └── BadRequest     (also ValueError)    a request refused with HTTP 400; the message is the reason
     ├── FaultTimeout       (also TimeoutError)  a wait on another process passed ``[cluster] fault_timeout_s``:
     │                                           names what it waited for and who is missing
     └── WorkingSetError    (also RuntimeError)  the trainer lacks rows its owners counted on it holding
         └── MissingRowsError                    a batch's keys have no row once its loans are in
 
-The second bases are kept for callers that catch the builtin kind (``except ValueError``). The
-classes stay importable from where they were defined before (``hpsray.config``,
-``hpsray.data.errors``, ``hpsray.kernels.table``, ``hpsray.tiers``, ``hpsray.pipelines``). This
-module imports nothing of hpsray, so every layer may use it.
+The second bases are kept for callers that catch the builtin kind (``except ValueError``). Every
+class is defined here and imported from here; the packages whose API names one re-export it
+(``hpsray.tiers``, ``hpsray.serving``, ...). This module imports nothing of hpsray, so every
+layer may use it.
 """
 
 from __future__ import annotations
@@ -44,9 +51,15 @@ __all__ = [
     "FaultTimeout",
     "HpsrayError",
     "MissingRowsError",
+    "NetnsUnavailable",
+    "NoSpareNode",
     "PeerFailedError",
+    "RayStartError",
     "SSDError",
     "SSDFullError",
+    "BadRequest",
+    "ServingError",
+    "TableImportError",
     "TableFullError",
     "TooMuchBadInput",
     "TrainingStopped",
@@ -126,6 +139,10 @@ class TableFullError(CapacityError):
 
 class SSDError(HpsrayError):
     """Base class of SSD-PS (storage) errors."""
+
+
+class TableImportError(SSDError):
+    """An import directory that cannot be loaded; the message names the file and what is wrong."""
 
 
 class CorruptFileError(SSDError):
@@ -260,6 +277,26 @@ class FaultTimeout(HpsrayError, TimeoutError):
 
     def __reduce__(self):  # keep the fields across pickling (Ray ships errors between actors)
         return (type(self), (self.waited_for, self.timeout_s, self.missing))
+
+
+class NoSpareNode(HpsrayError, RuntimeError):
+    """A node of the job is gone and the cluster has no other node to take its place."""
+
+
+class RayStartError(HpsrayError, ConnectionError):
+    """Ray did not come up (or could not be joined) within the bound; the message says why."""
+
+
+class NetnsUnavailable(HpsrayError, RuntimeError):
+    """Network-namespace hosts cannot be made on this machine (not root, no ``ip``, ...)."""
+
+
+class ServingError(HpsrayError):
+    """A model directory that cannot be served (no export there, no input schema, bad options)."""
+
+
+class BadRequest(ServingError, ValueError):
+    """A request the endpoint refuses with HTTP 400; ``str(e)`` is the reason sent back."""
 
 
 class WorkingSetError(HpsrayError, RuntimeError):

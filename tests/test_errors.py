@@ -85,3 +85,42 @@ def test_peer_failure_keeps_its_message_and_is_found_through_wrappers():
         raise RuntimeError("outer") from e
     except RuntimeError as outer:
         assert caused_by(outer, PeerFailedError)
+
+
+def _hpsray_exception_classes() -> dict[str, type]:
+    """Every exception class defined in a module of hpsray (modules that need a GPU library
+    this machine lacks are skipped), by qualified name."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import hpsray
+
+    found: dict[str, type] = {}
+    for info in pkgutil.walk_packages(hpsray.__path__, "hpsray."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # CuPy, numba.cuda's driver: the GPU-only modules
+            continue
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, BaseException) and obj.__module__ == module.__name__:
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return found
+
+
+def test_every_exception_hpsray_defines_is_in_the_family_and_its_tree():
+    """One family: each exception class hpsray defines derives from HpsrayError, is defined in
+    hpsray.errors and is drawn in the tree of its docstring. Private control-flow classes
+    (leading underscore, never raised to a caller) are the only exceptions."""
+    classes = _hpsray_exception_classes()
+    assert "hpsray.errors.FaultTimeout" in classes  # the walk reached the package
+    tree = errors.__doc__ or ""
+    public = {name: cls for name, cls in classes.items() if not cls.__qualname__.startswith("_")}
+    outside = sorted(name for name in public if not name.startswith("hpsray.errors."))
+    assert not outside, f"define these in hpsray.errors: {outside}"
+    for name, cls in public.items():
+        if cls is HpsrayError:
+            continue
+        assert issubclass(cls, HpsrayError), name
+        assert f"── {cls.__name__} " in tree, f"{cls.__name__} is missing from errors.py's tree"
+        assert cls.__name__ in errors.__all__, cls.__name__

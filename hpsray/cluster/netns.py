@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpsray.errors import NetnsUnavailable
+
 SUBNET = "10.77.0"
 CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
 _JOIN_CPUSET = 'echo $$ > "$0/cgroup.procs" && exec "$@"'  # sh -c: join the cgroup $0, then run argv
@@ -54,10 +56,6 @@ while sum(n["Alive"] for n in ray.nodes()) < int(sys.argv[2]):
         sys.exit(f"only {sum(n['Alive'] for n in ray.nodes())} of {sys.argv[2]} Ray nodes joined")
     time.sleep(0.5)
 """
-
-
-class NetnsUnavailable(RuntimeError):
-    """Network namespaces cannot be made here (the message says why)."""
 
 
 @dataclass(frozen=True)

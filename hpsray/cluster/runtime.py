@@ -22,16 +22,14 @@ from typing import Any, TypeVar
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from hpsray.errors import RayStartError
+
 log = logging.getLogger("hpsray.cluster")
 
 START_ENV = "HPSRAY_RAY_START_SECONDS"
 DEFAULT_START_SECONDS = 120.0
 
 T = TypeVar("T")
-
-
-class RayStartError(ConnectionError):
-    """Ray did not come up (or could not be joined) within the bound; the message says why."""
 
 
 def start_seconds() -> float:

@@ -1,5 +1,5 @@
 """Reading one TOML table with checks: :class:`Table` takes each key once (leftovers are unknown
-keys) and turns a checker's :class:`Bad` into a :class:`~hpsray.errors.ConfigError` naming file and
+keys) and turns a checker's :class:`_Rejected` into a :class:`~hpsray.errors.ConfigError` naming file and
 dotted key. The checkers (``integer``, ``number``, ``choice``, ``size``, ...) return the value.
 """
 
@@ -15,7 +15,6 @@ from hpsray.errors import ConfigError
 
 __all__ = [
     "UNSET",
-    "Bad",
     "Table",
     "boolean",
     "choice",
@@ -72,7 +71,7 @@ class Table:
             return v
         try:
             return check(v)
-        except Bad as e:
+        except _Rejected as e:
             self.fail(k, str(e))
 
     def sub(self, k: str) -> Table | None:
@@ -89,7 +88,7 @@ class Table:
 UNSET = object()  # a key the table leaves out (None may be a real value)
 
 
-class Bad(Exception):
+class _Rejected(Exception):
     """A value's reason for rejection; :class:`Table` adds file and key."""
 
 
@@ -104,7 +103,7 @@ def integer(lo: int) -> Callable[[Any], int]:
 
     def check(v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise Bad(f"must be {what}, got {v!r}")
+            raise _Rejected(f"must be {what}, got {v!r}")
         return v
 
     return check
@@ -121,7 +120,7 @@ def number(
         if optional and v is False:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-            raise Bad(f"must be a number{' or false' if optional else ''}, got {v!r}")
+            raise _Rejected(f"must be a number{' or false' if optional else ''}, got {v!r}")
         bad_lo = lo is not None and (v <= lo if lo_open else v < lo)
         bad_hi = hi is not None and (v >= hi if hi_open else v > hi)
         if bad_lo or bad_hi:
@@ -132,7 +131,7 @@ def number(
                 if lo is not None and hi is not None
                 else (f"{'>' if lo_open else '>='} {lo:g}" if lo is not None else f"{'<' if hi_open else '<='} {hi:g}")
             )
-            raise Bad(f"must be {rng}, got {v!r}")
+            raise _Rejected(f"must be {rng}, got {v!r}")
         return float(v)
 
     return check
@@ -141,7 +140,7 @@ def number(
 def choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def check(v: Any) -> str:
         if not isinstance(v, str) or v.lower() not in options:
-            raise Bad(f"must be one of {', '.join(options)}, got {v!r}")
+            raise _Rejected(f"must be one of {', '.join(options)}, got {v!r}")
         return v.lower()
 
     return check
@@ -149,13 +148,13 @@ def choice(options: tuple[str, ...]) -> Callable[[Any], str]:
 
 def string(v: Any) -> str:
     if not isinstance(v, str):
-        raise Bad(f"must be a string, got {type_name(v)} {v!r}")
+        raise _Rejected(f"must be a string, got {type_name(v)} {v!r}")
     return v
 
 
 def boolean(v: Any) -> bool:
     if not isinstance(v, bool):
-        raise Bad(f"must be true or false, got {v!r}")
+        raise _Rejected(f"must be true or false, got {v!r}")
     return v
 
 
@@ -164,10 +163,10 @@ def size(v: Any) -> int:
     if isinstance(v, str):
         m = _SIZE.match(v)
         if not m:
-            raise Bad(f'must be a byte count such as 1073741824 or "1 GiB", got {v!r}')
+            raise _Rejected(f'must be a byte count such as 1073741824 or "1 GiB", got {v!r}')
         v = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise Bad(f"must be a positive byte count, got {v!r}")
+        raise _Rejected(f"must be a positive byte count, got {v!r}")
     return v
 
 
@@ -175,7 +174,7 @@ def paths(v: Any) -> tuple[str, ...]:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not v or not all(isinstance(p, str) and p for p in v):
-        raise Bad(f"must be a path or a non-empty array of paths, got {v!r}")
+        raise _Rejected(f"must be a path or a non-empty array of paths, got {v!r}")
     return tuple(v)
 
 
@@ -185,7 +184,7 @@ def hidden(v: Any) -> tuple[int, ...]:
         or not isinstance(v, list)
         or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in v)
     ):
-        raise Bad(f"must be an array of positive integers (MLP widths), got {v!r}")
+        raise _Rejected(f"must be an array of positive integers (MLP widths), got {v!r}")
     return tuple(v)
 
 

@@ -28,7 +28,7 @@ from ray.exceptions import (
 from hpsray.checkpoint import Checkpoint, Checkpoints, node_dir
 from hpsray.checkpoint.reshard import ADMISSION, SSD_SNAPSHOT, TRAINER_STATE, checkpoint_nodes, reshard
 from hpsray.cluster.runtime import training_nodes
-from hpsray.errors import FaultTimeout, HpsrayError, caused_by
+from hpsray.errors import FaultTimeout, NoSpareNode, caused_by
 from hpsray.pipelines.placement import (
     NodeActors,
     join_group,
@@ -103,10 +103,6 @@ def trainer_state_of(checkpoint: Checkpoint, node: int) -> str:
 
 def load_trainers(checkpoint: Checkpoint, nodes: list[NodeActors]) -> None:
     ray.get([n.trainer.load_state.remote(trainer_state_of(checkpoint, n.index)) for n in nodes])
-
-
-class NoSpareNode(HpsrayError, RuntimeError):
-    """A node of the job is gone and the cluster has no other node to take its place."""
 
 
 def reshape(checkpoints: Checkpoints, checkpoint: Checkpoint, nodes: int, ssd_options: dict) -> tuple:

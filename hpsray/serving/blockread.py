@@ -27,7 +27,7 @@ import numba as nb
 import numpy as np
 
 from hpsray.blockio import IOV_MAX, MIN_RANGES_PER_THREAD, preadv_ranges, read_parallel
-from hpsray.serving.errors import ServingError
+from hpsray.errors import ServingError
 from hpsray.serving.layout import BLOCK_BYTES
 
 __all__ = ["BlockReader", "Ranges", "plan_ranges"]

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from hpsray.data.batch import Batch
-from hpsray.serving.errors import BadRequest, ServingError
+from hpsray.errors import BadRequest, ServingError
 from hpsray.serving.model import LoadOptions, ServableModel, export_version, resolve_export
 from hpsray.serving.request import Limits
 

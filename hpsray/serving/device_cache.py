@@ -29,8 +29,8 @@ import numba as nb
 import numpy as np
 from numba import cuda
 
+from hpsray.errors import ServingError
 from hpsray.serving.cache import WAYS, HotCache
-from hpsray.serving.errors import ServingError
 from hpsray.serving.uva import gather_rows, row_bytes_natural
 
 __all__ = ["DEVICE_MEMORY_SHARE", "DeviceCache", "copy_rows", "device_rows_for", "free_device_bytes"]

@@ -31,8 +31,8 @@ import shutil
 
 import numpy as np
 
+from hpsray.errors import ServingError
 from hpsray.kernels.distinct import in_sorted
-from hpsray.serving.errors import ServingError
 
 __all__ = [
     "BLOCK_BYTES",

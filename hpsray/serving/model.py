@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from hpsray.data.batch import Batch
+from hpsray.errors import ServingError
 from hpsray.kernels.init import RowInit
 from hpsray.models import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
-from hpsray.serving.errors import ServingError
 from hpsray.serving.layout import build_point_store
 from hpsray.serving.lookup import SSD_READS, MemoryLookup, TieredLookup, mem_rows_for
 from hpsray.serving.pointstore import PointStore

@@ -21,8 +21,8 @@ import os
 import numba as nb
 import numpy as np
 
+from hpsray.errors import ServingError
 from hpsray.serving.blockread import BlockReader
-from hpsray.serving.errors import ServingError
 from hpsray.serving.layout import read_meta
 
 __all__ = ["PointStore"]

@@ -30,8 +30,8 @@ from hpsray.data.batch import Batch
 from hpsray.data.convert import Converter
 from hpsray.data.keys import slot_salt
 from hpsray.data.schema import Schema
+from hpsray.errors import BadRequest, ServingError
 from hpsray.kernels.hashing import EMPTY_KEY, mix64_array
-from hpsray.serving.errors import BadRequest, ServingError
 
 __all__ = ["InputSpec", "Limits", "RequestParser"]
 

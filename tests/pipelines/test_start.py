@@ -29,7 +29,8 @@ def test_a_start_that_fails_twice_is_tried_again_and_succeeds():
 
     assert with_retries(start, "starting a local Ray", 30.0, lambda: undone.append(1), pause_s=0.05) == "context"
     assert len(tries) == 3 and len(undone) == 2
-    assert tries[2] - tries[1] >= 2 * (tries[1] - tries[0]) * 0.9  # the pause doubles
+    # the pause doubles: sleeps never end early, so these lower bounds hold on a busy machine too
+    assert tries[1] - tries[0] >= 0.05 and tries[2] - tries[1] >= 0.1
 
 
 def test_a_start_that_keeps_failing_gives_up_within_the_bound_and_says_why():

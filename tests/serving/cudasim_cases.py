@@ -258,8 +258,8 @@ def hot_rows_carried_to_a_new_model_are_re_read():
 def device_rows_sizing():
     """The device tier's size: given (at most the rows), refused past the free memory, and by
     default the smaller of the memory rows and a quarter of the free device memory."""
+    from hpsray.errors import ServingError
     from hpsray.serving.device_cache import device_rows_for
-    from hpsray.serving.errors import ServingError
 
     row = 64  # bytes of a dim-16 row
     assert device_rows_for(1000, 300, None, 16, free_bytes=float("inf")) == 300

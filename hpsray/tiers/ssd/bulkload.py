@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hpsray.errors import SSDError
+from hpsray.errors import SSDError, TableImportError
 from hpsray.fileio import FULL_ERRNOS, fsync_dir, fsync_path, full_error, unlink_quiet
 from hpsray.tiers.ssd.files import FileTable
 from hpsray.tiers.ssd.keymap import KeyMap
@@ -40,10 +40,6 @@ __all__ = ["TableImport", "TableImportError", "bulk_load", "declared_rows", "imp
 
 ROW_COLUMNS = ("row", "weights")
 BATCH_ROWS = 1 << 18  # rows per Parquet record batch read
-
-
-class TableImportError(SSDError):
-    """An import directory that cannot be loaded; the message names the file and what is wrong."""
 
 
 @dataclass(frozen=True)
