@@ -31,10 +31,10 @@ BATCH = 200
 SOURCE = SyntheticSource(GEN, rows=BATCH * 8)  # 8 batches on 1 node, 4 on 2, 3 on 3
 
 
-def pipeline(tmp_path, nodes: int, resume: bool = False, max_failures: int = 2) -> Pipeline:
+def pipeline(tmp_path, nodes: int, resume: bool = False, max_failures: int = 2, devices: int = 1) -> Pipeline:
     return Pipeline(
         SOURCE,
-        TrainerStage(CFG),
+        TrainerStage(CFG, n_devices=devices),
         MemPSStage(capacity_rows=700),  # rows travel to SSD-PS and back (one node holds two batches)
         SSDPSStage(str(tmp_path / f"ssd-{nodes}"), options=dict(rows_per_file=128)),
         batch_size=BATCH,
@@ -43,14 +43,15 @@ def pipeline(tmp_path, nodes: int, resume: bool = False, max_failures: int = 2) 
     )
 
 
-def reference_across(shapes: list[tuple[int, int]]):
-    """The reference after training batches ``[start, stop)`` of each ``(nodes, stop)`` in turn,
-    each shape's readers past the batches trained before it."""
+def reference_across(shapes: list[tuple]):
+    """The reference after training batches ``[start, stop)`` of each ``(nodes, stop[, devices])``
+    in turn, each shape's readers past the batches trained before it."""
     ref = ReferenceTrainer(GEN.n_slots, GEN.n_dense, CFG)
     ref.model.train()
     done = 0
-    for nodes, stop in shapes:
-        for t, minibatches in enumerate(global_batches(SOURCE, BATCH, nodes, CFG.minibatch_size)):
+    for nodes, stop, *devices in shapes:
+        batches = global_batches(SOURCE, BATCH, nodes, CFG.minibatch_size, *devices)
+        for t, minibatches in enumerate(batches):
             if t >= stop:
                 break
             if t >= done:
@@ -69,7 +70,7 @@ def stored_rows_by_node(p: Pipeline) -> dict[int, tuple[np.ndarray, np.ndarray]]
     return out
 
 
-def check_equal(p: Pipeline, shapes: list[tuple[int, int]]) -> None:
+def check_equal(p: Pipeline, shapes: list[tuple]) -> None:
     keys, rows = p.export_rows()
     ref_keys, ref_rows, ref_dense = reference_across(shapes)
     np.testing.assert_array_equal(keys, ref_keys)
@@ -98,8 +99,9 @@ def at_batch_end(p: Pipeline, batch: int, do) -> None:
     p._after_batch = hooked
 
 
-@pytest.mark.parametrize(("old", "new"), [(2, 1), (1, 3)])
-def test_resume_on_another_shape_equals_the_reference(three_nodes_cluster, tmp_path, old, new):
+@pytest.mark.parametrize(("old", "new", "devices"), [(2, 1, 2), (1, 3, 1)])
+def test_resume_on_another_shape_equals_the_reference(three_nodes_cluster, tmp_path, old, new, devices):
+    """2 nodes → 1 node of 2 devices (n_devices changes too), 1 node → 3 nodes."""
     with pipeline(tmp_path, old) as p:
         # as Ctrl-C: checkpoint at the batch's end and stop (3 nodes have 3 batches each: stop early)
         at_batch_end(p, 1 if old == 2 else 0, lambda: setattr(p, "_interrupted", True))
@@ -108,12 +110,12 @@ def test_resume_on_another_shape_equals_the_reference(three_nodes_cluster, tmp_p
     ckpt = Checkpoints(tmp_path / "ckpt").latest()
     assert ckpt is not None and ckpt.meta["nodes"] == old
     k = ckpt.batch
-    with pipeline(tmp_path, new, resume=True) as p:
+    with pipeline(tmp_path, new, resume=True, devices=devices) as p:
         report = p.fit(progress=False)
         assert report["nodes"] == new and len(p._nodes) == new
         assert report["reshaped"]["from_nodes"] == old and report["reshaped"]["to_nodes"] == new
         assert report["reshaped"]["batch"] == k
-        check_equal(p, [(old, k), (new, 10**9)])
+        check_equal(p, [(old, k), (new, 10**9, devices)])
     assert Checkpoints(tmp_path / "ckpt").latest().meta["nodes"] == new
 
 
