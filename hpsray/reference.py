@@ -56,6 +56,10 @@ class SeenCounts:
       ``b - expire_after_batches`` or earlier is forgotten (its count starts again at its next
       sighting); returns those that were admitted, i.e. had rows, sorted. A batch already
       expired through returns nothing.
+
+    ``stats`` counts what the owners report: ``admitted`` (keys given a row; again after
+    expiring), ``rejected`` (a key's sightings in batches that gave it no row), ``expired`` (rows
+    dropped), ``forgotten`` (counts of keys never admitted dropped) and ``tracked`` (keys counted).
     """
 
     def __init__(self, admit_after: int = 0, expire_after_batches: int | None = None) -> None:
@@ -74,6 +78,11 @@ class SeenCounts:
         self.count = np.empty(0, dtype=np.int64)
         self.last = np.empty(0, dtype=np.int64)
         self.expired_through: int | None = None
+        self.totals = {"admitted": 0, "rejected": 0, "expired": 0, "forgotten": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {**self.totals, "tracked": int(self.keys.size)}
 
     def see(self, batch: int, keys: np.ndarray) -> np.ndarray:
         """Count sorted distinct ``keys`` as seen in ``batch``; returns which are admitted."""
@@ -88,9 +97,13 @@ class SeenCounts:
             self.last = np.insert(self.last, at, _NEVER)
             idx = np.searchsorted(self.keys, keys)
         first = self.last[idx] != batch
-        self.count[idx[first]] = np.minimum(self.count[idx[first]] + 1, self.need)
+        before = self.count[idx[first]]
+        self.count[idx[first]] = np.minimum(before + 1, self.need)
         self.last[idx] = batch
-        return self.count[idx] >= self.need
+        admitted = self.count[idx] >= self.need
+        self.totals["admitted"] += int(np.count_nonzero((before < self.need) & (before + 1 >= self.need)))
+        self.totals["rejected"] += int(np.count_nonzero(first & ~admitted))
+        return admitted
 
     def expire(self, through: int) -> np.ndarray:
         """Forget the keys expiring at the end of batch ``through``; returns those with rows."""
@@ -99,6 +112,8 @@ class SeenCounts:
         self.expired_through = through
         gone = self.last <= through - self.expire_after
         had_row = self.keys[gone & (self.count >= self.need)]
+        self.totals["expired"] += int(had_row.size)
+        self.totals["forgotten"] += int(np.count_nonzero(gone)) - int(had_row.size)
         keep = ~gone
         self.keys, self.count, self.last = self.keys[keep], self.count[keep], self.last[keep]
         return had_row

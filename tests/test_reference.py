@@ -204,3 +204,21 @@ def test_the_reference_imports_nothing_of_the_system_under_test():
 
 def test_the_import_walk_sees_a_system_module_where_there_is_one():
     assert "hpsray.tiers.admission" in _hpsray_imports_of("hpsray.actors.memps")
+
+
+@pytest.mark.parametrize("admit_after, expire", [(2, 3), (3, None), (0, 1), (4, 2)])
+def test_the_references_own_admission_rule_decides_as_the_owners_table(admit_after, expire):
+    """Two statements of one rule (the reference's SeenCounts, the owners' Admission) agree
+    on every decision and count over a random stream of batches."""
+    from hpsray.reference import SeenCounts
+    from hpsray.tiers.admission import Admission
+
+    rng = np.random.default_rng(admit_after)
+    owner, ref = Admission(admit_after, expire, capacity=16), SeenCounts(admit_after, expire)
+    for b in range(40):
+        keys = np.unique(rng.integers(0, 300, rng.integers(0, 80)).astype(np.uint64))
+        np.testing.assert_array_equal(ref.see(b, keys), owner.see(b, keys))
+        np.testing.assert_array_equal(ref.expire(b), owner.expire(b))
+    assert ref.stats == owner.stats and ref.stats["admitted"] > 0
+    with pytest.raises(ValueError, match="admit_after"):
+        SeenCounts(-1)
