@@ -6,6 +6,7 @@ directories (docs/architecture.md, "Checkpoints").
   ``latest`` (the newest that verifies).
 * :class:`Checkpoint` — one committed checkpoint: its batch, meta, fingerprint, ``verify``.
 * :mod:`~hpsray.checkpoint.record` — ``CHECKPOINT.json``: what it records and how files are checked.
+* :mod:`~hpsray.checkpoint.reshard` — a checkpoint re-partitioned onto another number of nodes.
 
 What goes into a checkpoint is the caller's (each node's SSD-PS snapshot, the driver's dense
 state); this package knows only files. No Ray inside.
