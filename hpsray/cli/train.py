@@ -24,7 +24,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -238,6 +237,7 @@ def train_pipeline(
 
     from hpsray.cli.start import connect_alongside, warm_kernels
     from hpsray.cluster.runtime import dashboard_hint
+    from hpsray.reference_job import evaluate_into
 
     if ray_started is None:
         ray_started = connect_alongside(address or job.cluster.address, quiet, lambda: warm_kernels(job))
@@ -255,7 +255,7 @@ def train_pipeline(
             pipe.start_s["ray_init_s"] = ray_init_s
             report = dict(pipe.fit(progress=not quiet))
             report["trainer"] = "hpsray"
-            _evaluate(report, job, pipe.evaluate)
+            evaluate_into(report, job, pipe.evaluate)
             if export_dir:
                 keys, rows = pipe.export_rows()
                 dense = pipe.dense_state()
@@ -276,100 +276,6 @@ def train_pipeline(
         if started:
             ray.shutdown()
     return report, model
-
-
-def train_reference(job: JobConfig, quiet: bool) -> tuple[dict, tuple]:
-    """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
-    from hpsray.job import build
-    from hpsray.pipelines.progress import Progress, known_examples, progress_seconds
-    from hpsray.reference import ReferenceTrainer, global_batches
-
-    source = build.source(job)
-    bs = job.pipeline.batch_size
-    n_nodes = job.cluster.nodes
-    if n_nodes == 0:
-        raise ValueError("cluster.nodes: --reference needs the node count (0 means 'whatever the cluster has')")
-    one_share = n_nodes == 1 and job.pipeline.n_devices == 1
-    data_reader = source.reader(bs) if hasattr(source, "reader") and one_share else None
-    if data_reader is not None:
-        it = iter(data_reader)
-    elif one_share:
-        it = source.open(bs)
-    else:  # what N nodes of D devices train: per batch, the global mini-batches of every share
-        it = global_batches(source, bs, n_nodes, job.train_config().minibatch_size, job.pipeline.n_devices)
-    trainer = ReferenceTrainer(
-        source.n_slots,
-        source.n_dense,
-        job.train_config(),
-        admit_after=job.tiers.admit_after,
-        expire_after_batches=job.tiers.expire_after_batches,
-    )
-    if job.tiers.init_from:  # the same start as the pipeline's: the imported rows
-        from hpsray.tiers.ssd.bulkload import read_table
-
-        spec = build.init_from(job)["init_from"]
-        trainer.store.preload(*read_table(spec.path, spec.dim, job.train_config().row_width, spec.state_value))
-    per_read, per_train, losses = {}, {}, {}
-    t0 = time.perf_counter()
-    t = 0
-    bar = Progress(known_examples(source), not quiet, progress_seconds(job.pipeline.progress_seconds), desc="reference")
-    while True:
-        r0 = time.perf_counter()
-        batch = next(it, None)
-        per_read[str(t)] = time.perf_counter() - r0
-        if batch is None:
-            break
-        s0 = time.perf_counter()
-        if isinstance(batch, list):
-            trainer.model.train()
-            losses[str(t)] = trainer.train_minibatches(batch)  # one batch, as admission counts it
-        else:
-            losses[str(t)] = trainer.train_batch(batch)
-        per_train[str(t)] = time.perf_counter() - s0
-        bar.update(trainer.examples - bar.n)
-        t += 1
-    wall = time.perf_counter() - t0
-    bar.pass_end()
-    bar.close()
-    if t == 0:
-        raise ValueError("the source produced no examples")
-    busy = {"read": sum(per_read.values()), "train": sum(per_train.values())}
-    report = {
-        "trainer": "reference",
-        "mode": "reference",
-        "nodes": n_nodes,
-        "batches": t,
-        "examples": trainer.examples,
-        "wall_s": wall,
-        "examples_per_s": trainer.examples / wall if wall > 0 else 0.0,
-        "stage_busy_s": busy,
-        "pipeline_efficiency": max(busy.values()) / wall if wall > 0 else 0.0,
-        "per_batch_s": {"read": per_read, "train": per_train},
-        "cache_hit_rate": {},
-        "ssd": {},
-        "loss": losses,
-        "bad_input": data_reader.report.to_dict() if data_reader is not None else {},
-    }
-
-    def evaluate(eval_source: Any) -> dict:
-        r = trainer.evaluate(eval_source.open(bs))
-        return {"auc": r.auc, "logloss": r.logloss, "examples": r.examples}
-
-    _evaluate(report, job, evaluate)
-    model = trainer.export()
-    report["rows"] = int(model[0].size)
-    return report, model
-
-
-def _evaluate(report: dict, job: JobConfig, evaluate: Callable[[Any], dict]) -> None:
-    from hpsray.job import build
-
-    eval_source = build.eval_source(job)
-    if eval_source is None:
-        report.update(auc=None, logloss=None, eval_examples=0)
-        return
-    result = evaluate(eval_source)
-    report.update(auc=result["auc"], logloss=result["logloss"], eval_examples=result["examples"])
 
 
 def export_line(manifest: dict, directory: str) -> str:
@@ -473,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
     from hpsray.job import ConfigError, JobConfig, build
     from hpsray.pipelines import TrainingStopped
     from hpsray.pipelines.progress import progress_seconds
+    from hpsray.reference_job import train_reference
 
     if args.compare and not os.path.isfile(os.path.join(args.compare, "manifest.json")):
         return error(f"--compare {args.compare}: no manifest.json there (not an hpsray export)")

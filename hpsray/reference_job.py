@@ -1,0 +1,113 @@
+"""The reference trainer run on a job file, as ``hpsray train --reference`` runs it: the same
+source, batches and order as the pipeline, its shares for N nodes of D devices, the same start
+from ``[tiers] init_from``, and a run report with the pipeline's keys. The oracle itself
+(:mod:`hpsray.reference`) knows nothing of jobs, tiers or pipelines; this module joins them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpsray.job import JobConfig
+
+__all__ = ["evaluate_into", "train_reference"]
+
+
+def train_reference(job: JobConfig, quiet: bool) -> tuple[dict, tuple]:
+    """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
+    from hpsray.job import build
+    from hpsray.pipelines.progress import Progress, known_examples, progress_seconds
+    from hpsray.reference import ReferenceTrainer, global_batches
+
+    source = build.source(job)
+    bs = job.pipeline.batch_size
+    n_nodes = job.cluster.nodes
+    if n_nodes == 0:
+        raise ValueError("cluster.nodes: --reference needs the node count (0 means 'whatever the cluster has')")
+    one_share = n_nodes == 1 and job.pipeline.n_devices == 1
+    data_reader = source.reader(bs) if hasattr(source, "reader") and one_share else None
+    if data_reader is not None:
+        it = iter(data_reader)
+    elif one_share:
+        it = source.open(bs)
+    else:  # what N nodes of D devices train: per batch, the global mini-batches of every share
+        it = global_batches(source, bs, n_nodes, job.train_config().minibatch_size, job.pipeline.n_devices)
+    trainer = ReferenceTrainer(
+        source.n_slots,
+        source.n_dense,
+        job.train_config(),
+        admit_after=job.tiers.admit_after,
+        expire_after_batches=job.tiers.expire_after_batches,
+    )
+    if job.tiers.init_from:  # the same start as the pipeline's: the imported rows
+        from hpsray.tiers.ssd.bulkload import read_table
+
+        spec = build.init_from(job)["init_from"]
+        trainer.store.preload(*read_table(spec.path, spec.dim, job.train_config().row_width, spec.state_value))
+    per_read, per_train, losses = {}, {}, {}
+    t0 = time.perf_counter()
+    t = 0
+    bar = Progress(known_examples(source), not quiet, progress_seconds(job.pipeline.progress_seconds), desc="reference")
+    while True:
+        r0 = time.perf_counter()
+        batch = next(it, None)
+        per_read[str(t)] = time.perf_counter() - r0
+        if batch is None:
+            break
+        s0 = time.perf_counter()
+        if isinstance(batch, list):
+            trainer.model.train()
+            losses[str(t)] = trainer.train_minibatches(batch)  # one batch, as admission counts it
+        else:
+            losses[str(t)] = trainer.train_batch(batch)
+        per_train[str(t)] = time.perf_counter() - s0
+        bar.update(trainer.examples - bar.n)
+        t += 1
+    wall = time.perf_counter() - t0
+    bar.pass_end()
+    bar.close()
+    if t == 0:
+        raise ValueError("the source produced no examples")
+    busy = {"read": sum(per_read.values()), "train": sum(per_train.values())}
+    report = {
+        "trainer": "reference",
+        "mode": "reference",
+        "nodes": n_nodes,
+        "batches": t,
+        "examples": trainer.examples,
+        "wall_s": wall,
+        "examples_per_s": trainer.examples / wall if wall > 0 else 0.0,
+        "stage_busy_s": busy,
+        "pipeline_efficiency": max(busy.values()) / wall if wall > 0 else 0.0,
+        "per_batch_s": {"read": per_read, "train": per_train},
+        "cache_hit_rate": {},
+        "ssd": {},
+        "loss": losses,
+        "bad_input": data_reader.report.to_dict() if data_reader is not None else {},
+    }
+
+    def evaluate(eval_source: Any) -> dict:
+        r = trainer.evaluate(eval_source.open(bs))
+        return {"auc": r.auc, "logloss": r.logloss, "examples": r.examples}
+
+    evaluate_into(report, job, evaluate)
+    model = trainer.export()
+    report["rows"] = int(model[0].size)
+    return report, model
+
+
+def evaluate_into(report: dict, job: JobConfig, evaluate: Callable[[Any], dict]) -> None:
+    """Evaluate on ``job``'s held-out data with ``evaluate`` (a source to auc, logloss and
+    examples); the report gets ``auc``, ``logloss`` and ``eval_examples`` (``None`` and 0
+    without held-out data)."""
+    from hpsray.job import build
+
+    eval_source = build.eval_source(job)
+    if eval_source is None:
+        report.update(auc=None, logloss=None, eval_examples=0)
+        return
+    result = evaluate(eval_source)
+    report.update(auc=result["auc"], logloss=result["logloss"], eval_examples=result["examples"])
