@@ -86,7 +86,7 @@ class Manifest:
             cls._write_snapshot(directory, width, set(), 1, write)
         with open(path, "rb") as f:
             data = f.read()
-        rec_width, live, next_no, records, good_end = cls._replay(data, path)
+        rec_width, live, next_no, records, good_end = cls.replay(data, path)
         if width is not None and rec_width != width:
             raise ValueError(f"{directory}: store holds rows of width {rec_width}, asked for width {width}")
         fd = os.open(path, os.O_WRONLY)
@@ -99,7 +99,9 @@ class Manifest:
         return m
 
     @staticmethod
-    def _replay(data: bytes, path: str) -> tuple[int, set[int], int, int, int]:
+    def replay(data: bytes, path: str) -> tuple[int, set[int], int, int, int]:
+        """Replay a manifest's bytes (``path`` names it in errors): ``(width, live file numbers,
+        next file number, records, bytes up to the last whole record)``."""
         live: set[int] = set()
         pos, width, next_no, records = 0, None, 1, 0
         while pos < len(data):

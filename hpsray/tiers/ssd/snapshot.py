@@ -197,7 +197,7 @@ def verify_snapshot(snapshot_dir: str | os.PathLike, *, deep: bool = False) -> d
     mpath = os.path.join(d, MANIFEST_NAME)
     try:
         with open(mpath, "rb") as f:
-            width, live, _, _, _ = Manifest._replay(f.read(), mpath)
+            width, live, _, _, _ = Manifest.replay(f.read(), mpath)
     except FileNotFoundError:
         raise CorruptFileError(f"{mpath}: missing") from None
     if width != record["width"] or {file_name(no) for no in live} != names:
