@@ -148,6 +148,8 @@ ENGINES = (
     "hpsray.config",
     "hpsray.errors",
     "hpsray.checkpoint",
+    "hpsray.export",
+    "hpsray.plan",
 )
 RAY_LAYERS = (
     "hpsray.actors",

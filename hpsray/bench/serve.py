@@ -148,8 +148,8 @@ def make_model(
     from hpsray.data import PlantedCTR
     from hpsray.data.generate import dataset_schema
     from hpsray.data.keys import hash_keys
+    from hpsray.export import export
     from hpsray.models import DNN
-    from hpsray.pipelines.export import export
 
     per_slot = max(1, rows // n_slots)
     gen = PlantedCTR(n_slots=n_slots, keys_per_slot=per_slot, n_dense=n_dense, seed=seed)
@@ -405,13 +405,13 @@ def follow_delta(model_dir: str, gen, dim: int, mem_fraction: float, seed: int =
     A delta of the bench model (5 % of rows changed, 1 % removed, 1 % new keys) is exported
     beside it; then, medians of ``repeat``: the delta's point store merged from the base's
     (:func:`~hpsray.serving.layout.build_point_store`) against the same layout written from
-    :func:`~hpsray.pipelines.export.load_export`'s arrays and against a rebuild from the Parquet
+    :func:`~hpsray.export.load_export`'s arrays and against a rebuild from the Parquet
     files; the replica's load of the new model (5 % tiered, the old model's hot rows carried;
     all in memory); and the cache hit rate of the first requests after the swap, carried against
     cold. Leaves the delta in ``model_dir``.
     """
     from hpsray.config import TrainConfig
-    from hpsray.pipelines.export import export, load_export
+    from hpsray.export import export, load_export
     from hpsray.serving import LoadOptions, ServableModel
     from hpsray.serving.layout import _padded, point_store_dir, row_stride
 

@@ -42,8 +42,8 @@ class RayStarted(Generic[T]):
 
 def import_pipeline() -> None:
     """Import what the driver needs to build and run a pipeline (the trainer's torch included)."""
+    import hpsray.export  # noqa: F401
     import hpsray.job.build  # noqa: F401
-    import hpsray.pipelines.export  # noqa: F401
     import hpsray.pipelines.pipeline  # noqa: F401
 
 

@@ -242,8 +242,8 @@ def train_pipeline(
     if ray_started is None:
         ray_started = connect_alongside(address or job.cluster.address, quiet, lambda: warm_kernels(job))
     started, ray_init_s = ray_started.started, ray_started.ray_init_s
+    from hpsray.export import export, schema_of_source
     from hpsray.job import build
-    from hpsray.pipelines.export import export, schema_of_source
 
     hint = dashboard_hint() if started and not quiet else None
     if hint:  # the local Ray's dashboard, and where its auth token is (docs/operations.md)
@@ -418,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         if args.reference:
             report, model = train_reference(job, args.quiet)
             if args.export:
-                from hpsray.pipelines.export import export, schema_of_source
+                from hpsray.export import export, schema_of_source
 
                 report["export"] = export(
                     model,
@@ -459,7 +459,7 @@ def run(args: argparse.Namespace) -> int:
         report["resumed_from"] = {"checkpoint": str(resumed.path), "batch": resumed.batch}
     code = 0
     if args.compare:
-        from hpsray.pipelines.export import compare_exports, load_export
+        from hpsray.export import compare_exports, load_export
 
         diff = compare_exports(model, load_export(args.compare))
         worst = max(diff["max_abs_row_diff"], diff["max_abs_dense_diff"])

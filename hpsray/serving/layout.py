@@ -131,7 +131,7 @@ def _write_meta(tmp: str, dim: int, rows: int, stride: int, stamp: int, delta: i
 def build_point_store(export_dir: str | os.PathLike, *, rebuild: bool = False, chain: list[str] | None = None) -> str:
     """Lay the rows of an export (its deltas applied) out for point reads; returns the store's directory.
 
-    ``chain``: the export's directories as :func:`hpsray.pipelines.export.export_chain` lists them
+    ``chain``: the export's directories as :func:`hpsray.export.export_chain` lists them
     (the base, then each delta that applies); read from ``export_dir`` when not given. A caller
     that also reads the dense model passes the chain it used, so both are of the same state.
 
@@ -139,7 +139,7 @@ def build_point_store(export_dir: str | os.PathLike, *, rebuild: bool = False, c
     ``rebuild``), one of an earlier export in the same directory is replaced; concurrent builders
     (several replicas) race harmlessly, the first rename wins.
     """
-    from hpsray.pipelines.export import export_chain, read_manifest
+    from hpsray.export import export_chain, read_manifest
 
     export_dir = os.fspath(export_dir)
     manifest = read_manifest(export_dir)
@@ -224,7 +224,7 @@ def net_delta(deltas: list[tuple[str, dict]], dim: int) -> tuple[np.ndarray, np.
 
 
 def _delta_manifest(path: str) -> dict:
-    """A delta's ``manifest.json`` (:func:`~hpsray.pipelines.export.export_chain` checked it)."""
+    """A delta's ``manifest.json`` (:func:`~hpsray.export.export_chain` checked it)."""
     try:
         with open(os.path.join(path, "manifest.json")) as f:
             return json.load(f)

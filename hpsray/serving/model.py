@@ -40,7 +40,7 @@ def export_version(directory: str) -> tuple[str, int, tuple[int, ...]]:
     The deltas are ``delta-000001``, ``delta-000002`` ... up to the first without a
     ``manifest.json`` (one being written): a stat each, quiet, cheap enough to poll. Whether a
     delta applies (its base, its sequence) is checked when the model is loaded
-    (:func:`~hpsray.pipelines.export.export_chain`); a version names the directory's state, so a
+    (:func:`~hpsray.export.export_chain`); a version names the directory's state, so a
     delta that does not apply is not loaded again and again.
     """
     stamps = []
@@ -134,7 +134,7 @@ class ServableModel:
     """One loaded export (its deltas applied); :meth:`predict` is safe to call from one thread at a time.
 
     ``manifest`` is the base export's; ``chain`` the directories applied (the base, then each
-    delta, :func:`~hpsray.pipelines.export.export_chain`); ``version`` the
+    delta, :func:`~hpsray.export.export_chain`); ``version`` the
     :func:`export_version` of the directory when it was loaded; ``rows`` the rows of the state
     served.
     """
@@ -172,7 +172,7 @@ class ServableModel:
         ``previous``: the model served until now; its hot rows are carried over into the new
         model's cache (re-read from the new state, so a row a delta changed is served new).
         """
-        from hpsray.pipelines.export import export_chain, read_manifest  # here: hpsray.pipelines imports Ray
+        from hpsray.export import export_chain, read_manifest
 
         directory = resolve_export(path)
         version = export_version(directory)  # before reading: a delta landing meanwhile is seen at the next look

@@ -79,7 +79,7 @@ class InputSpec:
         if not isinstance(spec, dict):
             raise ServingError(
                 f"{where}: no 'input' entry (exported before serving existed, or without a schema); "
-                "re-export with the data schema (hpsray.pipelines.export.export(schema=...))"
+                "re-export with the data schema (hpsray.export.export(schema=...))"
             )
         return InputSpec(
             tuple(spec["dense"]),

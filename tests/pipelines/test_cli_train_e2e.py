@@ -11,8 +11,8 @@ import pytest
 
 from hpsray.data import PlantedCTR, write_synthetic
 from hpsray.data.generate import to_toml
+from hpsray.export import compare_exports, export, load_export
 from hpsray.job import JobConfig, build
-from hpsray.pipelines.export import compare_exports, export, load_export
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REQUIRED = (

@@ -12,7 +12,7 @@ import torch
 
 from hpsray.config import TrainConfig
 from hpsray.errors import ExportError
-from hpsray.pipelines.export import compare_exports, export, export_chain, load_export
+from hpsray.export import compare_exports, export, export_chain, load_export
 
 CONFIG = TrainConfig(dim=4, hidden=(8,), sparse_optimizer="adagrad")  # rows: 4 weights + 4 accumulators
 WIDTH = CONFIG.row_width

@@ -26,8 +26,8 @@ import pytest
 from hpsray.checkpoint import Checkpoints
 from hpsray.data import PlantedCTR, write_synthetic
 from hpsray.data.generate import to_toml
+from hpsray.export import export_chain, load_export
 from hpsray.job import JobConfig, build
-from hpsray.pipelines.export import export_chain, load_export
 
 ROWS, BATCH = 10000, 500  # 20 batches
 KILL_AT = 6  # the driver dies once a checkpoint of this batch (or later) is committed

@@ -46,7 +46,7 @@ def retrained(planted, trained):
 def exports(tmp_path_factory, planted, trained):
     """``{"parquet": DIR, "criteo": DIR}``: the model exported with each schema of its data."""
     from hpsray.data.generate import dataset_schema
-    from hpsray.pipelines.export import export
+    from hpsray.export import export
 
     root = tmp_path_factory.mktemp("exports")
     out = {}

@@ -41,7 +41,7 @@ def _copy(exports, tmp_path, name="model") -> str:
 
 
 def _delta(state, directory, config) -> dict:
-    from hpsray.pipelines.export import export
+    from hpsray.export import export
 
     return export(state, directory, config, incremental=True)
 
@@ -130,7 +130,7 @@ def test_delta_layouts_merge_and_equal_a_layout_of_load_export(tmp_path, monkeyp
     import torch
 
     import hpsray.serving.layout as layout
-    from hpsray.pipelines.export import export, load_export
+    from hpsray.export import export, load_export
 
     config = _state_config()
     rng = np.random.default_rng(0)
@@ -186,7 +186,7 @@ def test_delta_layouts_merge_and_equal_a_layout_of_load_export(tmp_path, monkeyp
 
 
 def test_version_follows_deltas_and_ignores_one_being_written(trained, retrained, exports, tmp_path):
-    from hpsray.pipelines.export import export
+    from hpsray.export import export
 
     root = tmp_path / "models"
     d1 = _copy(exports, root, "v1")

@@ -151,7 +151,7 @@ def test_device_driven_predictions_equal_the_reference_with_one_upload_of_keys(p
 
 def test_device_driven_swap_carries_hot_keys_with_the_new_rows(planted, trained, exports, tmp_path):
     from hpsray.data.generate import dataset_schema
-    from hpsray.pipelines.export import export
+    from hpsray.export import export
 
     d = str(tmp_path / "m")
     shutil.copytree(exports["parquet"], d)

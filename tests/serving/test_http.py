@@ -177,7 +177,7 @@ def _swap_under_a_request_stream(served, app: str, examples, old, new, publish) 
 def test_hot_swap_under_a_request_stream_loses_no_request(served, planted, trained, exports):
     """A newer export lands in the watched directory while clients keep sending."""
     from hpsray.data.generate import dataset_schema
-    from hpsray.pipelines.export import export
+    from hpsray.export import export
 
     batch, examples = raw_examples(planted, 16, start_block=100_002)
     old = trained.predict(batch)
@@ -208,7 +208,7 @@ def test_hot_swap_to_a_new_delta_loses_no_request(served, planted, trained, retr
     """``hpsray train --export DIR --incremental`` adds a delta to the served export (5 % of its
     rows in memory) while clients keep sending: no request fails, and the answers after the swap
     are the reference trainer's in its new state."""
-    from hpsray.pipelines.export import export
+    from hpsray.export import export
 
     batch, examples = raw_examples(planted, 16, start_block=100_003)
     old, new = trained.predict(batch), retrained.predict(batch)

@@ -45,7 +45,7 @@ def test_export_records_the_schema(exports):
 
 
 def test_point_store_reads_what_the_export_holds(exports, tmp_path):
-    from hpsray.pipelines.export import load_export
+    from hpsray.export import load_export
 
     d = str(tmp_path / "exp")
     shutil.copytree(exports["parquet"], d)
@@ -73,7 +73,7 @@ def test_point_store_reads_what_the_export_holds(exports, tmp_path):
     assert np.array_equal(store.read_all(), rows[:, :8])
     store.close()
     # a new export into the same directory replaces the store of the old one
-    from hpsray.pipelines.export import export, read_manifest
+    from hpsray.export import export, read_manifest
 
     m = read_manifest(d)
     trained_rows = rows.copy()
@@ -215,7 +215,7 @@ def test_resolve_export_picks_the_newest_complete_one(exports, tmp_path):
 
 
 def test_an_export_without_input_schema_is_a_clear_error(trained, tmp_path):
-    from hpsray.pipelines.export import export
+    from hpsray.export import export
 
     d = str(tmp_path / "noschema")
     export(trained.export(), d, trained.config, n_slots=N_SLOTS, n_dense=N_DENSE)
