@@ -39,6 +39,8 @@ layer may use it.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CapacityError",
     "CheckpointError",
@@ -69,7 +71,26 @@ __all__ = [
 
 
 class HpsrayError(Exception):
-    """Root of every error hpsray raises on purpose."""
+    """Root of every error hpsray raises on purpose.
+
+    Pickles with its fields (Ray ships errors between processes): the copy is made without
+    calling ``__init__`` again, from the builtin's ``args`` and the instance's attributes, so
+    a subclass needs no pickling code of its own.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[HpsrayError], args: tuple, state: dict[str, Any]) -> HpsrayError:
+    """An error of class ``cls`` with ``args`` and attributes ``state`` (see HpsrayError)."""
+    error = cls.__new__(cls, *args)
+    if isinstance(error, OSError):
+        OSError.__init__(error, *args)  # errno and strerror come from args here
+    else:
+        error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigError(HpsrayError, ValueError):
@@ -78,9 +99,6 @@ class ConfigError(HpsrayError, ValueError):
     def __init__(self, where: str, key: str, reason: str) -> None:
         self.where, self.key, self.reason = where, key, reason
         super().__init__(f"{where}: {key}: {reason}" if key else f"{where}: {reason}")
-
-    def __reduce__(self):  # keep the fields across pickling
-        return (type(self), (self.where, self.key, self.reason))
 
 
 class DataError(HpsrayError, ValueError):
@@ -116,13 +134,6 @@ class DataError(HpsrayError, ValueError):
 
     def _message(self) -> str:
         return f"{self.location()}: {self.reason}" + (f": {self.detail}" if self.detail else "")
-
-    def __reduce__(self):  # keep the fields across pickling (Ray ships exceptions between actors)
-        return (_rebuild_data_error, (type(self), self.file, self.reason, self.detail, self.line, self.row))
-
-
-def _rebuild_data_error(cls, file, reason, detail, line, row):
-    return cls(file, reason, detail, line=line, row=row)
 
 
 class TooMuchBadInput(DataError):
@@ -171,13 +182,6 @@ class DiskFullError(HpsrayError, OSError):
         super().__init__(errno, message)
         self.directory, self.needed, self.free = directory, needed, free
 
-    def __reduce__(self):  # keep the fields across pickling (OSError's reduce keeps only errno, message)
-        return (_rebuild_disk_full, (type(self), self.errno, self.strerror, self.directory, self.needed, self.free))
-
-
-def _rebuild_disk_full(cls, errno, message, directory, needed, free):
-    return cls(errno, message, directory=directory, needed=needed, free=free)
-
 
 class SSDFullError(SSDError, DiskFullError):
     """The disk (or a file-size limit) refused an SSD-PS write; nothing of the failed operation
@@ -192,9 +196,6 @@ class CheckpointError(HpsrayError):
     def __init__(self, path: str, reason: str) -> None:
         self.path, self.reason = path, reason
         super().__init__(f"{path}: {reason}")
-
-    def __reduce__(self):  # keep the fields across pickling
-        return (type(self), (self.path, self.reason))
 
 
 class CheckpointFullError(CheckpointError, DiskFullError):
@@ -213,8 +214,6 @@ class CheckpointFullError(CheckpointError, DiskFullError):
     ) -> None:
         DiskFullError.__init__(self, errno, message, directory=directory, needed=needed, free=free)
         self.path, self.reason = directory or "", message
-
-    __reduce__ = DiskFullError.__reduce__
 
 
 class ExportError(HpsrayError, ValueError):
@@ -240,9 +239,6 @@ class TrainingStopped(HpsrayError, RuntimeError):
             f"before the failure were written back and flushed to SSD-PS)"
         )
 
-    def __reduce__(self):
-        return (type(self), (self.cause, self.saved_batches))
-
 
 class PeerFailedError(HpsrayError, RuntimeError):
     """This trainer had its inputs, but another node's trainer failed the batch (the trainers
@@ -252,9 +248,6 @@ class PeerFailedError(HpsrayError, RuntimeError):
     def __init__(self, batch_id: object) -> None:
         self.batch_id = batch_id
         super().__init__(f"batch {batch_id} failed on another node; see that trainer's error")
-
-    def __reduce__(self):  # keep batch_id across pickling (the message is built from it)
-        return (type(self), (self.batch_id,))
 
 
 class FaultTimeout(HpsrayError, TimeoutError):
@@ -274,9 +267,6 @@ class FaultTimeout(HpsrayError, TimeoutError):
             else "no node or actor was found lost (a call slower than fault_timeout_s? raise it)"
         )
         super().__init__(f"waited {self.timeout_s:g} s (cluster.fault_timeout_s) for {waited_for}: {who}")
-
-    def __reduce__(self):  # keep the fields across pickling (Ray ships errors between actors)
-        return (type(self), (self.waited_for, self.timeout_s, self.missing))
 
 
 class NoSpareNode(HpsrayError, RuntimeError):
@@ -310,9 +300,6 @@ class WorkingSetError(HpsrayError, RuntimeError):
             f"the trainer lacks {absent} of the {held} rows its owners did not ship because it held them "
             f"in the batch before (first key: {first}); its working set was lost while the owners kept their leases"
         )
-
-    def __reduce__(self):
-        return (type(self), (self.absent, self.held, self.first))
 
 
 class MissingRowsError(WorkingSetError):

@@ -64,11 +64,23 @@ def test_old_import_paths_still_give_the_same_classes():
         TooMuchBadInput("a.csv", "too_much", "1 of 2 files bad"),
         PeerFailedError(7),
         TrainingStopped(ValueError("boom"), 3),
+        errors.FaultTimeout("the all-reduce of batch 3", 60.0, ["node 1 is dead"]),
+        errors.WorkingSetError(3, 4, 5),
+        errors.MissingRowsError(3, 10, 5),
+        errors.CheckpointError("/ckpt/000010", "manifest missing"),
+        errors.DiskFullError(28, "No space left", directory="/d", needed=10, free=1),
+        SSDFullError(28, "No space left", directory="/ssd", needed=10, free=1),
+        errors.CheckpointFullError(28, "No space left", directory="/ckpt", needed=3, free=0),
     ],
 )
-def test_errors_survive_pickling_with_their_message(error):
+def test_errors_survive_pickling_with_their_message_and_fields(error):
+    """One pickling rule for the family (HpsrayError.__reduce__): type, message, every field and
+    an OSError's errno survive; Ray ships errors between processes this way."""
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error)
+    assert repr(vars(back)) == repr(vars(error))
+    if isinstance(error, OSError):
+        assert (back.errno, back.strerror) == (error.errno, error.strerror)
 
 
 def test_peer_failure_keeps_its_message_and_is_found_through_wrappers():
