@@ -167,7 +167,7 @@ def wait_all(refs: list, waited_for: str = "Ray calls", timeout_s: float | None 
     import ray
 
     timeout = fault_timeout() if timeout_s is None else timeout_s
-    pending = list(refs)
+    pending = list(dict.fromkeys(refs))  # ray.wait refuses a ref given twice (one object, two inputs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
         if not done:
