@@ -18,8 +18,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
-from hpsray.cluster.netns import NetnsHosts
+from hpsray.cluster.netns import Host, NetnsHosts
 
 __all__ = ["ChaosHosts", "heal", "link_down", "link_up", "netem", "partition", "stacks"]
 
@@ -104,7 +106,7 @@ def _python_pids(hosts: NetnsHosts, extra: list[int]) -> list[tuple[int, str]]:
     return found
 
 
-def stacks(hosts: NetnsHosts, extra: list[int] = (), limit: int = 60_000) -> str:  # type: ignore[assignment]
+def stacks(hosts: NetnsHosts, extra: Sequence[int] = (), limit: int = 60_000) -> str:
     """``py-spy dump`` of every Python process inside the hosts (and of ``extra`` pids): the
     driver, the Ray workers (trainers, MEM-PS, ...); what it cannot dump, it says."""
     spy = shutil.which("py-spy") or str(os.path.join(os.path.dirname(sys.executable), "py-spy"))
@@ -123,14 +125,14 @@ class ChaosHosts(NetnsHosts):
     """Namespace hosts whose hosts 1.. offer ``hpsray_node`` (the head trains nothing), with
     extra environment for every Ray process (``ray_env``: e.g. Ray's health-check settings)."""
 
-    def __init__(self, n: int, ray_env: dict[str, str] | None = None, **kwargs) -> None:
+    def __init__(self, n: int, ray_env: dict[str, str] | None = None, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
         self.ray_env = dict(ray_env or {})
 
     def env(self, **extra: str) -> dict[str, str]:
         return super().env(**{**self.ray_env, **extra})
 
-    def _ray_start(self, h) -> list[str]:  # type: ignore[no-untyped-def]
+    def _ray_start(self, h: Host) -> list[str]:
         argv = super()._ray_start(h)
         return argv if h.index == 0 else [*argv, f"--resources={json.dumps({'hpsray_node': 1})}"]
 
