@@ -87,3 +87,8 @@ def test_one_default_and_the_job_file_sets_it(tmp_path):
     job.write_text("[data.synthetic]\nrows = 100\n[cluster]\nfault_timeout_s = 0\n")
     with pytest.raises(ConfigError, match="cluster.fault_timeout_s"):
         JobConfig.load(job)
+
+
+def test_a_ref_given_twice_is_waited_for_once(local_ray):
+    ref = ray.put(7)
+    assert faults.get([ref, ref], "one object named twice", timeout_s=30) == [7, 7]  # ray.wait refuses duplicates
