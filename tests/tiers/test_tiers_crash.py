@@ -97,17 +97,24 @@ def writer(start, w, hook_point=None):
         os._exit(3)
 
 
-def trial(next_seq, delay, hook_point=None):
+def trial(next_seq, delay, hook_point=None, min_acks=0):
+    # a writer killed delay s after its min_acks-th acknowledgement (a busy machine can take
+    # seconds to start one), or at hook_point
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         writer(next_seq, w, hook_point)
     os.close(w)
+    chunks = []
+    while sum(len(c) for c in chunks) < 16 * min_acks:
+        c = os.read(r, 1 << 16)
+        if not c:
+            break
+        chunks.append(c)
     if hook_point is None:
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
-    chunks = []
     while True:
         c = os.read(r, 1 << 16)
         if not c:
@@ -136,14 +143,14 @@ def trial(next_seq, delay, hook_point=None):
 rng = random.Random(seed)
 nxt = 1
 if mode == "random":
-    for t in range(trials):
-        nxt = trial(nxt, rng.uniform(0.0, 0.35))
+    for t in range(trials):  # every other kill may land while the writer starts (open, recovery)
+        nxt = trial(nxt, rng.uniform(0.0, 0.35), min_acks=7 * (t % 2))  # the others after 7 dumps
 else:
-    nxt = trial(nxt, 0.3)  # some data first
+    nxt = trial(nxt, 0.3, min_acks=3)  # some data first (overlapping keys: stale rows to compact)
     for point in mode.split(","):
         nxt = trial(nxt, 0.0, hook_point=point)
         if point.startswith("dump"):
-            nxt = trial(nxt, 0.1)
+            nxt = trial(nxt, 0.1, min_acks=1)
 print(json.dumps(report))
 """
 
