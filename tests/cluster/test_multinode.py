@@ -213,13 +213,22 @@ def test_hpsray_train_on_two_nodes_matches_its_reference(two_nodes_cluster, tmp_
     assert compare["max_abs_row_diff"] == compare["max_abs_dense_diff"] == compare["max_ulps"] == 0, compare
 
 
-def check_bit_for_bit(nodes: int, dense: str, batches: int = 60, n_devices: int = 1) -> None:
+def check_bit_for_bit(
+    nodes: int,
+    dense: str,
+    batches: int = 60,
+    n_devices: int = 1,
+    sparse_optimizer: str = "adagrad",
+    dense_optimizer: str = "adam",
+) -> None:
     """Invariant 1 to the bit (docs/architecture.md): ``batches`` global batches of 4
     mini-batches whose shares share keys, rows through SSD-PS, with the optimizers that amplify
     any difference in the order of the sums (adagrad rows, adam MLP), ``n_devices`` device
     processes per node; the reference states the order (``ReferenceTrainer.train_shares``)."""
     gen = PlantedCTR(n_slots=3, keys_per_slot=150, n_dense=2, seed=11)  # 450 rows: some go to SSD-PS and back
-    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=16, sparse_optimizer="adagrad", dense_optimizer="adam")
+    cfg = TrainConfig(
+        dim=4, hidden=(8,), minibatch_size=16, sparse_optimizer=sparse_optimizer, dense_optimizer=dense_optimizer
+    )
     batch = 64
     source = SyntheticSource(gen, rows=nodes * batch * batches)
     with Pipeline(
@@ -248,6 +257,16 @@ def check_bit_for_bit(nodes: int, dense: str, batches: int = 60, n_devices: int 
 @pytest.mark.parametrize("dense", ["allreduce", "chunked"])
 def test_bsp_two_nodes_equal_the_reference_bit_for_bit_with_adagrad_rows_and_adam(two_nodes_cluster, dense):
     check_bit_for_bit(2, dense)
+
+
+@pytest.mark.parametrize(
+    ("sparse_optimizer", "dense_optimizer"), [("sgd", "sgd"), ("adagrad_row", "adagrad"), ("adam", "sgd")]
+)
+def test_bsp_two_nodes_equal_the_reference_bit_for_bit_with_every_optimizer(
+    two_nodes_cluster, sparse_optimizer, dense_optimizer
+):
+    """Every row optimizer and every dense one, on two nodes (with adagrad rows and adam above)."""
+    check_bit_for_bit(2, "allreduce", batches=12, sparse_optimizer=sparse_optimizer, dense_optimizer=dense_optimizer)
 
 
 def test_two_nodes_of_two_device_processes_equal_the_reference_bit_for_bit(two_nodes_cluster):
