@@ -273,4 +273,4 @@ def test_two_nodes_of_two_device_processes_equal_the_reference_bit_for_bit(two_n
     """D = 2 on N = 2: a row's gradient summed over the (node, device) slices in order, the
     dense gradient per node first, then over the nodes (``ReferenceTrainer.train_shares``);
     with chunked dense sync: test_bsp_two_nodes_equals_reference_through_ssd, also at atol 0."""
-    check_bit_for_bit(2, "allreduce", batches=20, n_devices=2)
+    check_bit_for_bit(2, "allreduce", n_devices=2)
