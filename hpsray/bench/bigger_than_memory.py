@@ -588,7 +588,7 @@ def _planned(job: Job, rows: int, touched: int, limit: int) -> dict:
     ssd = ssd_memory(rows, job.width, imported=rows)
     memory = {
         "runtime_bytes": RUNTIME_BYTES,
-        "key_map_bytes": ssd["key_map_peak_bytes"] + ssd["block_table_bytes"],
+        "key_map_bytes": ssd["key_map_bytes"] + ssd["block_table_bytes"],
         "mem_ps_bytes": mem_bytes_for_rows(job.mem_rows, job.width),
         "object_store_bytes": job.object_store,
     }
@@ -597,7 +597,7 @@ def _planned(job: Job, rows: int, touched: int, limit: int) -> dict:
         **memory,
         "memory_bytes": sum(memory.values()),
         "memory_limit_bytes": limit,
-        "key_map_steady_bytes": ssd["key_map_bytes"],
+        "key_map_peak_bytes": ssd["key_map_peak_bytes"],
         "bytes_per_key_memory": ssd["bytes_per_key_memory"],
         "bytes_per_key_disk": ssd["bytes_per_key_disk"],
         "disk_high_water_bytes": disk["expected_bytes"],

@@ -174,7 +174,7 @@ def make_plan(job: JobConfig, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_
     }
     memory = {
         "runtime_bytes": RUNTIME_BYTES,
-        "key_map_bytes": ssd_mem["key_map_peak_bytes"] + ssd_mem["block_table_bytes"],
+        "key_map_bytes": ssd_mem["key_map_bytes"] + ssd_mem["block_table_bytes"],
         "mem_ps_bytes": mem_bytes_for_rows(capacity, width, history),
         "object_store_bytes": int(in_flight),
         "trainer_bytes": hbm_bytes + dense_bytes if p.device == "cpu" else 0,
@@ -268,7 +268,7 @@ def _memory_problems(job: JobConfig, plan: Plan) -> list[Problem]:
         room = limit - others
         nodes = int(plan.nodes * m["key_map_bytes"] / room) + 1 if room > 0 else 0
         fix = f"raise cluster.nodes to >= {nodes:,} (the keys spread over the nodes)" if nodes else "more memory"
-        why = f"the SSD-PS key map of {ssd['rows']:,} keys per node alone takes {m['key_map_bytes']:,} at its peak"
+        why = f"the SSD-PS key map of {ssd['rows']:,} keys per node alone takes {m['key_map_bytes']:,}"
         return [Problem("error", "cluster.nodes", f"{what}: {why}", fix)]
     budget = m["mem_ps_bytes"] - (need - limit)
     if job.tiers.mem_bytes is not None:
