@@ -10,8 +10,8 @@
   the bound ``max_space_ratio`` × live).
 * The node's memory: :data:`RUNTIME_BYTES` (Ray and the processes themselves) + key map (as it
   stands while training; its reopen peak is reported beside) + block tables + MEM-PS + objects
-  in flight + the trainer's tables on a CPU device; the limit is the smaller of the machine's memory and this process's memory cgroup (what Ray's processes,
-  started from it, inherit).
+  in flight + the trainer's tables on a CPU device; the limit is the smaller of the machine's
+  memory and this process's memory cgroup (what Ray's processes, started from it, inherit).
 """
 
 from __future__ import annotations
