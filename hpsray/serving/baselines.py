@@ -15,6 +15,7 @@ import shutil
 import numpy as np
 import torch
 
+from hpsray.data.batch import Batch
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.serving.pointstore import PointStore
 
@@ -64,6 +65,7 @@ class RocksDBLookup:
     def rows(self, unique_keys: np.ndarray) -> np.ndarray:
         kb = unique_keys.astype(">u8").tobytes()
         values = self.db.get([kb[8 * i : 8 * i + 8] for i in range(unique_keys.size)])
+        assert values is not None  # a list of keys gets a list (rocksdict's stub says Any | None)
         self.lookups += unique_keys.size
         missing = [i for i, v in enumerate(values) if v is None]
         if not missing:
@@ -88,7 +90,7 @@ class EmbeddingBagLookup:
         self.bag = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(store.read_all()), freeze=True, mode="sum")
         self.lookups = 0
 
-    def pooled(self, batch) -> torch.Tensor:
+    def pooled(self, batch: Batch) -> torch.Tensor:
         """``[B, n_slots, dim]`` sum-pooled rows (keys absent from the model pool as row 0: the
         bound is measured on traffic whose keys are all in the model)."""
         idx = np.searchsorted(self.keys, batch.keys)

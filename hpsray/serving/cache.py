@@ -9,6 +9,8 @@ One writer at a time (a replica runs one batch at a time).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba as nb
 import numpy as np
 
@@ -108,7 +110,7 @@ class HotCache:
         """``out[i] = row of slots[i]`` where ``slots[i] >= 0`` (others untouched)."""
         _gather(self.rows, slots, out, self.dim)
 
-    def carry(self, old: HotCache, read_rows) -> int:
+    def carry(self, old: HotCache, read_rows: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> int:
         """Take over ``old``'s keys (a cache of an earlier model, maybe still in use by another
         thread), with their rows as they are now: ``read_rows(keys) -> (found bool[n],
         float32[n, dim])`` gives them (from the new model's store). Keys it does not find are

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 from dataclasses import asdict
+from typing import cast
 
 import numpy as np
 from ray import serve
@@ -82,9 +83,10 @@ class Predictor:
         self._model = ServableModel.load(self._root, self._load)
         self._swap_lock = asyncio.Lock()
         self.swaps = 0
-        self._failed: tuple[str, int] | None = None
-        self._batched.set_max_batch_size(max_batch_size)
-        self._batched.set_batch_wait_timeout_s(batch_wait_s)
+        self._failed: tuple[str, int, tuple[int, ...]] | None = None
+        # ray's serve.batch is annotated as returning a plain callable; its wrapper has these setters
+        self._batched.set_max_batch_size(max_batch_size)  # type: ignore[attr-defined]
+        self._batched.set_batch_wait_timeout_s(batch_wait_s)  # type: ignore[attr-defined]
         self._watch_s = watch_s
         self._watcher: asyncio.Task | None = None
         try:
@@ -142,7 +144,7 @@ class Predictor:
             for i, b in zip(idx, batches):
                 out[i] = probs[start : start + len(b)]
                 start += len(b)
-        return out
+        return cast("list[np.ndarray]", out)  # every item was predicted above
 
     async def predict(self, batch: Batch) -> np.ndarray:
         """Click probabilities (``float32[B]``) of a :class:`Batch` of already-encoded examples."""

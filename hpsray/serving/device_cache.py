@@ -27,9 +27,9 @@ from typing import Any
 
 import numba as nb
 import numpy as np
-from numba import cuda
 
 from hpsray.errors import ServingError
+from hpsray.kernels.cuda.common import cuda
 from hpsray.serving.cache import WAYS, HotCache
 from hpsray.serving.uva import gather_rows, row_bytes_natural
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import cuda
 
+from hpsray.kernels.cuda.common import cuda
 from hpsray.serving.pointstore import PointStore
 
 __all__ = ["DeviceRowReader", "kvikio_available"]
@@ -39,7 +39,7 @@ def _scatter_kernel(src, dst_rows, out, dim):
         out[dst_rows[r], i % dim] = src[r, i % dim]
 
 
-def scatter_rows(src, dst_rows, out, dim: int) -> None:
+def scatter_rows(src: Any, dst_rows: Any, out: Any, dim: int) -> None:
     """``out[dst_rows[i]] = src[i]`` on the device (``src``: device float32[m, dim])."""
     m = int(dst_rows.shape[0])
     if m:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,16 @@ from hpsray.serving.layout import build_point_store
 from hpsray.serving.lookup import SSD_READS, MemoryLookup, TieredLookup, mem_rows_for
 from hpsray.serving.pointstore import PointStore
 from hpsray.serving.request import InputSpec, Limits, RequestParser
+
+if TYPE_CHECKING:
+    from hpsray.serving.baselines import EmbeddingBagLookup, RocksDBLookup
+    from hpsray.serving.cuda_lookup import CudaTieredLookup
+    from hpsray.serving.device_driven import DeviceDrivenLookup
+
+    # what ServableModel.load builds, by backend, driver and device
+    ServingLookup = (
+        MemoryLookup | TieredLookup | CudaTieredLookup | DeviceDrivenLookup | RocksDBLookup | EmbeddingBagLookup
+    )
 
 __all__ = ["DRIVERS", "LoadOptions", "ServableModel", "export_version", "resolve_export"]
 
@@ -43,7 +54,7 @@ def export_version(directory: str) -> tuple[str, int, tuple[int, ...]]:
     (:func:`~hpsray.export.export_chain`); a version names the directory's state, so a
     delta that does not apply is not loaded again and again.
     """
-    stamps = []
+    stamps: list[int] = []
     while True:
         try:
             stamps.append(os.stat(os.path.join(directory, f"delta-{len(stamps) + 1:06d}", "manifest.json")).st_mtime_ns)
@@ -144,7 +155,7 @@ class ServableModel:
         directory: str,
         manifest: dict,
         dense: torch.nn.Module,
-        lookup,
+        lookup: ServingLookup,
         parser: RequestParser,
         device: str = "cpu",
         *,
@@ -196,6 +207,7 @@ class ServableModel:
         init = RowInit(dim=dim, scale=float(m["init_scale"]), seed=int(m["seed"]))
         store = PointStore(build_point_store(directory, chain=chain))
         mem = mem_rows_for(len(store), options.mem_rows, options.mem_fraction)
+        lookup: ServingLookup
         if options.backend != "hpsray":
             from hpsray.serving.baselines import EmbeddingBagLookup, RocksDBLookup
 
@@ -251,7 +263,10 @@ class ServableModel:
     def _predict_device_driven(self, batch: Batch) -> np.ndarray:
         """One upload of the keys (the layout computed on the device), the rows gathered there, one
         upload of the dense features, one download of the probabilities."""
+        from hpsray.serving.device_driven import DeviceDrivenLookup
+
         lookup = self.lookup
+        assert isinstance(lookup, DeviceDrivenLookup)  # the only lookup with a device layout
         device = torch.device(self.device)
         layout = lookup.layout(batch)
         emb = torch.as_tensor(lookup.rows(layout.unique_keys), device=device)
@@ -269,7 +284,9 @@ class ServableModel:
         return {"directory": self.directory, "rows": self.rows, "delta": self.delta, **self.lookup.stats()}
 
 
-def _device_driven(store: PointStore, mem: int, init: RowInit, options: LoadOptions, previous: ServableModel | None):
+def _device_driven(
+    store: PointStore, mem: int, init: RowInit, options: LoadOptions, previous: ServableModel | None
+) -> DeviceDrivenLookup:
     """The device-driven lookup of a load (its device tier sized as the CPU-driven GPU path's)."""
     from hpsray.kernels.arrays import array_module
     from hpsray.serving.device_cache import device_rows_for

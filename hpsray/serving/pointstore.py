@@ -62,7 +62,7 @@ class PointStore:
         self.dim, self.rows, self.stride = int(meta["dim"]), int(meta["rows"]), int(meta["stride"])
         keys_path = os.path.join(directory, "keys.u64")
         if self.rows:
-            self.keys = np.memmap(keys_path, dtype=np.uint64, mode="r", shape=(self.rows,))
+            self.keys: np.ndarray = np.memmap(keys_path, dtype=np.uint64, mode="r", shape=(self.rows,))
         else:
             self.keys = np.empty(0, np.uint64)
         self._fd = os.open(os.path.join(directory, "rows.f32"), os.O_RDONLY)

@@ -21,7 +21,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -40,7 +40,6 @@ try:  # 5-10x faster than the json module on request bodies; refuses NaN/Infinit
 
     _loads: Callable[[bytes], Any] = orjson.loads
 except ImportError:  # pragma: no cover - orjson comes with the serve extra
-    orjson = None
 
     def _loads(body: bytes) -> Any:
         return json.loads(body, parse_constant=_reject_constant)
@@ -94,7 +93,7 @@ class InputSpec:
         return (*self.dense, *self.categorical)
 
 
-def _reject_constant(name: str):
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
@@ -108,7 +107,7 @@ def _getter(names: tuple[str, ...]) -> Callable[[dict], tuple]:
     return lambda ex: ()
 
 
-def _kind(v) -> str:
+def _kind(v: object) -> str:
     return "null" if v is None else type(v).__name__
 
 
@@ -226,7 +225,7 @@ class RequestParser:
             raise BadRequest(f"unknown top-level field(s) {sorted(extra)}; only 'examples' is accepted")
         return self.parse_examples(doc["examples"])
 
-    def parse_examples(self, examples) -> Batch:
+    def parse_examples(self, examples: object) -> Batch:
         """The batch of a list of examples (dicts of column → raw value)."""
         if not isinstance(examples, list):
             raise BadRequest(f"'examples' must be a list, got {_kind(examples)}")
@@ -272,14 +271,14 @@ class RequestParser:
         return converted.batch
 
     @staticmethod
-    def _first_wrong(values: list, ok) -> str:
+    def _first_wrong(values: list, ok: Callable[[object], bool]) -> str:
         for i, v in enumerate(values):
             if not ok(v):
                 return f"examples[{i}] has {v!r} ({_kind(v)})"
         return "mixed value types"
 
     def _dense_column(self, name: str, values: list) -> pa.Array:
-        def ok(v) -> bool:
+        def ok(v: object) -> bool:
             return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
         try:
@@ -291,10 +290,10 @@ class RequestParser:
         return arr
 
     def _categorical_column(self, name: str, values: list) -> pa.Array:
-        def scalar_ok(v) -> bool:
+        def scalar_ok(v: object) -> bool:
             return v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
 
-        def ok(v) -> bool:
+        def ok(v: object) -> bool:
             return scalar_ok(v) or (isinstance(v, list) and all(x is not None and scalar_ok(x) for x in v))
 
         try:

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from hpsray.serving.request import Limits
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+    from ray.serve.handle import DeploymentHandle
+
+    from hpsray.serving.model import LoadOptions
 
 __all__ = ["ServeOptions", "build_app", "start", "stop"]
 
@@ -52,7 +59,7 @@ class ServeOptions:
             raise ValueError(f"replica_gpus must be a fraction in (0, 1] or a whole number, got {self.replica_gpus}")
 
 
-def load_options(options: ServeOptions):
+def load_options(options: ServeOptions) -> LoadOptions:
     """The :class:`~hpsray.serving.model.LoadOptions` each replica of ``options`` loads with."""
     from hpsray.serving.model import LoadOptions
 
@@ -66,7 +73,9 @@ def load_options(options: ServeOptions):
     )
 
 
-def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, load=None):
+def build_app(
+    model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, load: LoadOptions | None = None
+) -> Application:
     """The Ray Serve application of a model directory (not yet running); ``load`` (a
     :class:`~hpsray.serving.model.LoadOptions`) overrides what ``options`` says about the rows."""
     from hpsray.serving.deployment import Predictor
@@ -78,7 +87,10 @@ def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions
     actor = {"num_cpus": options.replica_cpus}
     if options.device == "cuda":
         actor["num_gpus"] = options.replica_gpus
-    dep = Predictor.options(num_replicas=options.replicas, ray_actor_options=actor)
+    # ray's serve.deployment is annotated as returning the class; it returns a Deployment
+    dep = Predictor.options(  # type: ignore[attr-defined]
+        num_replicas=options.replicas, ray_actor_options=actor
+    )
     load_d = asdict(load)
     return dep.bind(
         os.path.abspath(os.fspath(model_dir)),
@@ -90,7 +102,9 @@ def build_app(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions
     )
 
 
-def start(model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, address: str | None = None):
+def start(
+    model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, address: str | None = None
+) -> DeploymentHandle:
     """Deploy ``model_dir`` and return its deployment handle (Ray and Serve started if needed)."""
     import ray
     from ray import serve

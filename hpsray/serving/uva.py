@@ -23,7 +23,8 @@ import mmap
 from typing import Any
 
 import numpy as np
-from numba import config, cuda
+
+from hpsray.kernels.cuda.common import config, cuda
 
 __all__ = [
     "HUGE_PAGE_BYTES",
