@@ -29,7 +29,7 @@ def start_device_workers(trainer: type, args: tuple, placement: Any, name: str |
     import ray
 
     here = ray.get_runtime_context().get_node_id()
-    workers = []
+    workers: list[Any] = []  # actor handles
     for d in range(1, args[6]):
         opts = device_options(d, placement, here)
         if name:

@@ -16,6 +16,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ray.util.metrics import Gauge
 
 __all__ = ["GAUGES", "METRICS", "LiveGauges", "prometheus_names"]
 
@@ -89,9 +93,9 @@ class LiveGauges:
     Outside Ray (``ray.is_initialized()`` false) every call is a no-op.
     """
 
-    def __init__(self, **tags: str) -> None:
+    def __init__(self, **tags: object) -> None:
         self.tags = {k: _ascii(v) for k, v in _edge_tags(tags).items()}
-        self._gauges: dict = {}
+        self._gauges: dict[str, Gauge] = {}
         self._failed: set[str] = set()
         self._exchanged_seen = 0
         self.enabled = False
@@ -102,7 +106,7 @@ class LiveGauges:
         except ImportError:
             log.warning("ray is not importable: no live metrics for %s", self.tags)
 
-    def _gauge(self, name: str):
+    def _gauge(self, name: str) -> Gauge | None:
         g = self._gauges.get(name)
         if g is None and name not in self._failed:
             try:

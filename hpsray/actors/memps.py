@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import ray
@@ -44,11 +46,11 @@ class _RemoteStore:
     evaluation) run after its writes and see them.
     """
 
-    def __init__(self, actor, width: int, max_in_flight: int = 4) -> None:
+    def __init__(self, actor: Any, width: int, max_in_flight: int = 4) -> None:
         if max_in_flight < 1:
             raise ValueError(f"MemPSShard: dumps_in_flight must be >= 1, got {max_in_flight}")
         self.actor, self.width, self.max_in_flight = actor, width, max_in_flight
-        self.batch = None  # tags SSD time with the batch being pulled
+        self.batch: Hashable | None = None  # tags SSD time with the batch being pulled
         self.writes: deque[_Write] = deque()
         self.counts = {"writes": 0, "stalls": 0, "stall_s": 0.0, "max_in_flight": 0}
 
@@ -84,10 +86,10 @@ class _RemoteStore:
         self.counts["writes"] += 1
         self.counts["max_in_flight"] = max(self.counts["max_in_flight"], len(self.writes))
 
-    def dump(self, keys, rows) -> None:
+    def dump(self, keys: np.ndarray, rows: np.ndarray) -> None:
         self._submit(np.asarray(keys, np.uint64), rows)
 
-    def delete(self, keys) -> int:
+    def delete(self, keys: np.ndarray) -> int:
         """Submits the delete; returns 0 (how many were stored is known only to SSD-PS)."""
         self._submit(np.asarray(keys, np.uint64), None)
         return 0
@@ -112,7 +114,7 @@ class _RemoteStore:
             open_[hit] = False
         return rows, found, deleted
 
-    def load(self, keys):
+    def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``keys``: from the writes in flight, else from SSD-PS (this actor's calls run
         after its writes there)."""
         self.reap()
@@ -152,7 +154,7 @@ class MemPSShard:
     def __init__(
         self,
         node: int,
-        ssd_actor,
+        ssd_actor: Any,
         width: int,
         init: RowInit,
         capacity_rows: int | None = None,
@@ -161,7 +163,7 @@ class MemPSShard:
         expire_after_batches: int | None = None,
         admission_from: str | None = None,
         dumps_in_flight: int = 4,
-        **options,
+        **options: Any,
     ) -> None:
         self.node = node
         self.store = _RemoteStore(ssd_actor, width, dumps_in_flight)
@@ -184,7 +186,7 @@ class MemPSShard:
     def __repr__(self) -> str:
         return f"MemPS[node {self.node}]"
 
-    def pull(self, batch_id, keys: np.ndarray, borrower: int | None = None) -> Pulled:
+    def pull(self, batch_id: Hashable, keys: np.ndarray, borrower: int | None = None) -> Pulled:
         """The loan of the distinct sorted ``keys`` this node owns to ``borrower``'s trainer
         (default: this node's) for ``batch_id``, pinned until it returns them: the rows held
         here, and the keys the load stage (``SSDPSShard.load``) must add. Never waits on SSD-PS
@@ -204,7 +206,7 @@ class MemPSShard:
             )
             return pulled
 
-    def write_back(self, batch_id, *returned: Returned) -> int:
+    def write_back(self, batch_id: Hashable, *returned: Returned) -> int:
         """Take back the rows of ``batch_id`` from its borrowers; returns the rows stored."""
         with self.clock.timed(batch_id):
             self.store.batch = batch_id
@@ -219,14 +221,14 @@ class MemPSShard:
         self.store.reap()
         return self.lender.store_rows([parts[self.node] for parts in flushed if parts])
 
-    def must_return(self, batch_id, borrowers: int) -> tuple | np.ndarray:
+    def must_return(self, batch_id: Hashable, borrowers: int) -> tuple | np.ndarray:
         """Per borrower, the keys of the batch before ``batch_id`` it must return even if it
         keeps them (call with ``.options(num_returns=borrowers)``; see :meth:`Lender.must_return
         <hpsray.tiers.lending.Lender.must_return>`)."""
         out = self.lender.must_return(batch_id, borrowers)
         return tuple(out) if borrowers > 1 else out[0]
 
-    def refresh(self, batch_id, borrower: int) -> Refresh:
+    def refresh(self, batch_id: Hashable, borrower: int) -> Refresh:
         """Rows lent to ``borrower`` for ``batch_id`` that others changed since (see
         :meth:`Lender.refresh <hpsray.tiers.lending.Lender.refresh>`)."""
         return self.lender.refresh(batch_id, borrower)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
@@ -12,6 +13,9 @@ from hpsray.actors.timing import StageClock
 from hpsray.data.batch import Batch
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.tiers.partition import owner_of
+
+if TYPE_CHECKING:
+    from hpsray.reference import ShardedSource
 
 Transform = Callable[[Batch], Batch]
 
@@ -28,7 +32,7 @@ class Reader:
 
     def __init__(
         self,
-        source,
+        source: ShardedSource,
         batch_size: int,
         node: int = 0,
         index: int = 0,
@@ -43,7 +47,7 @@ class Reader:
         self.open(source, batch_size, index, count, skip)
         self._warm_up(source, index, count)
 
-    def open(self, source, batch_size: int, index: int = 0, count: int = 1, skip: int = 0) -> None:
+    def open(self, source: ShardedSource, batch_size: int, index: int = 0, count: int = 1, skip: int = 0) -> None:
         """Read ``source`` from now on (share ``index`` of ``count``), counting examples and
         bad rows afresh; busy times stay per batch id. ``skip``: batches of the share already
         trained (a resume): they are read and dropped, before any transform runs."""
@@ -59,7 +63,7 @@ class Reader:
     def __repr__(self) -> str:
         return f"Reader[node {self.node}, #{self.index}]"
 
-    def _warm_up(self, source, index: int, count: int) -> None:
+    def _warm_up(self, source: ShardedSource, index: int, count: int) -> None:
         """Read the first few rows of the share through a separate pass and drop them, so the
         format's numba decoders compile before the pipeline's clock starts. Transforms do not
         run; an error here is left for the real pass to raise in its place and order."""

@@ -102,7 +102,9 @@ class RelaxedSteps:
                 hook(self.node, clock)
             own: dict = {}
 
-            def reduce(flat: torch.Tensor, own=own, others=others, clock=clock) -> torch.Tensor:  # via the host
+            def reduce(
+                flat: torch.Tensor, own: dict = own, others: dict = others, clock: int = clock
+            ) -> torch.Tensor:  # via the host
                 own["dense"] = flat.detach().cpu().numpy().copy()
                 if dense_bound is None:  # the dense gradient travels with the sparse update
                     return flat + engine.device.tensor(others["dense"]) if others["dense"] is not None else flat
@@ -116,6 +118,7 @@ class RelaxedSteps:
             engine.step += 1
             if mb is not None:
                 arena.update(mb.rows, gathered, grads, engine.step)
+                assert mb.keys is not None  # the batch's index is made with its keys
                 out_keys.append(to_host(engine.device.from_tensor(mb.keys)).view(np.uint64))
                 out_grads.append(to_host(engine.device.from_tensor(grads)))
             if dense_bound is None:

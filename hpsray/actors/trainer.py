@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +28,12 @@ from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.warmup import warm_trainer_step
 from hpsray.training.devices import DeviceShare
 from hpsray.training.engine import TrainerEngine
+
+if TYPE_CHECKING:
+    from hpsray.cluster.aggregation import ChunkedAggregator
+    from hpsray.cluster.collective import CollectiveGroup
+    from hpsray.cluster.consistency import Exchange
+    from hpsray.pipelines.stages import SyncStage
 
 
 class Trainer:
@@ -84,11 +91,13 @@ class Trainer:
         self.engine = TrainerEngine(config, n_slots, n_dense, self._capacity, n_nodes, device, model)
         self.optimizer, self.device = self.engine.optimizer, self.engine.device
         self.n_nodes = n_nodes
-        self.group = None  # the collective group, when n_nodes > 1 (see join)
-        self.dense_reducer = None
+        self.group: CollectiveGroup | None = None  # the collective group, when n_nodes > 1 (see join)
+        self.dense_reducer: ChunkedAggregator | None = None
         self._chunked = False  # the device mesh sums dense gradients per node, then in chunks (join_mesh)
-        self._mailbox = None
-        self.sync, self.board, self.exchange = None, None, None  # relaxed modes: how updates propagate (see join)
+        self._mailbox: Any = None  # an actor handle
+        self.sync: SyncStage | None = None
+        self.board: Any = None  # an actor handle
+        self.exchange: Exchange | None = None  # relaxed modes: how updates propagate (see join)
         self.relaxed: RelaxedSteps | None = None  # SSP, A-BSP, ASP (see join)
         self.exchanged_bytes: list[int] = []  # per global mini-batch, this node's payload
         self._sent = 0
@@ -116,7 +125,15 @@ class Trainer:
     def __repr__(self) -> str:
         return f"Trainer[node {self.node}]" + (f"[device {self.device_index}]" if self.n_devices > 1 else "")
 
-    def join(self, world: int, group: str, sync, aggregators=None, board=None, mesh_address: str | None = None) -> int:
+    def join(
+        self,
+        world: int,
+        group: str,
+        sync: SyncStage,
+        aggregators: Sequence[Any] | None = None,
+        board: Any = None,
+        mesh_address: str | None = None,
+    ) -> int:
         """Join the trainers' collective group (every trainer calls this at once); ``sync`` is
         the pipeline's :class:`~hpsray.pipelines.SyncStage`. Under a relaxed mode this also
         sets up how updates propagate (:mod:`hpsray.cluster.consistency`): push and pull start
@@ -130,6 +147,7 @@ class Trainer:
         if self.n_devices > 1:
             import ray
 
+            assert mesh_address is not None  # the pipeline gives it with D > 1 devices
             chunked = sync.dense == "chunked" and world > 1  # device 0 of each node aggregates across nodes
             refs = [w.join_mesh.remote(mesh_address, world, chunked) for w in self.workers]
             self.join_mesh(mesh_address, world, chunked)
@@ -138,6 +156,7 @@ class Trainer:
             if chunked:
                 from hpsray.cluster.aggregation import ChunkedAggregator
 
+                assert aggregators is not None  # the pipeline starts them for chunked dense sync
                 self.dense_reducer = ChunkedAggregator(
                     aggregators, world, self.node, chunk_bytes=sync.chunk_bytes, timeout_s=timeout_s
                 )
@@ -161,6 +180,7 @@ class Trainer:
         if sync.dense == "chunked":
             from hpsray.cluster.aggregation import ChunkedAggregator
 
+            assert aggregators is not None  # the pipeline starts them for chunked dense sync
             self.dense_reducer = ChunkedAggregator(
                 aggregators, world, self.node, chunk_bytes=sync.chunk_bytes, timeout_s=timeout_s
             )
@@ -194,13 +214,14 @@ class Trainer:
         return self.mesh.node_broadcast(total)
 
     def _reduce_dense(self, flat: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None
         if self.dense_reducer is not None:
             out = self.dense_reducer.reduce(flat, self.step)
             self.group.bytes_sent += flat.numel() * flat.element_size()
             return out
         return self.group.allreduce_sum(flat)
 
-    def train(self, batch_id, inputs: TrainInputs) -> tuple:
+    def train(self, batch_id: Hashable, inputs: TrainInputs) -> tuple:
         """Train a batch on its working set and return its rows to their owners.
 
         Returns one :class:`Returned` per owner node, then a :class:`TrainOutcome`; call with
@@ -233,6 +254,7 @@ class Trainer:
             elif self.n_nodes == 1:
                 losses = engine.train_local(index)
             else:
+                assert self.group is not None  # joined: n_nodes > 1
                 losses = engine.train_bsp(
                     index, inputs.sizes, self.group, self._reduce_dense, self._straggle, self._count_sent
                 )
@@ -252,6 +274,7 @@ class Trainer:
 
     def _count_sent(self) -> None:
         """After a BSP step: this node's payload of it."""
+        assert self.group is not None
         self.exchanged_bytes.append(self.group.bytes_sent - self._sent)
         self._sent = self.group.bytes_sent
 
@@ -263,7 +286,7 @@ class Trainer:
 
     # -- D devices: one process each (docs/architecture.md: Devices) -----------------------
 
-    def _train_on_devices(self, batch_id, inputs: TrainInputs) -> tuple:
+    def _train_on_devices(self, batch_id: Hashable, inputs: TrainInputs) -> tuple:
         """Device 0's :meth:`train` with ``D > 1``: every device process trains its part of the
         batch (:meth:`train_part`); this one then puts the node's rows back together, one
         :class:`Returned` per owner, and the batch's loss."""
@@ -296,11 +319,11 @@ class Trainer:
         self.gauges.set(loss=self.losses[batch_id], examples_per_s=done / max(self.clock.per_batch[batch_id], 1e-9))
         return (*out, TrainOutcome(self.losses[batch_id], done))
 
-    def train_part(self, batch_id, inputs: TrainInputs) -> DevicePart:
+    def train_part(self, batch_id: Hashable, inputs: TrainInputs) -> DevicePart:
         """A device process's share of a batch (called by device 0 of its node)."""
         return self._device_part(batch_id, inputs)[3]
 
-    def _device_part(self, batch_id, inputs: TrainInputs) -> tuple[Any, list, list, DevicePart]:
+    def _device_part(self, batch_id: Hashable, inputs: TrainInputs) -> tuple[Any, list, list, DevicePart]:
         """Borrow this device's rows of the node's loan, step through the batch's global
         mini-batches on this device's slice of each (rows and gradients exchanged with the
         node's other devices, updates with the other nodes' same device), and give back this
@@ -338,7 +361,7 @@ class Trainer:
         ``straggler_probability`` (the same delays in every mode, for experiments)."""
         sync = self.sync
         delay = getattr(sync, "straggler_delay_s", 0.0) if sync is not None else 0.0
-        if not delay or self.node != sync.straggler_node:
+        if sync is None or not delay or self.node != sync.straggler_node:
             return
         rng = np.random.default_rng([sync.straggler_seed, self.node, clock])
         if rng.random() < sync.straggler_probability:
@@ -352,7 +375,7 @@ class Trainer:
             return Returned(self.node, keys, rows)
         return Returned(self.node, keys, rows, clock, oldest)
 
-    def settle(self, batch_id) -> tuple:
+    def settle(self, batch_id: Hashable) -> tuple:
         """The final barrier of a pass under SSP/ASP (the schedule calls it after the last
         batch's ``train``): wait for every other trainer's last clock, apply all their updates,
         and return the last batch's rows, complete, one :class:`Returned` per owner (call with
@@ -376,7 +399,7 @@ class Trainer:
             out.append(Returned(self.node, ks, rs))
         return out
 
-    def _peer_failed(self, batch_id, error: BaseException | None) -> bool:
+    def _peer_failed(self, batch_id: Hashable, error: BaseException | None) -> bool:
         """Whether another node's trainer failed ``batch_id`` (its inputs). BSP and A-BSP agree
         on that in the collective, a barrier; under SSP/ASP a trainer that failed tells the
         others through the exchange instead (their waits raise :class:`PeerFailedError`)."""
@@ -384,26 +407,27 @@ class Trainer:
             if error is not None:
                 self.exchange.fail(batch_id)
             return False
+        assert self.group is not None
         failed = self.group.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))
         return error is None and float(failed[0]) > 0
 
     @torch.no_grad()
-    def predict(self, batch, keys: list, rows: list) -> np.ndarray:
+    def predict(self, batch: Batch, keys: list, rows: list) -> np.ndarray:
         """Click probabilities of ``batch`` given, per owner node, refs of its keys and of their
         current rows."""
         import ray
 
         values = ray.get([*keys, *rows])
-        keys, rows = np.concatenate(values[: len(keys)]), np.concatenate(values[len(keys) :])
-        order = np.argsort(keys)
-        keys, rows = keys[order], rows[order]
+        all_keys, all_rows = np.concatenate(values[: len(keys)]), np.concatenate(values[len(keys) :])
+        order = np.argsort(all_keys)
+        all_keys, all_rows = all_keys[order], all_rows[order]
         model = self.dense.models[0]
         model.eval()
         out = []
         dim, dev = self.config.dim, self.device
         for mb in batch.minibatches(self.config.minibatch_size):
             layout = BagLayout.of(mb)
-            emb = dev.tensor(np.ascontiguousarray(rows[np.searchsorted(keys, layout.unique_keys), :dim]))
+            emb = dev.tensor(np.ascontiguousarray(all_rows[np.searchsorted(all_keys, layout.unique_keys), :dim]))
             out.append(torch.sigmoid(model(pool_sum(emb, layout), dev.tensor(mb.dense))).cpu().numpy())
         return np.concatenate(out) if out else np.empty(0, np.float32)
 

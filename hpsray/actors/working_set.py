@@ -3,6 +3,7 @@ batch's keys and the keys owners need back, fetched from the object store."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,9 @@ from hpsray.training.working_set import Traffic, keep_masks, working_set_report
 __all__ = ["Traffic", "kept_masks", "working_set_report"]
 
 
-def kept_masks(next_batch: Any, key_parts: list[np.ndarray], must_return: list[Any] = ()) -> list[np.ndarray] | None:
+def kept_masks(
+    next_batch: Any, key_parts: list[np.ndarray], must_return: Sequence[Any] = ()
+) -> list[np.ndarray] | None:
     """Per owner, which of this batch's keys the trainer keeps (:func:`keep_masks`), given the
     next batch's ``ReadBatch`` (or a ref to it) and refs of each owner's keys needed back.
     ``None`` (return every row) without a next batch, when it is empty or could not be read
