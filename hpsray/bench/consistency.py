@@ -27,6 +27,11 @@ import argparse
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpsray.config import TrainConfig
+    from hpsray.data import PlantedCTR
 
 HELP = "BSP, A-BSP, SSP(1/2/4/8, push and pull) and ASP with a straggler node: time to a target AUC"
 
@@ -99,7 +104,7 @@ def time_to(points: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
-def _train(args, gen, cfg, sync_kw: dict) -> dict:
+def _train(args: argparse.Namespace, gen: PlantedCTR, cfg: TrainConfig, sync_kw: dict) -> dict:
     from hpsray.pipelines import MemPSStage, Pipeline, SyncStage, SyntheticSource, TrainerStage
 
     sync = SyncStage(
@@ -164,7 +169,7 @@ def plot(results: dict, target: float, path: str) -> None:
     plt.close(fig)
 
 
-def _job(args: argparse.Namespace):
+def _job(args: argparse.Namespace) -> tuple[PlantedCTR, TrainConfig]:
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
 
@@ -205,7 +210,7 @@ def _on_hosts(args: argparse.Namespace) -> tuple[dict, dict]:
     return results, setup
 
 
-def _plain(v) -> bool:
+def _plain(v: object) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
 
 
@@ -243,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
         path = os.path.join(tempfile.mkdtemp(prefix="hpsray-bench-consistency-"), "auc.png")
     plot(results, target, path)
     reached = {n: r["time_to_target_vs_bsp"] for n, r in results.items() if r["time_to_target_vs_bsp"] is not None}
-    fastest = min(reached, key=reached.get) if reached else None
+    fastest = min(reached, key=reached.__getitem__) if reached else None
     relaxed = {n: t for n, t in reached.items() if n != "bsp"}
     return {
         "best_relaxed_time_vs_bsp": min(relaxed.values()) if relaxed else None,

@@ -31,8 +31,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hpsray.config import TrainConfig
+    from hpsray.data import PlantedCTR
+    from hpsray.pipelines import Pipeline, SyntheticSource
+    from hpsray.reference import ReferenceTrainer
 
 HELP = "end-to-end pipeline throughput vs the in-memory reference trainer (same data, model, run)"
 
@@ -156,7 +163,9 @@ def _median(runs: list[dict], key: str) -> float:
     return float(np.median([run[key] for run in runs]))
 
 
-def _alternate(p, ref, measured, batch: int, rows: int, repeat: int, label: str) -> list[dict]:
+def _alternate(
+    p: Pipeline, ref: ReferenceTrainer, measured: SyntheticSource, batch: int, rows: int, repeat: int, label: str
+) -> list[dict]:
     """``repeat`` timed passes of the (warm) pipeline ``p`` over ``measured``, each after the same
     pass of the reference trainer ``ref``: one dict of figures per repeat."""
     runs = []
@@ -188,7 +197,7 @@ def _log(msg: str) -> None:
     print(f"[bench e2e] {msg}", file=sys.stderr, flush=True)
 
 
-def _small_batch(args: argparse.Namespace, cfg) -> dict:
+def _small_batch(args: argparse.Namespace, cfg: TrainConfig) -> dict:
     """The pipeline against the reference on a job of few slots in small batches."""
     from hpsray.data import PlantedCTR
     from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
@@ -221,7 +230,7 @@ def _small_batch(args: argparse.Namespace, cfg) -> dict:
     }
 
 
-def _max_distinct(source, batch: int, n: int) -> int:
+def _max_distinct(source: SyntheticSource, batch: int, n: int) -> int:
     """Most distinct keys in one of the first ``n`` batches of ``source``."""
     from hpsray.kernels.distinct import distinct_sorted
 
@@ -233,7 +242,7 @@ def _max_distinct(source, batch: int, n: int) -> int:
     return most
 
 
-def _rows_trained(gen, rows: int) -> int:
+def _rows_trained(gen: PlantedCTR, rows: int) -> int:
     """Distinct keys of the first ``rows`` examples: the rows the job trains."""
     from hpsray.kernels.distinct import distinct_sorted
 
@@ -244,7 +253,7 @@ def _rows_trained(gen, rows: int) -> int:
     return int(seen.size)
 
 
-def _spill(args: argparse.Namespace, cfg, gen) -> dict:
+def _spill(args: argparse.Namespace, cfg: TrainConfig, gen: PlantedCTR) -> dict:
     """The job with a MEM-PS budget well below its rows beside the same job all in memory."""
     import math
     import tempfile

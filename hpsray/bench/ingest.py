@@ -21,6 +21,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 HELP = "rows/s parsing Criteo TSV and Parquet into batches (with hashing) vs pyarrow's own CSV reader"
 
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=None, help="where to write the data (default: a temporary directory)")
 
 
-def _best(fn, repeats: int) -> tuple[float, float, int]:
+def _best(fn: Callable[[], int], repeats: int) -> tuple[float, float, int]:
     """(best CPU seconds, best wall seconds, rows) over ``repeats`` runs of ``fn``."""
     cpu, wall, rows = float("inf"), float("inf"), 0
     for _ in range(repeats):

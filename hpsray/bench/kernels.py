@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import numba
 import numpy as np
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _best(fn, repeat: int) -> float:
+def _best(fn: Callable[[], object], repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -51,6 +52,11 @@ def _sync(device: str) -> None:
         from numba import cuda
 
         cuda.synchronize()
+
+
+def _then_sync(device: str, _result: object) -> None:
+    """``_sync`` after the call whose result is passed (a lambda's two steps, in order)."""
+    _sync(device)
 
 
 def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, device: str, seed: int) -> dict:
@@ -80,10 +86,10 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
         from numba import cuda
 
         tq, tvalues, tdistinct, tassign = (cuda.to_device(a) for a in (q, values, distinct, assign_values))
-    find_s = _best(lambda: (table.find(tq), _sync(device)), repeat)
-    find_gather_s = _best(lambda: (table.gather(table.find(tq)), _sync(device)), repeat)
-    scatter_s = _best(lambda: (table.scatter_add(tq, tvalues), _sync(device)), repeat)
-    assign_s = _best(lambda: (table.insert_or_assign(tdistinct, tassign), _sync(device)), repeat)
+    find_s = _best(lambda: _then_sync(device, table.find(tq)), repeat)
+    find_gather_s = _best(lambda: _then_sync(device, table.gather(table.find(tq))), repeat)
+    scatter_s = _best(lambda: _then_sync(device, table.scatter_add(tq, tvalues)), repeat)
+    assign_s = _best(lambda: _then_sync(device, table.insert_or_assign(tdistinct, tassign)), repeat)
 
     # baselines, same run
     # A written array: an untouched np.zeros arena maps every page to the kernel's shared zero
@@ -91,11 +97,11 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
     arena = np.full((n, dim), 1.0, dtype=np.float32)
     rows = rng.integers(0, n, queries)
     gather_s = _best(lambda: np.take(arena, rows, axis=0), repeat)
-    arena = None  # free it (the lambda above is done with it)
+    arena = np.empty((0, dim), np.float32)  # free it (the lambda above is done with it)
     d = dict(zip(keys.tolist(), range(n)))
     dq = q[:dict_queries].tolist()
     dict_s = _best(lambda: [d[k] for k in dq], repeat)
-    d = None  # free it
+    d = {}  # free it
 
     out = {
         "keys": n,

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpsray.bench.baselines import PeerSpec, peak_rss_bytes, write_result
+
+if TYPE_CHECKING:
+    from hpsray.data.batch import Batch
 
 CEILING = "mlp_alone"  # the MLP alone on its batches: the ceiling every system is compared with
 
@@ -22,7 +27,7 @@ class PreparedSource:
     def __init__(self, refs: list, batch_size: int, n_slots: int, n_dense: int) -> None:
         self.refs, self.batch_size, self.n_slots, self.n_dense = list(refs), batch_size, n_slots, n_dense
 
-    def open(self, batch_size: int, reader_index: int = 0, num_readers: int = 1):
+    def open(self, batch_size: int, reader_index: int = 0, num_readers: int = 1) -> Iterator[Batch]:
         import ray
 
         if batch_size != self.batch_size:
@@ -31,7 +36,7 @@ class PreparedSource:
             yield ray.get(ref)
 
 
-def _put_batches(batch, spec: PeerSpec, start: int, stop: int, size: int) -> list:
+def _put_batches(batch: Batch, spec: PeerSpec, start: int, stop: int | None, size: int) -> list:
     import ray
 
     from hpsray.bench.baselines import split

@@ -313,6 +313,7 @@ def _run_system(spec: PeerSpec, args: argparse.Namespace) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)  # the system's own process group (it may have started a Ray)
         output, _ = proc.communicate()
         return {"error": f"timed out after {args.timeout:.0f} s", "output_tail": output[-2000:]}
+    assert spec.result_path is not None  # set by the caller (one file per system and size)
     if proc.returncode != 0 or not os.path.exists(spec.result_path):
         return {"error": f"exit status {proc.returncode}", "output_tail": (output or "")[-3000:]}
     with open(spec.result_path) as f:

@@ -22,8 +22,12 @@ import sys
 import tempfile
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hpsray.pipelines import Pipeline
 
 HELP = "checkpoint cost (share of training time) and time from a killed actor to training again"
 
@@ -44,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _kill_trainer_after(pipeline, batches: int, done: threading.Event) -> None:
+def _kill_trainer_after(pipeline: Pipeline, batches: int, done: threading.Event) -> None:
     """SIGKILL node 0's trainer once it has trained ``batches`` batches of this pass."""
     import ray
 

@@ -23,8 +23,12 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from hpsray.bench.scale_model import fit_nodes, project, stage_costs, summarize
+
+if TYPE_CHECKING:
+    from hpsray.cluster.netns import NetnsHosts
 
 _FIT_KEYS = ("rows", "batch", "minibatch", "slots", "keys", "dim", "hidden", "seed")
 
@@ -77,7 +81,7 @@ def _rate_bytes_per_s(rate: str) -> float:
     raise ValueError(f"link rate {rate!r}: expected a number with kbit, mbit or gbit")
 
 
-def _probe(hosts, total_bytes: int) -> dict:
+def _probe(hosts: NetnsHosts, total_bytes: int) -> dict:
     """TCP round trip and bulk throughput from host 0 to host 1."""
     server = hosts.popen(1, [sys.executable, "-c", _SERVE], "probe.log")
     try:
@@ -95,7 +99,7 @@ def _probe(hosts, total_bytes: int) -> dict:
         server.wait()
 
 
-def _drive(hosts, args: argparse.Namespace, n: int) -> dict:
+def _drive(hosts: NetnsHosts, args: argparse.Namespace, n: int) -> dict:
     """One measurement of ``n`` nodes, its driver run inside host 0: the run's summary."""
     spec = json.dumps({"n": n, **{k: getattr(args, k) for k in _FIT_KEYS}})
     out = hosts.run(

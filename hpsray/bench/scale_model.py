@@ -22,6 +22,11 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpsray.pipelines import Pipeline
+    from hpsray.reference import ShardedSource
 
 __all__ = ["project", "speedup", "factor_for", "fit_nodes", "summarize", "stage_costs"]
 
@@ -94,7 +99,7 @@ def fit_nodes(args: argparse.Namespace, n: int) -> dict:
         return report
 
 
-def pull_times(p, source, batch: int, repeats: int = 3) -> dict:
+def pull_times(p: Pipeline, source: ShardedSource, batch: int, repeats: int = 3) -> dict:
     """HierPS Fig. 4b: seconds to look up one batch's distinct keys at their owners, from the
     driver (on node 0's host): the owner-0 part (local) and the mean of the others (remote: their
     rows cross the link), each the best of ``repeats`` after training (MEM-PS holds every row)."""

@@ -24,6 +24,7 @@ import resource
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -196,12 +197,12 @@ def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def actor_peak_rss(_actor_self=None) -> int:
+def actor_peak_rss(_actor_self: object = None) -> int:
     """:func:`peak_rss_bytes` inside a Ray actor: ``ray.get(a.__ray_call__.remote(actor_peak_rss))``."""
     return peak_rss_bytes()
 
 
-def ray_peak_rss(actors) -> dict:
+def ray_peak_rss(actors: dict[str, Any]) -> dict:
     """Peak RSS of each Ray actor of ``actors`` (``{name: handle}``) plus this driver, and the sum."""
     import ray
 
