@@ -81,7 +81,7 @@ def demo_job(workdir: str, rows: int, quiet: bool = True) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpsray.cli.start import connect_alongside, warm_kernels
+    from hpsray.cli.start import connect_alongside
     from hpsray.cli.train import summary, train_pipeline
     from hpsray.job import ConfigError, JobConfig
 
@@ -95,9 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     def write_job() -> JobConfig:
         demo_job(workdir, args.rows, quiet=args.quiet)
-        job = JobConfig.load(job_file)
-        warm_kernels(job)
-        return job
+        return JobConfig.load(job_file)
 
     try:
         try:  # the data is written while Ray comes up

@@ -5,10 +5,6 @@ the driver has seconds of its own work before the first actor starts: importing 
 (torch among it) and, for ``hpsray demo``, writing the data. :func:`connect_alongside` does both
 at once. Ray is started from the calling (main) thread, because Ray's processes die with the
 thread that started them; the driver's work runs in a helper thread meanwhile.
-
-That work includes :func:`warm_kernels`: numba compiles the engines' kernels on their first call
-and keeps the machine code on disk. On a first run every stage actor would compile its own
-(mostly the same) kernels at once; compiled here first, while Ray starts, the actors load them.
 """
 
 from __future__ import annotations
@@ -18,15 +14,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from hpsray.job import JobConfig
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
-log = logging.getLogger("hpsray.start")
 
-__all__ = ["RayStarted", "connect_alongside", "import_pipeline", "warm_kernels"]
+__all__ = ["RayStarted", "connect_alongside", "import_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -45,44 +37,6 @@ def import_pipeline() -> None:
     import hpsray.export  # noqa: F401
     import hpsray.job.build  # noqa: F401
     import hpsray.pipelines.pipeline  # noqa: F401
-
-
-def warm_kernels(job: JobConfig) -> None:
-    """Run the stage actors' warm-ups (:mod:`hpsray.tiers.warmup`) for ``job``'s row width and
-    tier options in this process, so numba's disk cache holds their kernels before the actors
-    start: a second or so when the cache is warm, the first run's compilation when it is not.
-    The reader's decoders compile on the job's first rows. Nothing of the job is written; an
-    error here (bad input, say) is left for the actors to raise in its place and order."""
-    try:
-        _warm_kernels(job)
-    except Exception as e:  # noqa: BLE001 - the actors warm up again and report it
-        log.debug("warming the kernels in the driver failed: %s", e)
-
-
-def _warm_kernels(job: JobConfig) -> None:
-    from hpsray.actors.memps import warm_admission
-    from hpsray.job import build
-    from hpsray.kernels.distinct import distinct_sorted
-    from hpsray.tiers.hbm import HbmPS
-    from hpsray.tiers.partition import owner_of
-    from hpsray.tiers.warmup import warm_mem_ps, warm_ssd_ps, warm_trainer_step
-
-    config, tiers = job.train_config(), job.tiers
-    width, init = config.row_width, config.row_init()
-    source = build.source(job)
-    rows = source.reader(64) if hasattr(source, "reader") else source.open(64)
-    first = next(iter(rows), None)
-    if first is not None:
-        owner_of(distinct_sorted(first.keys), max(job.cluster.nodes, 1))
-        n_slots, n_dense = first.n_slots, first.dense.shape[1]
-        if job.pipeline.device == "cpu":
-            warm_trainer_step(
-                HbmPS(256, width, init, 1, max(job.cluster.nodes, 1), "cpu"), init, width, n_slots, n_dense
-            )
-    warm_mem_ps(width, init, **dict(tiers.mem))
-    warm_ssd_ps(width, **dict(tiers.ssd))
-    if tiers.admit_after > 1 or tiers.expire_after_batches is not None:
-        warm_admission()
 
 
 def connect_alongside(address: str | None, quiet: bool, work: Callable[[], T]) -> RayStarted[T]:

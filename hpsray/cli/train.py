@@ -235,12 +235,12 @@ def train_pipeline(
     """
     import ray
 
-    from hpsray.cli.start import connect_alongside, warm_kernels
+    from hpsray.cli.start import connect_alongside
     from hpsray.cluster.runtime import dashboard_hint
     from hpsray.reference_job import evaluate_into
 
     if ray_started is None:
-        ray_started = connect_alongside(address or job.cluster.address, quiet, lambda: warm_kernels(job))
+        ray_started = connect_alongside(address or job.cluster.address, quiet, lambda: None)
     started, ray_init_s = ray_started.started, ray_started.ray_init_s
     from hpsray.export import export, schema_of_source
     from hpsray.job import build
