@@ -28,6 +28,24 @@ def pytest_configure(config):
         generate_and_save_token()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Figures a test recorded as ``("figure", (name, seconds, note))`` user properties (the
+    network chaos trials' times to their outcome), one line per name: trials and the worst.
+    They travel with the test reports, so xdist workers' figures reach this summary too."""
+    figures: dict[str, list[tuple[float, str]]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == "figure" and getattr(report, "when", "call") == "call":
+                    name, seconds, note = value
+                    figures.setdefault(name, []).append((float(seconds), str(note)))
+    if figures:
+        terminalreporter.section("figures")
+        for name, runs in sorted(figures.items()):
+            worst = max(runs)
+            terminalreporter.write_line(f"{name}: {len(runs)} trial(s), worst {worst[0]:.1f} s ({worst[1]})")
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A real local Ray instance (started once per session, stopped at the end)."""

@@ -70,10 +70,12 @@ def _checkpointed(directory: Path) -> int:
     return max((int(p.name.split("-")[1]) for p in Checkpoints(directory).committed()), default=-1)
 
 
-def _trial(cluster, tmp: Path, case: str, trial: int, fault, lasts: float, restore=None) -> tuple[dict, float]:
+def _trial(
+    cluster, tmp: Path, case: str, trial: int, fault, lasts: float, restore=None, node=None
+) -> tuple[dict, float]:
     """Run the job, apply ``fault`` after a random checkpoint (``restore`` it ``lasts`` s later),
     and return its outcome and the seconds from the fault to it; past the bound, fail with the
-    stacks."""
+    stacks. ``node`` (the test's item) records the time for the run's summary of figures."""
     rng = random.Random(f"{case}-{trial}")
     ckpt, out = tmp / f"{case}-{trial}-ckpt", tmp / f"{case}-{trial}.json"
     argv = [sys.executable, str(JOB), str(ckpt), str(FAULT_TIMEOUT_S), str(out)]
@@ -115,6 +117,8 @@ def _trial(cluster, tmp: Path, case: str, trial: int, fault, lasts: float, resto
         job.kill()
         pytest.fail(f"{case}: the job did not exit 60 s after its outcome (shutdown hangs):\n{dumps}")
     WORST.setdefault(case, []).append(took)
+    if node is not None:  # the summary's "network chaos: CASE: N trial(s), worst S s" line
+        node.user_properties.append(("figure", (f"network chaos: {case}", took, result["outcome"])))
     print(f"{case} trial {trial}: {result['outcome']} {took:.1f} s after the fault (bound {bound:.0f} s)")
     return result, took
 
@@ -140,7 +144,7 @@ def _lost_node_handled(result: dict) -> None:
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
-def test_link_down_for_10_s_is_ridden_out(chaos, tmp_path, trial):
+def test_link_down_for_10_s_is_ridden_out(chaos, tmp_path, trial, request):
     result, _ = _trial(
         chaos,
         tmp_path,
@@ -149,12 +153,13 @@ def test_link_down_for_10_s_is_ridden_out(chaos, tmp_path, trial):
         lambda: linkfaults.link_down(chaos, WORKER),
         10.0,
         lambda: linkfaults.link_up(chaos, WORKER),
+        request.node,
     )
     _finished_unchanged(result)
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
-def test_five_percent_loss_for_20_s_is_ridden_out(chaos, tmp_path, trial):
+def test_five_percent_loss_for_20_s_is_ridden_out(chaos, tmp_path, trial, request):
     result, _ = _trial(
         chaos,
         tmp_path,
@@ -163,15 +168,22 @@ def test_five_percent_loss_for_20_s_is_ridden_out(chaos, tmp_path, trial):
         lambda: print("applied:", linkfaults.netem(chaos, WORKER, loss_pct=5, delay_ms=50)),
         20.0,
         lambda: linkfaults.netem(chaos, WORKER),
+        request.node,
     )
     _finished_unchanged(result)
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
-def test_worker_partitioned_from_the_head_only_is_a_lost_node(chaos, tmp_path, trial):
+def test_worker_partitioned_from_the_head_only_is_a_lost_node(chaos, tmp_path, trial, request):
     try:
         result, _ = _trial(
-            chaos, tmp_path, "partitioned from the head", trial, lambda: linkfaults.partition(chaos, 0, WORKER), 0.0
+            chaos,
+            tmp_path,
+            "partitioned from the head",
+            trial,
+            lambda: linkfaults.partition(chaos, 0, WORKER),
+            0.0,
+            node=request.node,
         )
     finally:
         chaos.revive(WORKER)
@@ -179,10 +191,10 @@ def test_worker_partitioned_from_the_head_only_is_a_lost_node(chaos, tmp_path, t
 
 
 @pytest.mark.parametrize("trial", range(TRIALS))
-def test_link_down_for_good_is_a_lost_node(chaos, tmp_path, trial):
+def test_link_down_for_good_is_a_lost_node(chaos, tmp_path, trial, request):
     try:
         cut = lambda: linkfaults.link_down(chaos, WORKER)  # noqa: E731
-        result, _ = _trial(chaos, tmp_path, "link down for good", trial, cut, 0.0)
+        result, _ = _trial(chaos, tmp_path, "link down for good", trial, cut, 0.0, node=request.node)
     finally:
         chaos.revive(WORKER)
     _lost_node_handled(result)
