@@ -2,14 +2,13 @@
 system) and the one set of choices a job may name (optimizers, devices, consistency modes).
 
 The TOML job file of ``hpsray train`` is :mod:`hpsray.job`; its errors are
-:class:`~hpsray.errors.ConfigError` (re-exported here).
+:class:`~hpsray.errors.ConfigError`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpsray.errors import ConfigError
 from hpsray.kernels import DEVICES
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer, make_optimizer
@@ -21,7 +20,6 @@ __all__ = [
     "DEVICES",
     "PROPAGATIONS",
     "SPARSE_OPTIMIZERS",
-    "ConfigError",
     "TrainConfig",
 ]
 

@@ -32,9 +32,8 @@
         └── MissingRowsError                    a batch's keys have no row once its loans are in
 
 The second bases are kept for callers that catch the builtin kind (``except ValueError``). Every
-class is defined here and imported from here; the packages whose API names one re-export it
-(``hpsray.tiers``, ``hpsray.serving``, ...). This module imports nothing of hpsray, so every
-layer may use it.
+class is defined here and imported from here only (no package re-exports one). This module
+imports nothing of hpsray, so every layer may use it.
 """
 
 from __future__ import annotations

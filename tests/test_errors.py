@@ -34,26 +34,26 @@ def test_every_error_is_an_hpsray_error_and_keeps_its_builtin_base():
     assert issubclass(CorruptFileError, SSDError) and issubclass(TooMuchBadInput, DataError)
 
 
-def test_old_import_paths_still_give_the_same_classes():
-    from hpsray.config import ConfigError as C
-    from hpsray.data import DataError as D
-    from hpsray.kernels import TableFullError as T
-    from hpsray.pipelines import TrainingStopped as S
-    from hpsray.tiers import CapacityError as Cap
-    from hpsray.tiers import CorruptFileError as Cor
-    from hpsray.tiers import SSDError as E
-    from hpsray.tiers import SSDFullError as F
+@pytest.mark.parametrize(
+    "package",
+    [
+        "hpsray.config",
+        "hpsray.data",
+        "hpsray.kernels",
+        "hpsray.pipelines",
+        "hpsray.tiers",
+        "hpsray.tiers.ssd",
+        "hpsray.serving",
+    ],
+)
+def test_errors_have_one_import_path(package):
+    """The old homes of the error classes no longer export them: every caller imports them from
+    hpsray.errors (issue 26)."""
+    import importlib
 
-    assert (C, D, T, S, Cap, Cor, E, F) == (
-        ConfigError,
-        DataError,
-        TableFullError,
-        TrainingStopped,
-        CapacityError,
-        CorruptFileError,
-        SSDError,
-        SSDFullError,
-    )
+    module = importlib.import_module(package)
+    exported = set(getattr(module, "__all__", ()))
+    assert not exported & set(errors.__all__), sorted(exported & set(errors.__all__))
 
 
 @pytest.mark.parametrize(

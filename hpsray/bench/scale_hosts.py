@@ -115,7 +115,8 @@ def _drive(hosts: NetnsHosts, args: argparse.Namespace, n: int) -> dict:
 
 def run_on_hosts(args: argparse.Namespace) -> dict:
     """Measured vs projected examples/s per link shape on namespace hosts (see the module doc)."""
-    from hpsray.cluster.netns import NetnsHosts, NetnsUnavailable
+    from hpsray.cluster.netns import NetnsHosts
+    from hpsray.errors import NetnsUnavailable
 
     counts = sorted({int(x) for x in args.nodes.split(",")} | {1})
     multi = [n for n in counts if n > 1]

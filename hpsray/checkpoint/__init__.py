@@ -14,6 +14,5 @@ state); this package knows only files. No Ray inside.
 
 from hpsray.checkpoint.checkpoints import Checkpoint, Checkpoints, node_dir
 from hpsray.checkpoint.record import job_fingerprint
-from hpsray.errors import CheckpointError, CheckpointFullError
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointFullError", "Checkpoints", "job_fingerprint", "node_dir"]
+__all__ = ["Checkpoint", "Checkpoints", "job_fingerprint", "node_dir"]

@@ -83,7 +83,8 @@ def demo_job(workdir: str, rows: int, quiet: bool = True) -> dict:
 def run(args: argparse.Namespace) -> int:
     from hpsray.cli.start import connect_alongside
     from hpsray.cli.train import summary, train_pipeline
-    from hpsray.job import ConfigError, JobConfig
+    from hpsray.errors import ConfigError
+    from hpsray.job import JobConfig
 
     if args.rows < BATCHES:
         print(f"hpsray demo: error: --rows must be >= {BATCHES}, got {args.rows}", file=sys.stderr)

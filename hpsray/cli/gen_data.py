@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpsray.data import PlantedCTR, write_synthetic
-    from hpsray.data.errors import DataError
+    from hpsray.errors import DataError
 
     def fail(msg: str) -> int:
         print(f"hpsray gen-data: error: {msg}", file=sys.stderr)

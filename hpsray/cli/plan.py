@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpsray.data import DataError
-    from hpsray.job import ConfigError, JobConfig
+    from hpsray.errors import ConfigError, DataError
+    from hpsray.job import JobConfig
     from hpsray.plan import make_plan, render
 
     if args.sample_rows < 1:

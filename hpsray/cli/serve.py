@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpsray.serving import Limits, LoadOptions, ServeOptions, ServingError, resolve_export, start
+    from hpsray.errors import ServingError
+    from hpsray.serving import Limits, LoadOptions, ServeOptions, resolve_export, start
 
     try:
         limits = Limits(args.max_body_bytes, args.max_examples)

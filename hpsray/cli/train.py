@@ -374,10 +374,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ray.exceptions import RayError
 
-    from hpsray.data import DataError
-    from hpsray.errors import CapacityError, CheckpointError
-    from hpsray.job import ConfigError, JobConfig, build
-    from hpsray.pipelines import TrainingStopped
+    from hpsray.errors import CapacityError, CheckpointError, ConfigError, DataError, TrainingStopped
+    from hpsray.job import JobConfig, build
     from hpsray.pipelines.progress import progress_seconds
     from hpsray.reference_job import train_reference
 

@@ -10,14 +10,7 @@ The reading path a pipeline uses::
 
 from hpsray.data.batch import Batch
 from hpsray.data.categorical import hash_strings
-from hpsray.data.errors import (
-    LENIENT,
-    STRICT,
-    BadInputPolicy,
-    BadInputReport,
-    DataError,
-    TooMuchBadInput,
-)
+from hpsray.data.errors import LENIENT, STRICT, BadInputPolicy, BadInputReport
 from hpsray.data.generate import dataset_schema, load_dataset, write_synthetic
 from hpsray.data.keys import hash_keys
 from hpsray.data.osrp import OPOSRP
@@ -33,12 +26,10 @@ __all__ = [
     "BadInputPolicy",
     "BadInputReport",
     "Batch",
-    "DataError",
     "DataReader",
     "PlantedCTR",
     "Schema",
     "Split",
-    "TooMuchBadInput",
     "dataset_schema",
     "hash_keys",
     "hash_strings",

@@ -15,17 +15,10 @@ import pyarrow.parquet as pq
 
 from hpsray.data.batch import Batch
 from hpsray.data.convert import Converter
-from hpsray.data.errors import (
-    CORRUPT_FILE,
-    EMPTY_FILE,
-    MISSING_COLUMN,
-    UNREADABLE_PATH,
-    BadInputPolicy,
-    BadInputReport,
-    DataError,
-)
+from hpsray.data.errors import CORRUPT_FILE, EMPTY_FILE, MISSING_COLUMN, UNREADABLE_PATH, BadInputPolicy, BadInputReport
 from hpsray.data.schema import Schema
 from hpsray.data.sources import Split
+from hpsray.errors import DataError
 
 
 def _row_group_start(md: pq.FileMetaData, i: int) -> int:

@@ -26,7 +26,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from hpsray.data.errors import UNREADABLE_PATH, DataError
+from hpsray.data.errors import UNREADABLE_PATH
+from hpsray.errors import DataError
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _ARROW_SCHEMES = {"file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss"}

@@ -28,7 +28,6 @@ from hpsray.data.errors import (
     WRONG_COLUMN_COUNT,
     BadInputPolicy,
     BadInputReport,
-    DataError,
 )
 from hpsray.data.schema import Schema
 from hpsray.data.sources import (
@@ -39,6 +38,7 @@ from hpsray.data.sources import (
     count_lines_before,
     next_line_start,
 )
+from hpsray.errors import DataError
 
 DEFAULT_BLOCK_SIZE = 4 << 20
 

@@ -7,7 +7,6 @@
   (the only importer of :mod:`hpsray.pipelines`; import it explicitly: it brings in Ray).
 """
 
-from hpsray.errors import ConfigError
 from hpsray.job.jobconfig import JobConfig
 from hpsray.job.sections import (
     CheckpointSection,
@@ -23,7 +22,6 @@ from hpsray.job.sections import (
 __all__ = [
     "CheckpointSection",
     "ClusterSection",
-    "ConfigError",
     "DataSection",
     "JobConfig",
     "ModelSection",

@@ -5,14 +5,13 @@ from __future__ import annotations
 from hpsray.kernels.cpu import CpuHashTable
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SGD, Adagrad, Adam, SparseOptimizer, make_optimizer
-from hpsray.kernels.table import HashTable, TableFullError
+from hpsray.kernels.table import HashTable
 
 DEVICES = ("cpu", "cuda")
 
 __all__ = [
     "HashTable",
     "CpuHashTable",
-    "TableFullError",
     "RowInit",
     "SGD",
     "Adagrad",

@@ -18,20 +18,13 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit, prange
 
+from hpsray.errors import TableFullError
 from hpsray.kernels.distinct import distinct_sorted, is_sorted_distinct
 from hpsray.kernels.fused import lookup_pool
 from hpsray.kernels.hashing import EMPTY_KEY, bucket_hash
 from hpsray.kernels.init import RowInit, init_row
 from hpsray.kernels.optim import SparseOptimizer, apply_row_update
-from hpsray.kernels.table import (
-    HashTable,
-    TableFullError,
-    as_keys,
-    as_rows,
-    bucket_count,
-    check_columns,
-    missing_key_error,
-)
+from hpsray.kernels.table import HashTable, as_keys, as_rows, bucket_count, check_columns, missing_key_error
 
 _EMPTY = EMPTY_KEY
 

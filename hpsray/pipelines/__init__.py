@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hpsray.pipelines.edge import BoundedEdge
-    from hpsray.pipelines.pipeline import Pipeline, TrainingStopped
+    from hpsray.pipelines.pipeline import Pipeline
     from hpsray.pipelines.sources import FileSource, SyntheticSource
     from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
@@ -27,13 +27,11 @@ __all__ = [
     "SyncStage",
     "SyntheticSource",
     "TrainerStage",
-    "TrainingStopped",
 ]
 
 _HOMES = {
     "BoundedEdge": "hpsray.pipelines.edge",
     "Pipeline": "hpsray.pipelines.pipeline",
-    "TrainingStopped": "hpsray.pipelines.pipeline",
     "FileSource": "hpsray.pipelines.sources",
     "SyntheticSource": "hpsray.pipelines.sources",
     "CheckpointStage": "hpsray.pipelines.stages",

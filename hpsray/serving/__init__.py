@@ -16,20 +16,17 @@ the keys, dedupe, layout, probes and gathers on the device), :mod:`~hpsray.servi
 ``deployment`` and inside ``server``'s functions.
 """
 
-from hpsray.errors import BadRequest, ServingError
 from hpsray.serving.model import LoadOptions, ServableModel, resolve_export
 from hpsray.serving.request import InputSpec, Limits, RequestParser
 from hpsray.serving.server import ServeOptions, build_app, start, stop
 
 __all__ = [
-    "BadRequest",
     "InputSpec",
     "Limits",
     "LoadOptions",
     "RequestParser",
     "ServableModel",
     "ServeOptions",
-    "ServingError",
     "build_app",
     "resolve_export",
     "start",

@@ -12,8 +12,7 @@ HBM-PS, the trainer's working set over its devices, is :mod:`hpsray.tiers.hbm`.
 Formats, protocols and measurements: ``docs/tiers.md``.
 """
 
-from hpsray.errors import CorruptFileError, SSDError, SSDFullError
-from hpsray.tiers.cache_policy import CapacityError, LruLfuPolicy, belady_hit_rate
+from hpsray.tiers.cache_policy import LruLfuPolicy, belady_hit_rate
 from hpsray.tiers.mem import MemPS, rows_for_bytes
 from hpsray.tiers.partition import Partitioner, device_of, group_by, owner_of, place
 from hpsray.tiers.ssd import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
@@ -21,13 +20,9 @@ from hpsray.tiers.ssd import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
 __all__ = [
     "DEFAULT_FILE_BYTES",
     "SSDPS",
-    "CapacityError",
-    "CorruptFileError",
     "LruLfuPolicy",
     "MemPS",
     "Partitioner",
-    "SSDError",
-    "SSDFullError",
     "belady_hit_rate",
     "default_rows_per_file",
     "device_of",

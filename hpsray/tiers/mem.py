@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import ArrayLike
 
+from hpsray.errors import CapacityError
 from hpsray.kernels.cpu import CpuHashTable
 from hpsray.kernels.distinct import is_sorted_distinct
 from hpsray.kernels.hashing import EMPTY_KEY
@@ -36,12 +37,11 @@ from hpsray.tiers.cache_policy import (
     DEFAULT_AGING,
     DEFAULT_HISTORY,
     DEFAULT_LRU_FRACTION,
-    CapacityError,
     FrequencySketch,
     LruLfuPolicy,
 )
 
-__all__ = ["BackingStore", "CapacityError", "DeletingStore", "MemPS", "WritingBehindStore", "rows_for_bytes"]
+__all__ = ["BackingStore", "DeletingStore", "MemPS", "WritingBehindStore", "rows_for_bytes"]
 
 # per-row bookkeeping besides the row and the hash buckets: table row_keys/free/first (24),
 # our slot keys (8), policy region/tick/freq/pins (21), dirty flag (1)

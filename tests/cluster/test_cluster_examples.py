@@ -7,7 +7,8 @@ import pytest
 import tomllib
 import yaml
 
-from hpsray.job import ConfigError, JobConfig
+from hpsray.errors import ConfigError
+from hpsray.job import JobConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "cluster"
 NEW_CLUSTER_KEYS = ("consistency", "staleness", "dense_sync", "chunk_bytes")

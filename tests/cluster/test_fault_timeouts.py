@@ -79,7 +79,8 @@ def test_one_default_and_the_job_file_sets_it(tmp_path):
     assert ClusterSection().fault_timeout_s == SyncStage().fault_timeout_s == faults.DEFAULT_FAULT_TIMEOUT_S
     with pytest.raises(ValueError, match="fault_timeout_s"):
         SyncStage(fault_timeout_s=0)
-    from hpsray.job import ConfigError, JobConfig
+    from hpsray.errors import ConfigError
+    from hpsray.job import JobConfig
 
     job = tmp_path / "job.toml"
     job.write_text("[data.synthetic]\nrows = 100\n[cluster]\nfault_timeout_s = 12.5\n")

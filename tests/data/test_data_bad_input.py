@@ -11,19 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hpsray.data import (
-    LENIENT,
-    STRICT,
-    BadInputPolicy,
-    BadInputReport,
-    DataError,
-    Schema,
-    TooMuchBadInput,
-    list_files,
-    open_source,
-    read_batches,
-)
+from hpsray.data import LENIENT, STRICT, BadInputPolicy, BadInputReport, Schema, list_files, open_source, read_batches
 from hpsray.data import errors as E
+from hpsray.errors import DataError, TooMuchBadInput
 
 SCHEMA = Schema.criteo(2, 2, dense_transform="none")
 LOOSE = BadInputPolicy(mode="lenient", max_bad_fraction=1.0, max_examples=10_000)

@@ -11,17 +11,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from hpsray.data import (
-    STRICT,
-    Batch,
-    DataError,
-    DataReader,
-    Schema,
-    list_files,
-    open_source,
-    read_batches,
-    resolve_filesystem,
-)
+from hpsray.data import STRICT, Batch, DataReader, Schema, list_files, open_source, read_batches, resolve_filesystem
+from hpsray.errors import DataError
 
 SCHEMA = Schema.criteo(1, 2, dense_transform="none")
 

@@ -17,7 +17,8 @@ DRIVERS = Path(__file__).with_name("drivers.py")
 
 @pytest.fixture(scope="session")
 def hosts():
-    from hpsray.cluster.netns import NetnsHosts, NetnsUnavailable, unavailable
+    from hpsray.cluster.netns import NetnsHosts, unavailable
+    from hpsray.errors import NetnsUnavailable
 
     reason = unavailable()
     if reason:

@@ -46,7 +46,8 @@ WORST: dict[str, list[float]] = {}
 
 @pytest.fixture(scope="module")
 def chaos():
-    from hpsray.cluster.netns import NetnsUnavailable, unavailable
+    from hpsray.cluster.netns import unavailable
+    from hpsray.errors import NetnsUnavailable
 
     reason = unavailable()
     if reason:

@@ -349,7 +349,7 @@ def apply_gradients_rejects_wrong_width():
 
 @case
 def full_table_raises_and_changes_nothing():
-    from hpsray.kernels import TableFullError
+    from hpsray.errors import TableFullError
 
     rng = np.random.default_rng(14)
     c, p = pair(50, 2)
@@ -463,7 +463,8 @@ def device_array_inputs():
 
 @case
 def random_operation_sequence():
-    from hpsray.kernels import Adagrad, RowInit, TableFullError
+    from hpsray.errors import TableFullError
+    from hpsray.kernels import Adagrad, RowInit
 
     rng = np.random.default_rng(16)
     opt = Adagrad(lr=0.1)

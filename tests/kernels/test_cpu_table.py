@@ -6,11 +6,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hpsray.errors import TableFullError
 from hpsray.kernels.cpu import CpuHashTable
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.kernels.optim import SGD, Adagrad, Adam, apply_to_rows
-from hpsray.kernels.table import TableFullError
 
 INIT = RowInit(dim=3, scale=0.5, seed=11, state_value=0.25)
 WIDTH = 5

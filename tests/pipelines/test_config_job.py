@@ -6,7 +6,8 @@ import pytest
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR, Schema, write_synthetic
-from hpsray.job import ConfigError, JobConfig, build
+from hpsray.errors import ConfigError
+from hpsray.job import JobConfig, build
 from hpsray.pipelines import FileSource, SyntheticSource
 
 SYN = {"data": {"synthetic": {"rows": 1000}}}

@@ -2,8 +2,7 @@
 
 import pytest
 
-from hpsray.data import DataError
-from hpsray.errors import PeerFailedError, caused_by
+from hpsray.errors import DataError, PeerFailedError, caused_by
 from hpsray.pipelines.schedule import first_failure
 
 

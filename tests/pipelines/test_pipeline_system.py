@@ -12,7 +12,8 @@ from ray import cloudpickle
 from hpsray.actors.trainer import Trainer
 from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage, TrainingStopped
+from hpsray.errors import TrainingStopped
+from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
 from hpsray.reference import ReferenceTrainer
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)
@@ -190,7 +191,8 @@ def test_evaluate_scores_held_out_rows(ray_local):
 
 
 def test_bad_input_in_strict_mode_stops_training_but_keeps_what_was_trained(ray_local, tmp_path):
-    from hpsray.data import STRICT, DataError, Schema
+    from hpsray.data import STRICT, Schema
+    from hpsray.errors import DataError
     from hpsray.pipelines import FileSource
 
     rng = np.random.default_rng(0)

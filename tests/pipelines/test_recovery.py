@@ -13,16 +13,8 @@ import pytest
 from hpsray.checkpoint import Checkpoints
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.errors import DiskFullError, caused_by
-from hpsray.pipelines import (
-    CheckpointStage,
-    MemPSStage,
-    Pipeline,
-    SSDPSStage,
-    SyntheticSource,
-    TrainerStage,
-    TrainingStopped,
-)
+from hpsray.errors import DiskFullError, TrainingStopped, caused_by
+from hpsray.pipelines import CheckpointStage, MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
 from hpsray.reference import ReferenceTrainer
 
 from recovery_drivers import Killer, kill_plan  # tests/recovery_drivers.py

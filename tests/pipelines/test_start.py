@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from hpsray.cluster.runtime import RayStartError, with_retries
+from hpsray.cluster.runtime import with_retries
+from hpsray.errors import RayStartError
 
 
 def _raylet_timeout():

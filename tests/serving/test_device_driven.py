@@ -13,10 +13,11 @@ import pytest
 from conftest import N_DENSE, N_SLOTS, close, raw_examples
 
 from hpsray.data.batch import Batch
+from hpsray.errors import ServingError
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.models.pooling import BagLayout
-from hpsray.serving import LoadOptions, ServableModel, ServingError
+from hpsray.serving import LoadOptions, ServableModel
 from hpsray.serving.blockread import BlockReader, plan_ranges
 from hpsray.serving.device_driven import DeviceDrivenLookup, Directory, Transfers, device_layout
 from hpsray.serving.layout import build_point_store, row_stride

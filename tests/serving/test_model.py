@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import N_DENSE, N_SLOTS, close, raw_examples
 
+from hpsray.errors import BadRequest, ServingError
 from hpsray.kernels.init import RowInit, initial_rows
-from hpsray.serving import BadRequest, Limits, LoadOptions, ServableModel, ServingError, resolve_export
+from hpsray.serving import Limits, LoadOptions, ServableModel, resolve_export
 from hpsray.serving.cache import HotCache
 from hpsray.serving.layout import BLOCK_BYTES, SEGMENT_BYTES, build_point_store, read_meta, row_stride
 from hpsray.serving.lookup import MemoryLookup, TieredLookup, mem_rows_for

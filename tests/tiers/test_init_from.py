@@ -100,7 +100,8 @@ def hpsray(*args: str) -> subprocess.CompletedProcess:
 def test_job_settings_name_init_from(tmp_path):
     """``[tiers] init_from`` resolves against the job file; a missing directory, or a job of
     several nodes, is refused before anything starts, naming the setting."""
-    from hpsray.job import ConfigError, JobConfig, build
+    from hpsray.errors import ConfigError
+    from hpsray.job import JobConfig, build
 
     (tmp_path / "table").mkdir()
     body = '[data.synthetic]\nrows = 100\n[model]\ndim = 4\n[optimizer]\nsparse = "adagrad"\n'

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hpsray.blockio import read_ranges
-from hpsray.tiers.ssd import SSDPS, CorruptFileError
+from hpsray.errors import CorruptFileError
+from hpsray.tiers.ssd import SSDPS
 from hpsray.tiers.ssd.paramfile import block_rows_for, file_name
 
 W = 32  # 8-row blocks of 1 KiB: blocks a few KiB apart share one range

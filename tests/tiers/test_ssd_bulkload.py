@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hpsray.errors import SSDError
-from hpsray.tiers.ssd import SSDPS, TableImport, TableImportError, read_table
+from hpsray.errors import SSDError, TableImportError
+from hpsray.tiers.ssd import SSDPS, TableImport, read_table
 from hpsray.tiers.ssd.keymap import KeyMap
 
 DIM, STATE = 4, 4

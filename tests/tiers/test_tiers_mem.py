@@ -5,8 +5,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hpsray.errors import CapacityError
 from hpsray.kernels.init import RowInit, initial_rows
-from hpsray.tiers.cache_policy import CapacityError, LruLfuPolicy, belady_hit_rate
+from hpsray.tiers.cache_policy import LruLfuPolicy, belady_hit_rate
 from hpsray.tiers.mem import MemPS, rows_for_bytes
 from hpsray.tiers.ssd import SSDPS
 

@@ -8,7 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from hpsray.tiers.ssd import SSDPS, CorruptFileError, SSDError, SSDFullError
+from hpsray.errors import CorruptFileError, SSDError, SSDFullError
+from hpsray.tiers.ssd import SSDPS
 from hpsray.tiers.ssd.manifest import NAME as MANIFEST
 from hpsray.tiers.ssd.paramfile import (
     HEADER_BYTES,

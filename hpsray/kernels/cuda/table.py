@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from hpsray.errors import TableFullError
 from hpsray.kernels.arrays import DeviceArray
 from hpsray.kernels.arrays import is_device_array as has_cuda_array_interface
 from hpsray.kernels.cuda.common import CHUNK, EMPTY, MAX_TPB, MAXI, config, cuda
@@ -59,7 +60,6 @@ from hpsray.kernels.table import (
     Keys,
     Rows,
     Slots,
-    TableFullError,
     Values,
     as_keys,
     as_rows,

@@ -6,19 +6,14 @@ parts (key map and recovery, file table, reads, compaction) and the on-disk form
 and restoring them are in :mod:`~hpsray.tiers.ssd.snapshot`. See docs/tiers.md.
 """
 
-from hpsray.errors import CorruptFileError, SSDError, SSDFullError
-from hpsray.tiers.ssd.bulkload import TableImport, TableImportError, read_table
+from hpsray.tiers.ssd.bulkload import TableImport, read_table
 from hpsray.tiers.ssd.snapshot import restore_snapshot, verify_snapshot
 from hpsray.tiers.ssd.store import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
 
 __all__ = [
     "DEFAULT_FILE_BYTES",
     "SSDPS",
-    "CorruptFileError",
-    "SSDError",
-    "SSDFullError",
     "TableImport",
-    "TableImportError",
     "default_rows_per_file",
     "read_table",
     "restore_snapshot",

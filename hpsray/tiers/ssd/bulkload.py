@@ -36,7 +36,7 @@ from hpsray.tiers.ssd.keymap import KeyMap
 from hpsray.tiers.ssd.paramfile import file_bytes, file_name, write_tmp
 from hpsray.tiers.ssd.state import StoreState
 
-__all__ = ["TableImport", "TableImportError", "bulk_load", "declared_rows", "import_files", "iter_table", "read_table"]
+__all__ = ["TableImport", "bulk_load", "declared_rows", "import_files", "iter_table", "read_table"]
 
 ROW_COLUMNS = ("row", "weights")
 BATCH_ROWS = 1 << 18  # rows per Parquet record batch read

@@ -59,7 +59,6 @@ __all__ = [
     "READABLE_VERSIONS",
     "SUFFIX",
     "TMP_SUFFIX",
-    "CorruptFileError",
     "Header",
     "ParamFile",
     "block_rows_for",

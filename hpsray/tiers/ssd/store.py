@@ -47,7 +47,6 @@ from collections.abc import Iterator
 import numpy as np
 from numpy.typing import ArrayLike
 
-from hpsray.errors import CorruptFileError, SSDError, SSDFullError
 from hpsray.fileio import Writer
 from hpsray.kernels.table import as_keys, as_rows
 from hpsray.tiers.ssd.bulkload import TableImport, bulk_load
@@ -58,7 +57,7 @@ from hpsray.tiers.ssd.reads import Reads
 from hpsray.tiers.ssd.snapshot import restore_snapshot, take_snapshot
 from hpsray.tiers.ssd.state import StoreState
 
-__all__ = ["DEFAULT_FILE_BYTES", "SSDPS", "CorruptFileError", "SSDError", "SSDFullError", "default_rows_per_file"]
+__all__ = ["DEFAULT_FILE_BYTES", "SSDPS", "default_rows_per_file"]
 
 DEFAULT_FILE_BYTES = 16 << 20
 """Target size of a parameter file when ``rows_per_file`` is not given. Measured with
