@@ -2,6 +2,7 @@
 
 Contracts: :func:`fsync_path` / :func:`fsync_dir` make a file's data or a directory's renames
 durable; :func:`write_all` writes every byte or raises (``ENOSPC`` for a file that cannot grow);
+:func:`write_json` replaces a JSON file atomically (the caller fsyncs the directory);
 :func:`free_bytes` is what an unprivileged writer may still use; :func:`full_error` turns a write
 refused for want of space (:data:`FULL_ERRNOS`) into an :class:`~hpsray.errors.SSDFullError`
 naming the directory, the bytes needed and the bytes free.
@@ -10,6 +11,7 @@ naming the directory, the bytes needed and the bytes free.
 from __future__ import annotations
 
 import errno
+import json
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,6 +29,7 @@ __all__ = [
     "full_error",
     "unlink_quiet",
     "write_all",
+    "write_json",
 ]
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write refused for want of space
@@ -94,3 +97,15 @@ def unlink_quiet(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def write_json(path: str, obj: Any, indent: int = 2) -> None:
+    """Write ``obj`` as JSON to ``path`` under a temporary name, fsync it and rename it over
+    ``path``: a reader sees the old file or the whole new one (the caller fsyncs the directory)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=indent)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

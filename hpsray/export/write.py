@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import uuid
@@ -27,7 +26,7 @@ from hpsray.export.read import (
     model_state,
     read_manifest,
 )
-from hpsray.fileio import fsync_dir
+from hpsray.fileio import fsync_dir, write_json
 
 DEFAULT_ROWS_PER_FILE = 1_000_000
 
@@ -183,19 +182,8 @@ def export(
         **({"schema": schema.to_dict(), "input": input_spec(schema)} if schema is not None else {}),
         **dict(extra or {}),
     }
-    _write_manifest(manifest_path, manifest)
+    write_json(manifest_path, manifest)
     return manifest
-
-
-def _write_manifest(path: str, manifest: Mapping[str, Any]) -> None:
-    """Write ``manifest`` as JSON under a temporary name, fsync, rename over ``path``."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _write_rows(
@@ -293,7 +281,7 @@ def export_delta(
         "dense": "dense.pt",
         **dict(extra or {}),
     }
-    _write_manifest(os.path.join(target, MANIFEST), manifest)
+    write_json(os.path.join(target, MANIFEST), manifest)
     fsync_dir(target)
     fsync_dir(directory)
     return manifest

@@ -29,7 +29,7 @@ import uuid
 import numpy as np
 
 from hpsray.errors import CorruptFileError, SSDError
-from hpsray.fileio import FULL_ERRNOS, fsync_dir, fsync_path, full_error
+from hpsray.fileio import FULL_ERRNOS, fsync_dir, fsync_path, full_error, write_json
 from hpsray.tiers.ssd.manifest import NAME as MANIFEST_NAME
 from hpsray.tiers.ssd.manifest import Manifest, write_manifest
 from hpsray.tiers.ssd.paramfile import HEADER_BYTES, decode_header, file_name, parse_file_name, read_file
@@ -56,17 +56,6 @@ def _link_or_copy(src: str, dst: str, link: bool) -> bool:
     shutil.copyfile(src, dst)
     fsync_path(dst)
     return False
-
-
-def _write_json(path: str, obj: dict) -> None:
-    """Write ``obj`` as JSON under a temporary name, fsync, rename (the caller fsyncs the directory)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _link_files(src_dir: str, dst_dir: str, files: list[tuple[int, int]], link: bool, done: dict) -> None:
@@ -127,7 +116,7 @@ def take_snapshot(store: StoreState, dest: str | os.PathLike, *, link: bool = Tr
             "created": time.time(),
             "files": [{"name": file_name(no), "size": size} for no, size in files],
         }
-        _write_json(os.path.join(dest, NAME), record)
+        write_json(os.path.join(dest, NAME), record, indent=1)
         fsync_dir(dest)
     except BaseException as e:
         shutil.rmtree(dest, ignore_errors=True)
