@@ -1,29 +1,13 @@
-"""The GPU lookup, three tiers: hot rows in device memory, warm rows in mapped pinned host memory, the rest on SSD.
+"""The CPU-driven GPU lookup, three tiers: hot rows in device memory, warm rows in mapped pinned
+host memory, the rest on SSD.
 
-Per batch of distinct keys:
-
-1. **device tier** (:class:`~hpsray.serving.device_cache.DeviceCache`, ``device_rows`` rows in
-   device memory, directory on the host): hits are gathered device to device into the output by
-   the aligned warp kernel (:func:`hpsray.serving.uva.gather_rows`);
-2. **host tier** (a :class:`~hpsray.serving.cache.HotCache` whose rows are a host arena,
-   :func:`hpsray.serving.uva.host_arena`, registered with the device, :func:`~hpsray.serving.uva.device_view`,
-   ``capacity`` rows at their natural stride): the keys the device tier missed are probed there
-   and its hits gathered over the bus by the same kernel (UVA zero-copy);
-3. **SSD**: the rest found in the point store are read in merged ranges
-   (:class:`~hpsray.serving.gds.DeviceRowReader`: kvikio/GDS into device memory, else parallel
-   ``preadv`` into a pinned buffer, one copy and a scatter) and offered to the host tier; keys
-   absent from the model get their initial rows.
-
-This is the *CPU-driven* GPU path: the host dedupes the batch, probes both directories and sends
-index arrays to the device. :mod:`hpsray.serving.device_driven` is the device-driven one.
-
-Then the rows the device tier missed and the other tiers supplied (host hits first, then SSD
-rows) are offered to the device tier: its directory admits them by use (a free entry of the
-set, otherwise the set ages) and one device-to-device scatter kernel copies the admitted rows
-from the output into their device slots. Each tier counts its hits: ``stats()`` gives
-``device_hits``, ``host_hits`` and ``ssd_reads``. :meth:`CudaTieredLookup.rows` returns a CUDA
-``torch.Tensor``; :meth:`CudaTieredLookup.rows_device` the numba device array (what the tests
-read under ``NUMBA_ENABLE_CUDASIM=1``).
+Contract: :meth:`CudaTieredLookup.rows` (a CUDA ``torch.Tensor``) and
+:meth:`CudaTieredLookup.rows_device` (the numba device array the simulator tests read) return
+the model's rows of a batch of distinct keys, absent keys their initial rows; the host dedupes
+and probes both directories and sends index arrays to the device; ``stats()`` counts
+``device_hits``, ``host_hits`` and ``ssd_reads``. The tiers and admission: docs/serving.md, How
+a request is answered (GPU, CPU-driven); :mod:`hpsray.serving.device_driven` is the
+device-driven path.
 """
 
 from __future__ import annotations

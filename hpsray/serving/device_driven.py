@@ -1,32 +1,11 @@
 """The device-driven lookup: the device dedupes the batch, probes the tiers and gathers the rows itself.
 
-Written once in the array module ``xp`` (:func:`hpsray.kernels.arrays.array_module`): CuPy on a
-GPU, NumPy on the CPU, where CI runs the very same lines. Per request batch
-(:meth:`DeviceDrivenLookup.layout` then :meth:`DeviceDrivenLookup.rows`):
-
-1. **One upload of the keys.** The batch's keys, slots and example offsets go to the device in
-   one packed ``uint64`` buffer (:func:`device_layout`); the distinct keys, the inverse indices
-   and the pooling bags' offsets are computed there (a sort by bag, one sort and a neighbour
-   compare for the distinct keys, a ``bincount`` and a ``cumsum``), equal to the host's
-   :class:`~hpsray.models.pooling.BagLayout`.
-2. **Device tier** (``device_rows`` rows in device memory) and **host tier** (``capacity`` rows
-   in a host arena registered with the device, :func:`hpsray.serving.uva.device_view`, rows at
-   their natural stride): both directories live on the device (:class:`Directory`,
-   set-associative, :data:`~hpsray.serving.cache.WAYS` ways, 8-bit use counts), so the probes
-   run there; hits are gathered by the aligned-access kernel (:func:`hpsray.serving.uva.gather_rows`;
-   its CPU twin on NumPy), the host tier's over the bus, zero-copy.
-3. **SSD.** Only the keys both tiers missed come back to the host (one copy): found in the point
-   store's key index, read in merged ranges by parallel ``preadv`` into a pinned buffer (kvikio
-   into device memory where installed; :mod:`hpsray.serving.blockread`), unseen keys given their
-   initial rows, and the rows go up in one copy. The device admits them into the host tier,
-   writing the rows into the registered arena itself, and promotes every row the device tier
-   missed into it.
-
-Admission (:meth:`Directory.admit`), vectorised: the missed keys of one set take its free entries
-(count 0) in batch order; a set with no free entry turns them away and its counts age by the
-number turned away, so a key must come back before it displaces a row that was hot. Every copy
-between host and device is counted by what it carries (:class:`Transfers`):
-``stats()["transfers"]``.
+Written once in the array module ``xp`` (CuPy on a GPU, NumPy on the CPU, where CI runs the same
+lines). Contract, per request batch (:meth:`DeviceDrivenLookup.layout` then
+:meth:`DeviceDrivenLookup.rows`): one upload of the keys; the rows equal the model's (device
+tier, host tier over the bus, then SSD for the keys both missed, unseen keys their initial
+rows); every host-device copy counted in ``stats()["transfers"]``. The tiers, their directories
+and admission: docs/serving.md, How a request is answered (GPU, device-driven).
 """
 
 from __future__ import annotations

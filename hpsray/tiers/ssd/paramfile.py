@@ -1,37 +1,12 @@
-"""SSD-PS parameter files: an immutable, checksummed block of rows.
+"""SSD-PS parameter files: an immutable, checksummed block of rows (layout: docs/tiers.md,
+Parameter file).
 
-One concept, the on-disk format (its writer, its readers and their checks), so one module though
-it is over 500 lines: split, a reader and the writer it must match would live apart.
-
-Layout (little-endian)::
-
-    offset  size         field
-    0       8            magic  b"HPSPARAM"
-    8       4            format version (3; 1 and 2 are still read)
-    12      4            width  (floats per row)
-    16      8            n      (rows)
-    24      8            file number (unique, increasing; also the file name)
-    32      4            flags  (bit 0: written by compaction, bit 1: tombstones)
-    36      4            crc32 of the index section (keys + versions)
-    40      4            crc32 of the rows section
-    44      16           reserved, zero
-    60      4            crc32 of bytes 0..59
-    64      8 n          keys      uint64[n]
-    64+8n   8 n          versions  uint64[n]  (number of the dump file that produced the value)
-    64+16n  4 n width    rows      float32[n, width]
-    ...     4 ceil(n/B)  blocks    uint32 checksum of each block of B rows (formats 2 and 3)
-
-Formats 2 and 3 store the block size ``B`` (``block_rows``) and the crc32 of the block table in
-the first 8 of the 16 header bytes that format 1 left zero. Block ``b``'s checksum covers the
-keys and rows of rows ``b·B .. (b+1)·B - 1`` (:func:`block_sums`), so a load that needs a few
-rows of a large file reads and verifies only their blocks (:func:`pick_staged`) instead of the
-whole file. Format 3 (current) differs from 2 only in the block hash (four lanes, ~3x faster)
-and uses smaller blocks (~1 KiB of rows: 8 rows at width 32). Format 1 and 2 files are still
-read, always whole (their whole-file crc32s are verified as before).
-
-A file is written once, under a temporary name, fsynced, then renamed; it is never modified.
-The index section has its own checksum so that reopening a store reads only headers, indexes
-and block tables, while a whole-file load verifies everything.
+Contract: a file is written once, under a temporary name, fsynced, then renamed, and never
+modified; readers verify what they use (a whole-file read: header, index, rows and block table;
+a partial read: every block it touches) and raise ``CorruptFileError`` naming the file and the
+damaged part. Formats 1 and 2 are still read, always whole. One concept, the on-disk format (its
+writer, its readers and their checks), so one module though it is over 500 lines: split, a
+reader and the writer it must match would live apart.
 """
 
 from __future__ import annotations

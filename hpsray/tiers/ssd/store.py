@@ -1,41 +1,12 @@
-"""SSD-PS: a node's shard of rows in append-only parameter files (paper §6, App. E).
+"""SSD-PS: a node's shard of rows in append-only, checksummed parameter files (paper §6, App. E).
 
-* **Mapping.** key → (file, position) lives in memory: a compact open-addressing table
-  (:class:`~hpsray.tiers.ssd.keymap.KeyMap`, 20–30 bytes per key: the key, the file's dense
-  *file slot* and the row's position in it). Live files sit in dense file slots of numpy
-  arrays (number, rows, live rows, bytes), so stale counting and victim selection are
-  vectorised. Reopening rebuilds all of it from the manifest and the files' key/version indexes.
-* **load(keys)** reads every file that holds a requested key whole (one I/O per file, several
-  files in flight), verifies its checksums and picks the rows out; a file whose requested rows
-  lie in few checksummed blocks is read partially instead: the touched blocks of all such
-  files in merged ranges, all in flight at once (``pread`` on the I/O threads). Keys never
-  stored come back flagged absent so that the caller initialises them.
-* **dump(keys, rows)** writes the rows as *new* files, sequentially, each under a temporary
-  name; fsyncs them, renames them, fsyncs the directory; appends one manifest record adding
-  them and fsyncs it; only then updates the mapping and returns (the acknowledgement). The
-  old copies become stale: every file keeps a count of its live rows.
-* **Compaction.** A background thread (or :meth:`SSDPS.compact`) rewrites the live rows of
-  files whose stale share exceeds ``stale_threshold`` (0.5) into new files and deletes the old
-  ones, all in one manifest record. It runs once disk bytes pass ``compact_trigger`` × live
-  bytes; a dump that leaves more than ``max_space_ratio`` (2.0) waits for it (backpressure).
-  When no file is more than half stale, disk bytes ≤ 2 × live bytes holds exactly.
-* **Versions.** Every row in a file carries the number of the dump file that produced its
-  value; compaction copies it unchanged. On reopen the highest version of a key wins, so a
-  compacted copy never shadows a newer dump written while the compaction ran.
-* **delete(keys)** (expiry) writes *tombstones*: a file flagged ``FLAG_TOMBSTONE`` whose
-  entries, newer than any copy of their keys, say "absent" on reopen and in snapshots; it is
-  recorded like a dump, then the keys leave the mapping and their rows count stale, so
-  compaction reclaims them. A tombstone file is never a compaction victim; it is retired (one
-  manifest edit) once every file that held rows stale at its writing is gone, since only those
-  can hold an older copy of its keys.
-
-The parts, one idea per module (like LevelDB's version set, table cache and compaction):
-``store`` (this facade: dump, the public API, lifecycle), ``state`` (the one object the parts
-share: options, locks, file table, key map, manifest, file numbers, counters), ``keymap``
-(key → file and position; recovery), ``files`` (the file table, victim choice, writing files),
-``reads`` (load planning and I/O), ``compaction`` (passes, thread, backpressure, tombstone
-retirement), and the on-disk format in ``paramfile`` and ``manifest``. See ``docs/tiers.md``
-for the formats, the durability protocol and measurements.
+Contract: :meth:`SSDPS.dump` returns only once the rows are durable (files fsynced, renamed, one
+manifest record fsynced); :meth:`SSDPS.load` returns every stored key's newest row and flags
+keys never stored (or deleted) absent; :meth:`SSDPS.delete` is durable like a dump; disk bytes
+stay ≤ ``max_space_ratio`` × live bytes (a dump waits for compaction beyond it). This module is
+the facade; ``state`` holds what the parts share, ``keymap``, ``files``, ``reads``,
+``compaction``, ``paramfile`` and ``manifest`` the parts. docs/tiers.md (SSD-PS) has the formats,
+the durability protocol, versions, tombstones and the measurements.
 """
 
 from __future__ import annotations
