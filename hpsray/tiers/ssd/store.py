@@ -181,9 +181,9 @@ class SSDPS:
             self.state.hook("dump:recorded")
             with self.state.lock:
                 kmap = self.state.keys
-                kmap.grow(keys.size)
                 slots = kmap.find(keys)
                 self.state.files.kill(kmap.file_slot[slots[slots >= 0]])
+                kmap.grow(int(np.count_nonzero(slots < 0)))  # only new keys take slots: no growth on rewrites
                 fslots = self.state.files.add_written(nos, sizes, tables, int(keys.size), rpf, None, 0)
                 pos = np.arange(keys.size, dtype=np.int64)
                 kmap.place(keys, fslots[pos // rpf], pos % rpf)
