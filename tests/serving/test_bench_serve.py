@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from hpsray.bench.serve import in_process, load_options, make_model, request_bodies, ssd_read
+from hpsray.bench.serve_in_process import in_process, ssd_read
+from hpsray.bench.serve_workload import load_options, make_model, request_bodies
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 import requests
 from conftest import N_DENSE, N_SLOTS, close, raw_examples
 
-from hpsray.bench.serve import drive
+from hpsray.bench.serve_http import drive
 from hpsray.serving import Limits, ServableModel, ServeOptions, build_app
 
 pytestmark = pytest.mark.slow
