@@ -1,28 +1,13 @@
 """``hpsray bench bigger-than-memory``: train a model larger than the memory its processes get.
 
-Every hpsray process runs inside a memory cgroup of its own (cgroup v1 ``memory.limit_in_bytes``
-or v2 ``memory.max``; needs root) limited to ``--memory-limit``. The phases, each a child process
-started inside the cgroup (Ray and its workers inherit it):
-
-1. **table** (this process, outside the cgroup): a "pretrained" Parquet table of every key of the
-   vocabulary (``--slots`` × keys per slot, sized so the rows take ``--ratio`` × the limit on
-   disk), values from :func:`table_rows`, a plain deterministic function of the key;
-2. **import** (cgroup): :meth:`~hpsray.tiers.ssd.SSDPS.bulk_load` of the table into the node's
-   SSD-PS directory (what ``[tiers] init_from`` runs); the Parquet files are then removed;
-3. **train** (cgroup): the pipeline over that store (MEM-PS ``--mem-rows``), planted data whose
-   Zipf keys are spread over the whole vocabulary; warm-up batches, then a timed pass; MEM-PS
-   flushed and the dense weights saved;
-4. **crash** (cgroup): a process reopens the store and rewrites rows (same values) until it is
-   killed with ``kill -9``; **check** (cgroup): a new process reopens the store (timed: key-map
-   recovery) and reads every row the data touched plus a sample of untouched ones;
-5. **in memory** (a cgroup without a limit): the same job (data, model, batches) with every row
-   it touches in MEM-PS and no table (rows start from the initialiser), for examples/s.
-
-Losslessness: the reference trainer (this process) starts from :func:`table_rows` of the keys the
-data touches, trains the same batches, and every touched row and dense weight must be equal bit
-for bit; the sampled untouched rows must equal the table. Also reported: the cgroup's peak
-(kernel counter, page cache included, and sampled resident memory without it), disk high-water
-mark ÷ live bytes, key-map bytes per key and reopen seconds per 100M keys.
+Every hpsray process runs in a memory cgroup of its own limited to ``--memory-limit`` (needs root):
+a table ``--ratio`` times the limit is imported into SSD-PS, trained on, its writer killed, the
+store reopened and read back; the same job then runs with every row in memory. Returns the report
+(``model_bytes_on_disk``, ``memory_limit_bytes``, ``peak_memory_bytes``, ``examples_per_s``,
+``in_memory_examples_per_s``, ``lossless.equal``, ``disk_high_water_vs_live``,
+``key_map_bytes_per_key``, ``reopen_seconds_per_100m_keys``, ...). The phases and the lossless
+check: docs/benchmarks.md, section "Bigger than memory". The children's side is
+:mod:`~hpsray.bench.bigger_than_memory_phases`; the cgroup, :mod:`~hpsray.bench.memory_cgroup`.
 """
 
 from __future__ import annotations
@@ -35,17 +20,18 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-HELP = "every hpsray process in a memory cgroup; a store several times its limit, imported, trained, reopened"
+from hpsray.bench.bigger_than_memory_phases import Job, table_rows
+from hpsray.bench.memory_cgroup import Cgroup, Monitor, dir_bytes
 
-TABLE_SEED = 77  # the "pretrained" table's values differ from the initialiser's (seed 0)
-TABLE_STATE = 0.25  # and so does its optimizer state
+if TYPE_CHECKING:
+    from hpsray.reference import ReferenceTrainer
+
+HELP = "every hpsray process in a memory cgroup; a store several times its limit, imported, trained, reopened"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,188 +60,9 @@ def _size(text: str) -> int:
     return size(text)
 
 
-def table_rows(keys: np.ndarray, dim: int, width: int) -> np.ndarray:
-    """The imported table's row of each key: a deterministic function of the key (the seeded
-    initialiser with another seed and state), so the reference needs no copy of the table."""
-    from hpsray.kernels.init import RowInit, initial_rows
-
-    return initial_rows(keys, width, RowInit(dim=dim, scale=0.05, seed=TABLE_SEED, state_value=TABLE_STATE))
-
-
-@dataclass
-class Job:
-    """What every phase agrees on (passed to the children as JSON)."""
-
-    dim: int
-    width: int
-    slots: int
-    keys_per_slot: int
-    dense: int
-    zipf: float
-    hidden: list[int]
-    batch: int
-    minibatch: int
-    warmup_rows: int
-    examples: int
-    mem_rows: int
-    object_store: int
-    io_threads: int = 4
-
-    def generator(self) -> Any:
-        from hpsray.data import PlantedCTR
-
-        return PlantedCTR(
-            n_slots=self.slots, keys_per_slot=self.keys_per_slot, n_dense=self.dense, zipf_a=self.zipf, seed=3
-        )
-
-    def config(self) -> Any:
-        from hpsray.config import TrainConfig
-
-        return TrainConfig(
-            dim=self.dim,
-            hidden=tuple(self.hidden),
-            minibatch_size=self.minibatch,
-            sparse_optimizer="adagrad",
-            sparse_lr=0.05,
-        )
-
-    def sources(self) -> tuple[Any, Any]:
-        """The warm-up source and the timed pass's source (consecutive rows of one stream)."""
-        from hpsray.pipelines import SyntheticSource
-
-        gen = self.generator()
-        return SyntheticSource(gen, self.warmup_rows), SyntheticSource(gen, self.examples, start_row=self.warmup_rows)
-
-
-# -- memory cgroups --------------------------------------------------------------------------
-
-
-class Cgroup:
-    """A memory cgroup of its own (v1 ``memory`` controller or v2), removed by :meth:`remove`."""
-
-    def __init__(self, name: str, limit: int | None) -> None:
-        v1 = "/sys/fs/cgroup/memory"
-        v2 = "/sys/fs/cgroup"
-        if os.path.isfile(os.path.join(v1, "memory.limit_in_bytes")):
-            self.v2 = False
-            self.path = os.path.join(v1, name)
-        elif "memory" in _read(os.path.join(v2, "cgroup.controllers"), ""):
-            self.v2 = True
-            self.path = os.path.join(v2, name)
-        else:
-            raise RuntimeError("no memory cgroup controller (cgroup v1 memory or v2 memory) on this machine")
-        try:
-            os.makedirs(self.path, exist_ok=True)
-        except PermissionError as e:
-            raise RuntimeError(f"cannot create the memory cgroup {self.path}: run as root ({e})") from e
-        self.limit = limit
-        if limit is not None:
-            self._write("memory.max" if self.v2 else "memory.limit_in_bytes", str(limit))
-            if not self.v2:
-                try:
-                    self._write("memory.memsw.limit_in_bytes", str(limit))  # no swap either, where accounted
-                except OSError:
-                    pass
-
-    def _write(self, name: str, value: str) -> None:
-        with open(os.path.join(self.path, name), "w") as f:
-            f.write(value)
-
-    def join(self) -> None:
-        """Move the calling process into the cgroup (a child's ``preexec_fn``)."""
-        self._write("cgroup.procs", str(os.getpid()))
-
-    def reset_peak(self) -> None:
-        if not self.v2:
-            self._write("memory.max_usage_in_bytes", "0")
-        else:
-            try:
-                self._write("memory.peak", "0")  # kernels >= 6.12 reset it; older ones refuse
-            except OSError:
-                pass
-
-    def usage(self) -> int:
-        return int(_read(os.path.join(self.path, "memory.current" if self.v2 else "memory.usage_in_bytes"), "0"))
-
-    def peak(self) -> int:
-        return int(_read(os.path.join(self.path, "memory.peak" if self.v2 else "memory.max_usage_in_bytes"), "0"))
-
-    def resident(self) -> int:
-        """Memory that is not page cache: anonymous + shared memory (Ray's object store)."""
-        st = dict(line.split() for line in _read(os.path.join(self.path, "memory.stat"), "").splitlines())
-        if self.v2:
-            return int(st.get("anon", 0)) + int(st.get("shmem", 0))
-        return int(st.get("total_rss", st.get("rss", 0))) + int(st.get("total_shmem", st.get("shmem", 0)))
-
-    def oom_kills(self) -> int:
-        name = "memory.events" if self.v2 else "memory.oom_control"
-        for line in _read(os.path.join(self.path, name), "").splitlines():
-            k, _, v = line.partition(" ")
-            if k == "oom_kill":
-                return int(v)
-        return 0
-
-    def remove(self, wait_s: float = 15.0) -> None:
-        """Remove the cgroup once the processes started in it have exited (Ray's workers may
-        outlive their driver by a few seconds); left in place if some are still there."""
-        deadline = time.monotonic() + wait_s
-        while _read(os.path.join(self.path, "cgroup.procs"), "").split() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        try:
-            os.rmdir(self.path)
-        except OSError:
-            pass
-
-
-def _read(path: str, default: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return default
-
-
-class Monitor:
-    """Samples a cgroup's resident memory and a directory's bytes on disk in a thread."""
-
-    def __init__(self, cgroup: Cgroup, directory: str | None, period: float = 0.25) -> None:
-        self.cgroup, self.directory, self.period = cgroup, directory, period
-        self.peak_resident = 0
-        self.peak_disk = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak_resident = max(self.peak_resident, self.cgroup.resident())
-            if self.directory:
-                self.peak_disk = max(self.peak_disk, _dir_bytes(self.directory))
-            self._stop.wait(self.period)
-
-    def __enter__(self) -> Monitor:
-        self.cgroup.reset_peak()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _dir_bytes(directory: str) -> int:
-    total = 0
-    for root, _, names in os.walk(directory):
-        for n in names:
-            try:
-                total += os.stat(os.path.join(root, n)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
-
-
 def _start(phase: str, cgroup: Cgroup, payload: dict) -> subprocess.Popen:
-    """Start ``phase`` of this module in a new process inside ``cgroup``."""
-    cmd = [sys.executable, "-m", "hpsray.bench.bigger_than_memory", phase, json.dumps(payload)]
+    """Start ``phase`` (:mod:`hpsray.bench.bigger_than_memory_phases`) in a new process inside ``cgroup``."""
+    cmd = [sys.executable, "-m", "hpsray.bench.bigger_than_memory_phases", phase, json.dumps(payload)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=cgroup.join
@@ -272,105 +79,6 @@ def _child(phase: str, cgroup: Cgroup, payload: dict) -> dict:
             f"{cgroup.oom_kills()} OOM kills in the cgroup):\n{err[-4000:]}"
         )
     return json.loads(out.strip().splitlines()[-1])
-
-
-# -- phases (children) -----------------------------------------------------------------------
-
-
-def _phase_import(p: dict) -> dict:
-    from hpsray.tiers.ssd import SSDPS, TableImport
-
-    with SSDPS(p["store"], p["width"]) as store:
-        done = store.bulk_load(TableImport(p["table"], p["dim"], TABLE_STATE))
-        done["key_map_bytes"] = store.stats["key_map_bytes"]
-    return done
-
-
-def _pipeline(job: Job, ssd_path: str, mem_rows: int, sources: tuple) -> Any:
-    import ray
-
-    from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, TrainerStage
-
-    ray.init(address="local", include_dashboard=False, object_store_memory=job.object_store, log_to_driver=False)
-    return Pipeline(
-        sources[0],
-        TrainerStage(job.config()),
-        MemPSStage(capacity_rows=mem_rows),
-        SSDPSStage(ssd_path, options={"io_threads": job.io_threads}),
-        batch_size=job.batch,
-    )
-
-
-def _phase_train(p: dict) -> dict:
-    import ray
-    import torch
-
-    job = Job(**p["job"])
-    warm, timed = job.sources()
-    with _pipeline(job, p["ssd"], p["mem_rows"], (warm, timed)) as pipe:
-        pipe.fit(progress=False)
-        pipe.source = timed
-        report = pipe.fit(progress=False)
-        actors = pipe.actors()
-        ray.get(actors["MemPS[node 0]"].flush.remote())  # every trained row on SSD-PS
-        store = ray.get(actors["SSDPS[node 0]"].stats.remote())["store"]
-        if p.get("dense"):
-            torch.save(pipe.dense_state(), p["dense"])
-    return {
-        "examples_per_s": report["examples_per_s"],
-        "wall_s": report["wall_s"],
-        "examples": report["examples"],
-        "batches": report["batches"],
-        "pipeline_efficiency": report.get("pipeline_efficiency"),
-        "stage_busy_s": report.get("stage_busy_s"),
-        "cache_hit_rate_mean": float(np.mean(list(report["cache_hit_rate"].values()))),
-        "ssd": {k: store[k] for k in ("live_rows", "live_bytes", "disk_bytes", "space_ratio", "bytes_read", "files")},
-    }
-
-
-def _phase_crash(p: dict) -> None:
-    from hpsray.tiers.ssd import SSDPS
-
-    store = SSDPS(p["store"])
-    keys = np.load(p["touched"])
-    rng = np.random.default_rng(0)
-    print("open", flush=True)
-    while True:  # rewrite rows with the values they have until killed
-        k = np.unique(rng.choice(keys, 20_000))
-        rows, _ = store.load(k)
-        store.dump(k, rows)
-        print("dumped", flush=True)
-
-
-def _phase_check(p: dict) -> dict:
-    from hpsray.tiers.ssd import SSDPS
-
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as empty:  # numba's cached kernels load here: a fixed cost
-        SSDPS(empty, p["width"]).close()
-    fixed = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    store = SSDPS(p["store"])
-    reopen = time.perf_counter() - t0
-    try:
-        out: dict[str, Any] = {
-            "reopen_s": reopen,
-            "reopen_fixed_s": fixed,
-            "keys": len(store),
-            "key_map_bytes": store.stats["key_map_bytes"],
-        }
-        for name in ("touched", "sample"):
-            keys = np.load(p[name])
-            rows, found = store.load(keys)
-            np.save(p[name + "_rows"], rows)
-            out[name + "_found"] = int(found.sum())
-        out["stats"] = {k: store.stats[k] for k in ("live_bytes", "disk_bytes", "space_ratio", "files")}
-    finally:
-        store.close()
-    return out
-
-
-# -- the benchmark (parent) ------------------------------------------------------------------
 
 
 def _write_table(directory: str, job: Job, rows_per_file: int = 1 << 20) -> dict:
@@ -399,7 +107,7 @@ def _write_table(directory: str, job: Job, rows_per_file: int = 1 << 20) -> dict
             compression="none",
         )
         files.append(name)
-    return {"rows": n, "files": len(files), "bytes": _dir_bytes(directory), "seconds": time.perf_counter() - t0}
+    return {"rows": n, "files": len(files), "bytes": dir_bytes(directory), "seconds": time.perf_counter() - t0}
 
 
 def _touched(job: Job) -> np.ndarray:
@@ -408,7 +116,7 @@ def _touched(job: Job) -> np.ndarray:
     return np.unique(np.concatenate(keys))
 
 
-def _reference(job: Job, touched: np.ndarray) -> tuple[Any, float]:
+def _reference(job: Job, touched: np.ndarray) -> tuple[ReferenceTrainer, float]:
     from hpsray.reference import ReferenceTrainer
 
     warm, timed = job.sources()
@@ -474,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
         import_peak, import_resident = limited.peak(), mon.peak_resident
         shutil.rmtree(table)
 
-        model_bytes = _dir_bytes(store)
+        model_bytes = dir_bytes(store)
         live = imported["rows"] * rec
         dense_path = os.path.join(base, "dense.pt")
         with Monitor(limited, store) as mon:
@@ -611,16 +319,3 @@ def _vocabulary_sample(job: Job, rng: np.random.Generator, n: int) -> np.ndarray
     return np.unique(
         hash_keys((idx // np.uint64(job.keys_per_slot)).astype(np.int64), idx % np.uint64(job.keys_per_slot))
     )
-
-
-def _main() -> None:
-    phase, payload = sys.argv[1], json.loads(sys.argv[2])
-    if phase == "crash":
-        _phase_crash(payload)
-        return
-    result = {"import": _phase_import, "train": _phase_train, "check": _phase_check}[phase](payload)
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    _main()

@@ -75,7 +75,7 @@ def _hpsray(*args, cgroup=None, timeout=300):
 
 
 def test_a_job_whose_key_map_cannot_fit_is_refused_before_ray_starts(tmp_path):
-    from hpsray.bench.bigger_than_memory import Cgroup
+    from hpsray.bench.memory_cgroup import Cgroup
 
     gen = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=2, seed=3)
     write_synthetic(str(tmp_path / "data"), gen, 4_000, "criteo", shard_rows=4_000)
