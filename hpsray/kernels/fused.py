@@ -2,33 +2,17 @@
 
 What TorchRec's FBGEMM kernels fuse, done against a :class:`~hpsray.kernels.cpu.CpuHashTable`:
 
-* **lookup + pooling forward** (:func:`lookup_pool`): the mini-batch's distinct keys are probed
-  in the table once each, their rows' first ``dim`` floats copied into a compact buffer, and
-  every bag summed from it, in one kernel; the slots found are kept for the update.
-* **pooling backward** (:func:`pool_backward`): the pooled gradient summed per distinct row in
-  one parallel pass; the optimizer then runs on the rows at the slots the forward pass found
+* **lookup + pooling forward** (:func:`lookup_pool`): the mini-batch's distinct keys (from a sort,
+  :func:`~hpsray.kernels.arrays.distinct_inverse`) probed once each, their rows' first ``dim``
+  floats copied into a compact buffer and every bag summed from it; the slots found are kept;
+* **pooling backward** (:func:`pool_backward`): the pooled gradient summed per distinct row; the
+  optimizer then runs at the slots the forward pass found
   (:meth:`~hpsray.kernels.cpu.CpuHashTable.apply_at_slots`), without a second lookup.
 
-The distinct keys come from a sort (:func:`~hpsray.kernels.arrays.distinct_inverse`), as in
-the unfused path. Probing every key instead (no sort; tried first) read the table's buckets
-and rows ~3x as often at 100 keys per example and was slower on the development machine:
-~100 ms against ~25 ms for lookup, gather and pooling of 409,600 keys (136k distinct) of a
-568k-row table, one thread (docs/benchmarks.md).
-
-The math is the unfused path's: a bag sums its rows in bag order starting from zero (as
-``F.embedding_bag(mode="sum")`` does), a row's gradient sums its bags' gradients in bag order
-starting from zero (as :func:`hpsray.models.pooling._bag_grad` does), and the optimizer is
-:func:`~hpsray.kernels.optim.apply_row_update`, so the results are bit-equal to the reference's.
-
-Bag order: bag ``b = example * n_slots + slot``; keys are taken by increasing ``b`` and, within
-a bag, in their order in the batch (a stable sort, done here by counting when a batch's keys are
-not already in slot order within each example, as :class:`~hpsray.models.pooling.BagLayout`
-does with ``argsort(kind="stable")``).
-
-Parallelism: the lookup splits distinct keys over threads and the pooling splits bags (each
-writes its own row or bag); the backward pass uses *owner computes* (thread ``t`` takes the
-rows ``r`` with ``r % threads == t`` and scans every key in order), so each row's sum keeps
-bag order.
+Bit-equal to the unfused path and the reference: a bag sums its rows, and a row its bags'
+gradients, in bag order starting from zero; the optimizer is
+:func:`~hpsray.kernels.optim.apply_row_update`. Bag order and threads: docs/architecture.md,
+section "Hash table" ("The fused sparse path").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The table class of the CUDA backend: :class:`CudaHashTable`, which owns the device state and
-issues every kernel from the host, plus the checks around it (:func:`cuda_available`,
-:func:`simulator_enabled`, :func:`is_device_array`).
+issues every kernel from the host; its inputs come onto the device through
+:mod:`~hpsray.kernels.cuda.device`.
 
 The kernels live beside it by family: :mod:`~hpsray.kernels.cuda.probing` (buckets),
 :mod:`~hpsray.kernels.cuda.scans` (scans, compaction, radix grouping) and
@@ -14,8 +14,16 @@ import numpy.typing as npt
 
 from hpsray.errors import TableFullError
 from hpsray.kernels.arrays import DeviceArray
-from hpsray.kernels.arrays import is_device_array as has_cuda_array_interface
-from hpsray.kernels.cuda.common import CHUNK, EMPTY, MAX_TPB, MAXI, config, cuda
+from hpsray.kernels.cuda.common import CHUNK, EMPTY, MAX_TPB, MAXI, cuda
+from hpsray.kernels.cuda.device import (
+    as_device,
+    cuda_available,
+    device_index,
+    device_keys,
+    device_values,
+    is_device_array,
+    simulator_enabled,
+)
 from hpsray.kernels.cuda.probing import (
     k_claim,
     k_commit_new,
@@ -61,46 +69,10 @@ from hpsray.kernels.table import (
     Rows,
     Slots,
     Values,
-    as_keys,
-    as_rows,
     bucket_count,
     check_columns,
     missing_key_error,
 )
-
-
-def simulator_enabled() -> bool:
-    """Whether numba.cuda runs under its simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
-    return bool(config.ENABLE_CUDASIM)
-
-
-def cuda_available() -> bool:
-    """Whether :class:`CudaHashTable` can run here: a usable CUDA device, or the simulator."""
-    try:
-        return bool(cuda.is_available())
-    except Exception:  # driver present but broken
-        return False
-
-
-_SimArray: tuple[type, ...]  # the simulator's device-array class, or nothing to match
-if simulator_enabled():
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-    _SimArray = (FakeCUDAArray,)
-else:  # pragma: no cover - only without the simulator
-    _SimArray = ()
-
-
-def is_device_array(x: object) -> bool:
-    """True for device arrays: numba device arrays, or anything with ``__cuda_array_interface__``."""
-    return has_cuda_array_interface(x) or isinstance(x, _SimArray)
-
-
-def _as_device(x: DeviceArray) -> DeviceArray:
-    """A numba device-array view of a device array (zero copy)."""
-    if isinstance(x, _SimArray) or getattr(x, "__cuda_ndarray__", False):
-        return x
-    return cuda.as_cuda_array(x)
 
 
 class CudaHashTable(HashTable):
@@ -172,33 +144,6 @@ class CudaHashTable(HashTable):
         stat = self._buf("stat", 4, np.int64)
         k_zero[1, 4](stat)
         return stat
-
-    def _keys(self, keys: Keys) -> tuple[DeviceArray, bool, npt.NDArray[np.uint64] | None]:
-        """(device uint64 keys, on_device, host keys or None)."""
-        if is_device_array(keys):
-            d = _as_device(keys)
-            if d.ndim != 1:
-                raise ValueError(f"keys: expected a 1-D array, got shape {d.shape}")
-            if d.dtype == np.int64:
-                d = d.view(np.uint64)
-            elif d.dtype != np.uint64:
-                raise TypeError(f"keys: device keys must be uint64 or int64, got dtype {d.dtype}")
-            return d, True, None
-        host = as_keys(keys)
-        return cuda.to_device(host), False, host
-
-    @staticmethod
-    def _values(values: Values, n: int, width: int, name: str) -> DeviceArray:
-        if is_device_array(values):
-            d = _as_device(values)
-            if d.dtype != np.float32:
-                raise TypeError(f"{name}: device values must be float32, got dtype {d.dtype}")
-            if tuple(d.shape) != (n, width):
-                raise ValueError(f"{name}: expected shape ({n}, {width}), got {tuple(d.shape)}")
-            if not d.is_c_contiguous():
-                raise ValueError(f"{name}: device values must be C-contiguous")
-            return d
-        return cuda.to_device(as_rows(values, n, width, name))
 
     def _scan(self, x: DeviceArray, out: DeviceArray, tot: DeviceArray, tot_index: int, level: int = 0) -> None:
         """Exclusive scan of int64 ``x`` into ``out``; the total goes to ``tot[tot_index]``."""
@@ -317,12 +262,12 @@ class CudaHashTable(HashTable):
     # -- interface -----------------------------------------------------------------------------
 
     def find(self, keys: Keys) -> Slots:
-        dkeys, on_device, _ = self._keys(keys)
+        dkeys, on_device, _ = device_keys(keys)
         out, _ = self._find_dev(dkeys)
         return self._result(out, on_device)
 
     def find_or_insert(self, keys: Keys, initialise: bool = True) -> Slots:
-        dkeys, on_device, host = self._keys(keys)
+        dkeys, on_device, host = device_keys(keys)
         return self._result(self._insert_dev(dkeys, host, initialise), on_device)
 
     def _checked_slots(self, slots: Slots, op: str) -> tuple[DeviceArray, bool]:
@@ -330,7 +275,7 @@ class CudaHashTable(HashTable):
         not a row (an absent key's -1)."""
         on_device = is_device_array(slots)
         if on_device:
-            dslots = _as_device(slots)
+            dslots = as_device(slots)
             if dslots.dtype != np.int64 or dslots.ndim != 1:
                 raise TypeError(f"{op}: device slots must be 1-D int64, got {dslots.dtype} {dslots.shape}")
             if dslots.size:
@@ -355,7 +300,7 @@ class CudaHashTable(HashTable):
 
     def put(self, slots: Slots, values: Values) -> None:
         dslots, _ = self._checked_slots(slots, "put")
-        dvalues = self._values(values, dslots.size, self.width, "put values")
+        dvalues = device_values(values, dslots.size, self.width, "put values")
         self._scatter(dslots, dvalues, False, "put", dslots, None)
 
     def _gather_dev(self, dslots: DeviceArray, columns: int | None = None) -> DeviceArray:
@@ -388,28 +333,28 @@ class CudaHashTable(HashTable):
             k_scatter_segments[self._grid(d * self.width)](self._rows, slots, values, order, starts, add)
 
     def scatter_add(self, keys: Keys, values: Values) -> None:
-        dkeys, _, host = self._keys(keys)
+        dkeys, _, host = device_keys(keys)
         n = dkeys.size
-        dvalues = self._values(values, n, self.width, "scatter_add values")
+        dvalues = device_values(values, n, self.width, "scatter_add values")
         slots, _ = self._find_dev(dkeys)
         self._scatter(slots, dvalues, True, "scatter_add", dkeys, host)
 
     def assign(self, keys: Keys, values: Values) -> None:
-        dkeys, _, host = self._keys(keys)
+        dkeys, _, host = device_keys(keys)
         n = dkeys.size
-        dvalues = self._values(values, n, self.width, "assign values")
+        dvalues = device_values(values, n, self.width, "assign values")
         slots, _ = self._find_dev(dkeys)
         self._scatter(slots, dvalues, False, "assign", dkeys, host)  # an absent key: KeyError, nothing written
 
     def insert_or_assign(self, keys: Keys, values: Values) -> None:
-        dkeys, _, host = self._keys(keys)
+        dkeys, _, host = device_keys(keys)
         n = dkeys.size
-        dvalues = self._values(values, n, self.width, "insert_or_assign values")
+        dvalues = device_values(values, n, self.width, "insert_or_assign values")
         slots = self._insert_dev(dkeys, host, initialise=False)  # every new row is written below
         self._scatter(slots, dvalues, False, "insert_or_assign", dkeys, host)
 
     def erase(self, keys: Keys) -> int:
-        dkeys, _, _ = self._keys(keys)
+        dkeys, _, _ = device_keys(keys)
         if dkeys.size == 0:
             return 0
         stat = self._stat()
@@ -451,7 +396,7 @@ class CudaHashTable(HashTable):
         return np.empty(0, dtype=np.uint64) if held is None else held[1].copy_to_host()
 
     def apply_gradients(self, keys: Keys, grads: Values, optimizer: SparseOptimizer, step: int) -> None:
-        dkeys, _, host = self._keys(keys)
+        dkeys, _, host = device_keys(keys)
         dim = self.init.dim
         if dim + optimizer.state_width(dim) != self.width:
             raise ValueError(
@@ -459,7 +404,7 @@ class CudaHashTable(HashTable):
                 f"(dim {dim}), this table has width {self.width}"
             )
         n = dkeys.size
-        dgrads = self._values(grads, n, dim, "apply_gradients grads")
+        dgrads = device_values(grads, n, dim, "apply_gradients grads")
         hp = cuda.to_device(optimizer.hyperparams(step))
         if n == 0:
             return
@@ -478,15 +423,6 @@ class CudaHashTable(HashTable):
 
     # -- the fused sparse path (hpsray.kernels.cuda.fused) --------------------------------------
 
-    def _index(self, x: npt.ArrayLike | DeviceArray, name: str) -> DeviceArray:
-        """An int64 index array (host or device) on the device."""
-        if is_device_array(x):
-            d = _as_device(x)
-            if d.dtype != np.int64:
-                raise TypeError(f"{name}: expected int64, got {d.dtype}")
-            return d
-        return cuda.to_device(np.ascontiguousarray(x, dtype=np.int64))
-
     def lookup_pool(
         self, unique_keys: Keys, inverse: npt.ArrayLike | DeviceArray, ends: npt.ArrayLike | DeviceArray, columns: int
     ) -> tuple[DeviceArray, DeviceArray]:
@@ -495,8 +431,8 @@ class CudaHashTable(HashTable):
         from hpsray.kernels.cuda.fused import k_lookup_rows, k_pool
 
         columns = check_columns(columns, self.width)
-        dkeys, _, host = self._keys(unique_keys)
-        dinv, dends = self._index(inverse, "inverse"), self._index(ends, "ends")
+        dkeys, _, host = device_keys(unique_keys)
+        dinv, dends = device_index(inverse, "inverse"), device_index(ends, "ends")
         n, n_bags = dkeys.size, dends.size - 1
         slots = cuda.device_array(n, dtype=np.int64)
         rows = cuda.device_array((n, columns), dtype=np.float32)
@@ -521,12 +457,12 @@ class CudaHashTable(HashTable):
         """As :func:`hpsray.kernels.fused.pool_backward`, on the device: ``float32[n_rows, dim]``."""
         from hpsray.kernels.cuda.fused import k_bag_of, k_pool_backward
 
-        dends, dinv = self._index(ends, "ends"), self._index(inverse, "inverse")
+        dends, dinv = device_index(ends, "ends"), device_index(inverse, "inverse")
         n_bags, nnz = dends.size - 1, dinv.size
         if n_rows > self.capacity:
             raise ValueError(f"pool_backward: {n_rows} rows, more than the table holds ({self.capacity})")
         dim = int(grad_pooled.shape[1])
-        dgrad = self._values(grad_pooled, n_bags, dim, "pool_backward grad_pooled")
+        dgrad = device_values(grad_pooled, n_bags, dim, "pool_backward grad_pooled")
         acc = cuda.device_array((n_rows, dim), dtype=np.float32)
         if n_rows == 0 or dim == 0:
             return acc
@@ -552,16 +488,16 @@ class CudaHashTable(HashTable):
                 f"{type(optimizer).__name__} needs rows of width {dim + optimizer.state_width(dim)} "
                 f"(dim {dim}), this table has width {self.width}"
             )
-        dslots = self._index(slots, "slots")
+        dslots = device_index(slots, "slots")
         n = dslots.size
-        dgrads = self._values(grads, n, dim, "apply_at_slots grads")
+        dgrads = device_values(grads, n, dim, "apply_at_slots grads")
         if n:
             hp = cuda.to_device(optimizer.hyperparams(step))
             k_apply_direct[self._grid(n)](self._rows, dslots, dgrads, optimizer.kind, hp)
 
     def keys_at(self, slots: npt.ArrayLike | DeviceArray) -> npt.NDArray[np.uint64]:
         """The keys held at ``slots`` (numpy)."""
-        dslots = self._index(slots, "slots")
+        dslots = device_index(slots, "slots")
         out = cuda.device_array(dslots.size, dtype=np.uint64)
         if dslots.size:
             k_gather_keys[self._grid(dslots.size)](self._row_keys, dslots, out)
@@ -569,5 +505,5 @@ class CudaHashTable(HashTable):
 
     def holds_at(self, slots: npt.ArrayLike | DeviceArray, keys: Keys) -> bool:
         """Whether slot ``slots[i]`` holds key ``keys[i]`` for every ``i``."""
-        dkeys, _, host = self._keys(keys)
+        dkeys, _, host = device_keys(keys)
         return bool(np.array_equal(self.keys_at(slots), host if host is not None else dkeys.copy_to_host()))
