@@ -26,9 +26,15 @@ import hashlib
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    import cProfile
+
+    from hpsray.cluster.aggregation import AllReduceDense, ChunkedAggregator
 
 HELP = "dense-gradient exchange only (zero-compute): collective all-reduce vs streamed PHub chunked aggregation"
 
@@ -89,7 +95,7 @@ def rank_gradient(n: int, rank: int, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=g, dtype=torch.float32)
 
 
-def _top(profile, n: int) -> list[dict]:
+def _top(profile: cProfile.Profile, n: int) -> list[dict]:
     import pstats
 
     stats = pstats.Stats(profile)
@@ -103,7 +109,9 @@ def _top(profile, n: int) -> list[dict]:
 class _ReplicaStep:
     """All-reduce, then this replica's own optimizer step; ``reduce`` returns the weights."""
 
-    def __init__(self, allreduce, weights: torch.nn.Parameter, optimizer) -> None:
+    def __init__(
+        self, allreduce: AllReduceDense, weights: torch.nn.Parameter, optimizer: torch.optim.Optimizer
+    ) -> None:
         self.allreduce, self.weights, self.optimizer = allreduce, weights, optimizer
 
     def reduce(self, grad: torch.Tensor, step: int) -> torch.Tensor:
@@ -115,7 +123,7 @@ class _ReplicaStep:
 class _OwnerStep:
     """The optimizer at the owners (:meth:`ChunkedAggregator.update`); ``reduce`` returns the weights."""
 
-    def __init__(self, agg, weights: torch.Tensor) -> None:
+    def __init__(self, agg: ChunkedAggregator, weights: torch.Tensor) -> None:
         self.agg, self.weights = agg, weights
 
     def reduce(self, grad: torch.Tensor, step: int) -> torch.Tensor:
@@ -130,7 +138,7 @@ class Exchanger:
         torch.set_num_threads(1)
         self.rank, self.world = rank, world
         self.grad = rank_gradient(n_elements, rank, seed)
-        self.reducers: dict = {}
+        self.reducers: dict[str, Any] = {}  # mode -> a reducer (AllReduceDense, ChunkedAggregator, ...)
 
     def __repr__(self) -> str:
         return f"Exchanger[node {self.rank}]"
@@ -143,12 +151,13 @@ class Exchanger:
     def join_group(self, group_name: str) -> None:
         """Join the gloo collective group (every rank at once) and use it for ``allreduce``."""
         import ray.util.collective as col
+        from ray.util.collective.types import Backend
 
         from hpsray.cluster.aggregation import AllReduceDense
         from hpsray.cluster.netaddr import bind_collectives
 
         bind_collectives("gloo")  # the node's address, not the hostname's (issue 20)
-        col.init_collective_group(self.world, self.rank, backend="gloo", group_name=group_name)
+        col.init_collective_group(self.world, self.rank, backend=Backend("gloo"), group_name=group_name)
         self.reducers["allreduce"] = AllReduceDense(group_name)
 
     def leave_group(self, group_name: str) -> None:
@@ -156,7 +165,9 @@ class Exchanger:
 
         col.destroy_collective_group(group_name)
 
-    def use_aggregators(self, handles: list, chunk_bytes: int, workers: int | None = None, mode="chunked") -> dict:
+    def use_aggregators(
+        self, handles: list, chunk_bytes: int, workers: int | None = None, mode: str = "chunked"
+    ) -> dict:
         """Connect a chunked aggregator (every rank at once) used as ``mode``; returns its plan."""
         from hpsray.cluster.aggregation import ChunkedAggregator
 
@@ -258,7 +269,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.cluster == "simulated" and len(node_ids) < world:
             raise RuntimeError(f"simulated cluster has {len(node_ids)} alive nodes, wanted {world}")
         placed = [node_ids[i % len(node_ids)] for i in range(world)]
-        exchanger = ray.remote(Exchanger)
+        exchanger: Any = ray.remote(Exchanger)  # an actor class
         actors = [
             exchanger.options(num_cpus=0, scheduling_strategy=on_node(placed[r])).remote(r, world, n, args.seed)
             for r in range(world)

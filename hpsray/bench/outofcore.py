@@ -31,8 +31,18 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpsray.data import PlantedCTR
+    from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+
+    # ((keys sorted, rows), dense state_dict) of one trained model
+    Trained = tuple[tuple[np.ndarray, np.ndarray], dict[str, torch.Tensor]]
 
 HELP = "training with a model >= 40x the MEM-PS budget (rows on SSD-PS) vs the same model held in memory"
 
@@ -79,13 +89,20 @@ def _log(msg: str) -> None:
     print(f"[bench outofcore] {msg}", file=sys.stderr, flush=True)
 
 
-def _max_distinct(gen, batch: int, n: int) -> int:
+def _max_distinct(gen: PlantedCTR, batch: int, n: int) -> int:
     """Largest number of distinct keys in the first ``n`` batches of the stream."""
     return max(int(np.unique(b.keys).size) for b in gen.batches(n * batch, batch))
 
 
-def _fit(source_warm, source, trainer, mem, ssd, batch: int) -> tuple[dict, dict, object]:
-    """Warm up, time one pass, flush; returns (pipeline report, SSD-PS stats, export or None)."""
+def _fit(
+    source_warm: SyntheticSource,
+    source: SyntheticSource,
+    trainer: TrainerStage,
+    mem: MemPSStage,
+    ssd: SSDPSStage,
+    batch: int,
+) -> tuple[dict, dict, Pipeline]:
+    """Warm up, time one pass; returns (pipeline report, SSD-PS and MEM-PS stats, the open pipeline)."""
     from hpsray.pipelines import Pipeline
 
     p = Pipeline(source_warm, trainer, mem, ssd, batch_size=batch)
@@ -220,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
             args.batch,
         )
         try:
-            ooc_rows = None
+            ooc_rows: Trained | None = None
             if not args.no_check:
                 ooc_rows = p.export_rows(), p.dense_state()
                 total = int(ooc_rows[0][0].size)
@@ -290,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def _compare(a, b, tol: float = 1e-5) -> dict:
+def _compare(a: Trained, b: Trained, tol: float = 1e-5) -> dict:
     """Rows and dense weights of two trained models (keys sorted) compared."""
     (ka, ra), da = a
     (kb, rb), db = b

@@ -87,7 +87,7 @@ def seq_read_bandwidth(directory: str, nbytes: int, chunk: int = 4 * _MiB) -> fl
     try:
         left = nbytes
         while left > 0:
-            left -= os.write(fd, memoryview(block)[: min(chunk, left)])
+            left -= os.write(fd, block.data[: min(chunk, left)])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -163,7 +163,7 @@ def raw_file_read(paths: list[str], threads: int) -> float:
             buf = getattr(local, "buf", None)
             if buf is None or buf.size < size:
                 buf = local.buf = np.empty(size, np.uint8)
-            return os.preadv(fd, [buf[:size]], 0)
+            return os.preadv(fd, [buf[:size].data], 0)
         finally:
             os.close(fd)
 

@@ -23,6 +23,7 @@ from torch import nn
 from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peak_rss_bytes, peer_result, split, write_result
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
+from hpsray.kernels.optim import Adagrad, Adam
 from hpsray.models.dnn import DNN, make_dense_optimizer
 
 
@@ -77,13 +78,13 @@ class PlainTorchCTR(nn.Module):
         return self.dnn(pooled, dense)
 
 
-def sparse_optimizer(config: TrainConfig, params) -> torch.optim.Optimizer:
+def sparse_optimizer(config: TrainConfig, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
     """The torch optimizer with the math of ``config``'s sparse optimizer (sparse gradients)."""
     opt = config.optimizer()
     name = config.sparse_optimizer.lower()
-    if name == "adagrad":
+    if name == "adagrad" and isinstance(opt, Adagrad):
         return torch.optim.Adagrad(params, lr=opt.lr, eps=opt.eps, initial_accumulator_value=opt.initial_accumulator)
-    if name == "adam":
+    if name == "adam" and isinstance(opt, Adam):
         return torch.optim.SparseAdam(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
     if name == "sgd":
         return torch.optim.SGD(params, lr=opt.lr)
@@ -212,6 +213,17 @@ def run_peer(spec: PeerSpec) -> dict:
     }
 
 
+def _pooled(
+    table: nn.EmbeddingBag, train: Batch, vocab: Vocabulary, spec: PeerSpec, start: int, stop: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(pooled embeddings, dense features, labels)`` of each mini-batch of ``train[start:stop]``."""
+    with torch.no_grad():
+        return [
+            (table(mb.indices, mb.offsets).view(-1, spec.n_slots, spec.dim), mb.dense, mb.labels)
+            for mb in minibatches(train, vocab, spec, start, stop)
+        ]
+
+
 def run_mlp_alone(spec: PeerSpec) -> dict:
     """The bound every system shares: the dense model alone on the same mini-batches.
 
@@ -233,14 +245,7 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
     dnn = DNN(spec.n_slots, spec.dim, spec.n_dense, config.hidden, seed=config.seed).to(spec.device)
     opt = make_dense_optimizer(config.dense_optimizer, dnn.parameters(), config.dense_lr)
 
-    def inputs(start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        with torch.no_grad():
-            return [
-                (table(mb.indices, mb.offsets).view(-1, spec.n_slots, spec.dim), mb.dense, mb.labels)
-                for mb in minibatches(train, vocab, spec, start, stop)
-            ]
-
-    def fit(steps) -> int:
+    def fit(steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
         examples = 0
         for pooled, dense, labels in steps:
             pooled = pooled.detach().requires_grad_(True)
@@ -250,9 +255,9 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
             examples += len(labels)
         return examples
 
-    warmup = inputs(0, spec.warmup_rows)
-    measured = inputs(spec.warmup_rows, spec.warmup_rows + spec.rows)
-    train = table = None  # free them (the closures above are done with them)
+    warmup = _pooled(table, train, vocab, spec, 0, spec.warmup_rows)
+    measured = _pooled(table, train, vocab, spec, spec.warmup_rows, spec.warmup_rows + spec.rows)
+    del train, table  # free them
     prep_s = time.perf_counter() - t_prep
     fit(warmup)
     _synchronize(spec)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 
 from hpsray.config import TrainConfig
+from hpsray.data.batch import Batch
 from hpsray.kernels import make_table
 from hpsray.kernels.init import initial_rows
 from hpsray.models.dnn import DNN
@@ -125,7 +127,7 @@ class PSTrainer:
             if p.size:
                 self._pushes.append(s.push.remote(keys[p], grads[p], self.step))
 
-    def train_batch(self, batch) -> float:
+    def train_batch(self, batch: Batch) -> float:
         """Train every mini-batch of ``batch`` in order; returns the mean loss."""
         losses = []
         self.dense.train(True)
@@ -150,7 +152,7 @@ class PSTrainer:
         return {"examples": examples, "seconds": time.perf_counter() - t0, "steps": self.step}
 
     @torch.no_grad()
-    def predict(self, batch) -> np.ndarray:
+    def predict(self, batch: Batch) -> np.ndarray:
         """Click probabilities of ``batch``'s examples."""
         model = self.dense.models[0]
         model.eval()
@@ -198,10 +200,10 @@ class ShardedPS:
         per_shard = int(capacity / n_shards * 1.2) + 1024
         opts = dict(num_cpus=0, max_concurrency=1)
         self.config = config
-        self.shards = [
+        self.shards: list[Any] = [  # actor handles
             ray.remote(PSShard).options(**opts).remote(k, n_shards, config, per_shard) for k in range(n_shards)
         ]
-        self.trainer = ray.remote(PSTrainer).options(**opts).remote(self.shards, config, n_slots, n_dense, threads)
+        self.trainer: Any = ray.remote(PSTrainer).options(**opts).remote(self.shards, config, n_slots, n_dense, threads)
 
     def fit(self, batch_refs: list) -> dict:
         """Train on the batches behind ``batch_refs`` (ObjectRefs) in order."""
