@@ -1,23 +1,9 @@
 """``hpsray bench cache``: MEM-PS replacement policies on synthetic key traces.
 
-Runs the real :class:`~hpsray.tiers.mem.MemPS` (over a store that holds nothing) at the same
-capacity with
-
-* ``lru_lfu``  — the default policy: LRU region → LFU region with aged, history-keeping counts;
-* ``lru``      — LRU alone (``lru_fraction=1``);
-* ``lfu``      — textbook LFU alone (``lru_fraction=0``; counts of resident rows, no aging);
-* ``lfu_aged`` — ablation: our LFU region alone (``lru_fraction=0``) with the same aged,
-  history-keeping counts as ``lru_lfu``, so the split's own effect shows;
-* ``belady``   — Belady's offline optimum,
-
-on two traces of batches:
-
-* ``zipf``  — i.i.d. Zipf(a) ranks over a fixed key universe;
-* ``drift`` — the same Zipf law, but the rank → key map moves by ``drift`` ranks per batch:
-  keys appear hot, cool down over time, and the hot set keeps changing.
-
-Hit rates count a batch's distinct keys (MEM-PS pulls distinct keys; all of a batch's rows
-are pinned while it runs).
+The real :class:`~hpsray.tiers.mem.MemPS` at one capacity under each policy (``lru_lfu``,
+``lru``, ``lfu``, ``lfu_aged``) beside Belady's optimum, on a Zipf and a drifting trace; hit
+rates count a batch's distinct keys. The policies and traces: docs/benchmarks.md, section
+"What each bench measures" (`bench cache`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """``hpsray bench consistency``: Lapser's experiment — BSP, A-BSP, SSP and ASP with a straggler.
 
-On a simulated cluster (``--nodes`` Ray nodes on this machine) every mode trains the same
-planted data for ``--passes`` passes, with one straggler node: before each mini-batch the
-trainer of node ``--straggler`` sleeps, with probability ``--probability``, ``--delay * U(0, 2)``
-seconds from a generator seeded per mini-batch (``SyncStage(straggler_delay_s=...)``), so every
-mode meets the same delays. After each pass the held-out AUC is evaluated (outside the
-training clock), which gives AUC against training time per mode.
-
-Reported per mode: training wall time, time to the target AUC (``--target-auc``; by default
-BSP's final AUC minus ``--target-margin``: the first moment a mode's AUC curve, linearly
-interpolated between passes, reaches it), final AUC and its difference to BSP's, the largest
-staleness observed (mini-batches, measured by the trainers) against the mode's bound, the
-payload bytes each trainer received per mini-batch, and the ratios of the times to BSP's (the
-baseline, in the same run). The plot of AUC against time goes beside ``--out`` (or ``--plot``).
-
-``--hosts netns`` runs every mode on network-namespace hosts instead (:mod:`hpsray.cluster.netns`),
-the driver inside host 0; with ``--cpus-per-host N`` each host has N cores of its own, and
-``--busy-loops K`` busy loops share the straggler host's cores (a real straggler, beside or
-instead of the sleeps: ``--delay 0``). ``best_relaxed_time_vs_bsp`` is the smallest time to the
-target of a relaxed mode ÷ BSP's; the load average before and after is reported with it.
+Every mode trains the same planted data for ``--passes`` passes on a simulated cluster (or, with
+``--hosts netns``, namespace hosts) with one straggler node meeting the same seeded delays;
+held-out AUC after each pass gives AUC against training time. Returns per mode the wall time,
+the time to the target AUC, final AUC, the largest staleness against its bound, payload bytes
+per mini-batch and the ratios to BSP; docs/benchmarks.md, section "What each bench measures"
+(`bench consistency`).
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """``hpsray bench e2e``: the Ray pipeline against the in-memory reference trainer.
 
-Same planted data, same model and optimizers, same batches, in one run; every row fits in
-MEM-PS. Both are warmed up on a few batches first (numba compilation, actor start-up), then
-timed over the measured rows, ``--repeat`` times with the two alternating (a shared machine
-then slows both alike). Reports medians: ``examples_per_s`` (pipeline),
-``reference_examples_per_s``, ``ratio_vs_reference`` (median of the per-repeat ratios), and the
-pipeline's stage busy times and ``pipeline_efficiency``; ``runs`` keeps every repeat.
-
-Two more cases, each with its own pair of runs alternating in the same way:
-
-* **Small batches** (on by default; ``--small-batch-rows 0`` skips it): a job of
-  ``--small-batch-slots`` slots (5) in batches of ``--small-batch`` examples (10,000), the
-  pipeline against the reference trainer on the same data, where the pipeline's per-batch costs
-  (actor calls, pull and write-back) weigh most. Keys ``small_batch_examples_per_s``,
-  ``small_batch_reference_examples_per_s``, ``small_batch_ratio_vs_reference`` (median of the
-  per-repeat ratios), ``small_batch_pipeline_efficiency``; ``small_batch_runs`` per repeat.
-  Target (issue 14): ratio >= 0.8.
-* **Spill** (``--spill``): the main job in batches of ``--spill-batch`` examples with a MEM-PS
-  budget of ``--spill-budget-batches`` x the most distinct keys of a batch (sampled on the
-  first batches, 5 % margin), well below the rows trained, so rows travel to SSD-PS and back;
-  beside it the same job with every row in MEM-PS. Keys ``spill_examples_per_s``,
-  ``in_memory_examples_per_s``, ``spill_vs_in_memory`` (median of the per-repeat ratios),
-  ``spill_pipeline_efficiency``, ``spill_budget_rows``, ``spill_model_rows`` (the distinct keys
-  trained), ``spill_model_vs_budget`` and ``spill_runs`` (with MEM-PS and SSD-PS counters).
-  Targets (issue 14): efficiency >= 0.9, ratio >= 0.85.
+Same data, model, optimizers and batches, warmed up, then timed ``--repeat`` times with the two
+alternating; medians in ``examples_per_s``, ``reference_examples_per_s``, ``ratio_vs_reference``
+and ``pipeline_efficiency``. Two more pairs in the same way: small batches
+(``small_batch_*``) and, with ``--spill``, a MEM-PS budget below the rows trained (``spill_*``).
+The cases, keys and targets: docs/benchmarks.md, section "What each bench measures" (`bench e2e`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """``hpsray bench exchange``: PHub's zero-compute mode — dense-gradient exchange only.
 
-One exchange actor per node replaces the training step by a no-op and only synchronises a
-dense gradient of the model's size, ``--steps`` times, once with the collective all-reduce
-(gloo) and once with streamed chunked aggregation (:mod:`hpsray.cluster.aggregation`) for each
-``--workers`` count, alternating in the same run. This is the ceiling the dense synchronisation
-puts on training steps per second.
-
-By default it runs on a simulated multi-node cluster (``ray.cluster_utils.Cluster``: ``--nodes``
-Ray nodes of one CPU each on this machine); ``--cluster local`` uses the running Ray (or
-``--address`` / ``RAY_ADDRESS``, else an embedded local one), one actor per alive node, wrapping
-around when there are fewer nodes than ``--nodes``.
-
-Reports per mode ``steps_per_s`` and ``bytes_per_s`` (the *exchange rate*: dense gradient bytes
-each trainer gets summed per second), ``chunked_vs_allreduce`` (ratio of steps/s), the chunk
-count and each slot's chunk and byte loads, and correctness checks: chunked results are
-bit-identical on every rank and equal the sum in its documented order; all-reduce is within
-float rounding. ``--profile N``: the N functions with the most own time (cProfile) in rank 0's
-timed chunked steps.
+One exchange actor per node synchronises a dense gradient of the model's size ``--steps`` times,
+with gloo's all-reduce and with streamed chunked aggregation (:mod:`hpsray.cluster.aggregation`),
+alternating in one run, on a simulated cluster (default) or the running Ray. Returns per mode
+``steps_per_s`` and ``bytes_per_s``, ``chunked_vs_allreduce``, the chunk plan and the correctness
+checks; docs/benchmarks.md, section "What each bench measures" (`bench exchange`).
 """
 
 from __future__ import annotations

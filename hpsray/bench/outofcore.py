@@ -1,25 +1,11 @@
 """``hpsray bench outofcore``: training a model far larger than its MEM-PS budget.
 
-Two runs of the same pipeline over the same planted data (same model, optimizers, batches),
-one after the other in one process:
-
-* **out-of-core** — MEM-PS holds ``--budget-batches`` × the largest number of distinct keys a
-  batch references (sampled from the first batches; MEM-PS must hold the pinned rows of the two
-  batches in flight plus the misses of the next), everything else lives in SSD-PS on local disk;
-* **in-memory** — MEM-PS holds every row the model ends up with (SSD-PS is never read).
-
-How the model gets its size. No rows are pre-populated: the model *is* the rows training
-creates. The data is planted Zipf(``--zipf``) over ``--keys`` keys per slot, and the run is long
-enough (``--rows`` examples) for the number of distinct keys trained (the model's rows) to reach
-≥ ``--scale-target`` × the budget. Every row counted was trained and, in the out-of-core run, most
-of them went to SSD-PS and many came back. ``--size`` scales data and vocabulary together.
-
-Both runs warm up on the first ``--warmup-batches`` batches (numba compilation, actor start-up),
-then the rest is timed. Reports examples/s of both and their ratio, the scale factor (model rows
-÷ budget rows), MEM-PS hit rate per batch, SSD-PS I/O seconds per batch (the ``load`` stage:
-loads and dumps), compaction activity, and a lossless check (every trained row and the dense
-weights of the two runs compared) unless ``--no-check``. ``--report-dir`` writes each run's
-report with the stage-time, hit-rate and SSD-I/O plots (:mod:`hpsray.pipelines.report`).
+Two runs of the same pipeline over the same planted data, one after the other: **out-of-core**
+(MEM-PS holds ``--budget-batches`` x a batch's distinct keys, the rest lives in SSD-PS) and
+**in-memory** (MEM-PS holds every row). Returns both runs' examples/s and their ratio, the scale
+factor (model rows / budget rows), hit rates, SSD-PS I/O per batch, compactions and, unless
+``--no-check``, a lossless comparison of the two models. How the model gets its size and what
+is timed: docs/benchmarks.md, section "What each bench measures" (`bench outofcore`).
 """
 
 from __future__ import annotations

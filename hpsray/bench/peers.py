@@ -1,37 +1,11 @@
 """``hpsray bench peers``: hpsray beside the systems it replaces, same model, data and optimizers.
 
-Trained side by side in one run, for 26 and 100 keys per example (multi-hot slots past 26):
-
-=====================  ===================================================================
-``hpsray_in_memory``   the :class:`~hpsray.pipelines.Pipeline`, every row fits in MEM-PS
-``hpsray_ssd``         the same with a small MEM-PS budget: SSD-PS serves the misses
-``pytorch``            ``nn.EmbeddingBag(sum, sparse)`` + sparse ``torch.optim.Adagrad``
-                       (:mod:`hpsray.bench.baselines.plain_torch`)
-``torchrec``           a sharded ``EmbeddingBagCollection`` under ``DistributedModelParallel``
-                       (world size 1, gloo, fused FBGEMM Adagrad), run by
-                       ``benchmarks/torchrec_peer.py`` in ``benchmarks/.torchrec-venv``
-                       (``bash benchmarks/torchrec_env.sh`` makes it; skipped without it)
-``sharded_ps``         K in-memory shard actors and a trainer actor that pulls rows per
-                       mini-batch (:mod:`hpsray.bench.baselines.sharded_ps`)
-``mlp_alone``          not a peer but the bound they share: the dense model's step alone
-                       (forward, backward with the pooled inputs' gradient, optimizer) on
-                       the same mini-batches (:func:`~hpsray.bench.baselines.plain_torch.run_mlp_alone`);
-                       reported under ``ceiling``, and every system's rate over it as
-                       ``<system>_vs_mlp_alone`` (the share of its time the dense model takes)
-=====================  ===================================================================
-
-Every system trains the paper's DNN over sum-pooled slot embeddings, rows initialised with
-hpsray's per-key values, per-element sparse Adagrad on the rows and TrainConfig's dense
-optimizer, with the same mini-batches in the same order. The examples are generated once per
-size and stored; each system runs in its own process, loads them into memory (plain PyTorch and
-TorchRec also turn keys into dense row indices there: preprocessing, not timed), trains
-``--warmup-rows`` untimed, then ``--rows`` timed, then scores held-out rows.
-
-Per system: ``examples_per_s`` (timed rows / training seconds; for hpsray the pipeline's wall
-time, reading included), held-out ``auc``, and ``peak_rss_bytes``: the peak RSS of the processes
-doing the work (the system's process, plus each of its Ray actors, asked for their
-``getrusage`` maximum). Ratios compare hpsray with each peer; the issue's target is
-``hpsray_in_memory_vs_pytorch >= 1.0`` at equal AUC (±0.002).
+For 26 and 100 keys per example, each system (``hpsray_in_memory``, ``hpsray_ssd``, ``pytorch``,
+``torchrec``, ``sharded_ps``, and the dense bound ``mlp_alone``) trains the same stored
+mini-batches in its own process. Returns per system ``examples_per_s``, held-out ``auc`` and
+``peak_rss_bytes``, and the ratios between them (target ``hpsray_in_memory_vs_pytorch >= 1.0``
+at equal AUC). The systems and what is timed: docs/benchmarks.md, section "What each bench
+measures" (`bench peers`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """``hpsray bench scale``: throughput on 1, 2, 3 simulated nodes, and a model projecting it to
 real clusters (the model: :mod:`hpsray.bench.scale_model`; docs/benchmarks.md, "Scaling model").
 
-The simulated nodes (``ray.cluster_utils.Cluster``) are real Ray nodes that share this
-machine's cores and loopback, so their measured throughput shows the protocol's overhead, not
-the scaling of real hardware. The projection takes the per-batch stage costs measured on one
-node and the bytes exchanged per mini-batch measured on two, and models a cluster of ``N``
-nodes (weak scaling: every node trains its own batch) as
-
-    T(N) = max(read / g, pull / g + remote_pull(N), load / g, train / g + steps * sync(N))
-    sync(N) = alpha * ceil(log2 N) + 2 (N-1)/N * dense_bytes / BW + (N-1) * sparse_bytes / BW
-    remote_pull(N) = (N-1)/N * distinct_keys * row_bytes / BW
-    speedup(N) = N * T(1) / T(N)
-
-with link bandwidth ``BW``, per-message latency ``alpha`` and ``g`` how many times faster a
-real node gets through a batch's stages than the one simulated node measured here (a GPU node
-with many cores is far faster, which makes the exchange relatively dearer; the network does
-not get faster with ``g``). The report gives the projection at ``g = 1`` and at ``--gpu-factor``, and
-the ``g`` at which the model reproduces the paper's 3.57x on 4 nodes.
+The simulated nodes (``ray.cluster_utils.Cluster``) are real Ray nodes sharing this machine's
+cores and loopback, so their throughput shows the protocol's overhead, not real hardware's
+scaling; the projection takes the stage costs of the 1-node run and the bytes per mini-batch of
+the 2-node run. ``--hosts netns``: :mod:`hpsray.bench.scale_hosts`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """``hpsray bench ssd``: SSD-PS dump / cold load throughput and space after compaction.
 
-In one run, on the same file system:
-
-1. **dump** — write ``--size`` MiB of rows with :meth:`SSDPS.dump` (fsync, rename, manifest
-   record per call): ``dump_bytes_per_s``.
-2. **cold reads**, ``--repeat`` times back to back (medians reported; each ratio is taken
-   within one repetition, so a busy shared machine affects both sides alike):
-
-   * ``seq_read_bytes_per_s`` — one plain file as large as all parameter files together,
-     dropped from the page cache (``posix_fadvise(DONTNEED)``) and read in 4 MiB reads: the
-     machine's sequential read bandwidth;
-   * ``raw_file_read_bytes_per_s`` — the parameter files read whole, one read each, with no
-     checksum or row handling: the ceiling of the whole-file access pattern;
-   * ``load_bytes_per_s`` — :meth:`SSDPS.load` of every key in random order (each file read
-     once, checksums verified, every row placed in the output);
-   * ``sparse_load_bytes_per_s`` — a load of a random 5 % of the keys (still every file).
-
-   All count file bytes read per second from a dropped page cache.
-3. **space** — overwrite random thirds of the keys several times with background compaction
-   on; ``space_ratio`` = disk bytes / live bytes once compaction is idle, plus the worst ratio
-   seen after any dump.
-
-``--sweep`` repeats the cold loads for several file sizes (how the default was chosen).
+One run on one file system: dump ``--size`` MiB of rows, then ``--repeat`` rounds of cold reads
+(sequential bandwidth, raw whole-file reads, full and sparse :meth:`SSDPS.load`), then random
+overwrites under background compaction for ``space_ratio``; ``--sweep`` repeats the cold loads
+per file size. What each figure counts: docs/benchmarks.md, section "What each bench measures"
+(`bench ssd`).
 """
 
 from __future__ import annotations
