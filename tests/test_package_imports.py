@@ -150,6 +150,7 @@ ENGINES = (
     "hpsray.checkpoint",
     "hpsray.export",
     "hpsray.plan",
+    "hpsray.cluster.updates",
 )
 RAY_LAYERS = (
     "hpsray.actors",

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpsray.cluster.consistency import CarryOver, crosses_batches, merge_payloads
+from hpsray.cluster.updates import CarryOver, Payload, crosses_batches, merge_payloads
 from hpsray.kernels.arrays import to_host
 from hpsray.training.engine import TrainerEngine
 from hpsray.training.layout import BatchIndex
@@ -68,7 +68,7 @@ class RelaxedSteps:
         A-BSP ends each batch with a barrier. SSP and ASP do not (docs/architecture.md:
         Consistency): the clock runs on, the batch end waits only as the bound requires for the
         next clock, and the rows borrowed anew first get the others' updates of the batch before
-        (:class:`~hpsray.cluster.consistency.CarryOver`); :meth:`settle` ends a pass."""
+        (:class:`~hpsray.cluster.updates.CarryOver`); :meth:`settle` ends a pass."""
         engine, sync = self.engine, self.sync
         engine.dense.train(True)
         mode = sync.consistency
@@ -125,7 +125,7 @@ class RelaxedSteps:
                 out_dense = own["dense"] if out_dense is None else out_dense + own["dense"]
             if (i + 1) % k == 0 or i + 1 == len(steps):
                 if not out_keys:
-                    payload = (np.empty(0, np.uint64), np.empty((0, engine.config.dim), np.float32), out_dense)
+                    payload: Payload = (np.empty(0, np.uint64), np.empty((0, engine.config.dim), np.float32), out_dense)
                 elif len(out_keys) == 1:
                     payload = (out_keys[0], out_grads[0], out_dense)
                 else:  # A-BSP: the clock's k updates as one

@@ -18,8 +18,8 @@ from hpsray.actors.relaxed import RelaxedSteps
 from hpsray.actors.timing import StageClock
 from hpsray.actors.working_set import kept_masks
 from hpsray.cluster import faults
-from hpsray.cluster.consistency import crosses_batches
 from hpsray.cluster.mesh import DeviceMesh, rendezvous_address
+from hpsray.cluster.updates import crosses_batches
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import PeerFailedError

@@ -24,7 +24,7 @@ current: before a checkpoint, at a stop, after a failure (docs/architecture.md: 
 working set).
 
 Under SSP and ASP a trainer's clock runs on across batch ends
-(:func:`~hpsray.cluster.consistency.crosses_batches`): ``refresh`` is not submitted, so a fast
+(:func:`~hpsray.cluster.updates.crosses_batches`): ``refresh`` is not submitted, so a fast
 trainer's inputs for ``t+1`` never wait for a straggler's ``write_back(t)`` (the trainer replays
 the updates it received during ``t`` on the rows it borrows anew instead), and the last batch of
 the pass is written back from ``Trainer.settle``, a full barrier, instead of from ``train``.
@@ -46,7 +46,7 @@ import ray
 
 from hpsray.actors.messages import ReadBatch, TrainInputs
 from hpsray.cluster import faults
-from hpsray.cluster.consistency import crosses_batches
+from hpsray.cluster.updates import crosses_batches
 from hpsray.errors import PeerFailedError, caused_by
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.placement import NodeActors
