@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 from hpsray.cluster import faults
+from hpsray.cluster.aggregation_mesh import Mesh, build_mesh, start_directory
+from hpsray.cluster.aggregation_stream import OwnerOptimizer, StreamEngine
 from hpsray.cluster.aggregation_topology import (
     DEFAULT_CHUNK_BYTES,
     ELEMENT_BYTES,
@@ -86,8 +88,6 @@ def start_aggregators(
     ``node_ids[0]`` when given; no CPU reserved), holding the default ``workers`` per node. The
     aggregation itself runs in the trainers. Named ``{name_prefix}:AggregatorDirectory``.
     """
-    from hpsray.cluster.aggregation_mesh import start_directory
-
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     name = f"{name_prefix}:AggregatorDirectory" if name_prefix else None
@@ -142,55 +142,54 @@ class ChunkedAggregator:
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         chunk_elements(chunk_bytes)  # validates
-        if optimizer is not None and lr is None:
-            raise ValueError("an optimizer at the aggregators needs its lr")
         self.handles, self.world, self.rank, self.chunk_bytes = list(handles), world, rank, chunk_bytes
         # every wait on another rank (registering, connecting, a step's data) ends within this
         self.workers, self.timeout_s = workers, faults.fault_timeout() if timeout_s is None else timeout_s
         self.optimizer, self.lr = optimizer, lr
-        self._engine = None
-        self._opt = None
+        self._engine: StreamEngine | None = None
+        self._opt: OwnerOptimizer | None = None
         if optimizer is not None:
-            from hpsray.cluster.aggregation_stream import OwnerOptimizer
-
+            if lr is None:
+                raise ValueError("an optimizer at the aggregators needs its lr")
             per = chunk_elements(chunk_bytes)
             segment = per * max(1, (optimizer_bytes or DEFAULT_OPTIMIZER_BYTES) // chunk_bytes)
             self._opt = OwnerOptimizer(optimizer, float(lr), segment)
 
     def connect(self) -> ChunkedAggregator:
         """Open this rank's connections (every rank at once); a no-op when open."""
-        if self._engine is None:
-            from hpsray.cluster.aggregation_mesh import Mesh, build_mesh
-            from hpsray.cluster.aggregation_stream import StreamEngine
+        self._connected()
+        return self
 
+    def _connected(self) -> StreamEngine:
+        if self._engine is None:
             if self.world == 1:
                 w = self.workers or DEFAULT_WORKERS
                 mesh = Mesh(Topology((0,)), 0, w, [{}] * w, [{}] * w, [{}] * w, [None] * w)
             else:
                 mesh = build_mesh(self.handles[0], self.rank, self.world, self.workers, self.timeout_s)
-            self._engine = StreamEngine(mesh, self.chunk_bytes, self.timeout_s)
-            self._finalizer = weakref.finalize(self, self._engine.close)
-        return self
+            self._engine = engine = StreamEngine(mesh, self.chunk_bytes, self.timeout_s)
+            self._finalizer = weakref.finalize(self, engine.close)
+        return self._engine
 
     @property
     def workers_per_node(self) -> int:
         """Aggregation workers per node (after :meth:`connect`)."""
-        return self.connect()._engine.mesh.workers
+        return self._connected().mesh.workers
 
     @property
     def topology(self) -> Topology:
         """The ranks' nodes (after :meth:`connect`)."""
-        return self.connect()._engine.mesh.topology
+        return self._connected().mesh.topology
 
     def plan(self, n_elements: int) -> ChunkPlan:
         """The chunk plan for a gradient of ``n_elements`` values (slot ``w * n_nodes + k``)."""
-        engine = self.connect()._engine
+        engine = self._connected()
         return engine.mesh.topology.plan(n_elements, engine.mesh.workers, self.chunk_bytes)
 
     def reduce(self, flat: torch.Tensor, step: int) -> torch.Tensor:
         """Sum ``flat`` over all ranks, bit-identical on every rank (order: module docstring)."""
         _check_flat(flat)
-        out = torch.from_numpy(self.connect()._engine.run(step, _host(flat)))
+        out = torch.from_numpy(self._connected().run(step, _host(flat)))
         return out if flat.device.type == "cpu" else out.to(flat.device)
 
     def update(self, grad: torch.Tensor, params: torch.Tensor, step: int) -> torch.Tensor:
@@ -202,8 +201,7 @@ class ChunkedAggregator:
         _check_flat(params)
         if params.shape != grad.shape:
             raise ValueError(f"params {list(params.shape)} and grad {list(grad.shape)} differ")
-        self.connect()
-        out = torch.from_numpy(self._engine.run(step, _host(grad), _host(params), self._opt))
+        out = torch.from_numpy(self._connected().run(step, _host(grad), _host(params), self._opt))
         return out if grad.device.type == "cpu" else out.to(grad.device)
 
     def step_models(self, models: Sequence[torch.nn.Module], step: int) -> None:

@@ -21,6 +21,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from hpsray.cluster import faults
 from hpsray.cluster.aggregation_topology import Topology
@@ -75,9 +76,9 @@ class AggregatorDirectory:
 
 def start_directory(
     world: int, workers: int, node_id: str | None = None, name: str | None = None, timeout_s: float | None = None
-):
-    """Start the directory actor (no CPU reserved; on ``node_id`` when given); a rank waits at
-    most ``timeout_s`` (``None``: the fault timeout) for the others to register."""
+) -> Any:
+    """Start the directory actor and return its handle (no CPU reserved; on ``node_id`` when
+    given); a rank waits at most ``timeout_s`` (``None``: the fault timeout) for the others to register."""
     import ray
 
     from hpsray.cluster.runtime import on_node
@@ -142,7 +143,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def build_mesh(
-    directory, rank: int, world: int, workers: int | None = None, timeout_s: float = faults.DEFAULT_FAULT_TIMEOUT_S
+    directory: Any, rank: int, world: int, workers: int | None = None, timeout_s: float = faults.DEFAULT_FAULT_TIMEOUT_S
 ) -> Mesh:
     """Register with ``directory`` and open this rank's connections (every rank calls it at once).
 

@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -93,10 +94,10 @@ class _Conn:
 
     def begin(self, step: int, n: int, send: np.ndarray, recv: np.ndarray) -> None:
         self.hdr_out = memoryview(_HEADER.pack(step, n))
-        self.data_out = memoryview(send).cast("B")
+        self.data_out = send.data.cast("B")
         self.limit = 0  # data bytes that may be sent so far
         self.sent = 0  # header included
-        self.data_in = memoryview(recv).cast("B")
+        self.data_in = recv.data.cast("B")
         self.received = 0  # header included
         self.want = (step, n)
 
@@ -167,7 +168,16 @@ class Stripe:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def run(self, step: int, plan: ChunkPlan, flat: np.ndarray, out: np.ndarray, bufs: dict, params, opt) -> None:
+    def run(
+        self,
+        step: int,
+        plan: ChunkPlan,
+        flat: np.ndarray,
+        out: np.ndarray,
+        bufs: dict,
+        params: np.ndarray | None,
+        opt: OwnerOptimizer | None,
+    ) -> None:
         """Reduce this stripe of ``flat`` into ``out`` (with ``params`` and ``opt``: step the
         optimizer on the owned chunks and return weights instead of gradient sums)."""
         n = plan.n_elements
@@ -175,8 +185,10 @@ class Stripe:
         s_lo, s_hi = blocks[0][0], blocks[-1][1]
         self.plan, self.blocks, self.flat, self.out, self.params, self.opt = plan, blocks, flat, out, params, opt
         if not self.leader:
-            self.up.begin(step, n, flat[s_lo:s_hi], out[s_lo:s_hi])
-            self.up.limit = (s_hi - s_lo) * ELEMENT_BYTES
+            up = self.up
+            assert up is not None  # a member streams through its node's leader
+            up.begin(step, n, flat[s_lo:s_hi], out[s_lo:s_hi])
+            up.limit = (s_hi - s_lo) * ELEMENT_BYTES
             self._loop(step, self._done_member)
             return
         lo, hi = blocks[self.node]
@@ -221,7 +233,12 @@ class Stripe:
         avail = plan.chunk_floor(avail, hi)
         if avail > self.reduced:
             a, b = self.reduced, avail
-            dst = self.out if self.opt is None else self.gsum
+            opt, gsum, params = self.opt, self.gsum, self.params
+            if opt is None:
+                dst = self.out
+            else:  # run's buffers hold the summed gradient then
+                assert gsum is not None
+                dst = gsum
             srcs = [self.partial if k == self.node else self.contrib[k] for k in range(self.topo.n_nodes)]
             if len(srcs) == 1:
                 np.copyto(dst[a:b], srcs[0][a:b])
@@ -230,15 +247,16 @@ class Stripe:
                 for s in srcs[2:]:
                     np.add(dst[a:b], s[a:b], out=dst[a:b])
             self.reduced = b
-            if self.opt is None:
+            if opt is None:
                 self.ready = b
             else:  # 2b. the optimizer, segment by segment once reduced
+                assert params is not None  # run's weights, given with the optimizer
                 while self.ready < b:
-                    end = min(self.ready + self.opt.segment, hi)
+                    end = min(self.ready + opt.segment, hi)
                     if end > b:
                         break
-                    np.copyto(self.out[self.ready : end], self.params[self.ready : end])
-                    self.opt.step(self.gsum, self.out, self.ready, end)
+                    np.copyto(self.out[self.ready : end], params[self.ready : end])
+                    opt.step(dst, self.out, self.ready, end)
                     self.ready = end
             for c in self.owner_in.values():
                 c.limit = (self.ready - lo) * ELEMENT_BYTES
@@ -256,9 +274,11 @@ class Stripe:
         return self.ready == self.hi and not any(c.recv_pending() or not c.send_done() for c in self.conns)
 
     def _done_member(self) -> bool:
-        return not self.up.recv_pending() and self.up.send_done()
+        up = self.up
+        assert up is not None
+        return not up.recv_pending() and up.send_done()
 
-    def _loop(self, step: int, done) -> None:
+    def _loop(self, step: int, done: Callable[[], bool]) -> None:
         conns, leader = self.conns, self.leader
         if leader:
             self._progress()
@@ -306,7 +326,7 @@ class Stripe:
 class _Worker(threading.Thread):
     """Runs one stripe of every step in its own thread."""
 
-    def __init__(self, stripe: Stripe, on_error) -> None:
+    def __init__(self, stripe: Stripe, on_error: Callable[[BaseException], None]) -> None:
         super().__init__(name=f"hpsray-aggregation-{stripe.worker}", daemon=True)
         self.stripe, self.on_error = stripe, on_error
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -366,7 +386,9 @@ class StreamEngine:
             self.bufs["gsum"] = np.empty(n, np.float32)
         return self.plan, self.bufs
 
-    def run(self, step: int, flat: np.ndarray, params: np.ndarray | None = None, opt=None) -> np.ndarray:
+    def run(
+        self, step: int, flat: np.ndarray, params: np.ndarray | None = None, opt: OwnerOptimizer | None = None
+    ) -> np.ndarray:
         if self.broken is not None:
             raise RuntimeError("chunked aggregation failed earlier and cannot continue") from self.broken
         n = flat.shape[0]

@@ -60,7 +60,11 @@ class CollectiveGroup:
         self._watchdog = faults.Watchdog(f"collective {name} rank {rank}")
         with self._guard("joining the group"), _default_timeout(self.timeout_s):
             col.init_collective_group(
-                world, rank, backend=backend, group_name=name, gloo_timeout=int(self.timeout_s * 1000)
+                world,
+                rank,
+                backend=backend,  # type: ignore[arg-type]  # Ray types it as its Backend class; it takes a name
+                group_name=name,
+                gloo_timeout=int(self.timeout_s * 1000),
             )
         _set_timeout(col, name, self.timeout_s)
         self.bytes_sent = 0
@@ -103,7 +107,7 @@ class CollectiveGroup:
         self.bytes_sent += out.numel() * out.element_size()
         return out.to(flat.device)
 
-    def allgather_varlen(self, payload):
+    def allgather_varlen(self, payload: Any) -> list[Any]:
         """Every rank's float32 ``payload`` (lengths may differ), in rank order, as arrays of the
         payload's kind: numpy for numpy, CuPy for device arrays (which NCCL gathers in place on
         the device, with no host staging)."""
@@ -130,7 +134,7 @@ class CollectiveGroup:
             return [xp.asarray(p[:n]) for p, n in zip(parts, lengths)]
         return [p[:n].cpu().numpy() for p, n in zip(parts, lengths)]
 
-    def allgather_sparse(self, keys, grads):
+    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]:
         """Every rank's ``(keys, grads)`` concatenated in rank order (duplicates kept); numpy
         in, numpy out; device arrays in, CuPy out."""
         xp = array_module("cuda" if is_device_array(keys) else "cpu")

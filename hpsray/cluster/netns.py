@@ -39,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpsray.errors import NetnsUnavailable
 
@@ -173,7 +174,7 @@ class NetnsHosts:
         return [self.popen(host, [sys.executable, "-c", code], f"busy-h{host}-{k}.log") for k in range(loops)]
 
     def run(
-        self, host: int, argv: list[str], timeout: float = 600, env: dict | None = None, **kwargs
+        self, host: int, argv: list[str], timeout: float = 600, env: dict | None = None, **kwargs: Any
     ) -> subprocess.CompletedProcess:
         """Run ``argv`` inside host ``host`` and wait for it (text output captured)."""
         return subprocess.run(
@@ -208,7 +209,7 @@ class NetnsHosts:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _make_network(self) -> None:
@@ -325,8 +326,10 @@ class NetnsHosts:
                     continue
                 if delay_ms:
                     qdisc = ["netem", "delay", f"{delay_ms}ms"] + (["rate", rate_bit] if rate_bit else [])
-                else:
+                elif rate_bit is not None:
                     qdisc = ["tbf", "rate", rate_bit, "burst", "256kb", "latency", "50ms"]
+                else:
+                    continue  # a delay of 0 and no rate: nothing to shape
                 out = subprocess.run(
                     ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *qdisc],
                     capture_output=True,

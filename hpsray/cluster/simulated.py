@@ -7,7 +7,10 @@ Only the network is missing: every node shares this machine's cores and loopback
 
 from __future__ import annotations
 
+from typing import Any
+
 import ray
+from ray.cluster_utils import Cluster
 
 
 class SimulatedCluster:
@@ -21,26 +24,26 @@ class SimulatedCluster:
         if nodes < 1:
             raise ValueError(f"a cluster needs at least one node, got {nodes}")
         self.nodes, self.cpus_per_node, self.object_store_bytes = nodes, cpus_per_node, object_store_bytes
-        self.cluster = None
+        self.cluster: Cluster | None = None
 
     def __enter__(self) -> SimulatedCluster:
-        from ray.cluster_utils import Cluster
-
         if ray.is_initialized():
             ray.shutdown()
-        args = {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_bytes}
-        self.cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
+        args: dict[str, Any] = {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_bytes}
+        self.cluster = cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
         for _ in range(self.nodes - 1):
-            self.cluster.add_node(**args)
-        self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, log_to_driver=False)
+            cluster.add_node(**args)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
         return self
 
     @property
     def address(self) -> str:
+        if self.cluster is None:
+            raise RuntimeError("the simulated cluster runs only inside its `with` block")
         return self.cluster.address
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
