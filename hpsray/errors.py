@@ -3,7 +3,8 @@
 ::
 
     HpsrayError
-    ├── ConfigError        (also ValueError)    a bad job file: "FILE: dotted.key: reason"
+    ├── ConfigError        (also ValueError)    a bad job file: "FILE: dotted.key: reason", or a bad
+    │                                           environment variable: "environment: NAME: reason"
     ├── DataError          (also ValueError)    bad input: "FILE line N: reason: detail"
     │   └── TooMuchBadInput                     lenient mode gave up
     ├── CapacityError      (also RuntimeError)  the pinned working set does not fit MEM-PS
@@ -93,7 +94,8 @@ def _rebuild(cls: type[HpsrayError], args: tuple, state: dict[str, Any]) -> Hpsr
 
 
 class ConfigError(HpsrayError, ValueError):
-    """A bad job file: ``str(e)`` is ``"FILE: dotted.key: reason"``."""
+    """A bad job file: ``str(e)`` is ``"FILE: dotted.key: reason"``; or a bad environment
+    variable (:mod:`hpsray.env`): ``"environment: NAME: reason"``."""
 
     def __init__(self, where: str, key: str, reason: str) -> None:
         self.where, self.key, self.reason = where, key, reason

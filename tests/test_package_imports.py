@@ -147,6 +147,7 @@ ENGINES = (
     "hpsray.reference",
     "hpsray.config",
     "hpsray.errors",
+    "hpsray.env",
     "hpsray.checkpoint",
     "hpsray.export",
     "hpsray.plan",

@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from hpsray.env import env_seconds
 from hpsray.errors import FaultTimeout
 
 __all__ = [
@@ -44,24 +45,11 @@ _ENV = "HPSRAY_FAULT_TIMEOUT_S"
 _state: dict[str, Any] = {"timeout": None, "nodes": []}
 
 
-def _from_env() -> float:
-    raw = os.environ.get(_ENV)
-    if not raw:
-        return DEFAULT_FAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{_ENV} must be a number of seconds > 0, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"{_ENV} must be a number of seconds > 0, got {raw!r}")
-    return value
-
-
 def fault_timeout() -> float:
     """This process's fault timeout: :func:`configure`'s, else ``$HPSRAY_FAULT_TIMEOUT_S``, else
     :data:`DEFAULT_FAULT_TIMEOUT_S`."""
     value = _state["timeout"]
-    return float(value) if value is not None else _from_env()
+    return float(value) if value is not None else env_seconds(_ENV, DEFAULT_FAULT_TIMEOUT_S)
 
 
 def settle_seconds(timeout_s: float) -> float:

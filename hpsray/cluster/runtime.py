@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from hpsray.env import env_seconds
 from hpsray.errors import RayStartError
 
 log = logging.getLogger("hpsray.cluster")
@@ -34,14 +35,7 @@ T = TypeVar("T")
 
 def start_seconds() -> float:
     """How long :func:`connect` keeps trying: ``$HPSRAY_RAY_START_SECONDS``, else 120."""
-    raw = os.environ.get(START_ENV, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_START_SECONDS
-    except ValueError:
-        raise ValueError(f"{START_ENV} must be a number of seconds, got {raw!r}") from None
-    if not value >= 0:
-        raise ValueError(f"{START_ENV} must be >= 0, got {raw!r}")
-    return value
+    return env_seconds(START_ENV, DEFAULT_START_SECONDS, zero_ok=True)
 
 
 def _load() -> str:

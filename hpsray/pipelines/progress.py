@@ -20,6 +20,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from hpsray.env import env_seconds
+
 __all__ = [
     "DEFAULT_SECONDS",
     "ENV",
@@ -80,18 +82,9 @@ def progress_seconds(configured: float | None = None) -> float:
     when given, else ``$HPSRAY_PROGRESS_SECONDS``, else 30; 0 turns the timed lines off (the
     pass-end line stays). Raises ``ValueError`` for a negative or unreadable value."""
     if configured is None:
-        raw = os.environ.get(ENV, "").strip()
-        if not raw:
-            return DEFAULT_SECONDS
-        try:
-            configured = float(raw)
-        except ValueError:
-            raise ValueError(f"{ENV} must be a number of seconds, got {raw!r}") from None
-        where = ENV
-    else:
-        where = "progress_seconds"
+        return env_seconds(ENV, DEFAULT_SECONDS, zero_ok=True)
     if not (configured >= 0 and math.isfinite(configured)):
-        raise ValueError(f"{where} must be a finite number of seconds >= 0, got {configured}")
+        raise ValueError(f"progress_seconds must be a finite number of seconds >= 0, got {configured}")
     return float(configured)
 
 
