@@ -1,28 +1,15 @@
-"""Dense-gradient aggregation across trainers: PHub-style streamed chunks, or a collective all-reduce.
+"""Dense-gradient aggregation across trainers (docs/architecture.md: Chunked aggregation).
 
-Every trainer holds the same replicated dense parameters; after each mini-batch the trainers
-sum their flat ``float32`` dense gradients. Two interchangeable :class:`DenseReducer`\\ s do it:
+Two interchangeable :class:`DenseReducer`\\ s sum the trainers' flat ``float32`` dense gradients:
 
-- :class:`AllReduceDense` — ``ray.util.collective.allreduce`` on an existing group (gloo on
-  CPU, NCCL on GPU). The summation order is the backend's, so ranks agree only within float
-  rounding of the rank-ordered sum.
-- :class:`ChunkedAggregator` — PHub's scheme as a sharded parameter server inside the trainers:
-  the flat gradient is cut into fixed chunks (default 32 KiB), each chunk is owned by one
-  aggregation worker of one node (``workers`` per node, a balanced contiguous assignment:
-  :mod:`~hpsray.cluster.aggregation_topology`); ranks on one node are summed there first, the
-  node sums travel over plain TCP to each chunk's owner, which sums a chunk as soon as every node's
-  part has arrived and streams it back while the next chunks are still on the wire
-  (:mod:`~hpsray.cluster.aggregation_stream`). Every rank gets bit-identical results in one
-  documented order: within a node in rank order, then across nodes in node order (nodes
-  numbered by their lowest rank) — the rank-ordered sum when every rank has its own node.
-  With an optimizer (``optimizer=``, :meth:`ChunkedAggregator.update` / ``step_models``) the
-  owner also steps the optimizer on its chunks (in runs of ``optimizer_bytes``) as they are
-  reduced and streams back weights (PHub's aggregation + optimization on the PS): each chunk is
-  optimized once instead of on every replica.
+- :class:`ChunkedAggregator` — PHub's streamed chunks over plain TCP, bit-identical on every rank
+  in one documented order (within a node in rank order, then across nodes in node order); with
+  an optimizer the chunks' owners also step it and stream back weights.
+- :class:`AllReduceDense` — ``ray.util.collective.allreduce`` on an existing group: the
+  backend's order, so ranks agree only within float rounding of the rank-ordered sum.
 
-:func:`start_aggregators` starts the one actor the scheme needs: a directory where the ranks
-find each other's address once (:mod:`~hpsray.cluster.aggregation_mesh`); no gradient passes
-through Ray.
+:func:`start_aggregators` starts the one actor the scheme needs, a directory where the ranks
+find each other's address once; no gradient passes through Ray.
 """
 
 from __future__ import annotations

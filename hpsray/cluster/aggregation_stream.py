@@ -1,20 +1,12 @@
-"""The streaming engine of chunked aggregation: one event loop per worker (stripe) and rank.
+"""The streaming engine of chunked aggregation: one event loop per worker (stripe) and rank
+(docs/architecture.md: Chunked aggregation, the steps of a leader and of its node's other ranks).
 
-A rank's worker ``w`` drives every connection of stripe ``w`` (:mod:`aggregation_mesh`) with
-non-blocking sockets: it sends what is ready, reads what has arrived straight into place
-(``recv_into`` the destination array, no copies), and after every read reduces the chunks now
-complete, so chunk ``k + 1`` is on the wire while chunk ``k`` is summed. As a node leader it
-
-1. sums its node's values chunk by chunk as the node's other ranks' values arrive (rank order),
-2. streams those node sums of the chunks other nodes own to their owners,
-3. sums each chunk it owns as the node sums arrive (node order), optionally steps the optimizer
-   on it (:class:`OwnerOptimizer`), and streams the result to every other leader,
-4. forwards results, in order, to its node's other ranks.
-
-A non-leader only sends its values to its leader and reads the results back. Worker 0 runs in
-the caller's thread; workers ``1..W-1`` in threads of their own (numpy and socket calls release
-the GIL), each on disjoint chunks and connections. A step ends when every result is in and every
-byte owed to a peer is sent, so no buffer of the step is referenced afterwards.
+Worker ``w`` drives every connection of stripe ``w`` (:mod:`aggregation_mesh`) with non-blocking
+sockets, reads straight into the destination arrays (``recv_into``, no copies) and reduces each
+chunk once complete, so chunk ``k + 1`` is on the wire while chunk ``k`` is summed. Worker 0 runs
+in the caller's thread, the others in threads of their own (numpy and socket calls release the
+GIL). A step ends when every result is in and every byte owed to a peer is sent, so no buffer of
+the step is referenced afterwards.
 """
 
 from __future__ import annotations
@@ -148,7 +140,7 @@ class _Conn:
 
 
 class Stripe:
-    """Worker ``worker``'s part of every step on one rank (see the module docstring)."""
+    """Worker ``worker``'s part of every step on one rank (docs/architecture.md: Chunked aggregation)."""
 
     def __init__(self, mesh: Mesh, worker: int, timeout_s: float) -> None:
         topo, rank = mesh.topology, mesh.rank

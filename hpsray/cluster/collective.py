@@ -1,21 +1,12 @@
-"""The trainers' collective group: per-mini-batch exchange of sparse and dense updates.
+"""The trainers' collective group: the per-mini-batch exchange of sparse and dense updates
+(docs/architecture.md: One batch across nodes, step 4; invariant 1).
 
-Paper §4.2 / App. C.3: after every mini-batch all trainers combine their sparse updates (keys
-and gradients, a different number per node) and dense gradients, so every copy of a row and of
-the dense model applies the same update. Over ``ray.util.collective`` (``gloo`` on CPU, through
-torch.distributed; ``nccl`` on GPU). Its allgather needs equal sizes, so a variable-length
-exchange first all-gathers the lengths, pads every payload to the longest, and trims after.
-
-Sparse updates travel as one float32 payload per node: the keys' 64 bits as two float32 words
-each, then the gradient rows. Every node concatenates the gathered parts in rank order, so all
-nodes hold the same arrays in the same order and sum duplicates identically (bit-equal copies).
-
-Every operation is bounded by ``timeout_s`` (``[cluster] fault_timeout_s``): Ray's gloo group
-is made with torch's default of 30 minutes, so the group's timeout is set on its process group
-(and on the rendezvous); an operation that times out raises
-:class:`~hpsray.errors.FaultTimeout` naming the group, the rank and what Ray says is missing;
-a :class:`~hpsray.cluster.faults.Watchdog` ends the process should an operation outlive twice
-the timeout all the same (the actor then dies, which recovery handles).
+Over ``ray.util.collective`` (``gloo`` on CPU, ``nccl`` on GPU). Every rank gets the gathered
+parts in rank order, so every copy applies the same arrays in the same order (bit-equal copies).
+Every operation is bounded by ``timeout_s`` (``[cluster] fault_timeout_s``; docs/operations.md:
+Network faults): one that times out raises :class:`~hpsray.errors.FaultTimeout` naming the group,
+the rank and what Ray says is missing, and a :class:`~hpsray.cluster.faults.Watchdog` ends the
+process should one outlive twice the timeout.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
-"""The device mesh: every device process of every node, with ``D`` processes per node.
+"""The device mesh: every device process of every node, ``D`` per node (docs/architecture.md:
+Devices).
 
-Paper §4.2 / App. C.3 with one trainer process per device (docs/architecture.md: Devices). Over
-``torch.distributed`` (``gloo`` on CPU, ``nccl`` on GPU, on device tensors) with three kinds of
-group, all formed at once by every process:
-
-* **world** (``N × D`` ranks, rank ``node * D + device``): the dense gradient's sum (over the
-  node groups, then the peers groups: the reference's order) and the batch's "inputs ok" flag;
-* **node** (the ``D`` processes of one node): the paper's inter-GPU step as all-to-all — each
-  device asks the others for the rows of its slice of the mini-batch (:meth:`DeviceMesh.lookup`)
-  and sends them back their gradients (:meth:`DeviceMesh.route`);
-* **peers** (the processes of one device index on every node; only with ``N > 1``): the node
-  updates of that device's keys all-gathered, so every node's copy of a row makes the same
-  update (:meth:`DeviceMesh.allgather_sparse`).
-
-A key lives on device ``(h(key) // N) % D`` of every node that holds it
-(:func:`hpsray.tiers.partition.device_of`), so device ``d`` of each node holds the same keys'
-copies and its peers group carries exactly their updates. Received parts are concatenated in
-rank order, so every copy applies the same arrays in the same order (bit-equal copies).
-
-The rendezvous and every operation are bounded by ``timeout_s`` (the fault timeout, issue 34):
-a process that died at its start ends the others' join in
-:class:`~hpsray.errors.FaultTimeout`, not in torch's ten minutes.
-
-Ray's ``ray.util.collective`` makes one default process group per process and cannot form the
-node and peer subgroups, so the mesh uses ``torch.distributed`` itself; a process is in at most
-one mesh (the trainer uses either this or :class:`~hpsray.cluster.collective.CollectiveGroup`).
+Three kinds of ``torch.distributed`` group (``gloo`` on CPU, ``nccl`` on GPU), formed at once by
+every process: **world** (rank ``node * D + device``: the dense sum, the "inputs ok" flag),
+**node** (its ``D`` processes: :meth:`DeviceMesh.lookup` and :meth:`DeviceMesh.route`, all-to-all)
+and **peers** (one device index on every node, ``N > 1``: :meth:`DeviceMesh.allgather_sparse`).
+Received parts are concatenated in rank order (bit-equal copies). The rendezvous and every
+operation end within ``timeout_s`` in :class:`~hpsray.errors.FaultTimeout`. A process is in at
+most one mesh, and uses either it or :class:`~hpsray.cluster.collective.CollectiveGroup`.
 """
 
 from __future__ import annotations

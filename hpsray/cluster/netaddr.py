@@ -1,19 +1,11 @@
-"""Which network address this node's connections use: the one Ray assigned to the node.
+"""Which network address this node's connections use: the one Ray assigned to the node, never
+the hostname's (docs/operations.md: Networking; issue 20).
 
-gloo (through torch.distributed) binds to the address the *hostname* resolves to unless
-``GLOO_SOCKET_IFNAME`` names an interface; on Debian/Ubuntu hosts and in many containers the
-hostname resolves to a loopback address, so every peer is told to connect to ``127.0.0.1``
-and a group spanning hosts never forms (issue 20). NCCL's bootstrap picks an interface by
-its own rules unless ``NCCL_SOCKET_IFNAME`` is set. :func:`bind_collectives` sets the
-variable of a backend, in this process, to the interface that holds the node's address
-before the group is created; torch reads ``GLOO_SOCKET_IFNAME`` each time it makes a gloo
-process group, NCCL reads ``NCCL_SOCKET_IFNAME`` when it creates a communicator.
-
-Overrides, strongest first: the backend's variable when already set in the process (the
-user's, e.g. exported before ``ray start`` or given in a job's ``runtime_env``) is kept;
-``HPSRAY_NETWORK`` (a CIDR block such as ``10.0.0.0/16``, the same on every host) picks the
-interface whose address lies in it; otherwise the interface of the address Ray assigned
-to the node (``ray start --node-ip-address``).
+:func:`bind_collectives` sets the backend's ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` in
+this process, before the group is made (torch reads the first whenever it makes a gloo group,
+NCCL the second when it makes a communicator), to the interface chosen, strongest first: the
+variable when already set, the interface in ``HPSRAY_NETWORK`` (a CIDR block), the interface
+holding the node's Ray address.
 """
 
 from __future__ import annotations

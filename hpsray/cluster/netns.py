@@ -1,32 +1,13 @@
-"""Hosts of our own: N Linux network namespaces on this machine, one Ray node each.
+"""Hosts of our own: N Linux network namespaces on this machine, one Ray node each
+(docs/operations.md: Networking, "Checking it on one machine"; docs/benchmarks.md: Hosts with
+cores of their own).
 
-Each host is a network namespace with its own loopback and one interface ``eth0`` holding
-``10.77.0.<i+1>/24``; the interfaces are veth pairs whose other ends sit on a bridge in a
-further namespace (the switch), so the root namespace's network is never touched. A host
-cannot reach another host's loopback, and its hostname resolves as the machine's does
-(usually to a loopback address), as on real Debian/Ubuntu hosts: the conditions of issue 20.
-Host 0 runs the Ray head (``ray start --head --node-ip-address 10.77.0.1 --block``), every
-other host a Ray node joined to it; a driver runs inside a host through :meth:`NetnsHosts.run`.
-
-What the hosts still share is this machine's processes and files: Ray finds a driver's local
-raylet through the process table, where every host's raylet shows, and prefers the head's;
-drivers therefore run on host 0, the head, where that choice is right (a driver elsewhere
-would need ``ray.init(_node_ip_address=...)``). Workers are started by their own host's
-raylet and are placed right.
-
-**Cores of their own.** With ``pin=True`` every host gets ``cpus_per_host`` cores of its own
-(:func:`host_cpus`: host ``i`` the ``i``-th group of this process's allowed cores, wrapping round
-when the hosts ask for more cores than there are, which the object's ``shared_cores`` then says):
-a cgroup v1 cpuset (``/sys/fs/cgroup/cpuset/<tag>-h<i>``) that every command started in the host
-joins before it runs, so its children (Ray's raylet, GCS, workers, a driver) stay on the host's
-cores and no host can take another's; where the cpuset controller cannot be written, ``taskset``
-pins them instead (``pinning`` says which). :meth:`NetnsHosts.busy` starts a busy loop on a
-host's cores (a straggler: the host's processes get half its core).
-
-Teardown signals the processes inside the namespaces (``ip netns pids``: only processes this
-object started live there) and deletes the namespaces; it never runs ``ray stop``. Needs root
-and iproute2 (:func:`unavailable` says why not). :meth:`NetnsHosts.shape` limits the links'
-rate (``tc`` ``tbf``) and, where the kernel has ``sch_netem``, adds delay.
+Host ``i`` has its own loopback and ``eth0`` at ``10.77.0.<i+1>/24`` on a bridge in a namespace
+of its own (the root namespace's network is never touched); host 0 runs the Ray head, and
+drivers run there (:meth:`NetnsHosts.run`). ``pin=True`` gives each host ``cpus_per_host`` cores
+of its own (:func:`host_cpus`; a cpuset, else ``taskset``: ``pinning`` says which);
+:meth:`NetnsHosts.shape` limits the links. Teardown signals only the processes inside the
+namespaces, never ``ray stop``. Needs root and iproute2 (:func:`unavailable` says why not).
 """
 
 from __future__ import annotations
@@ -112,8 +93,10 @@ class NetnsHosts:
 
     ``dashboard`` starts the head's dashboard on ``0.0.0.0:8265`` (for ``ray job submit``);
     Ray runs with token authentication (``RAY_AUTH_MODE=token``) on every host. ``pin``: each
-    host on ``cpus_per_host`` cores of its own (module docstring); ``start_ray=False`` makes the
-    hosts (network, cores) without a Ray cluster.
+    host on ``cpus_per_host`` cores of its own (:func:`host_cpus`, wrapping round when the
+    hosts ask for more cores than there are: ``shared_cores``), joined by every command started
+    in the host before it runs; ``start_ray=False`` makes the hosts (network, cores) without a
+    Ray cluster.
     """
 
     def __init__(
