@@ -5,7 +5,9 @@ spilling to SSD-PS) at ``--rows`` and at half and twice that size: ``hpsray plan
 examples/s, MEM-PS resident rows, distinct rows and SSD-PS bytes, then one real pipeline run
 (an embedded Ray) and what it measured — the run report's examples/s and ``cache.size``, the rows
 exported, and the bytes in the SSD-PS directory after the flush — and each ratio predicted / measured;
-beside them each stage's seconds per batch and the bottleneck, predicted and measured.
+beside them each stage's seconds per batch and the bottleneck, predicted and measured. The plans use
+this machine's cached stage costs (``hpsray.cli.plan_probe``; ``--recalibrate`` times them again
+first, as an idle rerun should).
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ import dataclasses
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpsray.plan.pipeline_cost import StageCosts
 
 HELP = "capacity planner: predicted vs measured examples/s, MEM-PS rows, distinct rows and SSD bytes (3 job sizes)"
 
@@ -27,13 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="training examples of the demo job (also run at half and twice; default 100000)",
     )
     parser.add_argument("--sample-rows", type=int, default=None, help="the plan's sample (default: hpsray plan's)")
+    parser.add_argument(
+        "--recalibrate", action="store_true", help="time the stage actors on this machine again before planning"
+    )
 
 
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def _one(rows: int, sample_rows: int | None) -> dict:
+def _one(rows: int, sample_rows: int | None, costs: StageCosts | None) -> dict:
     from hpsray.cli.demo import demo_job
     from hpsray.job import JobConfig, build
     from hpsray.plan import DEFAULT_SAMPLE_ROWS, make_plan
@@ -45,7 +54,7 @@ def _one(rows: int, sample_rows: int | None) -> dict:
         ssd_dir = os.path.join(work, "ssd")
         job = dataclasses.replace(job, tiers=dataclasses.replace(job.tiers, ssd_path=ssd_dir))
         t0 = time.perf_counter()
-        plan = make_plan(job, sample_rows or DEFAULT_SAMPLE_ROWS)
+        plan = make_plan(job, sample_rows or DEFAULT_SAMPLE_ROWS, costs=costs)
         plan_s = time.perf_counter() - t0
         with build.pipeline(job) as pipe:
             report = pipe.fit(progress=False)
@@ -96,5 +105,8 @@ def _one(rows: int, sample_rows: int | None) -> dict:
 def run(args: argparse.Namespace) -> dict:
     if args.rows < 40:
         raise ValueError(f"--rows must be >= 40, got {args.rows}")
+    from hpsray.cli.plan_probe import stage_costs
+
+    costs = stage_costs(recalibrate=args.recalibrate)
     sizes = {"half": args.rows // 2, "demo": args.rows, "double": 2 * args.rows}
-    return {"jobs": {name: _one(rows, args.sample_rows) for name, rows in sizes.items()}}
+    return {"jobs": {name: _one(rows, args.sample_rows, costs) for name, rows in sizes.items()}}

@@ -3,8 +3,10 @@
 Reads a sample of the job's data with the job's own readers, estimates distinct keys per batch
 and in all, and prints per node the MEM-PS rows and bytes needed, the trainer's memory, SSD-PS
 bytes with compaction headroom, object-store bytes in flight and a predicted examples/s from a
-short calibration of each stage on this machine. No Ray is started. Exit status 1 when the job
-cannot fit (each problem names the setting and the number), 2 for a bad job file.
+short calibration of each stage on this machine, plus what the stage actors add on this machine
+(:mod:`hpsray.cli.plan_probe`: measured once with a local Ray, then cached; the only Ray the
+command starts, and only with calibration). Exit status 1 when the job cannot fit (each problem
+names the setting and the number), 2 for a bad job file.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"examples to sample (at least three global batches; default {DEFAULT_SAMPLE_ROWS:,})",
     )
     parser.add_argument("--no-calibrate", action="store_true", help="skip timing the stages (no predicted rate)")
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="time the stage actors on this machine again (else their cached costs; the first plan times them)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -47,7 +54,12 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     try:
         job = JobConfig.load(args.config)
-        plan = make_plan(job, args.sample_rows, calibrate_stages=not args.no_calibrate)
+        costs = None
+        if not args.no_calibrate:
+            from hpsray.cli.plan_probe import stage_costs
+
+            costs = stage_costs(recalibrate=args.recalibrate)
+        plan = make_plan(job, args.sample_rows, calibrate_stages=not args.no_calibrate, costs=costs)
     except (ConfigError, DataError) as e:
         print(f"hpsray plan: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -36,6 +36,7 @@ import numpy as np
 from hpsray.data.batch import Batch
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.init import initial_rows
+from hpsray.plan.pipeline_cost import StageCosts, apply_costs
 from hpsray.plan.sample import Sample
 from hpsray.plan.sizing import mem_capacity_rows
 from hpsray.tiers.lending import Loan
@@ -260,10 +261,14 @@ def predict_rate(
     distinct: float,
     ssd_rows: float,
     batch_bytes: float = 0.0,
+    costs: StageCosts | None = None,
+    batches: int = 0,
 ) -> tuple[float, dict]:
     """Predicted examples/s of one node, and the seconds per batch of each stage: ``examples``
     per batch (``batch_bytes`` in the object store) with ``distinct`` rows, of which ``ssd_rows``
-    are loaded from (and as many dumped to) SSD-PS."""
+    are loaded from (and as many dumped to) SSD-PS. With ``costs``, each stage's seconds in the
+    pipeline and the batch's by :func:`~hpsray.plan.pipeline_cost.apply_costs` (a pass of
+    ``batches``; 0: endless)."""
     row_bytes = 4.0 * distinct * cal.row_width
     copy = cal.copy_s_per_byte
     stages = {
@@ -272,7 +277,10 @@ def predict_rate(
         "load": ssd_rows * (cal.ssd_load_s_per_row + cal.ssd_dump_s_per_row) + row_bytes * copy,
         "train": examples * cal.train_s_per_example + row_bytes * copy,
     }
-    per_batch = max(max(stages.values()), _cpu(cal, stages) / max(cal.cores, 1))
+    if costs is not None:
+        per_batch, stages, _ = apply_costs(costs, stages, cal.cores, batches)
+    else:
+        per_batch = max(max(stages.values()), _cpu(cal, stages) / max(cal.cores, 1))
     return (examples / per_batch if per_batch > 0 else 0.0), stages
 
 
@@ -281,8 +289,10 @@ def _cpu(cal: Calibration, stages: dict) -> float:
     return sum(s * cal.cpu_per_wall.get(name, 1.0) for name, s in stages.items())
 
 
-def bottleneck(cal: Calibration, stages: dict) -> str:
+def bottleneck(cal: Calibration, stages: dict, costs: StageCosts | None = None) -> str:
     """The stage that sets the predicted rate, or ``"cores"`` when the stages' CPU seconds
-    together, spread over the cores, exceed the slowest stage."""
+    together, spread over the cores, exceed the slowest stage (with ``costs``: ``stages`` are
+    :func:`predict_rate`'s seconds in the pipeline, summed as they are)."""
     slowest = max(stages, key=lambda k: stages[k])
-    return "cores" if _cpu(cal, stages) / max(cal.cores, 1) > stages[slowest] else slowest
+    busy = sum(stages.values()) if costs is not None else _cpu(cal, stages)
+    return "cores" if busy / max(cal.cores, 1) > stages[slowest] else slowest

@@ -18,6 +18,7 @@ from hpsray.errors import CapacityError
 from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, predict_rate
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
+from hpsray.plan.pipeline_cost import StageCosts
 from hpsray.plan.sample import InputSize, read_sample
 from hpsray.tiers.mem import rows_for_bytes
 
@@ -90,9 +91,16 @@ def _free_bytes(path: str | None) -> tuple[str, int]:
     return probe, shutil.disk_usage(probe).free
 
 
-def make_plan(job: JobConfig, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_stages: bool = True) -> Plan:
+def make_plan(
+    job: JobConfig,
+    sample_rows: int = DEFAULT_SAMPLE_ROWS,
+    calibrate_stages: bool = True,
+    costs: StageCosts | None = None,
+) -> Plan:
     """Plan ``job`` (a :class:`~hpsray.job.JobConfig`) from its first ``sample_rows`` examples
-    (at least three global batches). ``calibrate_stages=False`` skips timing (no rate predicted)."""
+    (at least three global batches). ``calibrate_stages=False`` skips timing (no rate predicted);
+    ``costs``: what the stage actors add on this machine (:mod:`~hpsray.plan.pipeline_cost`;
+    without them the rate is the engines' alone, an upper bound)."""
     nodes = job.cluster.nodes or 1
     notes = [] if job.cluster.nodes else ["cluster.nodes = 0 (every node of the cluster): planned for 1 node"]
     bs, p, cfg = job.pipeline.batch_size, job.pipeline, job.train_config()
@@ -133,8 +141,12 @@ def make_plan(job: JobConfig, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_
         cal = calibrate(job, sample)
         if cal.memps_hit_rate is not None:  # MEM-PS itself at the job's budget, over the sample
             ssd_rows_per_batch = lent * (1.0 - cal.memps_hit_rate)
-        rate, stages = predict_rate(cal, examples_per_node_batch, lent, ssd_rows_per_batch, batch_obj)
-        slowest = bottleneck(cal, stages)
+        batches = -(-keys.total_examples // (bs * nodes))  # of a pass, per node
+        rate, stages = predict_rate(
+            cal, examples_per_node_batch, lent, ssd_rows_per_batch, batch_obj, costs, max(batches, 1)
+        )
+        slowest = bottleneck(cal, stages, costs)
+        notes.append(_costs_note(costs))
         rate *= nodes
         dense_state = {"adam": 2, "adagrad": 1}.get(cfg.dense_optimizer, 0)
         dense_bytes = cal.dense_params * 4 * (2 + dense_state)  # weights, gradient, optimizer state
@@ -188,6 +200,18 @@ def make_plan(job: JobConfig, sample_rows: int = DEFAULT_SAMPLE_ROWS, calibrate_
     )
     plan.problems = _problems(job, plan, history)
     return plan
+
+
+def _costs_note(costs: StageCosts | None) -> str:
+    if costs is None:
+        return "rate: the stages' engines alone (no stage costs of this machine): an upper bound"
+    ms = "/".join(f"{costs.fixed_s.get(s, 0.0) * 1000:.0f}" for s in ("read", "pull", "load", "train"))
+    k = "/".join(f"{costs.stretch.get(s, 1.0):.1f}" for s in ("read", "pull", "load", "train"))
+    return (
+        f"rate: stage costs of this machine (reference runs {costs.measured_at}, load {costs.load:.1f}): "
+        f"fixed {ms} ms per batch (read/pull/load/train), stretch x{k}, driver and Ray "
+        f"{costs.other_s * 1000:.0f} ms"
+    )
 
 
 def _problems(job: JobConfig, plan: Plan, history: float) -> list[Problem]:

@@ -1,0 +1,95 @@
+"""The plan's stage costs of this machine (:mod:`hpsray.plan.pipeline_cost`): from the cache, or
+measured once with the real stage actors.
+
+The measurement runs two reference jobs (the demo's click log, batches of 500 and 2,000 examples,
+20 batches each) through a real pipeline in one local Ray, beside the Ray-free calibration of
+the same jobs, and fits what the actors add (:func:`~hpsray.plan.pipeline_cost.fit_costs`).
+It takes about 15 s on an idle 2-core machine (Ray's start, two sets of actors), once; every
+later plan reads the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+from hpsray.plan.pipeline_cost import RunPoint, StageCosts, fit_costs, load_costs, machine_key, save_costs
+
+__all__ = ["REFERENCE_BATCHES", "stage_costs"]
+
+REFERENCE_BATCHES = (500, 2000)  # examples per batch of the two reference jobs
+
+
+def _point(work_dir: str, batch: int) -> RunPoint:
+    from hpsray.cli.demo import BATCHES, demo_job
+    from hpsray.job import JobConfig, build
+    from hpsray.plan import make_plan
+
+    d = os.path.join(work_dir, str(batch))
+    os.makedirs(d)
+    demo_job(d, batch * BATCHES)  # the demo's job: its 20 batches of ``batch`` examples
+    job = JobConfig.load(os.path.join(d, "job.toml"))
+    job = dataclasses.replace(job, tiers=dataclasses.replace(job.tiers, ssd_path=os.path.join(d, "ssd")))
+    plan = make_plan(job, 6 * batch)
+    assert plan.stage_s_per_batch is not None and plan.calibration is not None
+    with build.pipeline(job) as pipe:
+        report = pipe.fit(progress=False)
+    n = max(report["batches"], 1)
+    return RunPoint(
+        work=dict(plan.stage_s_per_batch),
+        busy={s: v / n for s, v in report["stage_busy_s"].items()},
+        per_batch=report["wall_s"] / n,
+        cores=plan.calibration.cores,
+        batches=n,
+    )
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def measure() -> StageCosts:
+    """Run the reference jobs now and return the fitted costs (not cached)."""
+    import ray
+
+    from hpsray.cluster.runtime import connect
+
+    t0 = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    started = connect(include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hpsray-plan-probe-") as work:
+            points = [_point(work, b) for b in REFERENCE_BATCHES]
+    finally:
+        if started:
+            ray.shutdown()
+    costs = fit_costs(points, machine_key(_cores()))
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dataclasses.replace(costs, measured_at=when, load=load, seconds=time.perf_counter() - t0)
+
+
+def stage_costs(recalibrate: bool = False, quiet: bool = False) -> StageCosts | None:
+    """This machine's stage costs: cached, else measured (and cached); ``None`` when Ray cannot
+    run the reference jobs (the plan then says its rate is the engines' alone)."""
+    if not recalibrate:
+        cached = load_costs(machine_key(_cores()))
+        if cached is not None:
+            return cached
+    if not quiet:
+        print("hpsray plan: timing the stage actors once on this machine (two short runs)...", file=sys.stderr)
+    try:
+        costs = measure()
+    except Exception as e:  # noqa: BLE001 - the plan still sizes the job; its note says why
+        print(f"hpsray plan: cannot time the stage actors ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    path = save_costs(costs)
+    if not quiet:
+        print(f"hpsray plan: stage costs cached in {path} ({costs.seconds:.1f} s)", file=sys.stderr)
+    return costs
