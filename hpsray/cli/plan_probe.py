@@ -1,7 +1,7 @@
 """The plan's stage costs of this machine (:mod:`hpsray.plan.pipeline_cost`): from the cache, or
 measured once with the real stage actors.
 
-The measurement runs two reference jobs (the demo's click log, batches of 500 and 2,000 examples,
+The measurement runs two reference jobs (the demo's click log, batches of 1,000 and 4,000 examples,
 20 batches each) through a real pipeline in one local Ray, beside the Ray-free calibration of
 the same jobs, and fits what the actors add (:func:`~hpsray.plan.pipeline_cost.fit_costs`).
 It takes about 15 s on an idle 2-core machine (Ray's start, two sets of actors), once; every
@@ -21,7 +21,7 @@ from hpsray.plan.pipeline_cost import RunPoint, StageCosts, fit_costs, load_cost
 
 __all__ = ["REFERENCE_BATCHES", "stage_costs"]
 
-REFERENCE_BATCHES = (500, 2000)  # examples per batch of the two reference jobs
+REFERENCE_BATCHES = (1000, 4000)  # examples per batch of the two reference jobs
 
 
 def _point(work_dir: str, batch: int) -> RunPoint:

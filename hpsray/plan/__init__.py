@@ -5,6 +5,7 @@
 * :mod:`~hpsray.plan.estimate` — distinct keys per batch, pinned at once, and in all (extrapolated);
 * :mod:`~hpsray.plan.sizing` — rows and bytes per tier, by the tiers' own formulas;
 * :mod:`~hpsray.plan.calibrate` — each stage's engine timed on the sample, the predicted examples/s;
+* :mod:`~hpsray.plan.pipeline_cost` — what the stage actors add on this machine (fitted, cached);
 * :mod:`~hpsray.plan.plan` — :class:`Plan`, :func:`make_plan`, :func:`check_plan` (the fix to set);
 * :mod:`~hpsray.plan.render` — the plan as text.
 """
