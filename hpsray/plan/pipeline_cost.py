@@ -5,8 +5,9 @@ its ``work`` seconds per batch. In the pipeline a stage takes ``a + k × work`` 
 
 * ``a``: a fixed cost per batch (the actor call, the object store's puts and gets, the stage's
   bookkeeping, the wake-ups of a process that shares its cores with three others);
-* ``k`` (at least 1): the stretch of the engine's own time when the four stage processes (and
-  the trainer's torch threads) share the node's cores instead of having them to themselves.
+* ``k`` (at least 1, one for all stages): the stretch of the engine's own time when the four
+  stage processes (and the trainer's torch threads) share the node's cores instead of having
+  them to themselves.
 
 The node then trains one batch per ``max(slowest stage, sum of the stages / cores) + o``
 seconds, ``o`` the driver's and Ray's own share of the cores (the cores term: stages on ``N``
@@ -19,6 +20,7 @@ predicts with them, and :func:`load_costs` / :func:`save_costs` keep them in a p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -91,24 +93,25 @@ def apply_costs(costs: StageCosts, work: dict, cores: int, batches: int = 0) -> 
 
 
 def fit_costs(points: list[RunPoint], key: str) -> StageCosts:
-    """``a``, ``k`` per stage and ``o`` from reference runs (two or more batch sizes): per stage
-    the line ``busy = a + k × work`` through the runs (``k`` at least 1, ``a`` at least 0; one
-    run: ``k = 1``), then ``o`` the mean of what :func:`apply_costs` leaves of each run's
-    seconds per batch (at least 0)."""
+    """``a`` per stage, ``k`` and ``o`` from reference runs (two or more batch sizes). The stages
+    share the same cores, so they share one ``k``: the slope of all stages' busy seconds over all
+    their engine seconds through the runs (at least 1; one run: 1); then per stage
+    ``a = mean(busy - k × work)`` (at least 0), and ``o`` the mean of what :func:`apply_costs`
+    leaves of each run's seconds per batch (at least 0)."""
     if not points:
         raise ValueError("fit_costs: no reference runs")
-    fixed, stretch = {}, {}
-    for s in STAGE_NAMES:
-        xs = [p.work.get(s, 0.0) for p in points]
-        ys = [p.busy.get(s, 0.0) for p in points]
-        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        k = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if n > 1 and var > 0 else 1.0
-        k = max(k, 1.0)
-        fixed[s], stretch[s] = max(my - k * mx, 0.0), k
-    costs = StageCosts(fixed, stretch, 0.0, key)
+    xs = [sum(p.work.get(s, 0.0) for s in STAGE_NAMES) for p in points]
+    ys = [sum(p.busy.get(s, 0.0) for s in STAGE_NAMES) for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    k = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 1.0
+    k = max(k, 1.0)
+    fixed = {
+        s: max(sum(p.busy.get(s, 0.0) - k * p.work.get(s, 0.0) for p in points) / len(points), 0.0) for s in STAGE_NAMES
+    }
+    costs = StageCosts(fixed, dict.fromkeys(STAGE_NAMES, k), 0.0, key)
     left = [p.per_batch - apply_costs(costs, p.work, p.cores, p.batches)[0] for p in points]
-    return StageCosts(fixed, stretch, max(sum(left) / len(left), 0.0), key)
+    return dataclasses.replace(costs, other_s=max(sum(left) / len(left), 0.0))
 
 
 def machine_key(cores: int) -> str:
