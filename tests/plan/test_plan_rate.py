@@ -159,3 +159,25 @@ def test_a_plan_with_costs_says_where_its_rate_comes_from(tmp_path):
     assert plan.stage_s_per_batch and min(plan.stage_s_per_batch.values()) >= 0.5
     assert plan.predicted_examples_per_s and plan.predicted_examples_per_s < 2000 / 0.5
     assert any("fixed 500/500/500/500 ms" in n for n in plan.notes)
+
+
+def test_the_plan_command_times_the_stage_actors_once(tmp_path, monkeypatch):
+    from hpsray.cli import plan_probe
+
+    monkeypatch.setenv("HPSRAY_CACHE_DIR", str(tmp_path))
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return dataclasses.replace(BARE, key=machine_key(plan_probe._cores()), other_s=0.001 * len(runs))
+
+    monkeypatch.setattr(plan_probe, "measure", measure)
+    first = plan_probe.stage_costs(quiet=True)
+    assert plan_probe.stage_costs(quiet=True) == first and len(runs) == 1  # the cache, not a second run
+    assert plan_probe.stage_costs(recalibrate=True, quiet=True).other_s == 0.002 and len(runs) == 2
+
+    def broken():
+        raise RuntimeError("no Ray here")
+
+    monkeypatch.setattr(plan_probe, "measure", broken)
+    assert plan_probe.stage_costs(recalibrate=True, quiet=True) is None  # the plan goes on without them
