@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 
+from hpsray.plan.calibrate import node_cores
 from hpsray.plan.pipeline_cost import RunPoint, StageCosts, fit_costs, load_costs, machine_key, save_costs
 
 __all__ = ["REFERENCE_BATCHES", "stage_costs"]
@@ -48,13 +49,6 @@ def _point(work_dir: str, batch: int) -> RunPoint:
     )
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def measure() -> StageCosts:
     """Run the reference jobs now and return the fitted costs (not cached)."""
     import ray
@@ -70,7 +64,7 @@ def measure() -> StageCosts:
     finally:
         if started:
             ray.shutdown()
-    costs = fit_costs(points, machine_key(_cores()))
+    costs = fit_costs(points, machine_key(node_cores()))
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return dataclasses.replace(costs, measured_at=when, load=load, seconds=time.perf_counter() - t0)
 
@@ -79,7 +73,7 @@ def stage_costs(recalibrate: bool = False, quiet: bool = False) -> StageCosts | 
     """This machine's stage costs: cached, else measured (and cached); ``None`` when Ray cannot
     run the reference jobs (the plan then says its rate is the engines' alone)."""
     if not recalibrate:
-        cached = load_costs(machine_key(_cores()))
+        cached = load_costs(machine_key(node_cores()))
         if cached is not None:
             return cached
     if not quiet:

@@ -46,7 +46,7 @@ from hpsray.tiers.ssd import SSDPS
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
 
-__all__ = ["STAGES", "Calibration", "bottleneck", "calibrate", "predict_rate"]
+__all__ = ["STAGES", "Calibration", "bottleneck", "calibrate", "node_cores", "predict_rate"]
 
 STAGES = ("read", "pull", "load", "train")
 REPEATS = 3
@@ -76,7 +76,8 @@ class Calibration:
     row_width: int = 0
 
 
-def _cores() -> int:
+def node_cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -238,7 +239,7 @@ def calibrate(job: JobConfig, sample: Sample) -> Calibration:
     """Time each stage's engine on ``sample`` (a few seconds)."""
     t0 = time.perf_counter()
     width = job.train_config().row_width
-    cores = _cores()
+    cores = node_cores()
     threads = job.pipeline.threads or max(1, cores // job.pipeline.n_devices)
     train, train_cpu, params = _time_train(job, sample, threads)
     pull, pull_cpu, hit_rate = _simulate_mem(job, sample, width)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from hpsray.errors import CapacityError
-from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, predict_rate
+from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, predict_rate
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
 from hpsray.plan.pipeline_cost import StageCosts
@@ -206,11 +206,11 @@ def _costs_note(costs: StageCosts | None) -> str:
     if costs is None:
         return "rate: the stages' engines alone (no stage costs of this machine): an upper bound"
     ms = "/".join(f"{costs.fixed_s.get(s, 0.0) * 1000:.0f}" for s in ("read", "pull", "load", "train"))
-    k = "/".join(f"{costs.stretch.get(s, 1.0):.1f}" for s in ("read", "pull", "load", "train"))
+    busy = " (a busy machine's: hpsray plan --recalibrate on an idle one)" if costs.load > node_cores() else ""
     return (
-        f"rate: stage costs of this machine (reference runs {costs.measured_at}, load {costs.load:.1f}): "
-        f"fixed {ms} ms per batch (read/pull/load/train), stretch x{k}, driver and Ray "
-        f"{costs.other_s * 1000:.0f} ms"
+        f"rate: stage costs of this machine (reference runs {costs.measured_at}, load {costs.load:.1f}{busy}): "
+        f"fixed {ms} ms per batch (read/pull/load/train), stretch x{max(costs.stretch.values(), default=1.0):.1f}, "
+        f"driver and Ray {costs.other_s * 1000:.0f} ms"
     )
 
 

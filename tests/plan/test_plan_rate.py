@@ -169,7 +169,7 @@ def test_the_plan_command_times_the_stage_actors_once(tmp_path, monkeypatch):
 
     def measure():
         runs.append(1)
-        return dataclasses.replace(BARE, key=machine_key(plan_probe._cores()), other_s=0.001 * len(runs))
+        return dataclasses.replace(BARE, key=machine_key(plan_probe.node_cores()), other_s=0.001 * len(runs))
 
     monkeypatch.setattr(plan_probe, "measure", measure)
     first = plan_probe.stage_costs(quiet=True)
