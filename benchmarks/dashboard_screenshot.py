@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpsray.cluster.runtime import connect
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
-    from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
 
     port = _free_port()
     connect(None, include_dashboard=True, dashboard_port=port, log_to_driver=False)
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig(dim=8, hidden=(64, 32), minibatch_size=1000)
         with Pipeline(
             SyntheticSource(data, rows=40_000),
-            TrainerStage(config),
-            MemPSStage(capacity_rows=30_000),
+            TrainerSettings(config),
+            MemPSSettings(capacity_rows=30_000),
             batch_size=4000,
             name="hpsray-demo",
         ) as pipe:

@@ -24,7 +24,7 @@ from hpsray.bench.baselines.plain_torch import IndexedBatch, PlainTorchTrainer
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.kernels.init import initial_rows
-from hpsray.tiers.lending import Loan
+from hpsray.tiers.loans import Loan
 from hpsray.training.engine import TrainerEngine
 
 

@@ -17,11 +17,11 @@ import numpy as np
 from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
 from hpsray.pipelines import (
-    MemPSStage,
+    MemPSSettings,
     Pipeline,
-    SSDPSStage,
+    SSDPSSettings,
     SyntheticSource,
-    TrainerStage,
+    TrainerSettings,
 )
 from hpsray.pipelines.export import export, load_export
 from hpsray.pipelines.report import format_stage_table
@@ -41,9 +41,9 @@ def main() -> None:
     config = TrainConfig(dim=8, hidden=(64, 32), sparse_optimizer="adagrad", sparse_lr=0.05, minibatch_size=1000)
     pipeline = Pipeline(
         train,
-        trainer=TrainerStage(config, n_devices=2),  # two trainer processes (one per GPU on CUDA)
-        mem=MemPSStage(capacity_rows=40_000),  # below the distinct keys: rows go to SSD-PS and back
-        ssd=SSDPSStage(options={"rows_per_file": 4096}),  # a temporary directory
+        trainer=TrainerSettings(config, n_devices=2),  # two trainer processes (one per GPU on CUDA)
+        mem=MemPSSettings(capacity_rows=40_000),  # below the distinct keys: rows go to SSD-PS and back
+        ssd=SSDPSSettings(options={"rows_per_file": 4096}),  # a temporary directory
         transforms=[clip_dense],
         batch_size=10_000,
         read_queue=2,  # the reader may run two batches ahead of the pull stage

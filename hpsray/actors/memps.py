@@ -121,7 +121,7 @@ class _RemoteStore:
         rows, found, deleted = self.in_flight(keys)
         rest = np.flatnonzero(~(found | deleted))
         if rest.size:
-            got, there = ray.get(self.actor.read.remote(keys[rest]))  # rows of found keys only
+            got, there = ray.get(self.actor.load.remote(keys[rest]))  # rows of found keys only
             found[rest[there]] = True
             rows[rest[there]] = got
         return rows, found
@@ -189,13 +189,13 @@ class MemPSShard:
     def pull(self, batch_id: Hashable, keys: np.ndarray, borrower: int | None = None) -> Pulled:
         """The loan of the distinct sorted ``keys`` this node owns to ``borrower``'s trainer
         (default: this node's) for ``batch_id``, pinned until it returns them: the rows held
-        here, and the keys the load stage (``SSDPSShard.load``) must add. Never waits on SSD-PS
+        here, and the keys the load stage (``SSDPSShard.load_missing``) must add. Never waits on SSD-PS
         (but for a stall when ``dumps_in_flight`` evictions are still being written). Rows the
         borrower holds from its previous batch are pinned but not shipped (``Pulled.held``)."""
         with self.clock.timed(batch_id):
             self.store.batch = batch_id
             self.store.reap()
-            pulled = self.lender.lend_deferred(batch_id, keys, borrower, skip_held=True)
+            pulled = self.lender.pull(batch_id, keys, borrower, skip_held=True)
             mem = self.lender.mem
             lease = (batch_id, self.node if borrower is None else borrower)
             st = mem.stats
@@ -207,19 +207,20 @@ class MemPSShard:
             return pulled
 
     def write_back(self, batch_id: Hashable, *returned: Returned) -> int:
-        """Take back the rows of ``batch_id`` from its borrowers; returns the rows stored."""
+        """Store the rows of ``batch_id`` its borrowers return and release their pins; returns
+        the rows stored (see :meth:`Lender.write_back <hpsray.tiers.lending.Lender.write_back>`)."""
         with self.clock.timed(batch_id):
             self.store.batch = batch_id
             self.store.reap()
-            return self.lender.take_back(batch_id, returned)
+            return self.lender.write_back(batch_id, returned)
 
     def store_kept(self, *flushed: list[Returned]) -> int:
         """Store the rows trainers kept across a batch end: ``flushed`` holds each trainer's
         :meth:`Trainer.flush <hpsray.actors.trainer.Trainer.flush>`, one :class:`Returned` per
         owner (empty: it kept none); this owner stores its part, leases untouched. Returns the
-        rows stored (see :meth:`Lender.store_rows <hpsray.tiers.lending.Lender.store_rows>`)."""
+        rows stored (see :meth:`Lender.store_kept <hpsray.tiers.lending.Lender.store_kept>`)."""
         self.store.reap()
-        return self.lender.store_rows([parts[self.node] for parts in flushed if parts])
+        return self.lender.store_kept([parts[self.node] for parts in flushed if parts])
 
     def must_return(self, batch_id: Hashable, borrowers: int) -> tuple | np.ndarray:
         """Per borrower, the keys of the batch before ``batch_id`` it must return even if it

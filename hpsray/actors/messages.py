@@ -7,7 +7,7 @@ Per batch ``t`` (docs/architecture.md: The pipeline)::
 
     Reader.read            -> ReadBatch      (the batch and its keys split by owner, as refs)
     MemPSShard.pull        -> Pulled         (a loan: the rows the owner holds, the keys it lacks)
-    SSDPSShard.load(Pulled) -> Loan          (the owner's rows of the borrower's keys it does not hold)
+    SSDPSShard.load_missing(Pulled) -> Loan  (the owner's rows of the borrower's keys it does not hold)
     MemPSShard.refresh     -> Refresh        (rows other borrowers changed since the loan)
     Trainer.train(TrainInputs) -> Returned per owner, then TrainOutcome
     MemPSShard.write_back(*Returned)
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpsray.tiers.lending import Loan, Pulled, Refresh, Returned
+from hpsray.tiers.loans import Loan, Pulled, Refresh, Returned
 
 __all__ = ["Loan", "Pulled", "ReadBatch", "Refresh", "Returned", "TrainInputs", "TrainOutcome"]
 
@@ -43,7 +43,7 @@ class TrainInputs:
     """What a trainer needs for one batch, as refs it resolves itself.
 
     ``keys[o]`` and ``loans[o]`` are the keys and rows owner ``o`` lent (``loans[o]``: the load
-    stage's output, ``SSDPSShard.load``, on ``o``'s node); ``refreshed[o]`` (empty
+    stage's output, ``SSDPSShard.load_missing``, on ``o``'s node); ``refreshed[o]`` (empty
     on one node and for a pass's first batch) its :class:`Refresh`. ``sizes`` holds every node's
     examples in this batch: all trainers step through the same number of global mini-batches.
     ``next_batch``: this node's :class:`ReadBatch` (or a ref to it) of the batch after, when the

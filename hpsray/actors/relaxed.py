@@ -29,7 +29,7 @@ class RelaxedSteps:
     Args:
         engine: the trainer's engine (working set, dense model, step counter).
         node: this trainer's rank; ``world``: how many there are.
-        sync: the pipeline's :class:`~hpsray.pipelines.SyncStage` (mode, bounds, test hooks).
+        sync: the pipeline's :class:`~hpsray.pipelines.SyncSettings` (mode, bounds, test hooks).
         exchange: how updates propagate (:mod:`hpsray.cluster.consistency`).
         exchanged_bytes: the trainer's per-mini-batch payload sizes, appended to here.
         straggle: the trainer's seeded straggler delay, called with each clock.

@@ -13,8 +13,9 @@ from hpsray.tiers.warmup import warm_ssd_ps
 
 
 class SSDPSShard:
-    """Owns one node's parameter-file directory: the load stage (:meth:`load`: the rows a pull
-    left missing), and MEM-PS's backing store (:meth:`dump`, :meth:`delete`, :meth:`read`).
+    """Owns one node's parameter-file directory: the load stage (:meth:`load_missing`: the rows
+    a pull left missing), and MEM-PS's backing store (:meth:`load`, :meth:`dump`,
+    :meth:`delete`: the engine's verbs of the same names).
 
     Two clocks: ``load`` times the load stage (its events are the stage's intervals), ``dump``
     the writes MEM-PS hands down (tagged with the batch whose pull or write-back made them).
@@ -59,12 +60,12 @@ class SSDPSShard:
     def __repr__(self) -> str:
         return f"SSDPS[node {self.node}]"
 
-    def load(self, batch_id, pulled: Pulled) -> Loan:
+    def load_missing(self, batch_id, pulled: Pulled) -> Loan:
         """The load stage: ``pulled``'s loan as the trainer takes it, its missing rows read from
         the parameter files (initial rows for keys never stored). Every write MEM-PS saw done
         before the pull has run here, and a row still in flight was not missing."""
         with self.clock.timed(batch_id):
-            rows, loaded = pulled.complete(self.store.load)
+            rows, loaded = pulled.load_missing(self.store.load)
         missing = int(pulled.missing.size)
         self.counts["loads"] += 1
         self.counts["loaded"] += loaded
@@ -73,7 +74,7 @@ class SSDPSShard:
             self._export()
         return Loan(rows, pulled.held)
 
-    def read(self, keys: np.ndarray, batch=None) -> tuple[np.ndarray, np.ndarray]:
+    def load(self, keys: np.ndarray, batch=None) -> tuple[np.ndarray, np.ndarray]:
         """``(rows of the keys found, found mask)`` (MEM-PS's own reads, for evaluation): only
         found rows cross to MEM-PS (a first pass finds none)."""
         with self.clock.timed(batch):

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from hpsray.cluster.aggregation import ChunkedAggregator
     from hpsray.cluster.collective import CollectiveGroup
     from hpsray.cluster.consistency import Exchange
-    from hpsray.pipelines.stages import SyncStage
+    from hpsray.pipelines.settings import SyncSettings
 
 
 class Trainer:
@@ -95,7 +95,7 @@ class Trainer:
         self.dense_reducer: ChunkedAggregator | None = None
         self._chunked = False  # the device mesh sums dense gradients per node, then in chunks (join_mesh)
         self._mailbox: Any = None  # an actor handle
-        self.sync: SyncStage | None = None
+        self.sync: SyncSettings | None = None
         self.board: Any = None  # an actor handle
         self.exchange: Exchange | None = None  # relaxed modes: how updates propagate (see join)
         self.relaxed: RelaxedSteps | None = None  # SSP, A-BSP, ASP (see join)
@@ -129,13 +129,13 @@ class Trainer:
         self,
         world: int,
         group: str,
-        sync: SyncStage,
+        sync: SyncSettings,
         aggregators: Sequence[Any] | None = None,
         board: Any = None,
         mesh_address: str | None = None,
     ) -> int:
         """Join the trainers' collective group (every trainer calls this at once); ``sync`` is
-        the pipeline's :class:`~hpsray.pipelines.SyncStage`. Under a relaxed mode this also
+        the pipeline's :class:`~hpsray.pipelines.SyncSettings`. Under a relaxed mode this also
         sets up how updates propagate (:mod:`hpsray.cluster.consistency`): push and pull start
         this trainer's mailbox and find the others'; relay uses ``board``. With ``D > 1``
         devices the node's device processes join the device mesh at ``mesh_address`` instead
@@ -356,7 +356,7 @@ class Trainer:
         return batch, key_parts, devices, DevicePart(rows_back, shares, scales, back)
 
     def _straggle(self, clock: int) -> None:
-        """``SyncStage(straggler_delay_s=...)``: the trainer of ``straggler_node`` sleeps before
+        """``SyncSettings(straggler_delay_s=...)``: the trainer of ``straggler_node`` sleeps before
         mini-batch ``clock`` for a seeded delay, ``delay * U(0, 2)`` with probability
         ``straggler_probability`` (the same delays in every mode, for experiments)."""
         sync = self.sync

@@ -87,14 +87,14 @@ def _phase_import(p: dict) -> dict:
 def _pipeline(job: Job, ssd_path: str, mem_rows: int, sources: tuple[SyntheticSource, SyntheticSource]) -> Pipeline:
     import ray
 
-    from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, TrainerSettings
 
     ray.init(address="local", include_dashboard=False, object_store_memory=job.object_store, log_to_driver=False)
     return Pipeline(
         sources[0],
-        TrainerStage(job.config()),
-        MemPSStage(capacity_rows=mem_rows),
-        SSDPSStage(ssd_path, options={"io_threads": job.io_threads}),
+        TrainerSettings(job.config()),
+        MemPSSettings(capacity_rows=mem_rows),
+        SSDPSSettings(ssd_path, options={"io_threads": job.io_threads}),
         batch_size=job.batch,
     )
 

@@ -103,7 +103,9 @@ def simulate(
     mem = MemPS(capacity, 0, _NullStore(), lru_fraction=lru_fraction, aging=aging, history=history)
     t0 = time.perf_counter()
     for t, keys in enumerate(trace):
-        mem.pull(t, keys)
+        keys = np.unique(keys)
+        rows, _ = mem.pull(t, keys)
+        mem.write_back(t, keys, rows)  # the rows come back: none stays reserved for a load
         mem.unpin(t)
     s = mem.stats
     return {

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def mode_list(args: argparse.Namespace) -> list[tuple[str, dict]]:
-    """``(name, SyncStage keyword arguments)`` of every mode to measure, BSP first."""
+    """``(name, SyncSettings keyword arguments)`` of every mode to measure, BSP first."""
     props = [p for p in args.propagations.split(",") if p]
     modes: list[tuple[str, dict]] = [("bsp", {"consistency": "bsp"})]
     for p in props:
@@ -92,9 +92,9 @@ def time_to(points: list[tuple[float, float]], target: float) -> float | None:
 
 
 def _train(args: argparse.Namespace, gen: PlantedCTR, cfg: TrainConfig, sync_kw: dict) -> dict:
-    from hpsray.pipelines import MemPSStage, Pipeline, SyncStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyncSettings, SyntheticSource, TrainerSettings
 
-    sync = SyncStage(
+    sync = SyncSettings(
         **sync_kw,
         straggler_delay_s=args.delay,
         straggler_node=args.straggler,
@@ -107,8 +107,8 @@ def _train(args: argparse.Namespace, gen: PlantedCTR, cfg: TrainConfig, sync_kw:
     mem_rows = args.slots * args.keys  # every row fits: the bench measures consistency, not the tiers
     with Pipeline(
         train,
-        TrainerStage(cfg, threads=1),
-        MemPSStage(capacity_rows=mem_rows),
+        TrainerSettings(cfg, threads=1),
+        MemPSSettings(capacity_rows=mem_rows),
         batch_size=args.batch,
         nodes=args.nodes,
         sync=sync,

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     from hpsray.cluster.runtime import connect
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
-    from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
     from hpsray.reference import ReferenceTrainer
 
     hidden = tuple(int(h) for h in args.hidden.split(","))
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
         with Pipeline(
             warmup,
-            TrainerStage(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
-            MemPSStage(capacity_rows=all_rows + 1024),
+            TrainerSettings(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
+            MemPSSettings(capacity_rows=all_rows + 1024),
             batch_size=args.batch,
         ) as p:
             p.fit(progress=False)
@@ -181,7 +181,7 @@ def _log(msg: str) -> None:
 def _small_batch(args: argparse.Namespace, cfg: TrainConfig) -> dict:
     """The pipeline against the reference on a job of few slots in small batches."""
     from hpsray.data import PlantedCTR
-    from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
     from hpsray.reference import ReferenceTrainer
 
     slots, batch = args.small_batch_slots, args.small_batch
@@ -194,8 +194,8 @@ def _small_batch(args: argparse.Namespace, cfg: TrainConfig) -> dict:
     ref.fit(warmup.open(batch))
     with Pipeline(
         warmup,
-        TrainerStage(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
-        MemPSStage(capacity_rows=slots * args.keys + 1024),
+        TrainerSettings(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
+        MemPSSettings(capacity_rows=slots * args.keys + 1024),
         batch_size=batch,
     ) as p:
         p.fit(progress=False)
@@ -239,7 +239,7 @@ def _spill(args: argparse.Namespace, cfg: TrainConfig, gen: PlantedCTR) -> dict:
     import math
     import tempfile
 
-    from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 
     batch = args.spill_batch
     warmup = SyntheticSource(gen, rows=args.warmup_rows)
@@ -254,9 +254,9 @@ def _spill(args: argparse.Namespace, cfg: TrainConfig, gen: PlantedCTR) -> dict:
         def pipeline(capacity: int, ssd: str) -> Pipeline:
             return Pipeline(
                 warmup,
-                TrainerStage(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
-                MemPSStage(capacity_rows=capacity),
-                SSDPSStage(path=f"{base}/{ssd}"),
+                TrainerSettings(cfg, n_devices=args.devices, device=args.device, threads=args.trainer_threads),
+                MemPSSettings(capacity_rows=capacity),
+                SSDPSSettings(path=f"{base}/{ssd}"),
                 batch_size=batch,
             )
 

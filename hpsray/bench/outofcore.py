@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from hpsray.data import PlantedCTR
-    from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 
     # ((keys sorted, rows), dense state_dict) of one trained model
     Trained = tuple[tuple[np.ndarray, np.ndarray], dict[str, torch.Tensor]]
@@ -83,9 +83,9 @@ def _max_distinct(gen: PlantedCTR, batch: int, n: int) -> int:
 def _fit(
     source_warm: SyntheticSource,
     source: SyntheticSource,
-    trainer: TrainerStage,
-    mem: MemPSStage,
-    ssd: SSDPSStage,
+    trainer: TrainerSettings,
+    mem: MemPSSettings,
+    ssd: SSDPSSettings,
     batch: int,
 ) -> tuple[dict, dict, Pipeline]:
     """Warm up, time one pass; returns (pipeline report, SSD-PS and MEM-PS stats, the open pipeline)."""
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
-    from hpsray.pipelines import MemPSStage, SSDPSStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, SSDPSSettings, SyntheticSource, TrainerSettings
     from hpsray.pipelines.report import format_stage_table, write_report
 
     hidden = tuple(int(h) for h in args.hidden.split(",") if h)
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
     if started:  # a fresh embedded Ray unless RAY_ADDRESS names a cluster (not whatever else runs here)
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False)
     try:
-        trainer = TrainerStage(cfg, threads=args.trainer_threads)
+        trainer = TrainerSettings(cfg, threads=args.trainer_threads)
         _log(
             f"out-of-core run: MEM-PS budget {budget:,} rows ({args.budget_batches} x {per_batch:,} distinct "
             f"keys per batch), {rows:,} examples ..."
@@ -218,8 +218,8 @@ def run(args: argparse.Namespace) -> dict:
             warm,
             measured,
             trainer,
-            MemPSStage(capacity_rows=budget),
-            SSDPSStage(path=os.path.join(base, "ooc"), options=ssd_opts),
+            MemPSSettings(capacity_rows=budget),
+            SSDPSSettings(path=os.path.join(base, "ooc"), options=ssd_opts),
             args.batch,
         )
         try:
@@ -237,8 +237,8 @@ def run(args: argparse.Namespace) -> dict:
             warm,
             measured,
             trainer,
-            MemPSStage(capacity_rows=total + 4096),
-            SSDPSStage(path=os.path.join(base, "mem"), options=ssd_opts),
+            MemPSSettings(capacity_rows=total + 4096),
+            SSDPSSettings(path=os.path.join(base, "mem"), options=ssd_opts),
             args.batch,
         )
         try:

@@ -71,7 +71,7 @@ def run_hpsray(spec: PeerSpec) -> dict:
     import ray
 
     from hpsray.bench.baselines import load_examples, ray_peak_rss
-    from hpsray.pipelines import MemPSStage, Pipeline, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, TrainerSettings
 
     _start_ray(spec)
     try:
@@ -85,8 +85,8 @@ def run_hpsray(spec: PeerSpec) -> dict:
         capacity = spec.mem_capacity_rows or spec.vocabulary_rows + 1024
         with Pipeline(
             src(warm),
-            TrainerStage(cfg, threads=spec.threads, device=spec.device),
-            MemPSStage(capacity_rows=capacity),
+            TrainerSettings(cfg, threads=spec.threads, device=spec.device),
+            MemPSSettings(capacity_rows=capacity),
             batch_size=spec.batch,
         ) as p:
             p.fit(progress=False)

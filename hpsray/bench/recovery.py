@@ -71,9 +71,16 @@ def run(args: argparse.Namespace) -> dict:
     from hpsray.cluster.runtime import connect
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
-    from hpsray.pipelines import CheckpointStage, MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import (
+        CheckpointSettings,
+        MemPSSettings,
+        Pipeline,
+        SSDPSSettings,
+        SyntheticSource,
+        TrainerSettings,
+    )
 
-    every = args.every or CheckpointStage.every_batches
+    every = args.every or CheckpointSettings.every_batches
     hidden = tuple(int(h) for h in args.hidden.split(","))
     cfg = TrainConfig(dim=args.dim, hidden=hidden, minibatch_size=args.minibatch, seed=args.seed)
     gen = PlantedCTR(n_slots=args.slots, keys_per_slot=args.keys, n_dense=args.dense, seed=args.seed)
@@ -85,12 +92,12 @@ def run(args: argparse.Namespace) -> dict:
     started = connect(include_dashboard=False, log_to_driver=False)
 
     def pipeline(tag: str, checkpoint: bool) -> Pipeline:
-        stage = CheckpointStage(f"{work}/{tag}/ckpt", every_batches=every) if checkpoint else None
+        stage = CheckpointSettings(f"{work}/{tag}/ckpt", every_batches=every) if checkpoint else None
         return Pipeline(
             source,
-            TrainerStage(cfg),
-            MemPSStage(capacity_rows=mem_rows),
-            SSDPSStage(f"{work}/{tag}/ssd"),
+            TrainerSettings(cfg),
+            MemPSSettings(capacity_rows=mem_rows),
+            SSDPSSettings(f"{work}/{tag}/ssd"),
             batch_size=args.batch,
             checkpoint=stage,
         )

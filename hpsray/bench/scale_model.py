@@ -81,7 +81,7 @@ def fit_nodes(args: argparse.Namespace, n: int) -> dict:
     Ray cluster this process is connected to: the run report."""
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
-    from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
 
     hidden = tuple(int(h) for h in args.hidden.split(","))
     cfg = TrainConfig(dim=args.dim, hidden=hidden, minibatch_size=args.minibatch, seed=args.seed)
@@ -90,7 +90,7 @@ def fit_nodes(args: argparse.Namespace, n: int) -> dict:
     source = SyntheticSource(gen, rows=n * args.rows, start_row=n * args.batch)
     all_rows = args.slots * args.keys + 1024
     with Pipeline(
-        warmup, TrainerStage(cfg, threads=1), MemPSStage(capacity_rows=all_rows), batch_size=args.batch, nodes=n
+        warmup, TrainerSettings(cfg, threads=1), MemPSSettings(capacity_rows=all_rows), batch_size=args.batch, nodes=n
     ) as p:
         p.fit(progress=False)
         p.source = source

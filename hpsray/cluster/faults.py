@@ -8,7 +8,7 @@ stopped answering dead (a cut link is seen by Ray's health checks, not by a sock
 node is reported as lost however it was lost.
 
 The driver's waits (:func:`wait_all`, :func:`get`) use the process-wide timeout set by
-:func:`configure` (the schedule sets it from the job's ``SyncStage.fault_timeout_s``, with the
+:func:`configure` (the schedule sets it from the job's ``SyncSettings.fault_timeout_s``, with the
 job's nodes to watch); the trainers pass their own to the collectives. :class:`Watchdog` ends a
 process whose blocking call outlives every timeout (a collective that ignores its own).
 """

@@ -12,8 +12,8 @@ from typing import Any
 from hpsray.errors import ConfigError
 from hpsray.job.jobconfig import JobConfig
 from hpsray.pipelines.pipeline import Pipeline
+from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import FileSource, SyntheticSource
-from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
 from hpsray.tiers.ssd.bulkload import TableImport
 
 __all__ = ["checkpoint", "cluster_kwargs", "eval_source", "init_from", "pipeline", "source", "stages"]
@@ -37,8 +37,8 @@ def eval_source(job: JobConfig) -> SyntheticSource | FileSource | None:
     return FileSource(list(job.data.eval_paths), job.schema(), job.data.bad_input)
 
 
-def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerStage, MemPSStage, SSDPSStage]:
-    """``(TrainerStage, MemPSStage, SSDPSStage)`` of ``job``. ``n_slots`` sizes the default
+def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerSettings, MemPSSettings, SSDPSSettings]:
+    """``(TrainerSettings, MemPSSettings, SSDPSSettings)`` of ``job``. ``n_slots`` sizes the default
     MEM-PS budget (read from the schema when not given)."""
     t, p = job.tiers, job.pipeline
     admission: dict[str, Any] = {
@@ -46,17 +46,17 @@ def stages(job: JobConfig, n_slots: int | None = None) -> tuple[TrainerStage, Me
         "expire_after_batches": t.expire_after_batches,
         "dumps_in_flight": t.dumps_in_flight,
     }
-    trainer = TrainerStage(
+    trainer = TrainerSettings(
         config=job.train_config(), n_devices=p.n_devices, device=p.device, threads=p.threads, hbm_capacity=p.hbm_rows
     )
     if t.mem_bytes is not None:
-        mem = MemPSStage(capacity_bytes=t.mem_bytes, options=dict(t.mem), **admission)
+        mem = MemPSSettings(capacity_bytes=t.mem_bytes, options=dict(t.mem), **admission)
     else:
         if t.mem_rows is None and n_slots is None:
             n_slots = source(job).n_slots
         rows = t.mem_rows if t.mem_rows is not None else 4 * p.batch_size * max(n_slots or 1, 1)
-        mem = MemPSStage(capacity_rows=rows, options=dict(t.mem), **admission)
-    return trainer, mem, SSDPSStage(path=t.ssd_path, options=dict(t.ssd, **init_from(job)))
+        mem = MemPSSettings(capacity_rows=rows, options=dict(t.mem), **admission)
+    return trainer, mem, SSDPSSettings(path=t.ssd_path, options=dict(t.ssd, **init_from(job)))
 
 
 def init_from(job: JobConfig) -> dict:
@@ -80,7 +80,7 @@ def cluster_kwargs(job: JobConfig) -> dict:
         raise ConfigError(job.where, "cluster.chunk_bytes", f"must be at least 4 bytes, got {c.chunk_bytes}")
     return {
         "nodes": c.nodes or None,
-        "sync": SyncStage(
+        "sync": SyncSettings(
             consistency=c.consistency,
             staleness=c.staleness,
             dense_staleness=c.dense_staleness,
@@ -93,8 +93,8 @@ def cluster_kwargs(job: JobConfig) -> dict:
     }
 
 
-def checkpoint(job: JobConfig, resume: bool = False) -> CheckpointStage | None:
-    """The :class:`~hpsray.pipelines.CheckpointStage` of ``[checkpoint]`` (``None`` without the
+def checkpoint(job: JobConfig, resume: bool = False) -> CheckpointSettings | None:
+    """The :class:`~hpsray.pipelines.CheckpointSettings` of ``[checkpoint]`` (``None`` without the
     section). ``resume``: the first ``fit()`` continues from the newest checkpoint in its
     directory; a job without ``[checkpoint]`` cannot resume (:class:`ConfigError`)."""
     c = job.checkpoint
@@ -102,7 +102,7 @@ def checkpoint(job: JobConfig, resume: bool = False) -> CheckpointStage | None:
         if resume:
             raise ConfigError(job.where, "checkpoint.dir", "missing: the job has no [checkpoint] dir to resume from")
         return None
-    return CheckpointStage(
+    return CheckpointSettings(
         c.dir, every_batches=c.every_batches, keep=c.keep, max_failures=c.max_failures, resume=resume
     )
 

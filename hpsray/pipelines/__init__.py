@@ -14,19 +14,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hpsray.pipelines.edge import BoundedEdge
     from hpsray.pipelines.pipeline import Pipeline
+    from hpsray.pipelines.settings import (
+        CheckpointSettings,
+        MemPSSettings,
+        SSDPSSettings,
+        SyncSettings,
+        TrainerSettings,
+    )
     from hpsray.pipelines.sources import FileSource, SyntheticSource
-    from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
 
 __all__ = [
     "BoundedEdge",
-    "CheckpointStage",
+    "CheckpointSettings",
     "FileSource",
-    "MemPSStage",
+    "MemPSSettings",
     "Pipeline",
-    "SSDPSStage",
-    "SyncStage",
+    "SSDPSSettings",
+    "SyncSettings",
     "SyntheticSource",
-    "TrainerStage",
+    "TrainerSettings",
 ]
 
 _HOMES = {
@@ -34,11 +40,11 @@ _HOMES = {
     "Pipeline": "hpsray.pipelines.pipeline",
     "FileSource": "hpsray.pipelines.sources",
     "SyntheticSource": "hpsray.pipelines.sources",
-    "CheckpointStage": "hpsray.pipelines.stages",
-    "MemPSStage": "hpsray.pipelines.stages",
-    "SSDPSStage": "hpsray.pipelines.stages",
-    "SyncStage": "hpsray.pipelines.stages",
-    "TrainerStage": "hpsray.pipelines.stages",
+    "CheckpointSettings": "hpsray.pipelines.settings",
+    "MemPSSettings": "hpsray.pipelines.settings",
+    "SSDPSSettings": "hpsray.pipelines.settings",
+    "SyncSettings": "hpsray.pipelines.settings",
+    "TrainerSettings": "hpsray.pipelines.settings",
 }
 
 

@@ -40,7 +40,7 @@ from hpsray.pipelines.recovery import (
     write_checkpoint,
 )
 from hpsray.pipelines.schedule import PassSchedule
-from hpsray.pipelines.stages import CheckpointStage, MemPSStage, SSDPSStage, SyncStage, TrainerStage
+from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.summary import run_report
 
 
@@ -72,9 +72,9 @@ class Pipeline:
     def __init__(
         self,
         source,
-        trainer: TrainerStage | None = None,
-        mem: MemPSStage | None = None,
-        ssd: SSDPSStage | None = None,
+        trainer: TrainerSettings | None = None,
+        mem: MemPSSettings | None = None,
+        ssd: SSDPSSettings | None = None,
         transforms: Sequence[Callable[[Batch], Batch]] = (),
         batch_size: int = 65536,
         read_queue: int = 2,
@@ -84,8 +84,8 @@ class Pipeline:
         address: str | None = None,
         name: str | None = None,
         nodes: int | None = 1,
-        sync: SyncStage | None = None,
-        checkpoint: CheckpointStage | None = None,
+        sync: SyncSettings | None = None,
+        checkpoint: CheckpointSettings | None = None,
         progress_seconds: float | None = None,
     ) -> None:
         if batch_size < 1:
@@ -99,9 +99,9 @@ class Pipeline:
             if capacity < 1:
                 raise ValueError(f"{edge} must be >= 1, got {capacity}")
         self.source = source
-        self.trainer_stage = trainer or TrainerStage()
-        self.mem_stage = mem or MemPSStage(capacity_rows=4 * batch_size * max(source.n_slots, 1))
-        self.ssd_stage = ssd or SSDPSStage()
+        self.trainer_stage = trainer or TrainerSettings()
+        self.mem_stage = mem or MemPSSettings(capacity_rows=4 * batch_size * max(source.n_slots, 1))
+        self.ssd_stage = ssd or SSDPSSettings()
         self.transforms = list(transforms)
         self.batch_size = batch_size
         self.read_queue = read_queue
@@ -111,7 +111,7 @@ class Pipeline:
         if nodes is not None and nodes < 1:
             raise ValueError(f"nodes must be >= 1 (or None for every alive node), got {nodes}")
         self.n_nodes = nodes
-        self.sync = sync or SyncStage()
+        self.sync = sync or SyncSettings()
         if self.trainer_stage.n_devices > 1 and self.sync.consistency != "bsp":
             raise ValueError(
                 f"n_devices = {self.trainer_stage.n_devices} runs the device mesh, which synchronises BSP; "

@@ -72,7 +72,7 @@ class PassSchedule:
     that stays resident in the trainer must be reset; docs/architecture.md, Admission and expiry).
     ``pull_queue``, ``load_queue``, ``write_back_queue``: the capacities of the other three
     edges (``load_queue`` >= 2 lets ``t+1`` load while ``t`` trains).
-    ``sync``: the pipeline's :class:`~hpsray.pipelines.SyncStage` (``None``: BSP); under SSP and
+    ``sync``: the pipeline's :class:`~hpsray.pipelines.SyncSettings` (``None``: BSP); under SSP and
     ASP the batches' ends are no barriers (see the module's docstring).
     """
 
@@ -150,7 +150,7 @@ class PassSchedule:
             edge.taken(pulled[b])
         for edge in self.loads:
             edge.wait_room()
-        loans = [[nodes[o].ssd.load.remote(bid, pulled[b][o]) for o in range(n)] for b in range(n)]
+        loans = [[nodes[o].ssd.load_missing.remote(bid, pulled[b][o]) for o in range(n)] for b in range(n)]
         for b, edge in enumerate(self.loads):
             edge.put(loans[b])
         for o, edge in enumerate(self.pulls):

@@ -4,7 +4,7 @@ batches (the job's batch size), no Ray.
 * **read**: the sample's own read (decode, hash, ``distinct_sorted``) per example, plus the copy
   of the batch into the object store;
 * **pull**: :class:`hpsray.tiers.mem.MemPS` at the job's MEM-PS budget over the sampled batches
-  in the pipeline's order (``reserve(t)`` before ``write_back(t-1)``), per distinct row, plus the
+  in the pipeline's order (``pull(t)`` before ``write_back(t-1)``), per distinct row, plus the
   copy of the rows it lends; the same run gives the MEM-PS hit rate of the sample's later half;
 * **load**: :class:`hpsray.tiers.ssd.SSDPS` ``dump`` and ``load`` of a batch's rows in a
   temporary directory on the job's SSD-PS disk, per row, plus the copy of the loan;
@@ -39,7 +39,7 @@ from hpsray.kernels.init import initial_rows
 from hpsray.plan.pipeline_cost import StageCosts, apply_costs
 from hpsray.plan.sample import Sample
 from hpsray.plan.sizing import mem_capacity_rows
-from hpsray.tiers.lending import Loan
+from hpsray.tiers.loans import Loan
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.ssd import SSDPS
 
@@ -174,7 +174,7 @@ def _simulate_mem(job: JobConfig, sample: Sample, width: int) -> tuple[float, fl
         hits = looked = 0
         previous = None
         for t, k in enumerate(keys):
-            pulled, _ = mem.reserve(t, k)  # as the pipeline's pull: the misses are the load stage's
+            pulled, _ = mem.pull(t, k)  # as the pipeline's pull: the misses are the load stage's
             if t >= len(keys) // 2:
                 s = mem.batch_stats(t)
                 hits, looked = hits + s["hits"], looked + s["hits"] + s["misses"]

@@ -1,8 +1,9 @@
 """Lending rows: the MEM-PS owner's side of a batch (docs/architecture.md: invariants 2 and 4).
 
 A node's MEM-PS *owns* the rows whose keys hash to it. For batch ``t`` it *lends* the rows a
-trainer needs (its own node's, or another node's: the *borrower*) and pins them; at batch end
-every borrower *returns* them, updated, and the owner stores them and drops the pins. Under BSP
+trainer needs (its own node's, or another node's: the *borrower*) and pins them
+(:meth:`Lender.pull`); at batch end every borrower *returns* them, updated, and the owner stores
+them and drops the pins (:meth:`Lender.write_back`). Under BSP
 every copy of a row received the same combined updates, so the owner ends each batch with the
 reference value.
 
@@ -19,13 +20,12 @@ the owner also decides, per batch, which keys get a row. A key not admitted is l
 row, is neither stored nor pinned, and its returned row is dropped; since a borrower keeps rows
 resident across batches, :meth:`Lender.refresh` sends the initial row again to every borrower
 that held it in the batch before. Keys that expire are dropped from MEM-PS and deleted from
-SSD-PS at the first loan of the next batch (before it is counted) and again at the take-back.
+SSD-PS at the first loan of the next batch (before it is counted) and again at the write-back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -33,87 +33,12 @@ import numpy.typing as npt
 from hpsray.kernels.distinct import in_sorted
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.tiers.admission import Admission
+from hpsray.tiers.loans import Pulled, Refresh, Returned
 from hpsray.tiers.mem import BackingStore, DeletingStore, MemPS
 
+__all__ = ["Lease", "Lender"]
+
 Lease = tuple[Hashable, int]  # (batch id, borrower node)
-
-
-@dataclass(frozen=True)
-class Returned:
-    """A borrower's rows of one batch, going back to their owner: ``rows[i]`` is ``keys[i]``'s.
-
-    Under SSP/ASP across batch ends (docs/architecture.md: Consistency) copies of a row may
-    differ: ``clock`` is the borrower's clock at the batch end and ``applied`` the oldest clock
-    of the other trainers whose updates the copy holds (``None``: a complete copy, as under
-    BSP, where every copy is the same)."""
-
-    borrower: int
-    keys: npt.NDArray[np.uint64]
-    rows: npt.NDArray[np.float32]
-    clock: int = 0
-    applied: int | None = None
-
-    @property
-    def staleness(self) -> int:
-        """Mini-batches of some other trainer's updates this copy may lack (0: complete)."""
-        return 0 if self.applied is None else max(self.clock - self.applied, 0)
-
-
-@dataclass(frozen=True)
-class Pulled:
-    """A loan whose missing rows are still to be loaded (the pull stage's output, the load
-    stage's input): ``rows[i]`` is the row of the ``i``-th key *shipped* except at the positions
-    ``missing``, whose keys ``missing_keys`` the owner does not hold; :meth:`complete` fills them
-    from the store, or with ``init``'s rows for keys it never stored.
-
-    ``held`` (one flag per key of the loan; ``None``: none) marks the keys the borrower holds
-    from its previous batch: their rows stay on the trainer and are not shipped, so the keys
-    shipped are those not ``held`` (docs/architecture.md: The trainer's working set)."""
-
-    rows: npt.NDArray[np.float32]
-    missing: npt.NDArray[np.int64]
-    missing_keys: npt.NDArray[np.uint64]
-    init: RowInit
-    held: npt.NDArray[np.bool_] | None = None
-
-    def complete(self, load: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, int]:
-        """``(rows, loaded)``: the rows shipped, the missing ones from ``load(keys) -> (rows,
-        found)`` (a store's), initial rows where not found; ``loaded`` counts the rows found."""
-        rows = np.array(self.rows)  # a writable copy (an object-store array is read-only)
-        if not self.missing.size:
-            return rows, 0
-        got, found = load(self.missing_keys)
-        loaded = int(np.count_nonzero(found))
-        if loaded < found.size:
-            got = np.array(got)
-            got[~found] = initial_rows(self.missing_keys[~found], rows.shape[1], self.init)
-        rows[self.missing] = got
-        return rows, loaded
-
-
-@dataclass(frozen=True)
-class Loan:
-    """One owner's loan as the trainer receives it (the load stage's output): ``rows`` of the
-    keys not ``held``, in key order; the ``held`` keys' rows are the trainer's own."""
-
-    rows: npt.NDArray[np.float32]
-    held: npt.NDArray[np.bool_] | None = None
-
-    @property
-    def shipped(self) -> int:
-        return int(self.rows.shape[0])
-
-    @property
-    def kept(self) -> int:
-        return 0 if self.held is None else int(np.count_nonzero(self.held))
-
-
-@dataclass(frozen=True)
-class Refresh:
-    """Rows an owner sends again because another borrower changed them since they were lent."""
-
-    keys: npt.NDArray[np.uint64]
-    rows: npt.NDArray[np.float32]
 
 
 class Lender:
@@ -146,24 +71,16 @@ class Lender:
     def store(self) -> BackingStore:
         return self.mem.ssd
 
-    def lend(self, batch_id: Hashable, keys: npt.NDArray[np.uint64], borrower: int | None = None) -> np.ndarray:
-        """Rows of the distinct sorted ``keys`` (all owned here), pinned for ``(batch_id,
-        borrower)`` until :meth:`take_back`; ``borrower`` defaults to this node. The rows not
-        held are loaded from the store here (:meth:`lend_deferred` leaves them to the caller)."""
-        pulled = self.lend_deferred(batch_id, keys, borrower)
-        rows, loaded = pulled.complete(self.store.load)
-        lease = (batch_id, self.node if borrower is None else borrower)
-        self.mem.fill(pulled.missing_keys, rows[pulled.missing], lease, loaded)
-        return rows
-
-    def lend_deferred(
+    def pull(
         self, batch_id: Hashable, keys: npt.NDArray[np.uint64], borrower: int | None = None, skip_held: bool = False
     ) -> Pulled:
-        """:meth:`lend` without loading: the rows held here, and the keys (and positions) of the
-        rows the load stage must get from the store (:meth:`Pulled.complete`). Their slots are
-        reserved and pinned, so the row :meth:`take_back` returns has its place; the store
-        holds their newest value until then (a key whose dump is still in flight is served
-        from the store's ``in_flight`` rows, never named missing).
+        """Lend the distinct sorted ``keys`` (all owned here) to ``borrower`` (default: this
+        node) for ``batch_id``, pinned until :meth:`write_back`: the rows held here, and the keys
+        (and positions) of the rows the load stage must get from the store
+        (:meth:`Pulled.load_missing`). Their slots are reserved and pinned, so the row
+        :meth:`write_back` returns has its place; the store holds their newest value until then
+        (a key whose dump is still in flight is served from the store's ``in_flight`` rows,
+        never named missing).
 
         With ``skip_held``, the rows of keys this borrower was lent for the batch before are
         not shipped (:attr:`Pulled.held`): its trainer keeps them resident, fresher than any
@@ -172,7 +89,7 @@ class Lender:
         lease = (batch_id, self.node if borrower is None else borrower)
         held = self._held(lease, keys) if skip_held else None
         if self.admission is None:
-            rows, missing = self.mem.reserve(lease, keys, held)
+            rows, missing = self.mem.pull(lease, keys, held)
         else:
             rows, missing = self._lend_admitted(lease, keys, held)
         self.lent[lease] = keys
@@ -199,7 +116,7 @@ class Lender:
     def _lend_admitted(
         self, lease: Lease, keys: npt.NDArray[np.uint64], held: npt.NDArray[np.bool_] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`lend_deferred` under admission: expire what the previous batch's end expires,
+        """:meth:`pull` under admission: expire what the previous batch's end expires,
         count the keys, and lend admitted keys their rows and the others their initial rows."""
         adm = self.admission
         assert adm is not None
@@ -209,9 +126,9 @@ class Lender:
         self._expire(batch_id - 1)  # before counting: an expired key starts afresh
         admitted = adm.see(batch_id, keys)
         if admitted.all():
-            return self.mem.reserve(lease, keys, held)
+            return self.mem.pull(lease, keys, held)
         rows = np.empty((keys.size, self.mem.width), dtype=np.float32)
-        rows[admitted], missing = self.mem.reserve(lease, keys[admitted], None if held is None else held[admitted])
+        rows[admitted], missing = self.mem.pull(lease, keys[admitted], None if held is None else held[admitted])
         rejected = keys[~admitted]
         rows[~admitted] = initial_rows(rejected, self.mem.width, self.init)
         self.rejected[lease] = rejected
@@ -227,7 +144,7 @@ class Lender:
             store.delete(keys)
         return int(keys.size)
 
-    def take_back(self, batch_id: Hashable, returned: Iterable[Returned]) -> int:
+    def write_back(self, batch_id: Hashable, returned: Iterable[Returned]) -> int:
         """Store every borrower's rows of ``batch_id`` and release their pins; returns the rows
         stored (not those of keys lent without a row). Leases of earlier batches are forgotten:
         their refresh is done. Under expiry, then drops the rows expiring at this batch's end.
@@ -257,7 +174,7 @@ class Lender:
             self._expire(batch_id)
         return n
 
-    def store_rows(self, returned: Iterable[Returned]) -> int:
+    def store_kept(self, returned: Iterable[Returned]) -> int:
         """Store rows a borrower kept across batch ends (a flush: before a checkpoint, at a
         stop, after a failure) without touching leases: resident keys get their row in place
         (dirty), the others go straight to the store. Keys lent without a row are skipped.
@@ -272,7 +189,7 @@ class Lender:
                 keys, rows = keys[keep], rows[keep]
             if not keys.size:
                 continue
-            placed = self.mem.assign(keys, rows)
+            placed = self.mem.store_kept(keys, rows)
             if not placed.all():
                 self.store.dump(keys[~placed], rows[~placed])
             n += int(keys.size)
@@ -309,7 +226,7 @@ class Lender:
         mine = self.lent.get((previous, borrower))
         return stale[~np.isin(stale, mine)] if mine is not None and stale.size else stale
 
-    def reset(self, batch_id: Hashable, borrower: int) -> npt.NDArray[np.uint64]:
+    def reset_keys(self, batch_id: Hashable, borrower: int) -> npt.NDArray[np.uint64]:
         """Keys lent to ``borrower`` for ``batch_id`` that were lent without a row in the batch
         before: whoever held them trained them, and those updates are dropped, so every copy
         starts again from the initial row (the borrower's own copy is still resident)."""
@@ -321,10 +238,10 @@ class Lender:
         return keys[np.isin(keys, np.concatenate(before))]
 
     def refresh(self, batch_id: Hashable, borrower: int) -> Refresh:
-        """Current rows of :meth:`stale` keys, and the initial rows of :meth:`reset` keys; call
-        after the previous batch's :meth:`take_back`."""
+        """Current rows of :meth:`stale` keys, and the initial rows of :meth:`reset_keys`; call
+        after the previous batch's :meth:`write_back`."""
         keys = self.stale(batch_id, borrower)
-        reset = self.reset(batch_id, borrower) if self.admission is not None else keys[:0]
+        reset = self.reset_keys(batch_id, borrower) if self.admission is not None else keys[:0]
         if reset.size:
             keys = keys[~np.isin(keys, reset)]
         rows = self.mem.peek(keys) if keys.size else np.empty((0, self.mem.width), np.float32)

@@ -7,9 +7,9 @@ leaving the LRU enter the LFU region, rows leaving the LFU region are handed to 
 (``dump``) *before* their memory is released; a store that writes behind
 (:class:`WritingBehindStore`) keeps them readable until they are written.
 
-A batch's rows are pinned under its batch id from :meth:`MemPS.pull` (or :meth:`MemPS.reserve`,
-which leaves the rows it does not hold to the load stage: their slots are *reserved*) until
-:meth:`MemPS.unpin`; pinned rows are never evicted (docs/architecture.md: invariant 3). Only *dirty* rows
+A batch's rows are pinned under its batch id from :meth:`MemPS.pull` (which leaves the rows it
+does not hold to the load stage: their slots are *reserved*) until :meth:`MemPS.unpin`; pinned
+rows are never evicted (docs/architecture.md: invariant 3). Only *dirty* rows
 (changed by :meth:`MemPS.write_back` since they were last stored) are written on eviction: a
 clean row is already on SSD-PS with the same value, or was never stored and is re-created
 bit for bit by the deterministic initializer.
@@ -173,50 +173,38 @@ class MemPS:
 
     # -- the batch cycle -----------------------------------------------------------------
 
-    def pull(self, batch_id: Hashable, keys: ArrayLike) -> np.ndarray:
-        """Rows of ``keys`` (``float32[n, width]``, duplicates allowed), pinned for ``batch_id``.
-
-        Resident rows are hits; misses are loaded from SSD-PS or, if never stored,
-        initialised. Room is made by evicting unpinned rows. Raises :class:`CapacityError`
-        (changing nothing) when the rows pinned by in-flight batches plus this batch's
-        misses exceed the capacity. May be called more than once per batch id.
-        """
-        keys = as_keys(keys)
-        with self._lock:
-            uk, inv = _distinct(keys)
-            slots, _ = self._take(batch_id, uk, load=True)
-            return self._table.gather(slots if inv is None else slots[inv])
-
-    def reserve(
+    def pull(
         self, batch_id: Hashable, keys: ArrayLike, held: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`pull` without loading: ``(rows, missing)`` for the distinct ``keys``, all
-        pinned for ``batch_id``, where ``rows[missing]`` are zeros the caller must fill with the
-        store's rows (initial rows for keys it never stored): the load stage's job.
+        """Pin the distinct sorted ``keys`` for ``batch_id``: ``(rows, missing)``, where
+        ``rows[missing]`` are zeros the caller must fill with the store's rows (initial rows for
+        keys it never stored): the load stage's job. Room is made by evicting unpinned rows.
+        Raises :class:`CapacityError` (changing nothing) when the rows pinned by in-flight
+        batches plus this batch's misses exceed the capacity. May be called more than once per
+        batch id.
 
         A missing key gets a *reserved* slot: resident and pinned, but with no row until
-        :meth:`write_back` (or :meth:`fill`) gives it one; a reserved row is never dumped (the
-        store already holds its newest value), :meth:`peek` refuses it and a later
-        ``reserve`` names it missing again. Keys whose dump or delete the store still has in
+        :meth:`write_back` (or :meth:`store_kept`) gives it one; a reserved row is never dumped
+        (the store already holds its newest value), :meth:`peek` refuses it and a later
+        ``pull`` names it missing again. Keys whose dump or delete the store still has in
         flight (``store.in_flight``) are not missing: their rows come from there. Resident keys
         flagged ``held`` (their borrower holds the newest row) are never missing: they count
         as hits.
         """
         keys = as_keys(keys)
         if not is_sorted_distinct(keys):
-            raise ValueError("reserve: keys must be sorted and distinct")
+            raise ValueError("pull: keys must be sorted and distinct")
         with self._lock:
-            slots, missing = self._take(batch_id, keys, load=False, held=held)
+            slots, missing = self._take(batch_id, keys, held)
             rows = self._table.gather(slots)
             if missing.size:
                 rows[missing] = 0.0
             return rows, missing
 
     def _take(
-        self, batch_id: Hashable, uk: np.ndarray, load: bool, held: np.ndarray | None = None
+        self, batch_id: Hashable, uk: np.ndarray, held: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Pin the sorted distinct ``uk`` for ``batch_id``: ``(slots, missing positions)``.
-        With ``load`` every row is filled (from the store or initialised) and none is missing."""
+        """Pin the sorted distinct ``uk`` for ``batch_id``: ``(slots, missing positions)``."""
         slots = self._table.find(uk)
         hit = slots >= 0
         hit_slots = slots[hit]
@@ -238,7 +226,7 @@ class MemPS:
         if held is not None and unfilled.size:
             unfilled = unfilled[~held[unfilled]]  # its borrower holds the row: nothing to load
         try:
-            loaded = recovered = 0
+            recovered = 0
             absent = np.zeros(0, np.int64)  # positions in miss_keys the store must give
             if m:
                 victims = policy.make_room(max(need, 0), incoming=m)
@@ -246,22 +234,12 @@ class MemPS:
                 rows, known = self._in_flight(miss_keys)
                 recovered = int(np.count_nonzero(known))
                 absent = np.flatnonzero(~known)
-            fetch = np.concatenate([miss_keys[absent], uk[unfilled]]) if load else miss_keys[:0]
-            if fetch.size:
-                got, loaded = self._fetch(fetch)
-                if m:
-                    rows[absent] = got[: absent.size]
-                if unfilled.size:
-                    self._table.put(slots[unfilled], got[absent.size :])
-                    self._reserved[slots[unfilled]] = False
-            if m:
                 new_slots = self._table.find_or_insert(miss_keys, initialise=False)  # overwritten below
                 self._table.put(new_slots, rows)
                 self._slot_key[new_slots] = miss_keys
                 self._dirty[new_slots] = False
                 self._reserved[new_slots] = False
-                if not load:
-                    self._reserved[new_slots[absent]] = True
+                self._reserved[new_slots[absent]] = True
                 policy.touch(new_slots, miss_keys)
                 policy.pin(new_slots)
                 slots[~hit] = new_slots
@@ -270,16 +248,11 @@ class MemPS:
             raise
         self._pins.setdefault(batch_id, []).append(slots)
         misses = m - recovered + int(unfilled.size)
-        fetched = int(fetch.size)
-        self._count(
-            batch_id, hits=uk.size - misses, misses=misses, loaded=loaded, initialised=fetched - loaded if load else 0
-        )
+        self._count(batch_id, hits=uk.size - misses, misses=misses, loaded=0, initialised=0)
         self._totals["pulls"] += 1
         self._totals["recovered"] += recovered
-        self._totals["reserved"] += 0 if load else int(absent.size)
-        missing = np.zeros(0, np.int64)
-        if not load:
-            missing = np.sort(np.concatenate([np.flatnonzero(~hit)[absent], unfilled]))
+        self._totals["reserved"] += int(absent.size)
+        missing = np.sort(np.concatenate([np.flatnonzero(~hit)[absent], unfilled]))
         return slots, missing
 
     def _in_flight(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -295,35 +268,6 @@ class MemPS:
         if deleted.any():
             rows[deleted] = initial_rows(keys[deleted], self.width, self.init)
         return rows, found | deleted
-
-    def _fetch(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
-        """Rows of ``keys`` from the store, initial rows where it has none; and how many it had."""
-        rows, found = self.ssd.load(keys)
-        loaded = int(np.count_nonzero(found))
-        if loaded == 0:  # never stored (a first pass): nothing to merge
-            return initial_rows(keys, self.width, self.init), 0
-        if loaded < keys.size:
-            if not rows.flags.writeable:  # e.g. an array from Ray's object store
-                rows = rows.copy()
-            rows[~found] = initial_rows(keys[~found], self.width, self.init)
-        return rows, loaded
-
-    def fill(self, keys: ArrayLike, rows: ArrayLike, batch_id: Hashable | None = None, loaded: int = 0) -> int:
-        """Give the reserved slots among ``keys`` their loaded ``rows`` (clean: the store holds
-        them); other keys are skipped. Returns how many slots were filled. With ``batch_id``,
-        counts ``loaded`` of the keys as loaded for it and the others as initialised."""
-        keys = as_keys(keys)
-        rows = as_rows(rows, keys.size, self.width, "fill rows")
-        with self._lock:
-            if batch_id is not None:
-                self._count(batch_id, loaded=loaded, initialised=keys.size - loaded)
-            slots = self._table.find(keys)
-            pick = np.flatnonzero(slots >= 0)
-            pick = pick[self._reserved[slots[pick]]]
-            if pick.size:
-                self._table.put(slots[pick], rows[pick])
-                self._reserved[slots[pick]] = False
-            return int(pick.size)
 
     def write_back(self, batch_id: Hashable, keys: ArrayLike, rows: ArrayLike) -> None:
         """Store the updated ``rows`` of ``keys`` (all pulled by ``batch_id`` and still pinned);
@@ -349,11 +293,11 @@ class MemPS:
             self._totals["write_backs"] += 1
             self._totals["rows_written_back"] += int(keys.size)
 
-    def assign(self, keys: ArrayLike, rows: ArrayLike) -> np.ndarray:
+    def store_kept(self, keys: ArrayLike, rows: ArrayLike) -> np.ndarray:
         """Give the resident ``keys`` their ``rows`` whatever pins them (a trainer's flush of
         rows it kept across batch ends); returns which were resident. The rows become dirty."""
         keys = as_keys(keys)
-        rows = as_rows(rows, keys.size, self.width, "assign rows")
+        rows = as_rows(rows, keys.size, self.width, "store_kept rows")
         with self._lock:
             slots = self._table.find(keys)
             placed = slots >= 0

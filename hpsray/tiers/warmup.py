@@ -82,20 +82,23 @@ def warm_cpu_table() -> None:
 
 
 def warm_mem_ps(width: int, init: RowInit, **options: Any) -> None:
-    """Pull, write back, evict and flush through a throwaway :class:`~hpsray.tiers.mem.MemPS`
-    built with the real one's options."""
+    """Pull (the load stage filling the misses), write back, evict and flush through a
+    throwaway :class:`~hpsray.tiers.mem.MemPS` built with the real one's options."""
+    from hpsray.tiers.loans import Pulled
     from hpsray.tiers.mem import MemPS
 
     warm_cpu_table()
     options = {k: v for k, v in options.items() if k != "capacity_bytes"}
     keys = _keys()
     half = keys.size // 2
-    mem = MemPS(half + 8, width, _DictStore(width), init, **options)
+    store = _DictStore(width)
+    mem = MemPS(half + 8, width, store, init, **options)
     parts = (keys[:half], keys[half:], keys[:half], keys[half:])  # the third and fourth pulls load back
     for batch_id, part in enumerate(parts):
         if batch_id % 2:
             part = _frozen(part)
-        rows = mem.pull(batch_id, part)
+        rows, missing = mem.pull(batch_id, part)
+        rows, _ = Pulled(rows, missing, part[missing], init).load_missing(store.load)
         mem.write_back(batch_id, part, rows + 1.0 if batch_id % 2 == 0 else _frozen(rows + 1.0))
         mem.unpin(batch_id)
     for batch_id, part in ((4, keys[:8]), (5, _frozen(keys[:8]))):  # the pull path of keys already held

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hpsray.data.batch import Batch
-from hpsray.tiers.lending import Loan, Refresh
+from hpsray.tiers.loans import Loan, Refresh
 from hpsray.tiers.partition import device_of
 from hpsray.training.engine import TrainerEngine, loaned_rows
 from hpsray.training.layout import MiniBatchIndex, index_batch

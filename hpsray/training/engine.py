@@ -28,7 +28,7 @@ from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
 from hpsray.models.step import DenseReplicas
 from hpsray.tiers.hbm import HbmPS
-from hpsray.tiers.lending import Loan, Refresh
+from hpsray.tiers.loans import Loan, Refresh
 from hpsray.training.layout import BatchIndex, MiniBatchIndex, index_batch, keys_as_tensor
 from hpsray.training.step import ArenaStep
 from hpsray.training.working_set import Traffic

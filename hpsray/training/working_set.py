@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hpsray.kernels.distinct import in_sorted
-from hpsray.tiers.lending import Loan
+from hpsray.tiers.loans import Loan
 
 __all__ = ["Traffic", "keep_masks", "working_set_report"]
 

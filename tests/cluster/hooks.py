@@ -1,4 +1,4 @@
-"""Test-only hooks injected into the pipeline (``SyncStage.before_minibatch``)."""
+"""Test-only hooks injected into the pipeline (``SyncSettings.before_minibatch``)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import ray
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.partition import owner_of
 
@@ -22,7 +22,9 @@ RULES = dict(admit_after=2, expire_after_batches=2)
 
 def test_two_nodes_with_admission_and_expiry_equal_the_reference(two_nodes_cluster):
     source = SyntheticSource(GEN, rows=2400)  # 6 batches per node
-    with Pipeline(source, TrainerStage(CFG), MemPSStage(capacity_rows=700, **RULES), batch_size=BATCH, nodes=2) as p:
+    with Pipeline(
+        source, TrainerSettings(CFG), MemPSSettings(capacity_rows=700, **RULES), batch_size=BATCH, nodes=2
+    ) as p:
         report = p.fit(progress=False)
         keys, rows = p.export_rows()
         dense = p.dense_state()

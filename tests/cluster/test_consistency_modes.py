@@ -11,7 +11,7 @@ import pytest
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SyncStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SyncSettings, SyntheticSource, TrainerSettings
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +44,11 @@ def read_digests(path) -> dict:
     return dict(line.split() for line in path.read_text().splitlines())
 
 
-def fit(sync: SyncStage, rows: int = 6000, held_out: bool = False):
+def fit(sync: SyncSettings, rows: int = 6000, held_out: bool = False):
     with Pipeline(
         SyntheticSource(GEN, rows=rows),
-        TrainerStage(CFG),
-        MemPSStage(capacity_rows=2000),
+        TrainerSettings(CFG),
+        MemPSSettings(capacity_rows=2000),
         batch_size=1500,
         nodes=2,
         sync=sync,
@@ -59,7 +59,7 @@ def fit(sync: SyncStage, rows: int = 6000, held_out: bool = False):
 
 
 def test_dense_slack_zero_keeps_dense_identical_at_every_clock(two_nodes_cluster, tmp_path):
-    sync = SyncStage(
+    sync = SyncSettings(
         "ssp", staleness=4, dense_staleness=0, straggler_delay_s=0.01, before_minibatch=dense_digests(str(tmp_path))
     )
     report, *_ = fit(sync)
@@ -73,7 +73,9 @@ def test_dense_slack_zero_keeps_dense_identical_at_every_clock(two_nodes_cluster
 @pytest.mark.parametrize("staleness", [0])
 def test_push_pull_and_relay_agree_without_slack(two_nodes_cluster, staleness):
     results = {
-        prop: fit(SyncStage("ssp", staleness=staleness, dense_staleness=0, propagation=prop, straggler_delay_s=0.005))
+        prop: fit(
+            SyncSettings("ssp", staleness=staleness, dense_staleness=0, propagation=prop, straggler_delay_s=0.005)
+        )
         for prop in ("push", "pull", "relay")
     }
     _, (keys, rows), dense, _ = results["push"]
@@ -88,7 +90,7 @@ def test_push_pull_and_relay_agree_without_slack(two_nodes_cluster, staleness):
 
 def test_absp_stays_within_its_clock_and_learns(two_nodes_cluster):
     report, _, _, auc = fit(
-        SyncStage("absp", work_per_clock=4, straggler_delay_s=0.01, propagation="pull"), rows=12_000, held_out=True
+        SyncSettings("absp", work_per_clock=4, straggler_delay_s=0.01, propagation="pull"), rows=12_000, held_out=True
     )
     assert report["mode"] == "absp" and report["examples"] == 12_000
     assert 0 < report["sync"]["max_staleness_observed"] <= 3

@@ -17,7 +17,14 @@ import ray
 from hpsray.checkpoint import Checkpoints
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import CheckpointStage, MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import (
+    CheckpointSettings,
+    MemPSSettings,
+    Pipeline,
+    SSDPSSettings,
+    SyntheticSource,
+    TrainerSettings,
+)
 from hpsray.reference import ReferenceTrainer, global_batches
 from hpsray.tiers.partition import owner_of
 
@@ -34,12 +41,14 @@ SOURCE = SyntheticSource(GEN, rows=BATCH * 8)  # 8 batches on 1 node, 4 on 2, 3 
 def pipeline(tmp_path, nodes: int, resume: bool = False, max_failures: int = 2, devices: int = 1) -> Pipeline:
     return Pipeline(
         SOURCE,
-        TrainerStage(CFG, n_devices=devices),
-        MemPSStage(capacity_rows=700),  # rows travel to SSD-PS and back (one node holds two batches)
-        SSDPSStage(str(tmp_path / f"ssd-{nodes}"), options=dict(rows_per_file=128)),
+        TrainerSettings(CFG, n_devices=devices),
+        MemPSSettings(capacity_rows=700),  # rows travel to SSD-PS and back (one node holds two batches)
+        SSDPSSettings(str(tmp_path / f"ssd-{nodes}"), options=dict(rows_per_file=128)),
         batch_size=BATCH,
         nodes=nodes,
-        checkpoint=CheckpointStage(str(tmp_path / "ckpt"), every_batches=1, max_failures=max_failures, resume=resume),
+        checkpoint=CheckpointSettings(
+            str(tmp_path / "ckpt"), every_batches=1, max_failures=max_failures, resume=resume
+        ),
     )
 
 

@@ -74,11 +74,11 @@ def test_a_driver_wait_on_a_call_that_never_ends_raises_fault_timeout(local_ray)
 def test_one_default_and_the_job_file_sets_it(tmp_path):
     from hpsray.job.build import cluster_kwargs
     from hpsray.job.sections import ClusterSection
-    from hpsray.pipelines import SyncStage
+    from hpsray.pipelines import SyncSettings
 
-    assert ClusterSection().fault_timeout_s == SyncStage().fault_timeout_s == faults.DEFAULT_FAULT_TIMEOUT_S
+    assert ClusterSection().fault_timeout_s == SyncSettings().fault_timeout_s == faults.DEFAULT_FAULT_TIMEOUT_S
     with pytest.raises(ValueError, match="fault_timeout_s"):
-        SyncStage(fault_timeout_s=0)
+        SyncSettings(fault_timeout_s=0)
     from hpsray.errors import ConfigError
     from hpsray.job import JobConfig
 

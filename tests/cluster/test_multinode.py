@@ -13,7 +13,7 @@ import ray
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SyncStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SyncSettings, SyntheticSource, TrainerSettings
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.partition import owner_of
 
@@ -70,11 +70,11 @@ def test_bsp_two_nodes_equals_reference_through_ssd(two_nodes_cluster, dense):
     source = SyntheticSource(GEN, rows=1700)
     with Pipeline(
         source,
-        TrainerStage(CFG, n_devices=2),
-        MemPSStage(capacity_rows=450),
+        TrainerSettings(CFG, n_devices=2),
+        MemPSSettings(capacity_rows=450),
         batch_size=BATCH,
         nodes=2,
-        sync=SyncStage(dense=dense, chunk_bytes=256),
+        sync=SyncSettings(dense=dense, chunk_bytes=256),
     ) as p:
         report = p.fit(progress=False)
         assert report["nodes"] == 2 and report["mode"] == "bsp" and report["examples"] == 1700
@@ -130,12 +130,12 @@ def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
     held_out = SyntheticSource(gen, rows=10_000, start_row=500_000)
     results = {}
     for mode, sync in [
-        ("bsp", SyncStage()),
-        ("ssp", SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.02))),
-        ("asp", SyncStage("asp")),
+        ("bsp", SyncSettings()),
+        ("ssp", SyncSettings("ssp", staleness=2, before_minibatch=straggler(1, 0.02))),
+        ("asp", SyncSettings("asp")),
     ]:
         with Pipeline(
-            train, TrainerStage(cfg), MemPSStage(capacity_rows=2000), batch_size=1500, nodes=2, sync=sync
+            train, TrainerSettings(cfg), MemPSSettings(capacity_rows=2000), batch_size=1500, nodes=2, sync=sync
         ) as p:
             report = p.fit(progress=False)
             results[mode] = (report, p.evaluate(held_out))
@@ -153,7 +153,11 @@ def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
 def test_more_nodes_than_the_cluster_has_is_a_clear_error(two_nodes_cluster):
     with pytest.raises(ValueError, match="asks for 3 nodes but the Ray cluster has 2 alive"):
         with Pipeline(
-            SyntheticSource(GEN, rows=100), TrainerStage(CFG), MemPSStage(capacity_rows=400), batch_size=BATCH, nodes=3
+            SyntheticSource(GEN, rows=100),
+            TrainerSettings(CFG),
+            MemPSSettings(capacity_rows=400),
+            batch_size=BATCH,
+            nodes=3,
         ) as p:
             p.fit(progress=False)
 
@@ -233,11 +237,11 @@ def check_bit_for_bit(
     source = SyntheticSource(gen, rows=nodes * batch * batches)
     with Pipeline(
         source,
-        TrainerStage(cfg, n_devices=n_devices),
-        MemPSStage(capacity_rows={2: 160, 3: 135}[nodes]),  # below each owner's share of the 450 rows
+        TrainerSettings(cfg, n_devices=n_devices),
+        MemPSSettings(capacity_rows={2: 160, 3: 135}[nodes]),  # below each owner's share of the 450 rows
         batch_size=batch,
         nodes=nodes,
-        sync=SyncStage(dense=dense),
+        sync=SyncSettings(dense=dense),
     ) as p:
         report = p.fit(progress=False)
         assert report["ssd"]["bytes_read"] > 0  # rows went through SSD-PS

@@ -8,7 +8,14 @@ import pytest
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import CheckpointStage, MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import (
+    CheckpointSettings,
+    MemPSSettings,
+    Pipeline,
+    SSDPSSettings,
+    SyntheticSource,
+    TrainerSettings,
+)
 
 from recovery_drivers import Killer, kill_plan  # tests/recovery_drivers.py
 from test_multinode import check_lossless  # tests/cluster
@@ -24,12 +31,12 @@ SOURCE = SyntheticSource(GEN, rows=BATCH * 2 * 16)  # 16 batches per node
 def pipeline_on(tmp_path, max_failures: int) -> Pipeline:
     return Pipeline(
         SOURCE,
-        TrainerStage(CFG),
-        MemPSStage(capacity_rows=450),  # rows travel to SSD-PS and back
-        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=128)),
+        TrainerSettings(CFG),
+        MemPSSettings(capacity_rows=450),  # rows travel to SSD-PS and back
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=128)),
         batch_size=BATCH,
         nodes=2,
-        checkpoint=CheckpointStage(str(tmp_path / "ckpt"), every_batches=2, max_failures=max_failures),
+        checkpoint=CheckpointSettings(str(tmp_path / "ckpt"), every_batches=2, max_failures=max_failures),
     )
 
 

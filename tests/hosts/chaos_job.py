@@ -34,7 +34,14 @@ def _types(error: BaseException) -> list[str]:
 
 
 def main(checkpoints: str, fault_timeout_s: str, out: str) -> None:
-    from hpsray.pipelines import CheckpointStage, MemPSStage, Pipeline, SyncStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import (
+        CheckpointSettings,
+        MemPSSettings,
+        Pipeline,
+        SyncSettings,
+        SyntheticSource,
+        TrainerSettings,
+    )
 
     from test_multinode import CFG, GEN, check_lossless
 
@@ -44,12 +51,12 @@ def main(checkpoints: str, fault_timeout_s: str, out: str) -> None:
     result: dict
     with Pipeline(
         source,
-        TrainerStage(CFG),
-        MemPSStage(capacity_rows=450),
+        TrainerSettings(CFG),
+        MemPSSettings(capacity_rows=450),
         batch_size=BATCH,
         nodes=2,
-        sync=SyncStage(fault_timeout_s=float(fault_timeout_s)),
-        checkpoint=CheckpointStage(checkpoints, every_batches=2, keep=2, max_failures=2),
+        sync=SyncSettings(fault_timeout_s=float(fault_timeout_s)),
+        checkpoint=CheckpointSettings(checkpoints, every_batches=2, keep=2, max_failures=2),
     ) as p:
         try:
             report = p.fit(progress=False)

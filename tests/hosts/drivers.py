@@ -37,7 +37,7 @@ def _placement(pipeline) -> list[dict]:
 
 def bsp(nodes: str) -> dict:
     """BSP over ``nodes`` hosts with rows spilling through SSD-PS, equal to the reference."""
-    from hpsray.pipelines import MemPSStage, Pipeline, SyncStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyncSettings, SyntheticSource, TrainerSettings
 
     from test_multinode import CFG, GEN, check_lossless
 
@@ -46,11 +46,11 @@ def bsp(nodes: str) -> dict:
     batch, capacity = (200, 450) if n == 2 else (100, 250)
     with Pipeline(
         source,
-        TrainerStage(CFG),
-        MemPSStage(capacity_rows=capacity),
+        TrainerSettings(CFG),
+        MemPSSettings(capacity_rows=capacity),
         batch_size=batch,
         nodes=n,
-        sync=SyncStage(dense="allreduce"),
+        sync=SyncSettings(dense="allreduce"),
     ) as p:
         report = p.fit(progress=False)
         assert report["nodes"] == n and report["mode"] == "bsp", report
@@ -70,7 +70,7 @@ def ssp() -> dict:
     """SSP with a straggler on 2 hosts: the bound holds, and it learns."""
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
-    from hpsray.pipelines import MemPSStage, Pipeline, SyncStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyncSettings, SyntheticSource, TrainerSettings
 
     from hooks import straggler  # tests/cluster/hooks.py (on sys.path above)
 
@@ -78,11 +78,11 @@ def ssp() -> dict:
     cfg = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=128, seed=5, sparse_lr=0.1)
     with Pipeline(
         SyntheticSource(gen, rows=6_000),
-        TrainerStage(cfg),
-        MemPSStage(capacity_rows=2000),
+        TrainerSettings(cfg),
+        MemPSSettings(capacity_rows=2000),
         batch_size=1500,
         nodes=2,
-        sync=SyncStage("ssp", staleness=2, before_minibatch=straggler(1, 0.02)),
+        sync=SyncSettings("ssp", staleness=2, before_minibatch=straggler(1, 0.02)),
     ) as p:
         report = p.fit(progress=False)
         auc = p.evaluate(SyntheticSource(gen, rows=5_000, start_row=500_000))["auc"]

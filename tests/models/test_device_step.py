@@ -92,7 +92,7 @@ def test_the_device_step_ends_where_the_reference_ends(device, optimizer, lr):
 
 
 def test_a_cuda_trainer_on_a_node_without_gpus_is_refused_before_training(ray_local, tmp_path):
-    from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
 
     if any(n.get("Resources", {}).get("GPU", 0) for n in ray_local.nodes() if n.get("Alive")):
         pytest.skip("this Ray node has a GPU")
@@ -100,8 +100,8 @@ def test_a_cuda_trainer_on_a_node_without_gpus_is_refused_before_training(ray_lo
     with pytest.raises(ConfigError, match="offers no GPU"):
         with Pipeline(
             SyntheticSource(GEN, rows=2000),
-            TrainerStage(cfg, device="cuda"),
-            MemPSStage(capacity_rows=20000),
+            TrainerSettings(cfg, device="cuda"),
+            MemPSSettings(capacity_rows=20000),
             batch_size=BATCH,
         ) as p:
             p.fit(progress=False)
@@ -126,15 +126,15 @@ def assert_like_the_reference(cfg, source, keys, rows, dense, atol: float) -> Re
 @pytest.mark.gpu
 @needs_cuda
 def test_the_pipeline_on_cuda_is_lossless_with_ssd_spills(ray_local, tmp_path):
-    from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
     source = SyntheticSource(GEN, rows=6000)
     with Pipeline(
         source,
-        TrainerStage(cfg, device="cuda"),
-        MemPSStage(capacity_rows=3000),
-        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        TrainerSettings(cfg, device="cuda"),
+        MemPSSettings(capacity_rows=3000),
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
         batch_size=BATCH,
     ) as p:
         report = p.fit(progress=False)
@@ -243,14 +243,14 @@ def test_hpsray_train_with_device_cuda(tmp_path):
 def test_two_device_processes_on_two_gpus_are_lossless(ray_local):
     """``n_devices = 2`` on CUDA: two trainer processes, one GPU each, in a NCCL device mesh
     (all-to-all of rows and gradients between the GPUs); the result is the reference's."""
-    from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+    from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
     source = SyntheticSource(GEN, rows=4000)
     with Pipeline(
-        source, TrainerStage(cfg, n_devices=2, device="cuda"), MemPSStage(capacity_rows=20000), batch_size=BATCH
+        source, TrainerSettings(cfg, n_devices=2, device="cuda"), MemPSSettings(capacity_rows=20000), batch_size=BATCH
     ) as p:
         p.fit(progress=False)
         keys, rows = p.export_rows()

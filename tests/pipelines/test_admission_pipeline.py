@@ -8,7 +8,7 @@ import ray
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 from hpsray.reference import ReferenceTrainer
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)  # Zipf keys
@@ -42,9 +42,9 @@ def test_admission_alone_drops_exactly_the_keys_seen_in_one_batch():
 def test_pipeline_with_admission_and_expiry_is_lossless_over_two_passes(ray_local, tmp_path):
     with Pipeline(
         SOURCE,
-        TrainerStage(CFG, n_devices=2),
-        MemPSStage(capacity_rows=1500, **RULES),  # below the working set: rows go to SSD-PS and back
-        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        TrainerSettings(CFG, n_devices=2),
+        MemPSSettings(capacity_rows=1500, **RULES),  # below the working set: rows go to SSD-PS and back
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
         batch_size=BATCH,
     ) as p:
         first = p.fit(progress=False)

@@ -234,7 +234,7 @@ def test_the_example_job_file_is_valid():
 
 def test_the_checkpoint_section_builds_the_checkpoint_stage(tmp_path, monkeypatch):
     from hpsray.job.sections import CheckpointSection
-    from hpsray.pipelines import CheckpointStage
+    from hpsray.pipelines import CheckpointSettings
 
     sub = tmp_path / "jobs"
     sub.mkdir()
@@ -243,10 +243,10 @@ def test_the_checkpoint_section_builds_the_checkpoint_stage(tmp_path, monkeypatc
     job = JobConfig.load("jobs/job.toml")
     assert job.checkpoint == CheckpointSection(str(sub / "ckpt"), every_batches=7, keep=3, max_failures=3)
     assert job.to_dict()["checkpoint"] == {"dir": str(sub / "ckpt"), "every_batches": 7, "keep": 3, "max_failures": 3}
-    assert build.checkpoint(job) == CheckpointStage(str(sub / "ckpt"), 7, 3, 3, resume=False)
+    assert build.checkpoint(job) == CheckpointSettings(str(sub / "ckpt"), 7, 3, 3, resume=False)
     assert build.checkpoint(job, resume=True).resume
     pipeline = build.pipeline(job, resume=True)  # no Ray yet: the actors start in fit()
-    assert pipeline.checkpoint_stage == CheckpointStage(str(sub / "ckpt"), 7, 3, 3, resume=True)
+    assert pipeline.checkpoint_stage == CheckpointSettings(str(sub / "ckpt"), 7, 3, 3, resume=True)
     job = JobConfig.from_dict(with_("checkpoint", dir="/abs/ckpt", max_failures=0), where="j.toml")
     assert job.checkpoint.dir == "/abs/ckpt" and job.checkpoint.max_failures == 0
     # no section: no checkpoints, and nothing to resume from
@@ -272,18 +272,18 @@ def test_the_example_checkpoint_section_is_valid_once_uncommented(tmp_path):
 def test_more_nodes_than_the_pipeline_supports_is_a_config_error():
     import inspect
 
-    from hpsray.pipelines import Pipeline, SyncStage
+    from hpsray.pipelines import Pipeline, SyncSettings
 
     job = JobConfig.from_dict(
         with_("cluster", nodes=3, consistency="ssp", staleness=1, dense_sync="chunked", chunk_bytes="64KiB"),
         where="j.toml",
     )
-    assert build.cluster_kwargs(job) == {"nodes": 3, "sync": SyncStage("ssp", 1, "chunked", 65536)}
+    assert build.cluster_kwargs(job) == {"nodes": 3, "sync": SyncSettings("ssp", 1, "chunked", 65536)}
     assert set(inspect.signature(Pipeline).parameters) >= {"nodes", "sync"}
     relaxed = JobConfig.from_dict(
         with_("cluster", consistency="absp", work_per_clock=8, dense_staleness=0, propagation="pull")
     )
-    assert build.cluster_kwargs(relaxed)["sync"] == SyncStage(
+    assert build.cluster_kwargs(relaxed)["sync"] == SyncSettings(
         "absp", work_per_clock=8, dense_staleness=0, propagation="pull"
     )
     assert build.cluster_kwargs(JobConfig.from_dict(with_("cluster", nodes=0)))["nodes"] is None  # every node

@@ -10,7 +10,15 @@ import ray
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import CheckpointStage, MemPSStage, Pipeline, SSDPSStage, SyncStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import (
+    CheckpointSettings,
+    MemPSSettings,
+    Pipeline,
+    SSDPSSettings,
+    SyncSettings,
+    SyntheticSource,
+    TrainerSettings,
+)
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.partition import device_of
 
@@ -42,8 +50,8 @@ def _held(actor, n_devices: int) -> tuple[int, np.ndarray]:
 def test_device_processes_train_like_the_reference(ray_local, reference, devices):
     with Pipeline(
         SOURCE,
-        TrainerStage(CFG, n_devices=devices),
-        MemPSStage(capacity_rows=20_000),
+        TrainerSettings(CFG, n_devices=devices),
+        MemPSSettings(capacity_rows=20_000),
         batch_size=BATCH,
         name=f"devices{devices}",
     ) as p:
@@ -72,7 +80,7 @@ def test_device_processes_train_like_the_reference(ray_local, reference, devices
 
 def test_device_processes_synchronise_bsp_only():
     with pytest.raises(ValueError, match="n_devices = 2 runs the device mesh, which synchronises BSP"):
-        Pipeline(SOURCE, TrainerStage(CFG, n_devices=2), sync=SyncStage("ssp", staleness=1), batch_size=BATCH)
+        Pipeline(SOURCE, TrainerSettings(CFG, n_devices=2), sync=SyncSettings("ssp", staleness=1), batch_size=BATCH)
 
 
 class DeviceKiller(Killer):
@@ -96,11 +104,11 @@ def test_a_killed_device_process_restarts_the_node_trainer_and_stays_lossless(ra
     ckpt = tmp_path / "ckpt"
     pipeline = Pipeline(
         SOURCE,
-        TrainerStage(CFG, n_devices=2),
-        MemPSStage(capacity_rows=20_000),
-        SSDPSStage(str(tmp_path / "ssd")),
+        TrainerSettings(CFG, n_devices=2),
+        MemPSSettings(capacity_rows=20_000),
+        SSDPSSettings(str(tmp_path / "ssd")),
         batch_size=batch,
-        checkpoint=CheckpointStage(str(ckpt), every_batches=1, keep=2, max_failures=2),
+        checkpoint=CheckpointSettings(str(ckpt), every_batches=1, keep=2, max_failures=2),
     )
     with pipeline:
         pipeline._start()
@@ -121,7 +129,7 @@ def test_two_device_processes_equal_the_reference_bit_for_bit(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=32, sparse_optimizer="adagrad", dense_optimizer="adam")
     source = SyntheticSource(gen, rows=64 * 60)
     with Pipeline(
-        source, TrainerStage(cfg, n_devices=2), MemPSStage(capacity_rows=400), batch_size=64, name="bitwise2"
+        source, TrainerSettings(cfg, n_devices=2), MemPSSettings(capacity_rows=400), batch_size=64, name="bitwise2"
     ) as p:
         p.fit(progress=False)
         keys, rows = p.export_rows()

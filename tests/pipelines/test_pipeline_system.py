@@ -13,7 +13,7 @@ from hpsray.actors.trainer import Trainer
 from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
 from hpsray.errors import TrainingStopped
-from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 from hpsray.reference import ReferenceTrainer
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)
@@ -37,9 +37,9 @@ def test_pipeline_is_lossless_with_rows_travelling_to_ssd_and_back(ray_local, tm
     # be evicted to SSD-PS and loaded back for later batches.
     with Pipeline(
         SOURCE,
-        TrainerStage(cfg, n_devices=devices),
-        MemPSStage(capacity_rows=3000),
-        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        TrainerSettings(cfg, n_devices=devices),
+        MemPSSettings(capacity_rows=3000),
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
         batch_size=BATCH,
         read_queue=2,
     ) as p:
@@ -61,7 +61,7 @@ def test_later_passes_reuse_the_reader_and_stay_lossless(ray_local):
     costs seconds of process start), and the result is the reference's over both passes."""
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=200)
     second = SyntheticSource(GEN, rows=3000, start_row=6000)
-    with Pipeline(SOURCE, TrainerStage(cfg), MemPSStage(capacity_rows=20000), batch_size=BATCH) as p:
+    with Pipeline(SOURCE, TrainerSettings(cfg), MemPSSettings(capacity_rows=20000), batch_size=BATCH) as p:
         first_report = p.fit(progress=False)
         reader = p.actors()["Reader[node 0]"]
         evaluated = p.evaluate(SyntheticSource(GEN, rows=2000, start_row=10**7))
@@ -107,8 +107,8 @@ def test_slow_trainer_stalls_the_reader(ray_local):
     source = SyntheticSource(GEN, rows=8000)
     with Pipeline(
         source,
-        TrainerStage(cfg, model=SlowDNN(4, 4, 3, 0.15)),
-        MemPSStage(capacity_rows=20000),
+        TrainerSettings(cfg, model=SlowDNN(4, 4, 3, 0.15)),
+        MemPSSettings(capacity_rows=20000),
         batch_size=500,
         read_queue=2,
     ) as p:
@@ -129,8 +129,8 @@ def test_actors_are_named_for_the_dashboard(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
     with Pipeline(
         SyntheticSource(GEN, rows=1000),
-        TrainerStage(cfg),
-        MemPSStage(capacity_rows=10000),
+        TrainerSettings(cfg),
+        MemPSSettings(capacity_rows=10000),
         batch_size=500,
         name="named-run",
     ) as p:
@@ -156,8 +156,8 @@ def test_transform_stage_runs_in_the_reader(ray_local):
 
     with Pipeline(
         SyntheticSource(GEN, rows=2000),
-        TrainerStage(cfg),
-        MemPSStage(capacity_rows=10000),
+        TrainerSettings(cfg),
+        MemPSSettings(capacity_rows=10000),
         transforms=[only_first_slot],
         batch_size=1000,
     ) as p:
@@ -172,7 +172,7 @@ def test_transform_stage_runs_in_the_reader(ray_local):
 def test_too_small_memory_budget_fails_clearly(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
     with Pipeline(
-        SyntheticSource(GEN, rows=2000), TrainerStage(cfg), MemPSStage(capacity_rows=50), batch_size=1000
+        SyntheticSource(GEN, rows=2000), TrainerSettings(cfg), MemPSSettings(capacity_rows=50), batch_size=1000
     ) as p:
         with pytest.raises(TrainingStopped, match="CapacityError"):
             p.fit(progress=False)
@@ -182,7 +182,7 @@ def test_evaluate_scores_held_out_rows(ray_local):
     cfg = TrainConfig(dim=8, hidden=(32,), minibatch_size=500)
     gen = PlantedCTR(n_slots=6, keys_per_slot=500, n_dense=3, seed=4)
     with Pipeline(
-        SyntheticSource(gen, rows=40_000), TrainerStage(cfg), MemPSStage(capacity_rows=8000), batch_size=5000
+        SyntheticSource(gen, rows=40_000), TrainerSettings(cfg), MemPSSettings(capacity_rows=8000), batch_size=5000
     ) as p:
         p.fit(progress=False)
         result = p.evaluate(SyntheticSource(gen, rows=5000, start_row=10**8))
@@ -209,7 +209,7 @@ def test_bad_input_in_strict_mode_stops_training_but_keeps_what_was_trained(ray_
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=250)
     # small parse blocks, so the first batches are read before the bad line is reached
     source = FileSource(str(path), schema, policy=STRICT, options={"block_size": 8192})
-    with Pipeline(source, TrainerStage(cfg), MemPSStage(capacity_rows=2000), batch_size=1000, read_queue=1) as p:
+    with Pipeline(source, TrainerSettings(cfg), MemPSSettings(capacity_rows=2000), batch_size=1000, read_queue=1) as p:
         with pytest.raises(TrainingStopped) as failure:
             p.fit(progress=False)
         assert isinstance(failure.value.cause.cause, DataError)

@@ -14,7 +14,14 @@ from hpsray.checkpoint import Checkpoints
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.errors import DiskFullError, TrainingStopped, caused_by
-from hpsray.pipelines import CheckpointStage, MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import (
+    CheckpointSettings,
+    MemPSSettings,
+    Pipeline,
+    SSDPSSettings,
+    SyntheticSource,
+    TrainerSettings,
+)
 from hpsray.reference import ReferenceTrainer
 
 from recovery_drivers import Killer, kill_plan  # tests/recovery_drivers.py
@@ -58,12 +65,12 @@ def run_with_kills(tmp_path, seed: int, nodes: int, **rules):
     plan = kill_plan(seed, nodes, batches, KILLS)
     pipeline = Pipeline(
         SOURCE,
-        TrainerStage(CFG),
-        MemPSStage(capacity_rows=1500, **rules),  # rows travel to SSD-PS and back
-        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        TrainerSettings(CFG),
+        MemPSSettings(capacity_rows=1500, **rules),  # rows travel to SSD-PS and back
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
         batch_size=BATCH,
         nodes=nodes,
-        checkpoint=CheckpointStage(str(ckpt), every_batches=2, keep=2, max_failures=len(plan)),
+        checkpoint=CheckpointSettings(str(ckpt), every_batches=2, keep=2, max_failures=len(plan)),
     )
     pipeline._start()
     killer = Killer(pipeline, ckpt, plan, seed)
@@ -87,7 +94,9 @@ def test_one_node_recovers_from_every_actor_kind_killed(ray_local, tmp_path, ref
 
 def test_killing_a_busy_pipeline_without_checkpoints_still_stops_with_the_cause(ray_local, tmp_path):
     """No [checkpoint]: a dead actor ends fit() with TrainingStopped naming it (as before)."""
-    pipeline = Pipeline(SOURCE, TrainerStage(CFG), MemPSStage(capacity_rows=20000), batch_size=BATCH, name="no-ckpt")
+    pipeline = Pipeline(
+        SOURCE, TrainerSettings(CFG), MemPSSettings(capacity_rows=20000), batch_size=BATCH, name="no-ckpt"
+    )
     with pipeline:
         pipeline._start()
         killer = Killer(pipeline, tmp_path / "none", [("Trainer", 0, -1)], seed=1)
@@ -116,9 +125,9 @@ def small_fs(tmp_path):
 
 def test_a_full_checkpoint_disk_stops_clearly_and_the_last_checkpoint_resumes(ray_local, tmp_path, small_fs, reference):
     ckpt = small_fs / "ckpt"
-    stages = (TrainerStage(CFG), MemPSStage(capacity_rows=1500), SSDPSStage(str(tmp_path / "ssd")))
+    stages = (TrainerSettings(CFG), MemPSSettings(capacity_rows=1500), SSDPSSettings(str(tmp_path / "ssd")))
     with Pipeline(
-        SOURCE, *stages, batch_size=BATCH, checkpoint=CheckpointStage(str(ckpt), every_batches=2, keep=1)
+        SOURCE, *stages, batch_size=BATCH, checkpoint=CheckpointSettings(str(ckpt), every_batches=2, keep=1)
     ) as p:
         with pytest.raises(TrainingStopped) as stopped:
             p.fit(progress=False)
@@ -132,7 +141,7 @@ def test_a_full_checkpoint_disk_stops_clearly_and_the_last_checkpoint_resumes(ra
     roomy = tmp_path / "roomy"
     shutil.copytree(ckpt, roomy)
     with Pipeline(
-        SOURCE, *stages, batch_size=BATCH, checkpoint=CheckpointStage(str(roomy), every_batches=10, resume=True)
+        SOURCE, *stages, batch_size=BATCH, checkpoint=CheckpointSettings(str(roomy), every_batches=10, resume=True)
     ) as p:
         report = p.fit(progress=False)
         assert report["batches"] == 30 - last.batch
@@ -142,9 +151,9 @@ def test_a_full_checkpoint_disk_stops_clearly_and_the_last_checkpoint_resumes(ra
 def test_a_full_ssd_disk_stops_naming_the_directory(ray_local, small_fs):
     with Pipeline(
         SOURCE,
-        TrainerStage(CFG),
-        MemPSStage(capacity_rows=1500),
-        SSDPSStage(str(small_fs / "ssd")),
+        TrainerSettings(CFG),
+        MemPSSettings(capacity_rows=1500),
+        SSDPSSettings(str(small_fs / "ssd")),
         batch_size=BATCH,
     ) as p:
         with pytest.raises(TrainingStopped) as stopped:

@@ -13,7 +13,7 @@ from ray import cloudpickle
 
 from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 from hpsray.reference import ReferenceTrainer
 
 GEN = PlantedCTR(n_slots=8, keys_per_slot=40_000, n_dense=3, seed=2)
@@ -48,9 +48,9 @@ def test_load_runs_while_the_previous_batch_trains_and_the_next_is_read(ray_loca
     distinct = int(np.unique(GEN.generate(BATCH).keys).size)
     with Pipeline(
         SOURCE,
-        TrainerStage(cfg, model=copy.deepcopy(model)),
-        MemPSStage(capacity_rows=int(2.5 * distinct), dumps_in_flight=2),  # far below the run's keys
-        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=512)),
+        TrainerSettings(cfg, model=copy.deepcopy(model)),
+        MemPSSettings(capacity_rows=int(2.5 * distinct), dumps_in_flight=2),  # far below the run's keys
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=512)),
         transforms=[slow_read],
         batch_size=BATCH,
         read_queue=1,  # t+2 is read while t+1 loads and t trains
@@ -86,9 +86,9 @@ def test_the_load_stage_intervals_are_the_ssd_actor_s_and_dumps_are_written_behi
     distinct = int(np.unique(GEN.generate(BATCH).keys).size)
     with Pipeline(
         SyntheticSource(GEN, rows=6 * BATCH),
-        TrainerStage(cfg),
-        MemPSStage(capacity_rows=int(2.5 * distinct)),
-        SSDPSStage(str(tmp_path / "ssd")),
+        TrainerSettings(cfg),
+        MemPSSettings(capacity_rows=int(2.5 * distinct)),
+        SSDPSSettings(str(tmp_path / "ssd")),
         batch_size=BATCH,
     ) as p:
         report = p.fit(progress=False)

@@ -11,10 +11,11 @@ from hpsray.actors.trainer import Trainer
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.errors import WorkingSetError
-from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.hbm import HbmPS
-from hpsray.tiers.lending import Lender, Loan
+from hpsray.tiers.lending import Lender
+from hpsray.tiers.loans import Loan
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.ssd import SSDPS
 
@@ -43,9 +44,9 @@ def test_rows_shipped_are_the_new_ones_rows_returned_the_leaving_ones_and_the_re
     assert left_then_back.size > 0
     with Pipeline(
         SOURCE,
-        TrainerStage(CFG),
-        MemPSStage(capacity_rows=1400),  # below the 2222 distinct keys: rows also go to SSD-PS and back
-        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=128)),
+        TrainerSettings(CFG),
+        MemPSSettings(capacity_rows=1400),  # below the 2222 distinct keys: rows also go to SSD-PS and back
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=128)),
         batch_size=BATCH,
     ) as p:
         report = p.fit(progress=False)
@@ -81,8 +82,8 @@ def test_a_flush_stores_the_kept_rows_and_training_goes_on_exactly(ray_local, tm
     reads.append(ReadBatch(0, ray.put(None), [ray.put(np.empty(0, np.uint64))]))
 
     def lend(t: int) -> Loan:
-        pulled = lender.lend_deferred(t, np.unique(batches[t].keys), 0, skip_held=True)
-        rows, _ = pulled.complete(ssd.load)
+        pulled = lender.pull(t, np.unique(batches[t].keys), 0, skip_held=True)
+        rows, _ = pulled.load_missing(ssd.load)
         return Loan(rows, pulled.held)
 
     def train(t: int, loan: Loan):
@@ -94,14 +95,14 @@ def test_a_flush_stores_the_kept_rows_and_training_goes_on_exactly(ray_local, tm
     for t in range(2):
         returned = train(t, loan)
         loan = lend(t + 1)
-        lender.take_back(t, [returned])
+        lender.write_back(t, [returned])
     kept = trainer.flush()
     assert kept[0].keys.size == np.intersect1d(np.unique(batches[1].keys), np.unique(batches[2].keys)).size
-    assert lender.store_rows(kept) == kept[0].keys.size
+    assert lender.store_kept(kept) == kept[0].keys.size
     ref_keys, ref_rows, _ = reference(2)
     np.testing.assert_allclose(lender.lookup(ref_keys), ref_rows, rtol=1e-5, atol=1e-5)
     assert trainer.flush() == []  # stored: nothing kept since
-    lender.take_back(2, [train(2, loan)])  # the pass's last batch returns every row
+    lender.write_back(2, [train(2, loan)])  # the pass's last batch returns every row
     ref_keys, ref_rows, _ = reference(3)
     np.testing.assert_allclose(lender.lookup(ref_keys), ref_rows, rtol=1e-5, atol=1e-5)
 
@@ -110,13 +111,13 @@ def test_an_owner_ships_only_rows_the_borrower_did_not_hold_and_never_loads_them
     ssd = SSDPS(str(tmp_path / "ssd"), CFG.row_width, rows_per_file=64)
     lender = Lender(MemPS(100, CFG.row_width, ssd, CFG.row_init()), 0, CFG.row_init())
     first, second = np.arange(1, 41, dtype=np.uint64), np.arange(21, 61, dtype=np.uint64)
-    lender.lend_deferred(0, first, 0, skip_held=True)
-    pulled = lender.lend_deferred(1, second, 0, skip_held=True)
+    lender.pull(0, first, 0, skip_held=True)
+    pulled = lender.pull(1, second, 0, skip_held=True)
     assert pulled.held is not None
     np.testing.assert_array_equal(second[pulled.held], np.arange(21, 41, dtype=np.uint64))
     assert pulled.rows.shape[0] == 20  # only keys 41..60 travel
     np.testing.assert_array_equal(pulled.missing_keys, np.arange(41, 61, dtype=np.uint64))
-    other = lender.lend_deferred(1, second, 1, skip_held=True)  # another borrower held nothing
+    other = lender.pull(1, second, 1, skip_held=True)  # another borrower held nothing
     assert other.held is None and other.rows.shape[0] == 40
 
 
@@ -139,11 +140,11 @@ def test_an_owner_names_the_rows_it_needs_back_from_each_borrower(tmp_path):
     ssd = SSDPS(str(tmp_path / "ssd"), CFG.row_width, rows_per_file=64)
     lender = Lender(MemPS(100, CFG.row_width, ssd, CFG.row_init()), 0, CFG.row_init())
     k = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
-    lender.lend_deferred(0, k(1, 2, 3), 0)
-    lender.lend_deferred(0, k(3, 4), 1)
-    lender.lend_deferred(1, k(1, 2, 3), 0)
+    lender.pull(0, k(1, 2, 3), 0)
+    lender.pull(0, k(3, 4), 1)
+    lender.pull(1, k(1, 2, 3), 0)
     assert [m.tolist() for m in lender.must_return(1, 2)] == [[1, 2, 3], [3, 4]]  # lease (1, 1) not lent yet
-    lender.lend_deferred(1, k(2, 3, 5), 1)  # 2 and 5 are new to borrower 1; 3 it held
+    lender.pull(1, k(2, 3, 5), 1)  # 2 and 5 are new to borrower 1; 3 it held
     back = lender.must_return(1, 2)
     assert back[0].tolist() == [2]  # borrower 0 keeps 1 and 3; 2 goes back for borrower 1's refresh
     assert back[1].tolist() == []  # borrower 0 is lent nothing anew that borrower 1 held

@@ -13,7 +13,7 @@ import requests
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
 
 STAGES = ("Reader", "MemPS", "SSDPS", "Trainer")
 # its own Ray with the dashboard (about 10 s idle) and a pipeline's actors (their processes and
@@ -48,8 +48,8 @@ def dashboard():
         config = TrainConfig(dim=4, hidden=(4,), minibatch_size=500)
         with Pipeline(
             SyntheticSource(data, rows=2000),
-            TrainerStage(config),
-            MemPSStage(capacity_rows=1000),
+            TrainerSettings(config),
+            MemPSSettings(capacity_rows=1000),
             batch_size=1000,
             name="dash",
         ) as pipe:

@@ -19,7 +19,7 @@ import pytest
 from hpsray.actors.livemetrics import METRICS, LiveGauges, prometheus_names
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
 
 LINE = re.compile(r"^(ray_hpsray_\w+)\{([^}]*)\} (\S+)$")
 DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "grafana" / "hpsray.json"
@@ -91,7 +91,7 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
         return out
 
     with Pipeline(
-        SyntheticSource(data, rows=16_000), TrainerStage(config), MemPSStage(capacity_rows=4000), batch_size=2000
+        SyntheticSource(data, rows=16_000), TrainerSettings(config), MemPSSettings(capacity_rows=4000), batch_size=2000
     ) as pipe:
         report = pipe.fit(progress=False)
         deadline = time.time() + 60  # Ray exports every few seconds: wait for the last values

@@ -16,6 +16,8 @@ from hpsray.plan.estimate import estimate_keys
 from hpsray.plan.sample import input_size, read_sample
 from hpsray.tiers.mem import MemPS
 
+from loading import pull_loaded  # tests/loading.py
+
 
 class _Empty:
     width = 4
@@ -40,9 +42,9 @@ def _job(tmp_path, **tables):
 
 def _runs_in_pipeline_order(batch_keys, capacity):
     mem = MemPS(capacity, 4, _Empty())
-    mem.pull(0, batch_keys[0])
+    pull_loaded(mem, 0, batch_keys[0])
     for t in range(1, len(batch_keys)):
-        mem.pull(t, batch_keys[t])  # submitted before write_back(t-1): batch t-1 is still pinned
+        pull_loaded(mem, t, batch_keys[t])  # submitted before write_back(t-1): batch t-1 is still pinned
         mem.unpin(t - 1)
 
 

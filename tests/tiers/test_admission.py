@@ -13,9 +13,12 @@ from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.reference import ReferenceTrainer, SortedRowStore
 from hpsray.tiers.admission import Admission
 from hpsray.tiers.hbm import HbmPS
-from hpsray.tiers.lending import Lender, Returned
+from hpsray.tiers.lending import Lender
+from hpsray.tiers.loans import Returned
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.ssd import SSDPS
+
+from loading import lend, pull_loaded  # tests/loading.py
 
 W = 4
 INIT = RowInit(dim=W, scale=0.1, seed=3)
@@ -150,9 +153,9 @@ def test_a_tombstone_file_is_retired_only_once_older_copies_are_gone(tmp_path):
 def test_mem_ps_drops_unpinned_rows_unwritten_and_refuses_pinned_ones(tmp_path):
     store = SSDPS(tmp_path / "ssd", W)
     mem = MemPS(16, W, store, INIT)
-    mem.pull(0, keys(1, 2, 3))
+    pull_loaded(mem, 0, keys(1, 2, 3))
     mem.write_back(0, keys(1, 2, 3), np.full((3, W), 5.0, np.float32))
-    mem.pull(1, keys(3))
+    pull_loaded(mem, 1, keys(3))
     with pytest.raises(ValueError, match="pinned"):
         mem.drop(keys(2, 3))
     assert mem.contains(keys(2, 3)).all()
@@ -177,14 +180,14 @@ def store(tmp_path):
 def test_keys_not_admitted_are_lent_initial_rows_and_their_returns_dropped(store):
     lender = Lender(MemPS(64, W, store, INIT), 0, INIT, Admission(admit_after=2))
     k = keys(1, 2)
-    np.testing.assert_array_equal(lender.lend(0, k), initial_rows(k, W, INIT))
+    np.testing.assert_array_equal(lend(lender, 0, k), initial_rows(k, W, INIT))
     assert not lender.mem.contains(k).any()  # no row, no pin
-    assert lender.take_back(0, [Returned(0, k, np.full((2, W), 9.0, np.float32))]) == 0
+    assert lender.write_back(0, [Returned(0, k, np.full((2, W), 9.0, np.float32))]) == 0
     np.testing.assert_array_equal(lender.lookup(k), initial_rows(k, W, INIT))  # looked up as initial
-    rows = lender.lend(1, keys(1, 3))  # 1 admitted now, from its initial row; 3 seen once
+    rows = lend(lender, 1, keys(1, 3))  # 1 admitted now, from its initial row; 3 seen once
     np.testing.assert_array_equal(rows, initial_rows(keys(1, 3), W, INIT))
     assert lender.mem.pinned(keys(1, 3)).tolist() == [True, False]
-    assert lender.take_back(1, [Returned(0, keys(1, 3), np.full((2, W), 7.0, np.float32))]) == 1
+    assert lender.write_back(1, [Returned(0, keys(1, 3), np.full((2, W), 7.0, np.float32))]) == 1
     np.testing.assert_array_equal(lender.lookup(keys(1, 3))[:, 0], [7.0, initial_row(3)[0]])
 
 
@@ -194,12 +197,12 @@ def initial_row(key: int) -> np.ndarray:
 
 def test_refresh_resets_every_copy_of_a_key_lent_without_a_row_the_batch_before(store):
     lender = Lender(MemPS(64, W, store, INIT), 0, INIT, Admission(admit_after=2))
-    lender.lend(0, keys(1, 2), borrower=0)
-    lender.lend(0, keys(2, 3), borrower=1)
-    lender.lend(1, keys(1, 3), borrower=0)  # lent while batch 0 trains: 1 and 3 are admitted now
-    lender.lend(1, keys(2, 4), borrower=1)
+    lend(lender, 0, keys(1, 2), borrower=0)
+    lend(lender, 0, keys(2, 3), borrower=1)
+    lend(lender, 1, keys(1, 3), borrower=0)  # lent while batch 0 trains: 1 and 3 are admitted now
+    lend(lender, 1, keys(2, 4), borrower=1)
     ones = np.ones((2, W), np.float32)
-    lender.take_back(0, [Returned(0, keys(1, 2), ones), Returned(1, keys(2, 3), ones)])
+    lender.write_back(0, [Returned(0, keys(1, 2), ones), Returned(1, keys(2, 3), ones)])
     for borrower, expect in ((0, keys(1, 3)), (1, keys(2))):
         fresh = lender.refresh(1, borrower)
         np.testing.assert_array_equal(fresh.keys, expect)
@@ -208,17 +211,17 @@ def test_refresh_resets_every_copy_of_a_key_lent_without_a_row_the_batch_before(
 
 def test_expired_rows_leave_mem_ps_and_ssd_ps_and_come_back_as_new_keys(store):
     lender = Lender(MemPS(64, W, store, INIT), 0, INIT, Admission(expire_after_batches=2))
-    lender.lend(0, keys(1, 2))
-    lender.take_back(0, [Returned(0, keys(1, 2), np.full((2, W), 3.0, np.float32))])
+    lend(lender, 0, keys(1, 2))
+    lender.write_back(0, [Returned(0, keys(1, 2), np.full((2, W), 3.0, np.float32))])
     lender.mem.flush()
     assert len(store) == 2
     for t in (1, 2):
-        lender.lend(t, keys(2))
-        lender.take_back(t, [Returned(0, keys(2), np.full((1, W), 4.0, np.float32))])
+        lend(lender, t, keys(2))
+        lender.write_back(t, [Returned(0, keys(2), np.full((1, W), 4.0, np.float32))])
     # key 1, last seen in batch 0, expired at the end of batch 2: gone from both tiers
     assert not lender.mem.contains(keys(1)).any() and not store.contains(keys(1)).any()
     assert lender.admission.stats["expired"] == 1
-    np.testing.assert_array_equal(lender.lend(3, keys(1)), initial_rows(keys(1), W, INIT))
+    np.testing.assert_array_equal(lend(lender, 3, keys(1)), initial_rows(keys(1), W, INIT))
 
 
 def test_expiry_needs_a_store_that_deletes(store):
@@ -262,7 +265,7 @@ def test_a_pipelined_two_borrower_schedule_applies_the_rules_like_a_sequential_r
     batches = [[np.unique(rng.choice(universe[: 40 + 5 * t], 14)) for _ in range(2)] for t in range(12)]
     lender = Lender(MemPS(64, W, store, INIT), 0, INIT, Admission(admit_after, expire))
     hbms = [HbmPS(128, W, INIT) for _ in range(2)]
-    loans = [lender.lend(0, batches[0][b], borrower=b) for b in range(2)]
+    loans = [lend(lender, 0, batches[0][b], borrower=b) for b in range(2)]
     for t, parts in enumerate(batches):
         for b in range(2):
             fresh = lender.refresh(t, b)
@@ -272,8 +275,8 @@ def test_a_pipelined_two_borrower_schedule_applies_the_rules_like_a_sequential_r
             add = counts[np.searchsorted(keys_all, parts[b])].astype(np.float32)
             hbms[b].insert_or_assign(parts[b], hbms[b].get(parts[b]) + add[:, None])
         if t + 1 < len(batches):
-            loans = [lender.lend(t + 1, batches[t + 1][b], borrower=b) for b in range(2)]
-        lender.take_back(t, [Returned(b, parts[b], hbms[b].get(parts[b])) for b in range(2)])
+            loans = [lend(lender, t + 1, batches[t + 1][b], borrower=b) for b in range(2)]
+        lender.write_back(t, [Returned(b, parts[b], hbms[b].get(parts[b])) for b in range(2)])
     expected = sequential(batches, admit_after, expire)
     got = lender.lookup(universe)
     want = np.stack([expected.get(int(k), initial_row(int(k))) for k in universe])

@@ -1,5 +1,5 @@
 """Loads as their own stage, without Ray: MEM-PS reserves the rows it does not hold
-(``MemPS.reserve``, ``Lender.lend_deferred``) and the load stage fills them from a store that
+(``MemPS.pull``, ``Lender.pull``) and the load stage fills them from a store that
 writes behind (dumps and deletes still in flight when they return). The pipelined schedule must
 still end with the values of a plain sequential run (docs/architecture.md: invariants 2 to 4).
 """
@@ -11,8 +11,11 @@ import pytest
 
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.tiers.hbm import HbmPS
-from hpsray.tiers.lending import Lender, Returned
+from hpsray.tiers.lending import Lender
+from hpsray.tiers.loans import Returned
 from hpsray.tiers.mem import MemPS
+
+from loading import fill  # tests/loading.py
 
 W = 4
 INIT = RowInit(dim=W, scale=0.1, seed=3)
@@ -86,38 +89,38 @@ def keys(*values: int) -> np.ndarray:
 def test_reserved_rows_are_pinned_missing_again_and_never_read_as_values():
     store = LaggingStore()
     mem = MemPS(16, W, store, INIT)
-    rows, missing = mem.reserve("a", keys(1, 2, 3))
+    rows, missing = mem.pull("a", keys(1, 2, 3))
     assert missing.tolist() == [0, 1, 2] and not rows.any()
     assert mem.pinned(keys(1, 2, 3)).all() and not mem.has_rows(keys(1, 2, 3)).any()
     with pytest.raises(KeyError, match="reserved for a load"):
         mem.peek(keys(2))
-    _, again = mem.reserve("b", keys(2, 4))  # another lease of the same rows: loaded again
+    _, again = mem.pull("b", keys(2, 4))  # another lease of the same rows: loaded again
     assert again.tolist() == [0, 1]
     assert mem.flush() == 0 and not store.queue  # a reserved row is never dumped
-    assert mem.fill(keys(1, 2, 3), np.ones((3, W), np.float32)) == 3
+    assert fill(mem, keys(1, 2, 3), np.ones((3, W), np.float32)) == 3
     np.testing.assert_array_equal(mem.peek(keys(2)), np.ones((1, W), np.float32))
     assert mem.stats["reserved_rows"] == 1  # key 4
     with pytest.raises(ValueError, match="sorted and distinct"):
-        mem.reserve("c", np.array([3, 1], np.uint64))
+        mem.pull("c", np.array([3, 1], np.uint64))
 
 
 def test_rows_whose_dump_is_in_flight_are_served_from_it_not_named_missing():
     store = LaggingStore()
     mem = MemPS(4, W, store, INIT)
     a = keys(1, 2, 3, 4)
-    mem.reserve(0, a)
+    mem.pull(0, a)
     mem.write_back(0, a, np.full((4, W), 2.0, np.float32))
     mem.unpin(0)
-    mem.reserve(1, keys(5, 6, 7, 8))  # evicts batch 0's dirty rows: their dump is in flight
+    mem.pull(1, keys(5, 6, 7, 8))  # evicts batch 0's dirty rows: their dump is in flight
     mem.unpin(1)
     assert store.queue and not store.rows
-    rows, missing = mem.reserve(2, keys(1, 9))
+    rows, missing = mem.pull(2, keys(1, 9))
     assert missing.tolist() == [1]  # 1 is in flight: a hit, from the store's rows in flight
     np.testing.assert_array_equal(rows[0], np.full(W, 2.0, np.float32))
     assert mem.stats["recovered"] == 1
     store.delete(keys(2))  # an expiry delete in flight: the key starts again from its initial row
     mem.unpin(2)
-    rows, missing = mem.reserve(3, keys(2))
+    rows, missing = mem.pull(3, keys(2))
     assert missing.size == 0
     np.testing.assert_array_equal(rows, initial_rows(keys(2), W, INIT))
 
@@ -138,9 +141,9 @@ def test_a_pipelined_schedule_with_late_loads_and_lagging_dumps_ends_with_the_se
         if settle_every:
             store.settle(int(rng.integers(0, settle_every + 1)))
 
-    pulled = [lender.lend_deferred(0, batches[0][b], borrower=b) for b in range(2)]
+    pulled = [lender.pull(0, batches[0][b], borrower=b) for b in range(2)]
     for t, parts in enumerate(batches):
-        loans = [p.complete(store.stage_load)[0] for p in pulled]  # the load stage of batch t
+        loans = [p.load_missing(store.stage_load)[0] for p in pulled]  # the load stage of batch t
         settle()
         for b in range(2):
             fresh = lender.refresh(t, b) if t > 0 else None
@@ -153,9 +156,9 @@ def test_a_pipelined_schedule_with_late_loads_and_lagging_dumps_ends_with_the_se
             add = counts[np.searchsorted(keys_all, parts[b])].astype(np.float32)
             hbms[b].insert_or_assign(parts[b], hbms[b].get(parts[b]) + add[:, None])
         if t + 1 < len(batches):
-            pulled = [lender.lend_deferred(t + 1, batches[t + 1][b], borrower=b) for b in range(2)]
+            pulled = [lender.pull(t + 1, batches[t + 1][b], borrower=b) for b in range(2)]
         settle()
-        lender.take_back(t, [Returned(b, parts[b], hbms[b].get(parts[b])) for b in range(2)])
+        lender.write_back(t, [Returned(b, parts[b], hbms[b].get(parts[b])) for b in range(2)])
     assert lender.mem.stats["evicted_dirty"] > 0 or capacity == 64
     got = lender.lookup(universe)  # from MEM-PS, the rows in flight, the store
     want = np.stack([expected[int(k)] for k in universe])

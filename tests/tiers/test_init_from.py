@@ -12,7 +12,7 @@ import pytest
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSStage, Pipeline, SSDPSStage, SyntheticSource, TrainerStage
+from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.ssd import TableImport, read_table
 
@@ -49,9 +49,9 @@ def test_training_from_an_import_equals_the_reference_from_it(ray_local, tmp_pat
     spec = TableImport(str(tmp_path / "table"), cfg.dim, float(cfg.row_init().state_value))
     with Pipeline(
         SOURCE,
-        TrainerStage(cfg),
-        MemPSStage(capacity_rows=3500),
-        SSDPSStage(str(tmp_path / "ssd"), options=dict(rows_per_file=512, init_from=spec)),
+        TrainerSettings(cfg),
+        MemPSSettings(capacity_rows=3500),
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=512, init_from=spec)),
         batch_size=BATCH,
     ) as p:
         report = p.fit(progress=False)

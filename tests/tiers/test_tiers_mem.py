@@ -11,6 +11,8 @@ from hpsray.tiers.cache_policy import LruLfuPolicy, belady_hit_rate
 from hpsray.tiers.mem import MemPS, rows_for_bytes
 from hpsray.tiers.ssd import SSDPS
 
+from loading import pull_loaded  # tests/loading.py
+
 W = 5
 INIT = RowInit(dim=3, scale=0.1, seed=7, state_value=0.5)
 
@@ -44,7 +46,7 @@ def test_rows_round_trip_through_ssd_with_the_same_values(tmp_path):
         ref: dict[int, np.ndarray] = {}
         for b in range(40):
             keys = rng.choice(2000, 200, replace=False).astype(np.uint64)
-            rows = mem.pull(b, keys)
+            rows = pull_loaded(mem, b, keys)
             expect = initial_rows(keys, W, INIT)
             for i, k in enumerate(keys.tolist()):
                 if k in ref:
@@ -69,24 +71,24 @@ def test_pinned_rows_are_never_evicted_and_capacity_errors_name_the_numbers():
     mem = MemPS(100, W, store, INIT)
     a = np.arange(0, 40, dtype=np.uint64)
     b = np.arange(40, 80, dtype=np.uint64)
-    mem.pull("a", a)
-    mem.pull("b", b)
+    pull_loaded(mem, "a", a)
+    pull_loaded(mem, "b", b)
     mem.write_back("a", a, np.ones((40, W), np.float32))
     c = np.arange(100, 130, dtype=np.uint64)
     with pytest.raises(CapacityError) as e:  # 80 pinned + 30 new > 100
-        mem.pull("c", c)
+        pull_loaded(mem, "c", c)
     msg = str(e.value)
     assert "capacity 100 rows" in msg and "80 rows are pinned" in msg and "30 not resident" in msg
     assert mem.pinned(a).all() and mem.pinned(b).all() and not mem.contains(c).any()
     assert mem.stats["pinned_rows"] == 80 and mem.in_flight == ["a", "b"]
     mem.unpin("a")
-    mem.pull("c", c)  # now a's rows go, dirty ones to the store first
+    pull_loaded(mem, "c", c)  # now a's rows go, dirty ones to the store first
     assert mem.pinned(b).all() and mem.pinned(c).all()
     assert mem.contains(a).sum() == 100 - 70
     evicted = np.setdiff1d(a, a[mem.contains(a)])
     assert all(np.array_equal(store.rows[int(k)], np.ones(W, np.float32)) for k in evicted)
     with pytest.raises(CapacityError, match="needs 101 distinct rows"):
-        MemPS(100, W, DictStore()).pull(0, np.arange(101, dtype=np.uint64))
+        pull_loaded(MemPS(100, W, DictStore()), 0, np.arange(101, dtype=np.uint64))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,9 +117,9 @@ def test_random_batch_cycles_keep_pins_and_values(data):
             must_hold = np.unique(np.concatenate([*in_flight.values(), keys])).size
             if must_hold > capacity:  # exactly when the pinned union cannot fit
                 with pytest.raises(CapacityError):
-                    mem.pull(step, keys)
+                    pull_loaded(mem, step, keys)
                 continue
-            rows = mem.pull(step, keys)
+            rows = pull_loaded(mem, step, keys)
             assert np.array_equal(rows, expected(keys))
             in_flight[step] = keys
         elif op == "write" and in_flight:
@@ -143,14 +145,14 @@ def test_only_dirty_rows_are_written_on_eviction():
     store = DictStore()
     mem = MemPS(10, W, store, INIT, lru_fraction=1.0)
     k1 = np.arange(10, dtype=np.uint64)
-    mem.pull(1, k1)
+    pull_loaded(mem, 1, k1)
     mem.write_back(1, k1[:3], np.zeros((3, W), np.float32))
     mem.unpin(1)
-    mem.pull(2, np.arange(10, 20, dtype=np.uint64))
+    pull_loaded(mem, 2, np.arange(10, 20, dtype=np.uint64))
     mem.unpin(2)
     assert [d.tolist() for d in store.dumped] == [[0, 1, 2]]
     assert mem.stats["evicted"] == 10 and mem.stats["evicted_dirty"] == 3
-    rows = mem.pull(3, np.array([5, 1], np.uint64))  # clean row re-created, dirty one reloaded
+    rows = pull_loaded(mem, 3, np.array([5, 1], np.uint64))  # clean row re-created, dirty one reloaded
     assert np.array_equal(rows[0], initial_rows(np.array([5], np.uint64), W, INIT)[0])
     assert np.all(rows[1] == 0)
     assert mem.batch_stats(3) == {"hits": 0, "misses": 2, "loaded": 1, "initialised": 1, "hit_rate": 0.0}
@@ -159,12 +161,12 @@ def test_only_dirty_rows_are_written_on_eviction():
 def test_lru_alone_evicts_the_least_recent_and_lfu_alone_the_least_frequent():
     lru = MemPS(4, W, DictStore(), lru_fraction=1.0, history=None)
     for b, k in enumerate([[1, 2], [3, 4], [1], [5]]):  # 2 is older than 3, 4
-        lru.pull(b, np.array(k, np.uint64))
+        pull_loaded(lru, b, np.array(k, np.uint64))
         lru.unpin(b)
     assert lru.contains(np.array([1, 2, 3, 4, 5], np.uint64)).tolist() == [True, False, True, True, True]
     lfu = MemPS(4, W, DictStore(), lru_fraction=0.0, aging=None, history=None)
     for b, k in enumerate([[1, 2, 3, 4], [1, 2, 3], [1, 3], [2], [9]]):  # 4 was seen once
-        lfu.pull(b, np.array(k, np.uint64))
+        pull_loaded(lfu, b, np.array(k, np.uint64))
         lfu.unpin(b)
     assert lfu.contains(np.array([1, 2, 3, 4, 9], np.uint64)).tolist() == [True, True, True, False, True]
 
@@ -173,10 +175,10 @@ def test_lru_lfu_protects_frequent_rows_from_a_scan():
     mem = MemPS(20, W, DictStore(), lru_fraction=0.25, history=None, aging=None)
     hot = np.arange(10, dtype=np.uint64)
     for b in range(5):
-        mem.pull(b, hot)
+        pull_loaded(mem, b, hot)
         mem.unpin(b)
     for b in range(5, 25):  # a scan of one-off keys, 4 per batch
-        mem.pull(b, np.arange(100 + 4 * b, 104 + 4 * b, dtype=np.uint64))
+        pull_loaded(mem, b, np.arange(100 + 4 * b, 104 + 4 * b, dtype=np.uint64))
         mem.unpin(b)
     assert mem.contains(hot).all()  # plain LRU would have lost them all
     s = mem.stats
@@ -199,10 +201,10 @@ def test_frequency_history_survives_eviction():
 def test_write_back_and_unpin_errors_and_stats(tmp_path):
     mem = MemPS(50, W, DictStore(), INIT)
     k = np.array([1, 2, 3, 2], np.uint64)
-    rows = mem.pull("x", k)
+    rows = pull_loaded(mem, "x", k)
     assert rows.shape == (4, W) and np.array_equal(rows[1], rows[3])
     assert mem.batch_stats("x")["misses"] == 3
-    mem.pull("x", np.array([3, 4], np.uint64))  # a second pull for the same batch
+    pull_loaded(mem, "x", np.array([3, 4], np.uint64))  # a second pull for the same batch
     assert mem.batch_stats("x") == {"hits": 1, "misses": 4, "loaded": 0, "initialised": 4, "hit_rate": 0.2}
     with pytest.raises(KeyError, match="not pulled by batch 'x'"):
         mem.write_back("x", np.array([1, 99], np.uint64), np.zeros((2, W), np.float32))
@@ -239,6 +241,6 @@ def test_belady_beats_online_policies_on_a_small_trace():
 
     mem = MemPS(80, 0, _NullStore())
     for t, keys in enumerate(trace):
-        mem.pull(t, keys)
+        pull_loaded(mem, t, keys)
         mem.unpin(t)
     assert 0 < mem.stats["hit_rate"] <= opt + 1e-12

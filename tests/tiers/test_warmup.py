@@ -66,19 +66,25 @@ SCRIPT = textwrap.dedent(
 
         warm_mem_ps(cfg.row_width, cfg.row_init())
         before = compiled()
-        mem = MemPS(700, cfg.row_width, _DictStore(cfg.row_width), cfg.row_init())  # < the 2,000 keys
+        from hpsray.tiers.loans import Pulled
+
+        store = _DictStore(cfg.row_width)
+        mem = MemPS(700, cfg.row_width, store, cfg.row_init())  # < the 2,000 keys
+        loaded = 0
         for t, batch in enumerate(batches):
             keys = frozen(np.unique(batch.keys))
-            rows = mem.pull(t, keys)
+            rows, missing = mem.pull(t, keys)  # the load stage fills the misses, as on the SSD-PS actor
+            rows, n = Pulled(rows, missing, keys[missing], cfg.row_init()).load_missing(store.load)
+            loaded += n
             mem.write_back(t, keys, frozen(rows + 1))
             mem.unpin(t)
         mem.flush()
-        facts.update(evicted=mem.stats["evicted"], loaded=mem.stats["loaded"])
+        facts.update(evicted=mem.stats["evicted"], loaded=loaded)
     else:
         from hpsray.actors.trainer import Trainer
         from hpsray.data.batch import Batch
         from hpsray.kernels.init import initial_rows
-        from hpsray.tiers.lending import Loan
+        from hpsray.tiers.loans import Loan
 
         trainer = Trainer(0, 1, cfg, gen.n_slots, gen.n_dense, 2000)  # warms its step
         before = compiled()

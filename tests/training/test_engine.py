@@ -19,7 +19,7 @@ from hpsray.errors import MissingRowsError
 from hpsray.kernels.init import initial_rows
 from hpsray.models.pooling import BagLayout
 from hpsray.reference import ReferenceTrainer
-from hpsray.tiers.lending import Loan
+from hpsray.tiers.loans import Loan
 from hpsray.training.engine import TrainerEngine
 from hpsray.training.layout import index_batch
 
@@ -57,7 +57,7 @@ class Owner:
         self.lent = keys
         return Loan(rows, held if held.any() else None)
 
-    def take_back(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def write_back(self, keys: np.ndarray, rows: np.ndarray) -> None:
         for k, r in zip(keys.tolist(), rows, strict=True):
             self.rows[k] = r.copy()
 
@@ -69,7 +69,7 @@ def _train(engine: TrainerEngine, owner: Owner, batches: list[Batch]) -> list[fl
         engine.borrow(0, [keys], [owner.lend(keys)])
         np.testing.assert_array_equal(np.sort(engine.hbm.tables[0].keys()), keys)  # exactly the batch's rows
         losses.append(engine.close_batch(engine.train_local(engine.index(batch))))
-        owner.take_back(keys, engine.rows(keys))
+        owner.write_back(keys, engine.rows(keys))
     return losses
 
 
@@ -240,7 +240,7 @@ def test_a_step_reads_nothing_back_from_the_device(device):
             if device == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
         engine.close_batch(losses)
-        owner.take_back(keys, engine.rows(keys))
+        owner.write_back(keys, engine.rows(keys))
     keys, rows, _ = reference.export()
     np.testing.assert_allclose(np.stack([owner.rows[k] for k in keys.tolist()]), rows, rtol=1e-4, atol=1e-6)
 

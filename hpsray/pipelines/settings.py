@@ -1,4 +1,5 @@
-"""Stage descriptions a user composes into a :class:`~hpsray.pipelines.Pipeline`."""
+"""The settings a user gives a :class:`~hpsray.pipelines.Pipeline`, one dataclass per part
+(MEM-PS, SSD-PS, trainer, synchronisation, checkpoints); each checks its values on creation."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hpsray.tiers.admission import check_admission
 
 
 @dataclass
-class MemPSStage:
+class MemPSSettings:
     """Host-memory tier: budget in rows or bytes (exactly one), plus cache options.
 
     ``admit_after`` and ``expire_after_batches``: feature admission and expiry, off by default
@@ -35,17 +36,17 @@ class MemPSStage:
 
     def __post_init__(self) -> None:
         if (self.capacity_rows is None) == (self.capacity_bytes is None):
-            raise ValueError("MemPSStage: give exactly one of capacity_rows and capacity_bytes")
+            raise ValueError("MemPSSettings: give exactly one of capacity_rows and capacity_bytes")
         if self.dumps_in_flight < 1:
-            raise ValueError(f"MemPSStage.dumps_in_flight must be >= 1, got {self.dumps_in_flight}")
+            raise ValueError(f"MemPSSettings.dumps_in_flight must be >= 1, got {self.dumps_in_flight}")
         try:
             check_admission(self.admit_after, self.expire_after_batches)
         except ValueError as e:
-            raise ValueError(f"MemPSStage: {e}") from None
+            raise ValueError(f"MemPSSettings: {e}") from None
 
 
 @dataclass
-class SSDPSStage:
+class SSDPSSettings:
     """Disk tier: the directory of parameter files (a fresh temporary one when ``None``)."""
 
     path: str | None = None
@@ -53,7 +54,7 @@ class SSDPSStage:
 
 
 @dataclass
-class TrainerStage:
+class TrainerSettings:
     """What each node's trainer runs: config, model, devices."""
 
     config: TrainConfig = field(default_factory=TrainConfig)
@@ -65,13 +66,13 @@ class TrainerStage:
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
-            raise ValueError(f"TrainerStage.device must be 'cpu' or 'cuda', got {self.device!r}")
+            raise ValueError(f"TrainerSettings.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.n_devices < 1:
-            raise ValueError(f"TrainerStage.n_devices must be >= 1, got {self.n_devices}")
+            raise ValueError(f"TrainerSettings.n_devices must be >= 1, got {self.n_devices}")
 
 
 @dataclass
-class SyncStage:
+class SyncSettings:
     """How the trainers of several nodes stay consistent and combine dense gradients
     (docs/architecture.md: Consistency; docs/operations.md: Consistency modes).
 
@@ -122,23 +123,23 @@ class SyncStage:
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCY_MODES:
-            raise ValueError(f"SyncStage.consistency must be one of {CONSISTENCY_MODES}, got {self.consistency!r}")
+            raise ValueError(f"SyncSettings.consistency must be one of {CONSISTENCY_MODES}, got {self.consistency!r}")
         if self.dense not in DENSE_SYNC:
-            raise ValueError(f"SyncStage.dense must be one of {DENSE_SYNC}, got {self.dense!r}")
+            raise ValueError(f"SyncSettings.dense must be one of {DENSE_SYNC}, got {self.dense!r}")
         if self.propagation not in PROPAGATIONS:
-            raise ValueError(f"SyncStage.propagation must be one of {PROPAGATIONS}, got {self.propagation!r}")
+            raise ValueError(f"SyncSettings.propagation must be one of {PROPAGATIONS}, got {self.propagation!r}")
         if self.staleness < 0:
-            raise ValueError(f"SyncStage.staleness must be >= 0, got {self.staleness}")
+            raise ValueError(f"SyncSettings.staleness must be >= 0, got {self.staleness}")
         if self.dense_staleness is not None and self.dense_staleness < 0:
-            raise ValueError(f"SyncStage.dense_staleness must be >= 0 or None, got {self.dense_staleness}")
+            raise ValueError(f"SyncSettings.dense_staleness must be >= 0 or None, got {self.dense_staleness}")
         if self.work_per_clock < 1:
-            raise ValueError(f"SyncStage.work_per_clock must be >= 1, got {self.work_per_clock}")
+            raise ValueError(f"SyncSettings.work_per_clock must be >= 1, got {self.work_per_clock}")
         if self.chunk_bytes < 4:
-            raise ValueError(f"SyncStage.chunk_bytes must be >= 4, got {self.chunk_bytes}")
+            raise ValueError(f"SyncSettings.chunk_bytes must be >= 4, got {self.chunk_bytes}")
         if self.straggler_delay_s < 0 or not 0 <= self.straggler_probability <= 1:
-            raise ValueError("SyncStage: straggler_delay_s must be >= 0 and straggler_probability in [0, 1]")
+            raise ValueError("SyncSettings: straggler_delay_s must be >= 0 and straggler_probability in [0, 1]")
         if not self.fault_timeout_s > 0:
-            raise ValueError(f"SyncStage.fault_timeout_s must be > 0, got {self.fault_timeout_s}")
+            raise ValueError(f"SyncSettings.fault_timeout_s must be > 0, got {self.fault_timeout_s}")
 
     @property
     def slack(self) -> int | None:
@@ -147,7 +148,7 @@ class SyncStage:
 
 
 @dataclass
-class CheckpointStage:
+class CheckpointSettings:
     """Checkpoints and recovery (docs/operations.md: Checkpoints, recovery and resume).
 
     Every ``every_batches`` batches (and at the start of each pass) the pipeline writes a
@@ -165,8 +166,8 @@ class CheckpointStage:
 
     def __post_init__(self) -> None:
         if self.every_batches < 1:
-            raise ValueError(f"CheckpointStage.every_batches must be >= 1, got {self.every_batches}")
+            raise ValueError(f"CheckpointSettings.every_batches must be >= 1, got {self.every_batches}")
         if self.keep < 1:
-            raise ValueError(f"CheckpointStage.keep must be >= 1, got {self.keep}")
+            raise ValueError(f"CheckpointSettings.keep must be >= 1, got {self.keep}")
         if self.max_failures < 0:
-            raise ValueError(f"CheckpointStage.max_failures must be >= 0, got {self.max_failures}")
+            raise ValueError(f"CheckpointSettings.max_failures must be >= 0, got {self.max_failures}")
