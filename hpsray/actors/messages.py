@@ -1,41 +1,65 @@
-"""The messages between the stage actors and the driver, one dataclass each.
+"""The messages between the stage actors and the driver: the protocol's spec, one dataclass each.
+
+Layering: the loan's four (``Pulled``, ``Loan``, ``Refresh``, ``Returned``) are defined in the
+Ray-free :mod:`hpsray.tiers.loans` and re-exported here, since two engines (the owner's and the
+trainer's) build and read them and engines never import this package; the three that carry refs
+are defined here, Ray-free too (refs are typed for mypy only).
 
 Refs travel inside these messages unresolved (Ray resolves only top-level arguments), so each
 actor fetches exactly the parts it needs: a MEM-PS gets one owner's keys, never the batch.
 
-Per batch ``t`` (docs/architecture.md: The pipeline)::
+Per batch ``t`` (docs/architecture.md: The pipeline; the verbs: Glossary)::
 
-    Reader.read            -> ReadBatch      (the batch and its keys split by owner, as refs)
-    MemPSShard.pull        -> Pulled         (a loan: the rows the owner holds, the keys it lacks)
-    SSDPSShard.load_missing(Pulled) -> Loan  (the owner's rows of the borrower's keys it does not hold)
-    MemPSShard.refresh     -> Refresh        (rows other borrowers changed since the loan)
-    Trainer.train(TrainInputs) -> Returned per owner, then TrainOutcome
+    Reader.read                      -> ReadBatch   (the batch and its keys split by owner, as refs)
+    MemPSShard.pull                  -> Pulled      (a loan: the rows the owner holds, the keys it lacks)
+    SSDPSShard.load_missing(Pulled)  -> Loan        (the owner's rows of the borrower's keys it does not hold)
+    MemPSShard.refresh               -> Refresh     (rows other borrowers changed since the loan)
+    MemPSShard.must_return           -> keys        (several nodes: what a trainer returns though it keeps it)
+    Trainer.train(TrainInputs)       -> Returned per owner, then TrainOutcome
     MemPSShard.write_back(*Returned)
-    Trainer.flush -> [Returned per owner]  (rows it kept across a batch end: before a checkpoint,
-    MemPSShard.store_kept(*flushed)        at a stop, after a failure)
+    Trainer.flush                    -> [Returned per owner]  (rows it kept across a batch end: before a
+    MemPSShard.store_kept(*flushed)                              checkpoint, at a stop, after a failure)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
 
 from hpsray.tiers.loans import Loan, Pulled, Refresh, Returned
 
-__all__ = ["Loan", "Pulled", "ReadBatch", "Refresh", "Returned", "TrainInputs", "TrainOutcome"]
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from hpsray.data.batch import Batch
+
+__all__ = ["Loan", "Pulled", "ReadBatch", "Refresh", "Returned", "TrainData", "TrainInputs", "TrainOutcome"]
+
+Keys = npt.NDArray[np.uint64]
 
 
 @dataclass(frozen=True)
 class ReadBatch:
     """A reader's next batch: ``examples == 0`` (and ``batch`` a ref to ``None``) at the end.
-
-    ``batch`` and each of ``keys_by_owner`` (the batch's distinct sorted keys owned by node
-    ``o``) are object refs.
-    """
+    ``keys_by_owner[o]``: the batch's distinct sorted keys owned by node ``o``."""
 
     examples: int
-    batch: Any
-    keys_by_owner: list[Any]
+    batch: ObjectRef[Batch | None]
+    keys_by_owner: list[ObjectRef[Keys]]
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """The values of a :class:`TrainInputs`' refs (:meth:`TrainInputs.resolve`)."""
+
+    batch: Batch | None
+    keys: list[Keys]
+    loans: list[Loan]
+    refreshed: list[Refresh]
 
 
 @dataclass(frozen=True)
@@ -46,28 +70,28 @@ class TrainInputs:
     stage's output, ``SSDPSShard.load_missing``, on ``o``'s node); ``refreshed[o]`` (empty
     on one node and for a pass's first batch) its :class:`Refresh`. ``sizes`` holds every node's
     examples in this batch: all trainers step through the same number of global mini-batches.
-    ``next_batch``: this node's :class:`ReadBatch` (or a ref to it) of the batch after, when the
-    trainer may keep the rows both batches need instead of returning them (``None``: return
-    them all); ``must_return[o]`` (several nodes: refs, one per owner) the keys owner ``o``
-    needs back all the same.
+    ``next_batch``: a ref to this node's :class:`ReadBatch` of the batch after, when the trainer
+    may keep the rows both batches need instead of returning them (``None``: return them all);
+    ``must_return[o]`` (several nodes only) the keys owner ``o`` needs back all the same.
     """
 
-    batch: Any
-    keys: list[Any]
-    loans: list[Any]
-    refreshed: list[Any] = field(default_factory=list)
+    batch: ObjectRef[Batch | None]
+    keys: list[ObjectRef[Keys]]
+    loans: list[ObjectRef[Loan]]
+    refreshed: list[ObjectRef[Refresh]] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
-    next_batch: Any = None
-    must_return: list[Any] = field(default_factory=list)
+    next_batch: ObjectRef[ReadBatch] | None = None
+    must_return: list[ObjectRef[Keys]] = field(default_factory=list)
 
-    def refs(self) -> list[Any]:
-        """Every ref, in the order :meth:`unpack` expects their values."""
-        return [self.batch, *self.keys, *self.loans, *self.refreshed]
-
-    def unpack(self, values: list[Any]) -> tuple[Any, list, list, list]:
-        """``(batch, keys, loans, refreshed)`` from the values of :meth:`refs`."""
-        n, m = len(self.keys), len(self.refreshed)
-        return values[0], values[1 : 1 + n], values[1 + n : 1 + 2 * n], values[1 + 2 * n : 1 + 2 * n + m]
+    def resolve(self, get: Callable[[list[ObjectRef[Any]]], list[Any]]) -> TrainData:
+        """The values of ``batch``, ``keys``, ``loans`` and ``refreshed``, fetched in one call of
+        ``get`` (``ray.get``, or a bounded one such as ``hpsray.cluster.faults.get``)."""
+        values = iter(get([self.batch, *self.keys, *self.loans, *self.refreshed]))
+        batch = next(values)
+        keys = [next(values) for _ in self.keys]
+        loans = [next(values) for _ in self.loans]
+        refreshed = [next(values) for _ in self.refreshed]
+        return TrainData(batch=batch, keys=keys, loans=loans, refreshed=refreshed)
 
 
 @dataclass(frozen=True)

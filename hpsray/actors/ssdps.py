@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import Any
+
 import numpy as np
 
 from hpsray.actors.livemetrics import LiveGauges
@@ -28,7 +31,7 @@ class SSDPSShard:
         width: int,
         restore_from: str | None = None,
         init_from: TableImport | None = None,
-        **options,
+        **options: Any,
     ) -> None:
         """``restore_from``: a snapshot (:meth:`snapshot`) that replaces ``directory`` first;
         ``init_from``: a table a fresh store loads (not when restoring: the snapshot has it)."""
@@ -60,7 +63,7 @@ class SSDPSShard:
     def __repr__(self) -> str:
         return f"SSDPS[node {self.node}]"
 
-    def load_missing(self, batch_id, pulled: Pulled) -> Loan:
+    def load_missing(self, batch_id: Hashable, pulled: Pulled) -> Loan:
         """The load stage: ``pulled``'s loan as the trainer takes it, its missing rows read from
         the parameter files (initial rows for keys never stored). Every write MEM-PS saw done
         before the pull has run here, and a row still in flight was not missing."""
@@ -74,7 +77,7 @@ class SSDPSShard:
             self._export()
         return Loan(rows, pulled.held)
 
-    def load(self, keys: np.ndarray, batch=None) -> tuple[np.ndarray, np.ndarray]:
+    def load(self, keys: np.ndarray, batch: Hashable | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(rows of the keys found, found mask)`` (MEM-PS's own reads, for evaluation): only
         found rows cross to MEM-PS (a first pass finds none)."""
         with self.clock.timed(batch):
@@ -82,12 +85,12 @@ class SSDPSShard:
         self._export()
         return (rows, found) if found.all() else (rows[found], found)
 
-    def dump(self, keys: np.ndarray, rows: np.ndarray, batch=None) -> None:
+    def dump(self, keys: np.ndarray, rows: np.ndarray, batch: Hashable | None = None) -> None:
         with self.writes.timed(batch):
             self.store.dump(keys, rows)
         self._export()
 
-    def delete(self, keys: np.ndarray, batch=None) -> int:
+    def delete(self, keys: np.ndarray, batch: Hashable | None = None) -> int:
         """Delete the rows of ``keys`` (expiry); returns how many were stored."""
         with self.writes.timed(batch):
             n = self.store.delete(keys)

@@ -238,7 +238,8 @@ class Trainer:
 
         error = None
         try:
-            batch, key_parts, loans, refreshed = inputs.unpack(faults.get(inputs.refs(), f"batch {batch_id}'s inputs"))
+            got = inputs.resolve(lambda refs: faults.get(refs, f"batch {batch_id}'s inputs"))
+            batch, key_parts, loans, refreshed = got.batch, got.keys, got.loans, got.refreshed
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the peers
             error = e
         if self.n_nodes > 1 and self.group is not None and self._peer_failed(batch_id, error):
@@ -336,7 +337,8 @@ class Trainer:
             raise RuntimeError(f"{self!r} trains before joining the device mesh (Pipeline forms it)")
         error = None
         try:
-            batch, key_parts, loans, refreshed = inputs.unpack(ray.get(inputs.refs()))
+            got = inputs.resolve(ray.get)
+            batch, key_parts, loans, refreshed = got.batch, got.keys, got.loans, got.refreshed
         except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
             error = e
         failed = mesh.allreduce_sum(torch.tensor([0.0 if error is None else 1.0]))

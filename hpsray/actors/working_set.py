@@ -4,28 +4,35 @@ batch's keys and the keys owners need back, fetched from the object store."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hpsray.training.working_set import Traffic, keep_masks, working_set_report
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from hpsray.actors.messages import ReadBatch
+
 __all__ = ["Traffic", "kept_masks", "working_set_report"]
 
 
 def kept_masks(
-    next_batch: Any, key_parts: list[np.ndarray], must_return: Sequence[Any] = ()
+    next_batch: ObjectRef[ReadBatch] | None,
+    key_parts: list[np.ndarray],
+    must_return: Sequence[ObjectRef[np.ndarray]] = (),
 ) -> list[np.ndarray] | None:
-    """Per owner, which of this batch's keys the trainer keeps (:func:`keep_masks`), given the
-    next batch's ``ReadBatch`` (or a ref to it) and refs of each owner's keys needed back.
-    ``None`` (return every row) without a next batch, when it is empty or could not be read
-    (its reader's error is the driver's to raise)."""
+    """Per owner, which of this batch's keys the trainer keeps (:func:`keep_masks`), given a ref
+    to the next batch's ``ReadBatch`` and refs of each owner's keys needed back. ``None``
+    (return every row) without a next batch, when it is empty or could not be read (its
+    reader's error is the driver's to raise)."""
     if next_batch is None:
         return None
     import ray
 
     try:
-        upcoming = ray.get(next_batch) if isinstance(next_batch, ray.ObjectRef) else next_batch
+        upcoming = ray.get(next_batch)
         if not upcoming.examples:
             return None
         next_keys = ray.get(list(upcoming.keys_by_owner))

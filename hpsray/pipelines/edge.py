@@ -104,7 +104,7 @@ class BoundedEdge:
         """Wait until every batch given a consumer is done (raises their errors) and return the
         consumers' values; batches still waiting for a consumer stay."""
         held = [b for b in self._batches if b.consumers is not None]
-        refs = [ref for b in held for ref in b.consumers]  # type: ignore[union-attr]
+        refs = [ref for b in held for ref in (b.consumers or [])]
         wait_all(refs, f"the consumers of the batches on edge {self.name!r}")
         values = ray.get(refs)
         self._batches = deque(b for b in self._batches if b.consumers is None)

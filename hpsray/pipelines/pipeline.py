@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -41,6 +42,7 @@ from hpsray.pipelines.recovery import (
 )
 from hpsray.pipelines.schedule import PassSchedule
 from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
+from hpsray.pipelines.sources import PipelineSource
 from hpsray.pipelines.summary import run_report
 
 
@@ -71,7 +73,7 @@ class Pipeline:
 
     def __init__(
         self,
-        source,
+        source: PipelineSource,
         trainer: TrainerSettings | None = None,
         mem: MemPSSettings | None = None,
         ssd: SSDPSSettings | None = None,
@@ -117,7 +119,7 @@ class Pipeline:
                 f"n_devices = {self.trainer_stage.n_devices} runs the device mesh, which synchronises BSP; "
                 f"consistency = {self.sync.consistency!r} needs n_devices = 1 (one trainer process per node)"
             )
-        self._aggregators = None
+        self._aggregators: list | None = None
         self.config = self.trainer_stage.config
         self._nodes: list[NodeActors] = []
         self._tmp: str | None = None
@@ -187,15 +189,15 @@ class Pipeline:
         if needs_group(n_nodes, self.trainer_stage.n_devices):
             # forming the group waits for the trainers: the readers start beside them, not after
             # (fit() opens them again where its pass starts)
-            for node in self._nodes:
-                self._open_reader(node, self.source, node.index, n_nodes)
+            for actors in self._nodes:
+                self._open_reader(actors, self.source, actors.index, n_nodes)
             self._aggregators = join_group(self.name, self._nodes, self.sync, n_devices=self.trainer_stage.n_devices)
         if restore is not None:
             load_trainers(restore, self._nodes)
             self._next_batch, self._pass_first = restore.batch, int(restore.meta["pass_first"])
             self._checkpointed = restore.batch
 
-    def _open_reader(self, node: NodeActors, source, index: int, count: int, skip: int = 0):
+    def _open_reader(self, node: NodeActors, source: PipelineSource, index: int, count: int, skip: int = 0) -> Any:
         return open_reader(self, node, source, index, count, len(self._nodes), skip)
 
     # -- training ------------------------------------------------------------------------
@@ -284,7 +286,7 @@ class Pipeline:
         )
         self.report["startup_s"] = startup
         if "time_to_first_batch_s" in self.report:
-            start = {"ray_init_s": self.start_s.pop("ray_init_s", 0.0), "actors_s": startup}
+            start: dict[str, Any] = {"ray_init_s": self.start_s.pop("ray_init_s", 0.0), "actors_s": startup}
             start["other_s"] = max(self.report["time_to_first_batch_s"] - sum(start.values()), 0.0)
             start["ready_s"] = {k: self.start_s.pop(k) for k in list(self.start_s) if k in _STAGES}
             self.report["start"] = start
@@ -362,7 +364,7 @@ class Pipeline:
 
     # -- using the trained model ---------------------------------------------------------
 
-    def evaluate(self, source) -> dict:
+    def evaluate(self, source: PipelineSource) -> dict:
         """AUC and log-loss of the trained model over ``source``'s examples (read on node 0,
         each key's row looked up at its owner)."""
         self._start()
@@ -438,7 +440,7 @@ class Pipeline:
     def __enter__(self) -> Pipeline:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
 
@@ -463,7 +465,7 @@ def _wait_ready(nodes: list[NodeActors]) -> dict[str, float]:
     return ready
 
 
-def _catch_interrupt(pipeline: Pipeline):
+def _catch_interrupt(pipeline: Pipeline) -> Any:
     """In the main thread, make the first Ctrl-C ask ``pipeline`` to stop at the next batch
     boundary (a second one interrupts at once); returns the handler it replaced."""
     if threading.current_thread() is not threading.main_thread():

@@ -11,8 +11,9 @@ is safe).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
@@ -21,7 +22,11 @@ from hpsray.actors.reader import Reader
 from hpsray.actors.ssdps import SSDPSShard
 from hpsray.actors.trainer import Trainer
 from hpsray.cluster.runtime import on_node
+from hpsray.config import TrainConfig
+from hpsray.data.batch import Batch
 from hpsray.errors import ConfigError
+from hpsray.pipelines.settings import MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
+from hpsray.pipelines.sources import PipelineSource
 
 
 @dataclass
@@ -40,11 +45,32 @@ class NodeActors:
         return [self.ssd, self.mem, self.trainer, *([self.reader] if self.reader is not None else [])]
 
 
+class Placed(Protocol):
+    """What placement reads of the :class:`~hpsray.pipelines.Pipeline` whose actors it starts."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def source(self) -> PipelineSource: ...
+    @property
+    def transforms(self) -> list[Callable[[Batch], Batch]]: ...
+    @property
+    def mem_stage(self) -> MemPSSettings: ...
+    @property
+    def ssd_stage(self) -> SSDPSSettings: ...
+    @property
+    def trainer_stage(self) -> TrainerSettings: ...
+
+
 def _options(node_id: str) -> dict:
     return dict(num_cpus=0, scheduling_strategy=on_node(node_id), max_concurrency=1)
 
 
-def start_ssd(pipeline, index: int, node_id: str, directory: str, restore_from: str | None = None):
+def start_ssd(pipeline: Placed, index: int, node_id: str, directory: str, restore_from: str | None = None) -> Any:
     """Node ``index``'s SSD-PS actor over ``directory`` (rebuilt from a snapshot first when
     ``restore_from`` names one)."""
     return (
@@ -54,7 +80,7 @@ def start_ssd(pipeline, index: int, node_id: str, directory: str, restore_from: 
     )
 
 
-def start_mem(pipeline, index: int, node_id: str, ssd, admission_from: str | None = None):
+def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_from: str | None = None) -> Any:
     """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd`` (its admission counts
     from ``admission_from``, a checkpoint's, when given)."""
     config, stage = pipeline.config, pipeline.mem_stage
@@ -77,7 +103,7 @@ def start_mem(pipeline, index: int, node_id: str, ssd, admission_from: str | Non
     )
 
 
-def start_trainer(pipeline, index: int, node: dict, n_nodes: int):
+def start_trainer(pipeline: Placed, index: int, node: dict, n_nodes: int) -> Any:
     """Node ``index``'s trainer actor on Ray node ``node`` (one GPU of it on CUDA), device 0 of
     the node's ``n_devices``; it starts the node's other device processes itself."""
     t, source = pipeline.trainer_stage, pipeline.source
@@ -107,7 +133,7 @@ def start_trainer(pipeline, index: int, node: dict, n_nodes: int):
 
 
 def place_node(
-    pipeline,
+    pipeline: Placed,
     index: int,
     node: dict,
     n_nodes: int,
@@ -126,7 +152,9 @@ def place_node(
     return NodeActors(index, node_id, ssd, mem, trainer, ssd_dir)
 
 
-def open_reader(pipeline, node: NodeActors, source, index: int, count: int, n_nodes: int, skip: int = 0):
+def open_reader(
+    pipeline: Placed, node: NodeActors, source: PipelineSource, index: int, count: int, n_nodes: int, skip: int = 0
+) -> Any:
     """Node ``node``'s reader, reading share ``index`` of ``count`` of ``source`` from now on,
     past its first ``skip`` batches."""
     if node.reader is None:
@@ -141,7 +169,7 @@ def open_reader(pipeline, node: NodeActors, source, index: int, count: int, n_no
     return node.reader
 
 
-def join_group(name: str, nodes: list[NodeActors], sync, generation: int = 0, n_devices: int = 1) -> list:
+def join_group(name: str, nodes: list[NodeActors], sync: SyncSettings, generation: int = 0, n_devices: int = 1) -> list:
     """Form the trainers' collective group (and the chunk aggregators, or the clock board of
     ``propagation = "relay"``, that ``sync`` asks for), or with ``n_devices > 1`` the device
     mesh of every node's device processes; returns the helper actors, for shutdown. A recovery

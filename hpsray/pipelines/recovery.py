@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 from ray.exceptions import (
@@ -139,7 +140,7 @@ def _handles(node: NodeActors) -> list:
     return [a for a in (node.ssd, node.mem, node.trainer, node.reader) if a is not None]
 
 
-def shrink(pipeline, checkpoint: Checkpoint, lost: dict[int, str]) -> dict:
+def shrink(pipeline: Any, checkpoint: Checkpoint, lost: dict[int, str]) -> dict:
     """Continue on the nodes that are left: stop every actor, re-partition ``checkpoint`` onto
     the survivors (committed in its place) and start the stages there from it. The lost nodes'
     Ray nodes are not used again by this pipeline. Returns the recovery's record."""
@@ -179,7 +180,7 @@ def shrink(pipeline, checkpoint: Checkpoint, lost: dict[int, str]) -> dict:
     }
 
 
-def restart_from(pipeline, checkpoint: Checkpoint, dead: list[str], timeout: float = 60.0) -> dict:
+def restart_from(pipeline: Any, checkpoint: Checkpoint, dead: list[str], timeout: float = 60.0) -> dict:
     """Bring ``pipeline``'s actors to ``checkpoint``'s state after the ``dead`` ones died.
 
     A lost node (its Ray node gone, or every actor of it dead: :func:`lost_nodes`) moves to a
@@ -224,7 +225,7 @@ def restart_from(pipeline, checkpoint: Checkpoint, dead: list[str], timeout: flo
         restart |= {("Trainer", node.index) for node in nodes}
     restart |= {("MemPS", i) for kind, i in list(restart) if kind == "SSDPS"}
 
-    def handle(kind: str, node: NodeActors):
+    def handle(kind: str, node: NodeActors) -> Any:
         return {"SSDPS": node.ssd, "MemPS": node.mem, "Trainer": node.trainer, "Reader": node.reader}[kind]
 
     def reset_or_restart(kind: str, calls: dict) -> None:

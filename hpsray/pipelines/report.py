@@ -61,7 +61,7 @@ def write_report(report: Mapping[str, Any], path: str | os.PathLike) -> list[str
     return [path, *pngs.values()]
 
 
-def _figure(title: str):
+def _figure(title: str) -> tuple[Any, Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -74,7 +74,7 @@ def _figure(title: str):
     return plt, fig, ax
 
 
-def _save(plt, fig, ax, path: str, empty: bool, why: str) -> None:
+def _save(plt: Any, fig: Any, ax: Any, path: str, empty: bool, why: str) -> None:
     if empty:
         ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
     fig.tight_layout()
@@ -160,7 +160,7 @@ def format_stage_table(report: Mapping[str, Any]) -> str:
             parts.append("actors up after " + ", ".join(f"{k} {v:.2f} s" for k, v in ready.items()))
         lines.append(f"time to first batch {ttfb:.2f} s" + (f" ({'; '.join(parts)})" if parts else ""))
     if busy:
-        slowest = max(busy, key=busy.get)
+        slowest = max(busy, key=lambda stage: busy[stage])
         lines.append(
             f"pipeline efficiency {report.get('pipeline_efficiency', 0.0):.2f} "
             f"(slowest stage {slowest}: busy {busy[slowest]:.2f} s of {wall:.2f} s wall)"

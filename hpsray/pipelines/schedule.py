@@ -40,9 +40,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+import numpy as np
 import ray
+from ray import ObjectRef
 
 from hpsray.actors.messages import ReadBatch, TrainInputs
 from hpsray.cluster import faults
@@ -50,6 +51,8 @@ from hpsray.cluster.updates import crosses_batches
 from hpsray.errors import PeerFailedError, caused_by
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.placement import NodeActors
+from hpsray.pipelines.progress import Progress
+from hpsray.pipelines.settings import SyncSettings
 
 EDGES = ("read→pull", "pull→load", "load→train", "train→write-back")
 
@@ -84,14 +87,14 @@ class PassSchedule:
     pull_queue: int = 2
     load_queue: int = 2
     write_back_queue: int = 2
-    sync: Any = None
+    sync: SyncSettings | None = None
     reads: list[BoundedEdge] = field(init=False)
     pulls: list[BoundedEdge] = field(init=False)  # by owner
     loads: list[BoundedEdge] = field(init=False)  # by borrower
     write_backs: list[BoundedEdge] = field(init=False)  # by owner
     outcomes: list = field(init=False, default_factory=list)  # every TrainOutcome ref, to find a failure's root
     examples_by_batch: dict[int, int] = field(init=False, default_factory=dict)
-    _pending: deque = field(init=False, default_factory=deque)  # per batch read ahead: ReadBatch refs by node
+    _pending: deque[list[ObjectRef[ReadBatch]]] = field(init=False, default_factory=deque)  # read ahead, by node
     _training: _Training | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -132,9 +135,11 @@ class PassSchedule:
             row.append(ref)
         self._pending.append(row)
 
-    def _next_read(self) -> list[ReadBatch]:
-        """The oldest batch read ahead, by node; raises a reader's error (bad input, say)."""
-        return faults.get(self._pending.popleft(), "the readers' next batch")
+    def _next_read(self) -> tuple[list[ReadBatch], list[ObjectRef[ReadBatch]]]:
+        """The oldest batch read ahead, by node, and the refs it came from; raises a reader's
+        error (bad input, say)."""
+        refs = self._pending.popleft()
+        return faults.get(refs, "the readers' next batch"), refs
 
     def _lend(self, t: int, read: list[ReadBatch]) -> list[list]:
         """Refs of the loans of batch ``t``: ``[borrower][owner]``, every owner pulling and then
@@ -167,16 +172,16 @@ class PassSchedule:
         read: list[ReadBatch],
         loans: list[list],
         refreshed: list[list] | None,
-        next_read: list[ReadBatch] | None = None,
+        next_read: list[ObjectRef[ReadBatch]] | None = None,
     ) -> list:
         """Submit batch ``t``'s training; each trainer keeps the rows batch ``t+1`` needs too
-        (its ReadBatch, read ahead) unless the owners need them back: on one node they never
-        do; with several (``next_read`` given, and ``t+1`` lent) each owner names them."""
+        (a ref to its ReadBatch, read ahead) unless the owners need them back: on one node they
+        never do; with several (``next_read`` given, and ``t+1`` lent) each owner names them."""
         n = len(self.nodes)
-        upcoming: list = [None] * n
-        must: list[list] = [[] for _ in range(n)]
+        upcoming: list[ObjectRef[ReadBatch] | None] = [None] * n
+        must: list[list[ObjectRef[np.ndarray]]] = [[] for _ in range(n)]
         if n == 1 and self._pending:
-            upcoming = self._pending[0]
+            upcoming = list(self._pending[0])
         elif next_read is not None:
             upcoming = list(next_read)
             nodes, bid = self.nodes, self.first + t + 1
@@ -204,12 +209,12 @@ class PassSchedule:
             edge.put([refs[-1] for refs in results])
         return results
 
-    def run(self, progress=None) -> None:
+    def run(self, progress: Progress | None = None) -> None:
         """Train every batch the readers yield (raises the first error; see :meth:`salvage`)."""
         n = len(self.nodes)
         for k in range(self.read_queue):
             self._read(k)
-        read = self._next_read()
+        read, _ = self._next_read()
         if sum(r.examples for r in read) == 0:
             raise ValueError("the source produced no examples")
         t, loans = 0, self._lend(0, read)
@@ -219,19 +224,19 @@ class PassSchedule:
             self._read(t + self.read_queue)  # before train(t): the trainer looks at batch t+1's keys
             if self.lend_first:  # t+1 lent before t trains: the owners can say which rows must come back
                 try:
-                    next_read = self._next_read()
+                    next_read, next_refs = self._next_read()
                 except Exception:  # t+1 is bad: t still trains (every row back) and is salvaged
                     self._training = _Training(self.first + t, self._train(t, read, loans, refreshed))
                     raise
                 more = sum(r.examples for r in next_read) > 0
                 if more:
                     next_loans = self._lend(t + 1, next_read)
-                results = self._train(t, read, loans, refreshed, next_read if more else None)
+                results = self._train(t, read, loans, refreshed, next_refs if more else None)
                 self._training = _Training(self.first + t, results)
             else:
                 results = self._train(t, read, loans, refreshed)
                 self._training = _Training(self.first + t, results)  # salvaged if reading t+1 fails
-                next_read = self._next_read()
+                next_read, _ = self._next_read()
                 more = sum(r.examples for r in next_read) > 0
                 if more:
                     next_loans = self._lend(t + 1, next_read)

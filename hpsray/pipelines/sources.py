@@ -8,10 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpsray.data.batch import Batch
 from hpsray.data.synthetic import PlantedCTR
+
+if TYPE_CHECKING:
+    from hpsray.data.readers import DataReader
+
+
+class PipelineSource(Protocol):
+    """What a pipeline reads: a :class:`~hpsray.reference.ShardedSource` that also names the
+    shape of its batches (the sources below are such)."""
+
+    @property
+    def n_slots(self) -> int: ...
+
+    @property
+    def n_dense(self) -> int: ...
+
+    def open(self, batch_size: int, reader_index: int = 0, num_readers: int = 1) -> Iterator[Batch]: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +77,7 @@ class FileSource:
     def n_dense(self) -> int:
         return self.schema.n_dense
 
-    def reader(self, batch_size: int, reader_index: int = 0, num_readers: int = 1):
+    def reader(self, batch_size: int, reader_index: int = 0, num_readers: int = 1) -> DataReader:
         from hpsray.data import LENIENT, DataReader
 
         return DataReader(

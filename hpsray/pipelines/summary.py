@@ -16,6 +16,7 @@ import ray
 from hpsray.actors.working_set import working_set_report
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.placement import NodeActors
+from hpsray.pipelines.settings import SyncSettings
 
 SSD_TOTALS = (
     "bytes_read",
@@ -82,7 +83,7 @@ def overlap(per_node: list[tuple[dict, dict, dict]], batches: set) -> dict:
 
 def run_report(
     nodes: list[NodeActors],
-    sync,
+    sync: SyncSettings,
     devices_per_node: int,
     wall: float,
     batches: range,
