@@ -10,13 +10,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hpsray.report import Evaluation, RunReport
+
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
 
 __all__ = ["evaluate_into", "train_reference"]
 
 
-def train_reference(job: JobConfig, quiet: bool) -> tuple[dict, tuple]:
+def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
     """Fit ``job`` with the in-memory :class:`~hpsray.reference.ReferenceTrainer`, same batches, same order."""
     from hpsray.job import build
     from hpsray.pipelines.progress import Progress, known_examples, progress_seconds
@@ -71,23 +73,19 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[dict, tuple]:
     bar.close()
     if t == 0:
         raise ValueError("the source produced no examples")
-    busy = {"read": sum(per_read.values()), "train": sum(per_train.values())}
-    report = {
-        "trainer": "reference",
-        "mode": "reference",
-        "nodes": n_nodes,
-        "batches": t,
-        "examples": trainer.examples,
-        "wall_s": wall,
-        "examples_per_s": trainer.examples / wall if wall > 0 else 0.0,
-        "stage_busy_s": busy,
-        "pipeline_efficiency": max(busy.values()) / wall if wall > 0 else 0.0,
-        "per_batch_s": {"read": per_read, "train": per_train},
-        "cache_hit_rate": {},
-        "ssd": {},
-        "loss": losses,
-        "bad_input": data_reader.report.to_dict() if data_reader is not None else {},
-    }
+    report = RunReport(
+        trainer="reference",
+        mode="reference",
+        nodes=n_nodes,
+        batches=t,
+        examples=trainer.examples,
+        wall_s=wall,
+        stage_busy_s={"read": sum(per_read.values()), "train": sum(per_train.values())},
+        per_batch_s={"read": per_read, "train": per_train},
+        cache_hit_rate={},
+        loss=losses,
+        bad_input=data_reader.report.to_dict() if data_reader is not None else {},
+    )
 
     def evaluate(eval_source: Any) -> dict:
         r = trainer.evaluate(eval_source.open(bs))
@@ -95,19 +93,18 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[dict, tuple]:
 
     evaluate_into(report, job, evaluate)
     model = trainer.export()
-    report["rows"] = int(model[0].size)
+    report.rows = int(model[0].size)
     return report, model
 
 
-def evaluate_into(report: dict, job: JobConfig, evaluate: Callable[[Any], dict]) -> None:
+def evaluate_into(report: RunReport, job: JobConfig, evaluate: Callable[[Any], dict]) -> None:
     """Evaluate on ``job``'s held-out data with ``evaluate`` (a source to auc, logloss and
-    examples); the report gets ``auc``, ``logloss`` and ``eval_examples`` (``None`` and 0
-    without held-out data)."""
+    examples) into ``report.evaluation`` (``None`` and 0 examples without held-out data)."""
     from hpsray.job import build
 
     eval_source = build.eval_source(job)
     if eval_source is None:
-        report.update(auc=None, logloss=None, eval_examples=0)
+        report.evaluation = Evaluation(auc=None, logloss=None, eval_examples=0)
         return
     result = evaluate(eval_source)
-    report.update(auc=result["auc"], logloss=result["logloss"], eval_examples=result["examples"])
+    report.evaluation = Evaluation(auc=result["auc"], logloss=result["logloss"], eval_examples=result["examples"])

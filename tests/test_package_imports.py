@@ -152,6 +152,7 @@ ENGINES = (
     "hpsray.export",
     "hpsray.plan",
     "hpsray.cluster.updates",
+    "hpsray.report",
 )
 RAY_LAYERS = (
     "hpsray.actors",

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from hpsray.cli.train import summary, train_pipeline
     from hpsray.errors import ConfigError
     from hpsray.job import JobConfig
+    from hpsray.report import Demo
 
     if args.rows < BATCHES:
         print(f"hpsray demo: error: --rows must be >= {BATCHES}, got {args.rows}", file=sys.stderr)
@@ -108,28 +109,28 @@ def run(args: argparse.Namespace) -> int:
         report, _ = train_pipeline(
             job, args.address, args.quiet, export_dir=os.path.join(workdir, "export"), ray_started=ray_started
         )
-        report["bad_rows"] = int((report.get("bad_input") or {}).get("rows_bad", 0))
-        report["config"] = job.to_dict()
-        report["config_file"] = job_file
-        cache = report.get("cache") or {}
-        capacity = job.tiers.mem_rows or 0
-        report["demo"] = {
-            "distinct_keys": report["rows"],
-            "mem_rows": capacity,
-            "rows_evicted": cache.get("evicted", 0),
-            "rows_loaded_from_ssd": cache.get("loaded", 0),
-        }
+        report.bad_rows = int((report.bad_input or {}).get("rows_bad", 0))
+        report.config = job.to_dict()
+        report.config_file = job_file
+        cache = report.cache or {}
+        report.demo = Demo(
+            distinct_keys=report.rows or 0,  # train_pipeline exported: the rows it wrote
+            mem_rows=job.tiers.mem_rows or 0,
+            rows_evicted=cache.get("evicted", 0),
+            rows_loaded_from_ssd=cache.get("loaded", 0),
+        )
+        data = report.as_dict()
         if args.report:
             from hpsray.pipelines.report import write_report
 
-            written = write_report(report, args.report)
+            written = write_report(data, args.report)
         if args.json:
             import json
 
-            print(json.dumps(report, indent=2, default=str))
+            print(json.dumps(data, indent=2, default=str))
             return 0
-        print(summary(report))
-        d = report["demo"]
+        print(summary(data))
+        d = data["demo"]
         print(
             f"MEM-PS budget {d['mem_rows']:,} rows for {d['distinct_keys']:,} distinct keys "
             f"({100.0 * d['mem_rows'] / max(d['distinct_keys'], 1):.0f}%): {d['rows_evicted']:,} rows evicted "

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from hpsray.checkpoint import Checkpoint
     from hpsray.cli.start import RayStarted
     from hpsray.job import JobConfig
+    from hpsray.report import RunReport
 
 HELP = (
     "train a TOML job file (data, model, optimizer, tiers, pipeline, cluster, checkpoint); "
@@ -223,7 +224,7 @@ def train_pipeline(
     resume: bool = False,
     incremental: bool = False,
     ray_started: RayStarted | None = None,
-) -> tuple[dict, Any]:
+) -> tuple[RunReport, Any]:
     """Fit ``job`` with the :class:`~hpsray.pipelines.Pipeline`, evaluate, optionally export.
 
     Returns ``(report, model)`` where ``model`` is ``(keys, rows, dense_state)`` when exported
@@ -253,15 +254,17 @@ def train_pipeline(
         with build.pipeline(job, address=address, resume=resume) as pipe:
             pipe.started_at = process_start()  # time_to_first_batch_s counts from the command
             pipe.start_s["ray_init_s"] = ray_init_s
-            report = dict(pipe.fit(progress=not quiet))
-            report["trainer"] = "hpsray"
+            pipe.fit(progress=not quiet)
+            report = pipe.report
+            assert report is not None
+            report.trainer = "hpsray"
             evaluate_into(report, job, pipe.evaluate)
             if export_dir:
                 keys, rows = pipe.export_rows()
                 dense = pipe.dense_state()
                 model = (keys, rows, dense)
                 source = pipe.source
-                report["export"] = export(
+                report.export = export(
                     model,
                     export_dir,
                     job.train_config(),
@@ -271,7 +274,7 @@ def train_pipeline(
                     schema=schema_of_source(source),
                     incremental=incremental,
                 )
-                report["rows"] = int(keys.size)
+                report.rows = int(keys.size)
     finally:
         if started:
             ray.shutdown()
@@ -378,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
     from hpsray.job import JobConfig, build
     from hpsray.pipelines.progress import progress_seconds
     from hpsray.reference_job import train_reference
+    from hpsray.report import ResumedFrom
 
     if args.compare and not os.path.isfile(os.path.join(args.compare, "manifest.json")):
         return error(f"--compare {args.compare}: no manifest.json there (not an hpsray export)")
@@ -418,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
             if args.export:
                 from hpsray.export import export, schema_of_source
 
-                report["export"] = export(
+                report.export = export(
                     model,
                     args.export,
                     job.train_config(),
@@ -441,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
                 import shutil
 
                 shutil.rmtree(export_dir, ignore_errors=True)
-                report.pop("export", None)
+                report.export = None
     except KeyboardInterrupt as e:
         return interrupted(job, args, e)
     except TrainingStopped as e:
@@ -450,11 +454,11 @@ def run(args: argparse.Namespace) -> int:
         cause = _cause(e)
         return error(f"training failed: {type(cause).__name__}: {cause}", EXIT_FAILED)
 
-    report["bad_rows"] = int((report.get("bad_input") or {}).get("rows_bad", 0))
-    report["config"] = job.to_dict()
-    report["config_file"] = os.path.abspath(args.config)
+    report.bad_rows = int((report.bad_input or {}).get("rows_bad", 0))
+    report.config = job.to_dict()
+    report.config_file = os.path.abspath(args.config)
     if resumed is not None:
-        report["resumed_from"] = {"checkpoint": str(resumed.path), "batch": resumed.batch}
+        report.resumed_from = ResumedFrom(checkpoint=str(resumed.path), batch=resumed.batch)
     code = 0
     if args.compare:
         from hpsray.export import compare_exports, load_export
@@ -467,22 +471,23 @@ def run(args: argparse.Namespace) -> int:
             tolerance=args.tolerance,
             equal=bool(same_keys and worst <= args.tolerance),
         )
-        report["compare"] = diff
+        report.compare = diff
         code = 0 if diff["equal"] else EXIT_FAILED
+    data = report.as_dict()
     if args.report:
         from hpsray.pipelines.report import write_report
 
-        written = write_report(report, args.report)
+        written = write_report(data, args.report)
     if args.json:
-        print(json.dumps(report, indent=2, default=str))
+        print(json.dumps(data, indent=2, default=str))
     else:
-        print(summary(report))
+        print(summary(data))
         if args.report:
             print(f"report: {written[0]} (plots: {', '.join(os.path.basename(p) for p in written[1:])})")
         if args.export:
-            print(export_line(report["export"], args.export))
+            print(export_line(data["export"], args.export))
         if args.compare:
-            d = report["compare"]
+            d = data["compare"]
             verdict = "EQUAL" if d["equal"] else "DIFFERENT"
             print(
                 f"compare with {args.compare}: {d['rows_a']:,} vs {d['rows_b']:,} rows "

@@ -44,6 +44,7 @@ from hpsray.pipelines.schedule import PassSchedule
 from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import PipelineSource
 from hpsray.pipelines.summary import run_report
+from hpsray.report import RunReport
 
 
 class Pipeline:
@@ -134,7 +135,7 @@ class Pipeline:
         self._lost_nodes: set[str] = set()  # Ray nodes a recovery gave up: not used again until a new start
         self.recovery: list[dict] = []
         self.reshaped: dict | None = None  # a resume on another number of nodes: from, to, seconds
-        self.report: dict = {}
+        self.report: RunReport | None = None  # the last fit()'s
         self.progress_seconds = progress_seconds_of(progress_seconds)  # ValueError: a negative one
         self._checkpoint_path: str | None = None
         # wall-clock (time.time) origin of the next fit()'s time_to_first_batch_s: its call unless
@@ -203,7 +204,8 @@ class Pipeline:
     # -- training ------------------------------------------------------------------------
 
     def fit(self, progress: bool = True) -> dict:
-        """Train one pass over the source; returns the run report (also ``self.report``).
+        """Train one pass over the source; returns the run report's JSON form (``self.report``
+        is the :class:`~hpsray.report.RunReport`).
 
         Each node's reader reads that node's share of the source; the batches run on the
         schedule of :class:`~hpsray.pipelines.schedule.PassSchedule`. With checkpoints, a dead
@@ -274,6 +276,7 @@ class Pipeline:
                 signal.signal(signal.SIGINT, previous)
         self._pass_first = None
         trained = range(started_at, self._next_batch)
+        checkpointed = self._checkpoints is not None
         self.report = run_report(
             self._nodes,
             self.sync,
@@ -283,19 +286,13 @@ class Pipeline:
             sum(examples.get(b, 0) for b in trained),
             schedule.edges,
             started_at=origin,
+            startup_s=startup,
+            start_s=self.start_s,
+            checkpoints=self._costs.summary(wall) if checkpointed else None,
+            recovery=recovery if checkpointed else None,
+            reshaped=self.reshaped if checkpointed else None,
         )
-        self.report["startup_s"] = startup
-        if "time_to_first_batch_s" in self.report:
-            start: dict[str, Any] = {"ray_init_s": self.start_s.pop("ray_init_s", 0.0), "actors_s": startup}
-            start["other_s"] = max(self.report["time_to_first_batch_s"] - sum(start.values()), 0.0)
-            start["ready_s"] = {k: self.start_s.pop(k) for k in list(self.start_s) if k in _STAGES}
-            self.report["start"] = start
-        if self._checkpoints is not None:
-            self.report["checkpoints"] = self._costs.summary(wall)
-            self.report["recovery"] = recovery
-            if self.reshaped is not None:
-                self.report["reshaped"] = self.reshaped
-        return self.report
+        return self.report.as_dict()
 
     def _after_batch(self, batch_id: int, schedule: PassSchedule) -> None:
         """Checkpoint every ``every_batches`` batches of the pass (after the write-backs); after

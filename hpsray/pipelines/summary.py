@@ -1,4 +1,5 @@
-"""The run report of one ``fit()``: every stage actor's figures gathered and combined.
+"""The run report of one ``fit()``: every stage actor's figures gathered and combined into a
+:class:`~hpsray.report.RunReport`.
 
 Only the batches that ``fit()`` trained count. With several nodes, a stage's busy seconds (per
 batch and in all) are those of its busiest node, so ``pipeline_efficiency`` is the slowest
@@ -16,7 +17,9 @@ import ray
 from hpsray.actors.working_set import working_set_report
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.placement import NodeActors
+from hpsray.pipelines.report import STAGES
 from hpsray.pipelines.settings import SyncSettings
+from hpsray.report import EdgeFill, NodeFigures, Overlap, RunReport, SsdTotals, Start, Sync
 
 SSD_TOTALS = (
     "bytes_read",
@@ -27,7 +30,7 @@ SSD_TOTALS = (
     "compactions",
     "load_seconds",
     "dump_seconds",
-)
+)  # SsdTotals' summed fields
 
 
 def sum_counts(caches: list[dict]) -> dict:
@@ -58,7 +61,7 @@ def _spans(events: list, batches: set) -> dict:
     return out
 
 
-def overlap(per_node: list[tuple[dict, dict, dict]], batches: set) -> dict:
+def overlap(per_node: list[tuple[dict, dict, dict]], batches: set) -> Overlap:
     """How often the four-stage pipeline ran as the paper draws it, from the stage clocks'
     intervals (reader, SSD-PS, trainer stats of each node): of the batches ``t`` with a
     ``t+1`` to load and a ``t+2`` to read, the share where the load of ``t+1`` ran while ``t``
@@ -74,11 +77,11 @@ def overlap(per_node: list[tuple[dict, dict, dict]], batches: set) -> dict:
             tr, ld, rd = train[t], load[t + 1], read[t + 2]
             loading += max(tr[0], ld[0]) < min(tr[1], ld[1])
             both += max(tr[0], ld[0], rd[0]) < min(tr[1], ld[1], rd[1])
-    return {
-        "batches": total,
-        "load_during_train": loading / total if total else 0.0,
-        "read_load_train": both / total if total else 0.0,
-    }
+    return Overlap(
+        batches=total,
+        load_during_train=loading / total if total else 0.0,
+        read_load_train=both / total if total else 0.0,
+    )
 
 
 def run_report(
@@ -90,10 +93,19 @@ def run_report(
     examples: int,
     edges: list[BoundedEdge],
     started_at: float | None = None,
-) -> dict:
-    """The report of the ``batches`` one ``fit()`` trained in ``wall`` seconds; with
-    ``started_at`` (a ``time.time()``), ``time_to_first_batch_s``: from then to the start of the
-    first batch's training on node 0."""
+    *,
+    startup_s: float,
+    start_s: dict[str, float],
+    checkpoints: dict | None = None,
+    recovery: list[dict] | None = None,
+    reshaped: dict | None = None,
+) -> RunReport:
+    """The report of the ``batches`` one ``fit()`` trained in ``wall`` seconds, after
+    ``startup_s`` seconds of starting actors; with ``started_at`` (a ``time.time()``),
+    ``time_to_first_batch_s``: from then to the start of the first batch's training on node 0,
+    and its breakdown ``start``, whose seconds (``ray_init_s`` and each stage's) are taken out of
+    ``start_s`` (a later ``fit()`` reports its own). ``checkpoints``, ``recovery`` and
+    ``reshaped``: the pipeline's checkpoint costs, recoveries and re-partition, where it has them."""
     stats = ray.get(
         [
             ref
@@ -130,49 +142,61 @@ def run_report(
         if any(b in mem["hit_rate"] for mem in mems)
     }
     stores = [r[2]["store"] for r in per_node]
-    ssd_total = {k: sum(st[k] for st in stores) for k in SSD_TOTALS}
-    ssd_total["space_ratio"] = ssd_total["disk_bytes"] / ssd_total["live_bytes"] if ssd_total["live_bytes"] else 0.0
     trainer0 = per_node[0][3]
-    report = {
-        "mode": sync.consistency if len(nodes) > 1 else "bsp",
-        "nodes": len(nodes),
-        "devices_per_node": devices_per_node,
-        "batches": len(batches),
-        "examples": examples,
-        "wall_s": wall,
-        "examples_per_s": examples / wall if wall > 0 else 0.0,
-        "stage_busy_s": busy,
-        "pipeline_efficiency": max(busy.values()) / wall if wall > 0 else 0.0,
-        "per_batch_s": {name: {str(k): v for k, v in pb.items()} for name, pb in per_batch.items()},
-        "cache_hit_rate": {str(k): v for k, v in hit_rate.items()},
-        "ssd": ssd_total,
-        "cache": _with_loads(sum_counts([mem["cache"] for mem in mems]), [r[2] for r in per_node]),
-        "loss": {str(k): v for k, v in sorted(trainer0["losses"].items()) if k in mine},
-        "queues": {e.name: {"capacity": e.capacity, "max_depth": e.max_depth, "stalls": e.stalls} for e in edges},
-        "overlap": overlap([(r[0], r[2], r[3]) for r in per_node], mine),
-        "working_set": working_set_report([r[3]["traffic"] for r in per_node if "traffic" in r[3]], mine),
-        "bad_input": per_node[0][4] if len(nodes) == 1 else {f"node {i}": r[4] for i, r in enumerate(per_node)},
-    }
     firsts = [start for start, _, b in trainer0["events"] if len(batches) and b == batches[0]]
-    if started_at is not None and firsts:
-        report["time_to_first_batch_s"] = max(min(firsts) - started_at, 0.0)
-    if len(nodes) > 1:
-        trainers = [r[3] for r in per_node]
-        report["sync"] = {
-            "consistency": sync.consistency,
-            "staleness_bound": sync.slack,  # 0 under BSP, k - 1 under A-BSP, None (unbounded) under ASP
-            "propagation": sync.propagation if sync.consistency != "bsp" else None,
-            "max_staleness_observed": max(tr.get("max_staleness", 0) for tr in trainers),
-            # ssp/asp: the largest of it while another trainer was still in an earlier batch (0
-            # where batch ends are barriers), and the most mini-batches of updates a row its owner
-            # kept at a batch end lacked (0 under bsp/absp and at a pass's end)
-            "max_staleness_across_batches": max(tr.get("max_staleness_across_batches", 0) for tr in trainers),
-            "max_owner_staleness": max(mem.get("owner_staleness", 0) for mem in mems),
-            "dense": sync.dense,
-            "exchanged_bytes_per_minibatch": float(np.mean([tr["exchanged_bytes_per_step"] for tr in trainers])),
-        }
-        report["per_node"] = [
-            {"node": i, "stage_busy_s": nb, "examples": r[0]["examples"], "cache": r[1]["cache"]}
+    ttfb = max(min(firsts) - started_at, 0.0) if started_at is not None and firsts else None
+    start = None
+    if ttfb is not None:
+        ray_init_s = start_s.pop("ray_init_s", 0.0)
+        start = Start(
+            ray_init_s=ray_init_s,
+            actors_s=startup_s,
+            other_s=max(ttfb - (ray_init_s + startup_s), 0.0),
+            ready_s={k: start_s.pop(k) for k in list(start_s) if k in STAGES},
+        )
+    several = len(nodes) > 1
+    return RunReport(
+        mode=sync.consistency if several else "bsp",
+        nodes=len(nodes),
+        devices_per_node=devices_per_node,
+        batches=len(batches),
+        examples=examples,
+        wall_s=wall,
+        stage_busy_s=busy,
+        per_batch_s={name: {str(k): v for k, v in pb.items()} for name, pb in per_batch.items()},
+        cache_hit_rate={str(k): v for k, v in hit_rate.items()},
+        ssd=SsdTotals(**{k: sum(st[k] for st in stores) for k in SSD_TOTALS}),
+        cache=_with_loads(sum_counts([mem["cache"] for mem in mems]), [r[2] for r in per_node]),
+        loss={str(k): v for k, v in sorted(trainer0["losses"].items()) if k in mine},
+        queues={e.name: EdgeFill(capacity=e.capacity, max_depth=e.max_depth, stalls=e.stalls) for e in edges},
+        overlap=overlap([(r[0], r[2], r[3]) for r in per_node], mine),
+        working_set=working_set_report([r[3]["traffic"] for r in per_node if "traffic" in r[3]], mine),
+        bad_input=per_node[0][4] if not several else {f"node {i}": r[4] for i, r in enumerate(per_node)},
+        time_to_first_batch_s=ttfb,
+        sync=_sync([r[3] for r in per_node], mems, sync) if several else None,
+        per_node=[
+            NodeFigures(node=i, stage_busy_s=nb, examples=r[0]["examples"], cache=r[1]["cache"])
             for i, (nb, r) in enumerate(zip(node_busy, per_node))
         ]
-    return report
+        if several
+        else None,
+        startup_s=startup_s,
+        start=start,
+        checkpoints=checkpoints,
+        recovery=recovery,
+        reshaped=reshaped,
+    )
+
+
+def _sync(trainers: list[dict], mems: list[dict], sync: SyncSettings) -> Sync:
+    """How the nodes kept consistent: the settings and the staleness every trainer and owner saw."""
+    return Sync(
+        consistency=sync.consistency,
+        staleness_bound=sync.slack,
+        propagation=sync.propagation if sync.consistency != "bsp" else None,
+        max_staleness_observed=max(tr.get("max_staleness", 0) for tr in trainers),
+        max_staleness_across_batches=max(tr.get("max_staleness_across_batches", 0) for tr in trainers),
+        max_owner_staleness=max(mem.get("owner_staleness", 0) for mem in mems),
+        dense=sync.dense,
+        exchanged_bytes_per_minibatch=float(np.mean([tr["exchanged_bytes_per_step"] for tr in trainers])),
+    )

@@ -1,5 +1,6 @@
 """The single-node system on real Ray actors: lossless against the reference, bounded, named."""
 
+import json
 import sys
 import time
 
@@ -15,6 +16,9 @@ from hpsray.data import Batch, PlantedCTR
 from hpsray.errors import TrainingStopped
 from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
 from hpsray.reference import ReferenceTrainer
+from hpsray.report import json_keys
+
+from report_keys import check_fit_report  # tests/report_keys.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)
 SOURCE = SyntheticSource(GEN, rows=6000)
@@ -123,6 +127,23 @@ def test_slow_trainer_stalls_the_reader(ray_local):
         assert batch - trained <= 2 + 2, f"read of batch {batch} ran with only {trained} batches in training"
     assert report["queues"]["read→pull"]["max_depth"] <= 2
     assert report["stage_busy_s"]["train"] > report["stage_busy_s"]["read"]
+
+
+def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
+    """The JSON keys its readers use (``tests/report_keys.py``), from a real one-node ``fit()``:
+    a key the typed report lost, or one it gained, fails here."""
+    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    with Pipeline(
+        SyntheticSource(GEN, rows=1000), TrainerSettings(cfg), MemPSSettings(capacity_rows=10000), batch_size=500
+    ) as p:
+        report = p.fit(progress=False)
+        assert p.report is not None and report == p.report.as_dict()
+    check_fit_report(report)
+    assert set(report) <= json_keys()
+    assert report["batches"] == 2 and report["examples"] == 1000
+    assert set(report["stage_busy_s"]) == set(report["per_batch_s"]) == {"read", "pull", "load", "train"}
+    assert report["pipeline_efficiency"] == pytest.approx(max(report["stage_busy_s"].values()) / report["wall_s"])
+    json.dumps(report)  # plain JSON
 
 
 def test_actors_are_named_for_the_dashboard(ray_local):
