@@ -8,9 +8,11 @@ import ray
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.partition import owner_of
+
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +24,7 @@ RULES = dict(admit_after=2, expire_after_batches=2)
 
 def test_two_nodes_with_admission_and_expiry_equal_the_reference(two_nodes_cluster):
     source = SyntheticSource(GEN, rows=2400)  # 6 batches per node
-    with Pipeline(
-        source, TrainerSettings(CFG), MemPSSettings(capacity_rows=700, **RULES), batch_size=BATCH, nodes=2
-    ) as p:
+    with small_pipeline(source, CFG, mem_rows=700, batch_size=BATCH, mem=RULES, nodes=2) as p:
         report = p.fit(progress=False)
         keys, rows = p.export_rows()
         dense = p.dense_state()

@@ -2,8 +2,9 @@
 
 import pytest
 
-from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
 
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 from test_multinode import CFG, GEN, check_bit_for_bit, check_lossless
 
 pytestmark = pytest.mark.slow
@@ -11,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_bsp_three_nodes_equals_reference_through_ssd(three_nodes_cluster):
     source = SyntheticSource(GEN, rows=1500)
-    with Pipeline(source, TrainerSettings(CFG), MemPSSettings(capacity_rows=250), batch_size=100, nodes=3) as p:
+    with small_pipeline(source, CFG, mem_rows=250, batch_size=100, nodes=3) as p:
         report = p.fit(progress=False)
         assert report["nodes"] == 3 and report["ssd"]["bytes_read"] > 0
         check_lossless(p, source, 3, batch=100, atol=0)  # allreduce over three, bit for bit (issue 33)

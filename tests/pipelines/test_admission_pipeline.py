@@ -8,8 +8,10 @@ import ray
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
+
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)  # Zipf keys
 SOURCE = SyntheticSource(GEN, rows=6000)
@@ -40,12 +42,15 @@ def test_admission_alone_drops_exactly_the_keys_seen_in_one_batch():
 
 
 def test_pipeline_with_admission_and_expiry_is_lossless_over_two_passes(ray_local, tmp_path):
-    with Pipeline(
+    with small_pipeline(
         SOURCE,
-        TrainerSettings(CFG, n_devices=2),
-        MemPSSettings(capacity_rows=1500, **RULES),  # below the working set: rows go to SSD-PS and back
-        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        CFG,
+        mem_rows=1500,  # below the working set: rows go to SSD-PS and back
         batch_size=BATCH,
+        ssd_dir=tmp_path / "ssd",
+        ssd_options=dict(rows_per_file=256),
+        trainer=dict(n_devices=2),
+        mem=RULES,
     ) as p:
         first = p.fit(progress=False)
         p.source = SECOND

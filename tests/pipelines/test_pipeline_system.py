@@ -14,13 +14,13 @@ from hpsray.actors.trainer import Trainer
 from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
 from hpsray.errors import TrainingStopped
-from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
 from hpsray.report import json_keys
 
 from report_keys import check_fit_report  # tests/report_keys.py
+from small_pipeline import GEN, small_pipeline  # tests/small_pipeline.py
 
-GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)
 SOURCE = SyntheticSource(GEN, rows=6000)
 BATCH = 1000
 
@@ -39,12 +39,14 @@ def test_pipeline_is_lossless_with_rows_travelling_to_ssd_and_back(ray_local, tm
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=200, sparse_optimizer=optimizer, sparse_lr=lr)
     # 3000 rows of MEM-PS against ~5000 distinct keys, two batches pinned at a time: rows must
     # be evicted to SSD-PS and loaded back for later batches.
-    with Pipeline(
+    with small_pipeline(
         SOURCE,
-        TrainerSettings(cfg, n_devices=devices),
-        MemPSSettings(capacity_rows=3000),
-        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        cfg,
+        mem_rows=3000,
         batch_size=BATCH,
+        ssd_dir=tmp_path / "ssd",
+        ssd_options=dict(rows_per_file=256),
+        trainer=dict(n_devices=devices),
         read_queue=2,
     ) as p:
         report = p.fit(progress=False)
@@ -65,7 +67,7 @@ def test_later_passes_reuse_the_reader_and_stay_lossless(ray_local):
     costs seconds of process start), and the result is the reference's over both passes."""
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=200)
     second = SyntheticSource(GEN, rows=3000, start_row=6000)
-    with Pipeline(SOURCE, TrainerSettings(cfg), MemPSSettings(capacity_rows=20000), batch_size=BATCH) as p:
+    with small_pipeline(SOURCE, cfg, mem_rows=20000, batch_size=BATCH) as p:
         first_report = p.fit(progress=False)
         reader = p.actors()["Reader[node 0]"]
         evaluated = p.evaluate(SyntheticSource(GEN, rows=2000, start_row=10**7))
@@ -109,13 +111,7 @@ class SlowDNN(torch.nn.Module):
 def test_slow_trainer_stalls_the_reader(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
     source = SyntheticSource(GEN, rows=8000)
-    with Pipeline(
-        source,
-        TrainerSettings(cfg, model=SlowDNN(4, 4, 3, 0.15)),
-        MemPSSettings(capacity_rows=20000),
-        batch_size=500,
-        read_queue=2,
-    ) as p:
+    with small_pipeline(source, cfg, mem_rows=20000, trainer=dict(model=SlowDNN(4, 4, 3, 0.15)), read_queue=2) as p:
         report = p.fit(progress=False)
         reader_events = ray.get(p.actors()["Reader[node 0]"].stats.remote())["events"]
         trainer_events = ray.get(p.actors()["Trainer[node 0]"].stats.remote())["events"]
@@ -132,10 +128,7 @@ def test_slow_trainer_stalls_the_reader(ray_local):
 def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
     """The JSON keys its readers use (``tests/report_keys.py``), from a real one-node ``fit()``:
     a key the typed report lost, or one it gained, fails here."""
-    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
-    with Pipeline(
-        SyntheticSource(GEN, rows=1000), TrainerSettings(cfg), MemPSSettings(capacity_rows=10000), batch_size=500
-    ) as p:
+    with small_pipeline() as p:
         report = p.fit(progress=False)
         assert p.report is not None and report == p.report.as_dict()
     check_fit_report(report)
@@ -148,13 +141,7 @@ def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
 
 def test_actors_are_named_for_the_dashboard(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
-    with Pipeline(
-        SyntheticSource(GEN, rows=1000),
-        TrainerSettings(cfg),
-        MemPSSettings(capacity_rows=10000),
-        batch_size=500,
-        name="named-run",
-    ) as p:
+    with small_pipeline(cfg=cfg, name="named-run") as p:
         p.fit(progress=False)
         names = set(ray.util.list_named_actors())
         assert {
@@ -175,13 +162,7 @@ def test_transform_stage_runs_in_the_reader(ray_local):
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return Batch(batch.labels, batch.dense, batch.keys[keep], offsets, batch.slots[keep], batch.n_slots)
 
-    with Pipeline(
-        SyntheticSource(GEN, rows=2000),
-        TrainerSettings(cfg),
-        MemPSSettings(capacity_rows=10000),
-        transforms=[only_first_slot],
-        batch_size=1000,
-    ) as p:
+    with small_pipeline(SyntheticSource(GEN, rows=2000), cfg, transforms=[only_first_slot], batch_size=1000) as p:
         p.fit(progress=False)
         keys, _ = p.export_rows()
     all_keys = np.unique(GEN.generate(2000).keys)
@@ -192,9 +173,7 @@ def test_transform_stage_runs_in_the_reader(ray_local):
 
 def test_too_small_memory_budget_fails_clearly(ray_local):
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
-    with Pipeline(
-        SyntheticSource(GEN, rows=2000), TrainerSettings(cfg), MemPSSettings(capacity_rows=50), batch_size=1000
-    ) as p:
+    with small_pipeline(SyntheticSource(GEN, rows=2000), cfg, mem_rows=50, batch_size=1000) as p:
         with pytest.raises(TrainingStopped, match="CapacityError"):
             p.fit(progress=False)
 
@@ -202,9 +181,7 @@ def test_too_small_memory_budget_fails_clearly(ray_local):
 def test_evaluate_scores_held_out_rows(ray_local):
     cfg = TrainConfig(dim=8, hidden=(32,), minibatch_size=500)
     gen = PlantedCTR(n_slots=6, keys_per_slot=500, n_dense=3, seed=4)
-    with Pipeline(
-        SyntheticSource(gen, rows=40_000), TrainerSettings(cfg), MemPSSettings(capacity_rows=8000), batch_size=5000
-    ) as p:
+    with small_pipeline(SyntheticSource(gen, rows=40_000), cfg, mem_rows=8000, batch_size=5000) as p:
         p.fit(progress=False)
         result = p.evaluate(SyntheticSource(gen, rows=5000, start_row=10**8))
     assert result["examples"] == 5000
@@ -230,7 +207,7 @@ def test_bad_input_in_strict_mode_stops_training_but_keeps_what_was_trained(ray_
     cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=250)
     # small parse blocks, so the first batches are read before the bad line is reached
     source = FileSource(str(path), schema, policy=STRICT, options={"block_size": 8192})
-    with Pipeline(source, TrainerSettings(cfg), MemPSSettings(capacity_rows=2000), batch_size=1000, read_queue=1) as p:
+    with small_pipeline(source, cfg, mem_rows=2000, batch_size=1000, read_queue=1) as p:
         with pytest.raises(TrainingStopped) as failure:
             p.fit(progress=False)
         assert isinstance(failure.value.cause.cause, DataError)

@@ -13,8 +13,10 @@ from ray import cloudpickle
 
 from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
-from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
+
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=8, keys_per_slot=40_000, n_dense=3, seed=2)
 BATCH = 2000
@@ -46,13 +48,16 @@ def test_load_runs_while_the_previous_batch_trains_and_the_next_is_read(ray_loca
     cfg = TrainConfig(dim=16, hidden=(8,), minibatch_size=500, sparse_optimizer="adagrad", sparse_lr=0.05)
     model = SlowModel(GEN.n_slots, cfg.dim, GEN.n_dense, 0.12)
     distinct = int(np.unique(GEN.generate(BATCH).keys).size)
-    with Pipeline(
+    with small_pipeline(
         SOURCE,
-        TrainerSettings(cfg, model=copy.deepcopy(model)),
-        MemPSSettings(capacity_rows=int(2.5 * distinct), dumps_in_flight=2),  # far below the run's keys
-        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=512)),
-        transforms=[slow_read],
+        cfg,
+        mem_rows=int(2.5 * distinct),  # far below the run's keys
         batch_size=BATCH,
+        ssd_dir=tmp_path / "ssd",
+        ssd_options=dict(rows_per_file=512),
+        trainer=dict(model=copy.deepcopy(model)),
+        mem=dict(dumps_in_flight=2),
+        transforms=[slow_read],
         read_queue=1,  # t+2 is read while t+1 loads and t trains
     ) as p:
         report = p.fit(progress=False)
@@ -84,12 +89,12 @@ def test_the_load_stage_intervals_are_the_ssd_actor_s_and_dumps_are_written_behi
     ``load`` clock, MEM-PS's writes on its ``dump`` clock; MEM-PS left dumps in flight."""
     cfg = TrainConfig(dim=8, hidden=(8,), minibatch_size=1000)
     distinct = int(np.unique(GEN.generate(BATCH).keys).size)
-    with Pipeline(
+    with small_pipeline(
         SyntheticSource(GEN, rows=6 * BATCH),
-        TrainerSettings(cfg),
-        MemPSSettings(capacity_rows=int(2.5 * distinct)),
-        SSDPSSettings(str(tmp_path / "ssd")),
+        cfg,
+        mem_rows=int(2.5 * distinct),
         batch_size=BATCH,
+        ssd_dir=tmp_path / "ssd",
     ) as p:
         report = p.fit(progress=False)
         ssd = ray.get(p.actors()["SSDPS[node 0]"].stats.remote())

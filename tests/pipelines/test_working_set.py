@@ -11,13 +11,15 @@ from hpsray.actors.trainer import Trainer
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.errors import WorkingSetError
-from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.lending import Lender
 from hpsray.tiers.loans import Loan
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.ssd import SSDPS
+
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=3, keys_per_slot=2000, n_dense=2, seed=5)
 SOURCE = SyntheticSource(GEN, rows=3000)
@@ -42,12 +44,13 @@ def test_rows_shipped_are_the_new_ones_rows_returned_the_leaving_ones_and_the_re
     # the data makes rows leave the working set and come back later
     left_then_back = np.setdiff1d(np.intersect1d(sets[0], sets[2]), sets[1])
     assert left_then_back.size > 0
-    with Pipeline(
+    with small_pipeline(
         SOURCE,
-        TrainerSettings(CFG),
-        MemPSSettings(capacity_rows=1400),  # below the 2222 distinct keys: rows also go to SSD-PS and back
-        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=128)),
+        CFG,
+        mem_rows=1400,  # below the 2222 distinct keys: rows also go to SSD-PS and back
         batch_size=BATCH,
+        ssd_dir=tmp_path / "ssd",
+        ssd_options=dict(rows_per_file=128),
     ) as p:
         report = p.fit(progress=False)
         keys, rows = p.export_rows()

@@ -19,7 +19,9 @@ import pytest
 from hpsray.actors.livemetrics import METRICS, LiveGauges, prometheus_names
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
+
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 
 LINE = re.compile(r"^(ray_hpsray_\w+)\{([^}]*)\} (\S+)$")
 DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "grafana" / "hpsray.json"
@@ -90,9 +92,7 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
         out += [f"{name} = {last.get(name)}" for name, ok in checks.items() if not ok(last.get(name, float("nan")))]
         return out
 
-    with Pipeline(
-        SyntheticSource(data, rows=16_000), TrainerSettings(config), MemPSSettings(capacity_rows=4000), batch_size=2000
-    ) as pipe:
+    with small_pipeline(SyntheticSource(data, rows=16_000), config, mem_rows=4000, batch_size=2000) as pipe:
         report = pipe.fit(progress=False)
         deadline = time.time() + 60  # Ray exports every few seconds: wait for the last values
         while time.time() < deadline and problems():

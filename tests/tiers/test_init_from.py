@@ -12,9 +12,11 @@ import pytest
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.ssd import TableImport, read_table
+
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)
 SOURCE = SyntheticSource(GEN, rows=4000)
@@ -47,12 +49,13 @@ def test_training_from_an_import_equals_the_reference_from_it(ray_local, tmp_pat
     cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
     imported = _export_like(tmp_path / "table", cfg)
     spec = TableImport(str(tmp_path / "table"), cfg.dim, float(cfg.row_init().state_value))
-    with Pipeline(
+    with small_pipeline(
         SOURCE,
-        TrainerSettings(cfg),
-        MemPSSettings(capacity_rows=3500),
-        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=512, init_from=spec)),
+        cfg,
+        mem_rows=3500,
         batch_size=BATCH,
+        ssd_dir=tmp_path / "ssd",
+        ssd_options=dict(rows_per_file=512, init_from=spec),
     ) as p:
         report = p.fit(progress=False)
         keys, rows = p.export_rows()
