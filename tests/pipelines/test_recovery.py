@@ -25,6 +25,7 @@ from hpsray.pipelines import (
 from hpsray.reference import ReferenceTrainer
 
 from recovery_drivers import Killer, kill_plan  # tests/recovery_drivers.py
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=3, seed=5)
 SOURCE = SyntheticSource(GEN, rows=15000)
@@ -94,9 +95,7 @@ def test_one_node_recovers_from_every_actor_kind_killed(ray_local, tmp_path, ref
 
 def test_killing_a_busy_pipeline_without_checkpoints_still_stops_with_the_cause(ray_local, tmp_path):
     """No [checkpoint]: a dead actor ends fit() with TrainingStopped naming it (as before)."""
-    pipeline = Pipeline(
-        SOURCE, TrainerSettings(CFG), MemPSSettings(capacity_rows=20000), batch_size=BATCH, name="no-ckpt"
-    )
+    pipeline = small_pipeline(SOURCE, CFG, mem_rows=20000, batch_size=BATCH, name="no-ckpt")
     with pipeline:
         pipeline._start()
         killer = Killer(pipeline, tmp_path / "none", [("Trainer", 0, -1)], seed=1)
@@ -149,13 +148,7 @@ def test_a_full_checkpoint_disk_stops_clearly_and_the_last_checkpoint_resumes(ra
 
 
 def test_a_full_ssd_disk_stops_naming_the_directory(ray_local, small_fs):
-    with Pipeline(
-        SOURCE,
-        TrainerSettings(CFG),
-        MemPSSettings(capacity_rows=1500),
-        SSDPSSettings(str(small_fs / "ssd")),
-        batch_size=BATCH,
-    ) as p:
+    with small_pipeline(SOURCE, CFG, mem_rows=1500, batch_size=BATCH, ssd_dir=small_fs / "ssd") as p:
         with pytest.raises(TrainingStopped) as stopped:
             p.fit(progress=False)
     assert caused_by(stopped.value, DiskFullError)

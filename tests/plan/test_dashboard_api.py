@@ -13,7 +13,9 @@ import requests
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
-from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
+from hpsray.pipelines import SyntheticSource
+
+from small_pipeline import small_pipeline  # tests/small_pipeline.py
 
 STAGES = ("Reader", "MemPS", "SSDPS", "Trainer")
 # its own Ray with the dashboard (about 10 s idle) and a pipeline's actors (their processes and
@@ -46,12 +48,8 @@ def dashboard():
         headers = get_auth_headers_if_auth_enabled({})
         data = PlantedCTR(n_slots=2, keys_per_slot=500, n_dense=1, seed=0)
         config = TrainConfig(dim=4, hidden=(4,), minibatch_size=500)
-        with Pipeline(
-            SyntheticSource(data, rows=2000),
-            TrainerSettings(config),
-            MemPSSettings(capacity_rows=1000),
-            batch_size=1000,
-            name="dash",
+        with small_pipeline(
+            SyntheticSource(data, rows=2000), config, mem_rows=1000, batch_size=1000, name="dash"
         ) as pipe:
             pipe.fit(progress=False)
             yield f"http://127.0.0.1:{port}", headers, dashboard_hint()
