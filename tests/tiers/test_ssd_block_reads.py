@@ -101,3 +101,69 @@ def test_a_truncated_file_is_named_by_a_partial_load(tmp_path):
     rows, _ = s.load(keys[[5, 9]])  # the other file is still served
     assert np.array_equal(rows, rows_for(keys[[5, 9]]))
     s.close()
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        (lambda n: 64 + 8 * 7, "index checksum"),  # a key
+        (lambda n: 64 + 16 * n + 4 * W * (n - 1) + 5, "rows checksum"),  # the last row, in the last chunk
+        (lambda n: 64 + 16 * n + 4 * W * n + 2, "block table checksum"),
+    ],
+    ids=["index", "rows", "table"],
+)
+def test_whole_file_loads_verify_every_section_in_one_pass(tmp_path, where, message):
+    from hpsray.tiers.ssd.wholeread import CHUNK_BYTES, ONE_PASS
+
+    assert ONE_PASS
+    n = 3 * CHUNK_BYTES // (4 * W) + 5  # several chunks, the last one short
+    d = tmp_path / "s"
+    s = SSDPS(d, W, rows_per_file=n, partial_read_share=0.0)  # every load reads whole files
+    k = np.arange(1, n + 1, dtype=np.uint64)
+    s.dump(k, rows_for(k))
+    got, found = s.load(k[::-1])
+    assert found.all() and np.array_equal(got, rows_for(k[::-1]))
+    f = d / file_name(s.file_stats()[0]["file_no"])
+    data = bytearray(f.read_bytes())
+    data[where(n)] ^= 0x40
+    f.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match=f"{f.name}.*{message}"):
+        s.load(k[:1])
+    s.close()
+
+
+def test_one_pass_read_names_a_key_mismatch_a_position_beyond_the_file_and_truncation(tmp_path):
+    from hpsray.tiers.ssd.paramfile import write_tmp
+    from hpsray.tiers.ssd.wholeread import Buffers, chunk_rows_for, read_pick
+
+    n = 2 * chunk_rows_for(W) + 3
+    k = np.arange(10, 10 + n, dtype=np.uint64)
+    tmp, size, _ = write_tmp(str(tmp_path), 1, k, np.zeros(n, np.uint64), rows_for(k))
+    path = str(tmp_path / "f.hps")
+    os.rename(tmp, path)
+    bufs = Buffers()
+    want = np.array([n - 1, 0, 5], np.int64)  # file order: sorted by chunk
+    pos = np.sort(want)
+    idx = np.arange(3, dtype=np.int64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = np.zeros((3, W), np.float32)
+        assert read_pick(path, fd, W, bufs, idx, pos, k[pos], out) == size
+        assert np.array_equal(out, rows_for(k[pos]))
+        wrong = k[pos].copy()
+        wrong[1] += 1
+        with pytest.raises(CorruptFileError, match=f"row 5 does not hold key {int(wrong[1])}"):
+            read_pick(path, fd, W, bufs, idx, pos, wrong, np.zeros((3, W), np.float32))
+        beyond = np.array([0, n + 7], np.int64)
+        with pytest.raises(CorruptFileError, match=f"row {n + 7} does not hold"):
+            read_pick(path, fd, W, bufs, idx[:2], beyond, np.array([k[0], 1], np.uint64), np.zeros((2, W), np.float32))
+    finally:
+        os.close(fd)
+    with open(path, "r+b") as f:
+        f.truncate(size - 10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CorruptFileError, match="size"):
+            read_pick(path, fd, W, bufs, idx, pos, k[pos], np.zeros((3, W), np.float32))
+    finally:
+        os.close(fd)

@@ -86,6 +86,24 @@ def _find(tkeys, cap, keys, out):
             b = _next(b, cap)
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _locate(tkeys, tfs, tpos, cap, keys, fs, ps):
+    for i in numba.prange(keys.size):
+        k = keys[i]
+        b = _home(k, cap)
+        while True:
+            t = tkeys[b]
+            if t == k:
+                fs[i] = tfs[b]
+                ps[i] = tpos[b]
+                break
+            if t == _EMPTY:
+                fs[i] = -1
+                ps[i] = 0
+                break
+            b = _next(b, cap)
+
+
 @njit(cache=True, nogil=True)
 def _place(tkeys, tfs, tpos, cap, keys, fs, pos, out):
     """Find or insert each key, then set its location; returns the keys inserted."""
@@ -260,6 +278,14 @@ class KeyMap:
         out = np.empty(keys.size, dtype=np.int64)
         _find(self.keys, self._cap, np.ascontiguousarray(keys, dtype=np.uint64), out)
         return out
+
+    def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(file slots, positions)`` of ``keys`` (``int32``; file slot -1: not stored), looked
+        up in one parallel pass."""
+        fs = np.empty(keys.size, dtype=np.int32)
+        ps = np.empty(keys.size, dtype=np.int32)
+        _locate(self.keys, self.file_slot, self.pos, self._cap, np.ascontiguousarray(keys, dtype=np.uint64), fs, ps)
+        return fs, ps
 
     def _resize(self, cap: int) -> None:
         okeys, ofs, opos = self.keys, self.file_slot, self.pos

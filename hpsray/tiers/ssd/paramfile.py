@@ -38,6 +38,7 @@ __all__ = [
     "ParamFile",
     "block_rows_for",
     "block_sums",
+    "check_shape",
     "decode_header",
     "encode_header",
     "file_bytes",
@@ -428,7 +429,7 @@ def read_file(
         if own:
             os.close(f)
     h = decode_header(buf, path)
-    _check_shape(h, size, path, expect_width)
+    check_shape(h, size, path, expect_width)
     n = h.n
     if zlib.crc32(buf[HEADER_BYTES : HEADER_BYTES + 16 * n].data) != h.index_crc:
         raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged)")
@@ -447,7 +448,7 @@ def read_index(path: str, expect_width: int | None = None) -> ParamFile:
         head = np.empty(min(size, HEADER_BYTES), dtype=np.uint8)
         _read_exact(fd, head, 0, path)
         h = decode_header(head, path)
-        _check_shape(h, size, path, expect_width)
+        check_shape(h, size, path, expect_width)
         buf = np.empty(HEADER_BYTES + 16 * h.n, dtype=np.uint8)
         buf[:HEADER_BYTES] = head
         _read_exact(fd, buf[HEADER_BYTES:], HEADER_BYTES, path)
@@ -464,7 +465,8 @@ def read_index(path: str, expect_width: int | None = None) -> ParamFile:
     return _split(buf, h, False, table)
 
 
-def _check_shape(h: Header, size: int, path: str, expect_width: int | None) -> None:
+def check_shape(h: Header, size: int, path: str, expect_width: int | None) -> None:
+    """Raise :class:`CorruptFileError` unless the file has ``expect_width`` (if given) and its header's size."""
     if expect_width is not None and h.width != expect_width:
         raise CorruptFileError(f"{path}: rows of width {h.width}, the store has width {expect_width}")
     if size != h.size:

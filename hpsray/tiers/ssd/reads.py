@@ -1,7 +1,8 @@
 """SSD-PS reads: planning a load (which files, whole or partial) and running it on the I/O threads.
 
-A load looks every key up once, groups the found keys by file (a counting sort), and reads each
-file holding a requested key once: whole (one I/O, every checksum verified), or, when the
+A load looks every key up once (in parallel), groups the found keys by file and chunk (a parallel
+counting sort), and reads each file holding a requested key once: whole (every checksum verified
+and the rows picked a cache-sized chunk at a time, :mod:`~hpsray.tiers.ssd.wholeread`), or, when the
 requested rows lie in few checksummed blocks, only those blocks: the touched blocks of many files
 are sorted by file and offset, adjacent blocks merged into one range, every range hinted to the
 kernel (``WILLNEED``, so the device sees them all at once) and read with ``pread`` from numba
@@ -18,6 +19,7 @@ import os
 import threading
 from concurrent.futures import wait
 
+import numba
 import numpy as np
 from numba import njit
 
@@ -25,6 +27,7 @@ from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
 from hpsray.tiers.ssd.paramfile import HEADER_BYTES, pick_staged, read_file, touched_blocks
 from hpsray.tiers.ssd.state import StoreState
+from hpsray.tiers.ssd.wholeread import ONE_PASS, Buffers, chunk_rows_for, read_pick
 
 __all__ = ["MAX_OPEN_FILES", "PARTIAL_ROUND_FILES", "ROUND_BYTES", "Reads"]
 
@@ -32,42 +35,61 @@ MAX_OPEN_FILES = 64  # files opened per whole-file round: bounds descriptors...
 ROUND_BYTES = 128 << 20  # ...and the bytes read ahead of the rows being picked
 PARTIAL_ROUND_FILES = 256  # most files whose blocks one partial round reads (their ranges all in flight)...
 PARTIAL_ROUND_BYTES = 32 << 20  # ...and about the most bytes of blocks it stages (one file's blocks at least)
+TOUCH_BYTES = 4 << 20  # a result array this large has its pages faulted in ahead of the rows
+PAGE_FLOATS = 1024  # floats of a 4 KiB page
 MERGE_GAP_BYTES = 4096  # blocks of a file closer than this (a page) are read in one range, the gap too
 
 
-@njit(cache=True)
-def _resolve(slots, loc_slot, loc_pos, n_file_slots):
-    """Group the found keys by file (a counting sort). ``slots`` are index slots (-1: absent).
-    Returns ``(idx, pos, starts)``: the keys of file slot ``f`` are ``idx[starts[f]:starts[f+1]]``
-    (positions into ``slots``, ascending), at row positions ``pos[...]`` of that file.
-    The mapping is gathered once (random reads), the sort then runs on sequential arrays."""
-    n_all = slots.size
-    fs = np.empty(n_all, dtype=np.int32)
-    ps = np.empty(n_all, dtype=np.int32)
-    starts = np.zeros(n_file_slots + 1, dtype=np.int64)
-    for i in range(n_all):
-        s = slots[i]
-        if s >= 0:
-            f = loc_slot[s]
-            fs[i] = f
-            ps[i] = loc_pos[s]
-            starts[f + 1] += 1
-        else:
-            fs[i] = -1
-    for f in range(n_file_slots):
-        starts[f + 1] += starts[f]
-    cursor = starts[:-1].copy()
-    n = starts[n_file_slots]
-    idx = np.empty(n, dtype=np.int64)
-    pos = np.empty(n, dtype=np.int64)
-    for i in range(n_all):
-        f = fs[i]
-        if f >= 0:
-            c = cursor[f]
-            idx[c] = i
-            pos[c] = ps[i]
-            cursor[f] = c + 1
+@njit(cache=True, parallel=True)
+def _group(fs, ps, n_file_slots, chunk_rows, n_chunks, n_threads):
+    """Group the found keys by file, and within a file by chunk of ``chunk_rows`` rows (a
+    counting sort, both passes split among the threads). ``fs``, ``ps``: each key's file slot
+    (-1: absent) and row position. Returns ``(idx, pos, starts)``: the keys of file slot ``f``
+    are ``idx[starts[f]:starts[f+1]]`` (positions into ``fs``; in a file, ascending by chunk,
+    then by position into ``fs``), at row positions ``pos[...]`` of that file."""
+    n_all = fs.size
+    n_t = max(1, min(n_threads, n_all // 65536))
+    n_b = n_file_slots * n_chunks
+    counts = np.zeros((n_t, n_b), dtype=np.int64)
+    bk = np.empty(n_all, dtype=np.int32)
+    for t in numba.prange(n_t):
+        for i in range(t * n_all // n_t, (t + 1) * n_all // n_t):
+            f = fs[i]
+            if f >= 0:
+                b = f * n_chunks + min(max(ps[i] // chunk_rows, 0), n_chunks - 1)
+                bk[i] = b
+                counts[t, b] += 1
+            else:
+                bk[i] = -1
+    starts = np.empty(n_file_slots + 1, dtype=np.int64)
+    at = 0
+    for b in range(n_b):  # counts become each thread's first place in each bucket
+        if b % n_chunks == 0:
+            starts[b // n_chunks] = at
+        for t in range(n_t):
+            c = counts[t, b]
+            counts[t, b] = at
+            at += c
+    starts[n_file_slots] = at
+    idx = np.empty(at, dtype=np.int64)
+    pos = np.empty(at, dtype=np.int64)
+    for t in numba.prange(n_t):
+        for i in range(t * n_all // n_t, (t + 1) * n_all // n_t):
+            b = bk[i]
+            if b >= 0:
+                c = counts[t, b]
+                idx[c] = i
+                pos[c] = ps[i]
+                counts[t, b] = c + 1
     return idx, pos, starts
+
+
+@njit(cache=True, nogil=True)
+def _touch(flat, lo, hi, step):
+    """Write zeros every ``step`` elements of ``flat[lo:hi]``: fault a fresh zeroed array's
+    pages in, in address order, on the thread that calls it."""
+    for i in range(lo, hi, step):
+        flat[i] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -203,6 +225,7 @@ class Reads:
         self._tls = threading.local()
         # files opened per whole-file round: about ROUND_BYTES, at least 2, at most MAX_OPEN_FILES
         self.round_files = int(min(MAX_OPEN_FILES, max(2, ROUND_BYTES // (state.record * state.rows_per_file))))
+        self.chunk_rows = chunk_rows_for(state.width)  # whole files are verified and picked a chunk at a time
 
     def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
         """Rows of ``keys``, the found mask, and the load's counters (see :meth:`SSDPS.load`)."""
@@ -210,6 +233,11 @@ class Reads:
         pool = st.pool
         # zeros: absent rows stay zero, and the pages fault in on the I/O threads as rows land
         out = np.zeros((keys.size, st.width), dtype=np.float32)
+        # its pages are faulted in on two I/O threads while the keys are looked up (faulting them
+        # in the scattered order rows land costs several times more); done before any row lands
+        flat = out.reshape(-1)
+        halves = [0, flat.size // 2, flat.size] if out.nbytes >= TOUCH_BYTES else []
+        touch = [pool.submit(_touch, flat, a, b, PAGE_FLOATS) for a, b in zip(halves, halves[1:])]
         first_fds: list[int] = []
         pending: list[list] = []  # futures of whole-file rounds in flight
         opened: list[tuple[list, list, list]] = []
@@ -227,8 +255,9 @@ class Reads:
                     for no in files.no[early].tolist():
                         first_fds.append(os.open(st.path(no), os.O_RDONLY))
                     prefetch.append(pool.submit(_will_need, first_fds))
-                slots = kmap.find(keys)
-                idx, pos, starts = _resolve(slots, kmap.file_slot, kmap.pos, files.capacity)
+                fs, ps = kmap.locate(keys)
+                n_chunks = max(1, -(-int(files.n.max()) // self.chunk_rows))
+                idx, pos, starts = _group(fs, ps, files.capacity, self.chunk_rows, n_chunks, numba.get_num_threads())
                 file_no = files.no.copy()
                 groups = np.flatnonzero(starts[1:] > starts[:-1])
                 partial = self._partial_groups(groups, starts, pos, file_no)
@@ -237,10 +266,11 @@ class Reads:
                 rounds = [whole[r : r + rf] for r in range(0, whole.size, rf)]
                 if rounds:  # start the I/O right away
                     opened.append(self._open_round(keys, rounds[0], starts, idx, pos, file_no))
+            wait(touch)
             whole_rounds = opened[-1:] if rounds else []
             if rounds:
                 prefetch.append(pool.submit(_will_need, whole_rounds[0][1]))
-            found = slots >= 0
+            found = fs >= 0
             n_present = int(idx.size)
             # Files whose requested rows fill few blocks: only those blocks are read (merged
             # ranges, all in flight, checksummed blocks), in rounds of open descriptors.
@@ -290,6 +320,7 @@ class Reads:
         finally:
             for futures in pending:  # an error left reads running: they use the descriptors
                 wait(futures)
+            wait(touch)
             wait(prefetch)  # before their descriptors close
             for _, fds, _ in opened:
                 self.close_all(fds)
@@ -336,8 +367,9 @@ class Reads:
                 ms = kmap.find(keys[mi])
                 mf, mp = kmap.file_slot[ms], kmap.pos[ms]
                 for s in np.unique(mf).tolist():
-                    sel = mf == s
-                    tasks.append((mi[sel], mp[sel], int(files.no[s])))
+                    sel = np.flatnonzero(mf == s)
+                    sel = sel[np.argsort(mp[sel] // self.chunk_rows, kind="stable")]  # by chunk
+                    tasks.append((mi[sel], mp[sel].astype(np.int64), int(files.no[s])))
             try:
                 for t in tasks:
                     fds.append(os.open(st.path(t[2]), os.O_RDONLY))
@@ -350,6 +382,13 @@ class Reads:
     def _read_rows(
         self, keys: np.ndarray, out: np.ndarray, idx: np.ndarray, pos: np.ndarray, path: str, fd: int
     ) -> tuple[int, bool]:
+        """Read the file ``path`` (open as ``fd``) whole, verify it, and place its rows at
+        positions ``pos`` (sorted by chunk) as ``out[idx]``; returns ``(bytes read, False)``."""
+        if ONE_PASS:  # checksums and picking in one pass over cached chunks, no GIL
+            bufs = getattr(self._tls, "bufs", None)  # reused by each I/O thread
+            if bufs is None:
+                bufs = self._tls.bufs = Buffers()
+            return read_pick(path, fd, self.state.width, bufs, idx, pos, keys, out), False
         buf = getattr(self._tls, "buf", None)  # one reused read buffer per I/O thread
         size = os.fstat(fd).st_size
         if buf is None or buf.size < size:
