@@ -167,3 +167,20 @@ def test_one_pass_read_names_a_key_mismatch_a_position_beyond_the_file_and_trunc
             read_pick(path, fd, W, bufs, idx, pos, k[pos], np.zeros((3, W), np.float32))
     finally:
         os.close(fd)
+
+
+def test_touched_blocks_upto_decides_as_the_full_count():
+    from hpsray.tiers.ssd.paramfile import touched_blocks, touched_blocks_upto
+
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(0, 400, 12)
+    starts = np.zeros(13, np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    pos = rng.integers(0, 2000, int(starts[-1])).astype(np.int64)  # duplicates too
+    groups = np.arange(12, dtype=np.int64)
+    limits = rng.integers(0, 120, 12).astype(np.int64)
+    full = touched_blocks(pos, starts, groups, 8)
+    upto = touched_blocks_upto(pos, starts, groups, 8, limits)
+    assert np.array_equal(upto <= limits, full <= limits)
+    assert np.array_equal(upto[full <= limits], full[full <= limits])
+    assert np.array_equal(touched_blocks(pos, starts, groups, 8), full)  # the marks were cleared

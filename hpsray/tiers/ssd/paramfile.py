@@ -50,6 +50,7 @@ __all__ = [
     "read_index",
     "record_bytes",
     "touched_blocks",
+    "touched_blocks_upto",
     "write_tmp",
 ]
 
@@ -248,6 +249,35 @@ def touched_blocks(pos, starts, groups, block_rows):
                 mark[b] = True
                 c += 1
         for j in range(starts[g], starts[g + 1]):
+            mark[pos[j] // block_rows] = False
+        out[k] = c
+    return out
+
+
+@njit(cache=True)
+def touched_blocks_upto(pos, starts, groups, block_rows, limits):
+    """:func:`touched_blocks`, but counting for group ``k`` only until the count passes
+    ``limits[k]`` (then ``limits[k] + 1`` is returned for it): whether a file's requested rows lie
+    in at most that many blocks, without reading all of a full load's positions."""
+    out = np.zeros(groups.size, dtype=np.int64)
+    top = 0
+    for g in groups:
+        for j in range(starts[g], starts[g + 1]):
+            top = max(top, pos[j] // block_rows + 1)
+    mark = np.zeros(top, dtype=np.bool_)
+    for k in range(groups.size):
+        g = groups[k]
+        c = 0
+        end = starts[g + 1]
+        for j in range(starts[g], starts[g + 1]):
+            b = pos[j] // block_rows
+            if not mark[b]:
+                mark[b] = True
+                c += 1
+                if c > limits[k]:
+                    end = j + 1
+                    break
+        for j in range(starts[g], end):
             mark[pos[j] // block_rows] = False
         out[k] = c
     return out

@@ -25,7 +25,7 @@ from numba import njit
 
 from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
-from hpsray.tiers.ssd.paramfile import HEADER_BYTES, pick_staged, read_file, touched_blocks
+from hpsray.tiers.ssd.paramfile import HEADER_BYTES, pick_staged, read_file, touched_blocks, touched_blocks_upto
 from hpsray.tiers.ssd.state import StoreState
 from hpsray.tiers.ssd.wholeread import ONE_PASS, Buffers, chunk_rows_for, read_pick
 
@@ -35,8 +35,6 @@ MAX_OPEN_FILES = 64  # files opened per whole-file round: bounds descriptors...
 ROUND_BYTES = 128 << 20  # ...and the bytes read ahead of the rows being picked
 PARTIAL_ROUND_FILES = 256  # most files whose blocks one partial round reads (their ranges all in flight)...
 PARTIAL_ROUND_BYTES = 32 << 20  # ...and about the most bytes of blocks it stages (one file's blocks at least)
-TOUCH_BYTES = 4 << 20  # a result array this large has its pages faulted in ahead of the rows
-PAGE_FLOATS = 1024  # floats of a 4 KiB page
 MERGE_GAP_BYTES = 4096  # blocks of a file closer than this (a page) are read in one range, the gap too
 
 
@@ -82,14 +80,6 @@ def _group(fs, ps, n_file_slots, chunk_rows, n_chunks, n_threads):
                 pos[c] = ps[i]
                 counts[t, b] = c + 1
     return idx, pos, starts
-
-
-@njit(cache=True, nogil=True)
-def _touch(flat, lo, hi, step):
-    """Write zeros every ``step`` elements of ``flat[lo:hi]``: fault a fresh zeroed array's
-    pages in, in address order, on the thread that calls it."""
-    for i in range(lo, hi, step):
-        flat[i] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -233,11 +223,6 @@ class Reads:
         pool = st.pool
         # zeros: absent rows stay zero, and the pages fault in on the I/O threads as rows land
         out = np.zeros((keys.size, st.width), dtype=np.float32)
-        # its pages are faulted in on two I/O threads while the keys are looked up (faulting them
-        # in the scattered order rows land costs several times more); done before any row lands
-        flat = out.reshape(-1)
-        halves = [0, flat.size // 2, flat.size] if out.nbytes >= TOUCH_BYTES else []
-        touch = [pool.submit(_touch, flat, a, b, PAGE_FLOATS) for a, b in zip(halves, halves[1:])]
         first_fds: list[int] = []
         pending: list[list] = []  # futures of whole-file rounds in flight
         opened: list[tuple[list, list, list]] = []
@@ -266,7 +251,6 @@ class Reads:
                 rounds = [whole[r : r + rf] for r in range(0, whole.size, rf)]
                 if rounds:  # start the I/O right away
                     opened.append(self._open_round(keys, rounds[0], starts, idx, pos, file_no))
-            wait(touch)
             whole_rounds = opened[-1:] if rounds else []
             if rounds:
                 prefetch.append(pool.submit(_will_need, whole_rounds[0][1]))
@@ -320,7 +304,6 @@ class Reads:
         finally:
             for futures in pending:  # an error left reads running: they use the descriptors
                 wait(futures)
-            wait(touch)
             wait(prefetch)  # before their descriptors close
             for _, fds, _ in opened:
                 self.close_all(fds)
@@ -411,9 +394,9 @@ class Reads:
         if groups.size == 0 or st.partial_read_share <= 0 or not tables:
             return np.zeros(groups.size, dtype=bool)
         br = st.block_rows
-        touched = touched_blocks(pos, starts, groups, br)
         blocks = -(-st.files.n[groups] // br)
-        ok = touched <= st.partial_read_share * blocks
+        limits = np.floor(st.partial_read_share * blocks).astype(np.int64)
+        ok = touched_blocks_upto(pos, starts, groups, br, limits) <= limits  # the same as touched <= share * blocks
         if ok.any():
             have = np.fromiter((int(no) in tables for no in file_no[groups[ok]]), bool, int(ok.sum()))
             ok[np.flatnonzero(ok)[~have]] = False
