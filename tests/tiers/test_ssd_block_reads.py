@@ -184,3 +184,19 @@ def test_touched_blocks_upto_decides_as_the_full_count():
     assert np.array_equal(upto <= limits, full <= limits)
     assert np.array_equal(upto[full <= limits], full[full <= limits])
     assert np.array_equal(touched_blocks(pos, starts, groups, 8), full)  # the marks were cleared
+
+
+def test_locate_gives_each_keys_file_slot_and_position_like_find():
+    from hpsray.tiers.ssd.keymap import KeyMap
+
+    km = KeyMap()
+    k = np.random.default_rng(4).permutation(np.arange(1, 5001, dtype=np.uint64) * np.uint64(2654435761))
+    km.grow(k.size)
+    km.place(k, np.arange(k.size, dtype=np.int32) % 7, np.arange(k.size, dtype=np.int32))
+    q = np.concatenate([k[::3], k[:50] + np.uint64(1)])  # present, then absent keys
+    fs, ps = km.locate(q)
+    slots = km.find(q)
+    ok = slots >= 0
+    assert ok.sum() == k[::3].size
+    assert np.array_equal(fs[ok], km.file_slot[slots[ok]]) and np.array_equal(ps[ok], km.pos[slots[ok]])
+    assert (fs[~ok] == -1).all()
