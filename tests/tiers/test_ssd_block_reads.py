@@ -200,3 +200,21 @@ def test_locate_gives_each_keys_file_slot_and_position_like_find():
     assert ok.sum() == k[::3].size
     assert np.array_equal(fs[ok], km.file_slot[slots[ok]]) and np.array_equal(ps[ok], km.pos[slots[ok]])
     assert (fs[~ok] == -1).all()
+
+
+def test_both_ways_of_grouping_a_loads_keys_agree():
+    from hpsray.tiers.ssd.reads import _group, group_keys
+
+    rng = np.random.default_rng(5)
+    for n, slots, chunks in ((200_000, 7, 5), (300, 50, 40), (0, 3, 2)):
+        fs = rng.integers(-1, slots, n).astype(np.int32)  # -1: absent
+        ps = rng.integers(0, 100 * chunks, n).astype(np.int32)
+        want = _group(fs, ps, slots, 100, chunks, 2)
+        got = group_keys(fs, ps, slots, 100, chunks)
+        for a, b in zip(want, got):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        idx, pos, starts = want
+        for f in range(slots):  # each file's keys, by chunk, then in batch order
+            i = idx[starts[f] : starts[f + 1]]
+            assert (fs[i] == f).all() and np.array_equal(pos[starts[f] : starts[f + 1]], ps[i])
+            assert np.array_equal(np.lexsort((i, ps[i] // 100)), np.arange(i.size))

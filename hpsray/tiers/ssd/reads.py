@@ -82,6 +82,22 @@ def _group(fs, ps, n_file_slots, chunk_rows, n_chunks, n_threads):
     return idx, pos, starts
 
 
+def group_keys(
+    fs: np.ndarray, ps: np.ndarray, n_file_slots: int, chunk_rows: int, n_chunks: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_group`; a batch with fewer keys than buckets (a few keys, a store of many files)
+    is grouped by a stable sort instead, the same result without a count per bucket."""
+    if 4 * fs.size >= n_file_slots * n_chunks:
+        return _group(fs, ps, n_file_slots, chunk_rows, n_chunks, numba.get_num_threads())
+    at = np.flatnonzero(fs >= 0)
+    f = fs[at].astype(np.int64)
+    bucket = f * n_chunks + np.clip(ps[at] // chunk_rows, 0, n_chunks - 1)
+    order = np.argsort(bucket, kind="stable")
+    starts = np.zeros(n_file_slots + 1, dtype=np.int64)
+    np.cumsum(np.bincount(f, minlength=n_file_slots), out=starts[1:])
+    return at[order].astype(np.int64), ps[at][order].astype(np.int64), starts
+
+
 @njit(cache=True, nogil=True)
 def _pick_rows(out, idx, rows, pos, file_keys, keys):
     """``out[idx[j]] = rows[pos[j]]``, checking that the file holds the key there; returns -1,
@@ -242,7 +258,7 @@ class Reads:
                     prefetch.append(pool.submit(_will_need, first_fds))
                 fs, ps = kmap.locate(keys)
                 n_chunks = max(1, -(-int(files.n.max()) // self.chunk_rows))
-                idx, pos, starts = _group(fs, ps, files.capacity, self.chunk_rows, n_chunks, numba.get_num_threads())
+                idx, pos, starts = group_keys(fs, ps, files.capacity, self.chunk_rows, n_chunks)
                 file_no = files.no.copy()
                 groups = np.flatnonzero(starts[1:] > starts[:-1])
                 partial = self._partial_groups(groups, starts, pos, file_no)
