@@ -217,7 +217,8 @@ class Progress:
         interval = now - self._tick_t
         self.rate = (self.examples - self._tick_examples) / interval if interval > 0 else 0.0
         self._tick_t, self._tick_examples = now, self.examples
-        if self.logging and self._due is None:
+        done = self.total is not None and self.examples >= self.total  # the pass-end line says it
+        if self.logging and self._due is None and not done:
             self._due = (self.batches, self.examples, self.rate, interval)
             self._asked = self._ask_actors()
             if not self._asked:
