@@ -1,5 +1,6 @@
 """``Trainer``: the actor over a node's :class:`~hpsray.training.engine.TrainerEngine`: it resolves
-its inputs, joins the collectives, starts the node's other device processes, and calls the engine."""
+its inputs, joins the collectives, starts the node's other device processes, and calls the engine.
+Over 500 lines: one actor's protocol (join, train, settle, flush, state), its engine already apart."""
 
 from __future__ import annotations
 

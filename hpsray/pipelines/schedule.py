@@ -1,38 +1,16 @@
-"""The per-batch schedule of one pass (docs/architecture.md: The pipeline; paper Algorithm 1).
+"""The per-batch schedule of one pass (paper Algorithm 1).
 
-Per batch ``t`` the driver submits, on every node::
+Contract: per batch ``t`` the driver submits, on every node::
 
     read(t + read_queue) ; train(t) ; pull(t+1) ; load(t+1) ; write_back(t) ; refresh(t+1)
 
-Four stages on four resources: the reader (read), MEM-PS (pull: the rows it holds, the keys it
-lacks), SSD-PS (load: those rows from the parameter files, into the loan the trainer takes) and
-the trainer (train). MEM-PS never waits on SSD-PS inside a call: its evictions are written
-behind. A Ray actor runs one caller's calls in submission order, so MEM-PS runs ``pull(t+1)``
-while ``t`` trains and ``pull(t+2)`` only after ``write_back(t)``; SSD-PS loads ``t+1`` while
-``t`` trains. The rows ``pull(t+1)`` lent early for keys also in ``t`` are stale: the trainer
-keeps its own from ``t`` resident in HBM-PS, and rows other nodes changed come again through
-``refresh(t+1)`` (docs/architecture.md: invariants 2 and 4).
-
-``train(t)`` is also given batch ``t+1``'s read (submitted before it for that): the trainer keeps
-the rows both batches need and returns only the others, and the owner does not ship rows its
-borrower held in the batch before. With several nodes (under BSP and A-BSP) the driver lends
-``t+1`` before it submits ``train(t)``, and each owner names the rows a trainer must return all
-the same (``MemPSShard.must_return``: another node borrows them in ``t+1`` without holding them,
-and its refresh reads the owner's copy); under SSP and ASP every row goes back.
-:meth:`PassSchedule.flush_trainers` stores the kept rows where the owners' copies must be
-current: before a checkpoint, at a stop, after a failure (docs/architecture.md: The trainer's
-working set).
-
-Under SSP and ASP a trainer's clock runs on across batch ends
-(:func:`~hpsray.cluster.updates.crosses_batches`): ``refresh`` is not submitted, so a fast
-trainer's inputs for ``t+1`` never wait for a straggler's ``write_back(t)`` (the trainer replays
-the updates it received during ``t`` on the rows it borrows anew instead), and the last batch of
-the pass is written back from ``Trainer.settle``, a full barrier, instead of from ``train``.
-
-Four bounded edges per node join the stages (:class:`BoundedEdge`): read→pull (``read_queue``
-batches), pull→load (``pull_queue``), load→train (``load_queue``) and train→write-back
-(``write_back_queue``). A batch is on an edge from its producer's submission until its consumer
-is done, so with ``read_queue = 1`` batch ``t+2`` is read while ``t+1`` loads and ``t`` trains.
+each stage an actor running one caller's calls in submission order, joined by four bounded
+edges (:class:`BoundedEdge`) so a slow stage stalls its producer; ``train(t)`` also gets batch
+``t+1``'s read so the trainer keeps the rows both need; under SSP and ASP no ``refresh`` is
+submitted and a pass's last batch is written back by ``Trainer.settle``;
+:meth:`PassSchedule.flush_trainers` makes the owners' copies current before a checkpoint, at a
+stop and after a failure. Why this order is exact: docs/architecture.md, The pipeline,
+One batch across nodes, The trainer's working set and Consistency (invariants 2 and 4).
 """
 
 from __future__ import annotations

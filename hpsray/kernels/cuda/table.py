@@ -5,6 +5,7 @@ issues every kernel from the host; its inputs come onto the device through
 The kernels live beside it by family: :mod:`~hpsray.kernels.cuda.probing` (buckets),
 :mod:`~hpsray.kernels.cuda.scans` (scans, compaction, radix grouping) and
 :mod:`~hpsray.kernels.cuda.rows` (row copies and updates); the package docstring gives the design.
+Over 500 lines: the one class that owns the device state.
 """
 
 from __future__ import annotations
