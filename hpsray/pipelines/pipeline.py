@@ -102,9 +102,9 @@ class Pipeline:
             if capacity < 1:
                 raise ValueError(f"{edge} must be >= 1, got {capacity}")
         self.source = source
-        self.trainer_stage = trainer or TrainerSettings()
-        self.mem_stage = mem or MemPSSettings(capacity_rows=4 * batch_size * max(source.n_slots, 1))
-        self.ssd_stage = ssd or SSDPSSettings()
+        self.trainer_settings = trainer or TrainerSettings()
+        self.mem_settings = mem or MemPSSettings(capacity_rows=4 * batch_size * max(source.n_slots, 1))
+        self.ssd_settings = ssd or SSDPSSettings()
         self.transforms = list(transforms)
         self.batch_size = batch_size
         self.read_queue = read_queue
@@ -115,19 +115,19 @@ class Pipeline:
             raise ValueError(f"nodes must be >= 1 (or None for every alive node), got {nodes}")
         self.n_nodes = nodes
         self.sync = sync or SyncSettings()
-        if self.trainer_stage.n_devices > 1 and self.sync.consistency != "bsp":
+        if self.trainer_settings.n_devices > 1 and self.sync.consistency != "bsp":
             raise ValueError(
-                f"n_devices = {self.trainer_stage.n_devices} runs the device mesh, which synchronises BSP; "
+                f"n_devices = {self.trainer_settings.n_devices} runs the device mesh, which synchronises BSP; "
                 f"consistency = {self.sync.consistency!r} needs n_devices = 1 (one trainer process per node)"
             )
         self._aggregators: list | None = None
-        self.config = self.trainer_stage.config
+        self.config = self.trainer_settings.config
         self._nodes: list[NodeActors] = []
         self._tmp: str | None = None
         self._started_ray = False
         self._next_batch = 0  # batch ids continue across fit() calls
         self._pass_first: int | None = None  # first batch id of a pass in progress (a resume's)
-        self.checkpoint_stage = checkpoint
+        self.checkpoint_settings = checkpoint
         self._checkpoints = Checkpoints(checkpoint.directory, checkpoint.keep) if checkpoint else None
         self._checkpointed: int | None = None  # batches trained at the newest checkpoint
         self._costs = CheckpointCosts()
@@ -151,7 +151,7 @@ class Pipeline:
             {
                 "config": repr(self.config),
                 "source": re.sub(r" at 0x[0-9a-fA-F]+", "", repr(self.source)),  # a default repr: class only
-                "admission": [self.mem_stage.admit_after, self.mem_stage.expire_after_batches],
+                "admission": [self.mem_settings.admit_after, self.mem_settings.expire_after_batches],
                 "batch_size": self.batch_size,
                 "row_width": self.config.row_width,  # not the nodes: a checkpoint resumes on any shape
             }
@@ -166,7 +166,7 @@ class Pipeline:
         t0 = time.perf_counter()
         self._started_ray = connect(self.address)
         self.start_s.setdefault("ray_init_s", time.perf_counter() - t0)  # hpsray train sets its own
-        stage = self.checkpoint_stage
+        stage = self.checkpoint_settings
         if restore is None and stage is not None and stage.resume and self._checkpoints is not None:
             restore = self._checkpoints.latest(self.fingerprint)
             if restore is None:
@@ -179,20 +179,20 @@ class Pipeline:
                 "start more nodes (ray start --address=...) or lower cluster.nodes"
             )
         if restore is not None and self._checkpoints is not None:
-            restore, self.reshaped = reshape(self._checkpoints, restore, n_nodes, self.ssd_stage.options)
-        ssd_path = self.ssd_stage.path
+            restore, self.reshaped = reshape(self._checkpoints, restore, n_nodes, self.ssd_settings.options)
+        ssd_path = self.ssd_settings.path
         if ssd_path is None:
             self._tmp = ssd_path = self._tmp or tempfile.mkdtemp(prefix="hpsray-ssd-")
         for i, node in enumerate(alive[:n_nodes]):
             snapshot = snapshot_of(restore, i) if restore is not None else None
             counts = admission_of(restore, i) if restore is not None else None
             self._nodes.append(place_node(self, i, node, n_nodes, f"{ssd_path}/node-{i}", snapshot, counts))
-        if needs_group(n_nodes, self.trainer_stage.n_devices):
+        if needs_group(n_nodes, self.trainer_settings.n_devices):
             # forming the group waits for the trainers: the readers start beside them, not after
             # (fit() opens them again where its pass starts)
             for actors in self._nodes:
                 self._open_reader(actors, self.source, actors.index, n_nodes)
-            self._aggregators = join_group(self.name, self._nodes, self.sync, n_devices=self.trainer_stage.n_devices)
+            self._aggregators = join_group(self.name, self._nodes, self.sync, n_devices=self.trainer_settings.n_devices)
         if restore is not None:
             load_trainers(restore, self._nodes)
             self._next_batch, self._pass_first = restore.batch, int(restore.meta["pass_first"])
@@ -243,7 +243,7 @@ class Pipeline:
                     self._next_batch,
                     self.read_queue,
                     self._after_batch,
-                    self.mem_stage.admit_after > 1,
+                    self.mem_settings.admit_after > 1,
                     **self.queues,
                     sync=self.sync,
                 )
@@ -280,7 +280,7 @@ class Pipeline:
         self.report = run_report(
             self._nodes,
             self.sync,
-            self.trainer_stage.n_devices,
+            self.trainer_settings.n_devices,
             wall,
             trained,
             sum(examples.get(b, 0) for b in trained),
@@ -297,7 +297,7 @@ class Pipeline:
     def _after_batch(self, batch_id: int, schedule: PassSchedule) -> None:
         """Checkpoint every ``every_batches`` batches of the pass (after the write-backs); after
         a Ctrl-C, checkpoint (or flush, without checkpoints) and stop."""
-        stage = self.checkpoint_stage
+        stage = self.checkpoint_settings
         done = batch_id + 1
         if self._interrupted:
             schedule.drain()
@@ -327,7 +327,7 @@ class Pipeline:
     def _recover_or_stop(self, error: Exception, schedule: PassSchedule, recovery: list, failed_at: int) -> None:
         """Restart the stages from the newest checkpoint when an actor died (and failures are
         left); otherwise salvage what trained and raise :class:`TrainingStopped`."""
-        stage = self.checkpoint_stage
+        stage = self.checkpoint_settings
         root = schedule.first_failure(error)
         actors = self.actors()
         dead = dead_actors(actors) if stage is not None else []

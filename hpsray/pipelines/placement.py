@@ -59,11 +59,11 @@ class Placed(Protocol):
     @property
     def transforms(self) -> list[Callable[[Batch], Batch]]: ...
     @property
-    def mem_stage(self) -> MemPSSettings: ...
+    def mem_settings(self) -> MemPSSettings: ...
     @property
-    def ssd_stage(self) -> SSDPSSettings: ...
+    def ssd_settings(self) -> SSDPSSettings: ...
     @property
-    def trainer_stage(self) -> TrainerSettings: ...
+    def trainer_settings(self) -> TrainerSettings: ...
 
 
 def _options(node_id: str) -> dict:
@@ -76,14 +76,14 @@ def start_ssd(pipeline: Placed, index: int, node_id: str, directory: str, restor
     return (
         ray.remote(SSDPSShard)
         .options(name=f"{pipeline.name}:SSDPS[node {index}]", **_options(node_id))
-        .remote(index, directory, pipeline.config.row_width, restore_from, **pipeline.ssd_stage.options)
+        .remote(index, directory, pipeline.config.row_width, restore_from, **pipeline.ssd_settings.options)
     )
 
 
 def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_from: str | None = None) -> Any:
     """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd`` (its admission counts
     from ``admission_from``, a checkpoint's, when given)."""
-    config, stage = pipeline.config, pipeline.mem_stage
+    config, stage = pipeline.config, pipeline.mem_settings
     return (
         ray.remote(MemPSShard)
         .options(name=f"{pipeline.name}:MemPS[node {index}]", **_options(node_id))
@@ -106,7 +106,7 @@ def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_fr
 def start_trainer(pipeline: Placed, index: int, node: dict, n_nodes: int) -> Any:
     """Node ``index``'s trainer actor on Ray node ``node`` (one GPU of it on CUDA), device 0 of
     the node's ``n_devices``; it starts the node's other device processes itself."""
-    t, source = pipeline.trainer_stage, pipeline.source
+    t, source = pipeline.trainer_settings, pipeline.source
     capacity = t.hbm_capacity or 2 * pipeline.batch_size * max(source.n_slots, 1)
     cpus = int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1)
     threads = t.threads or max(1, cpus // t.n_devices)

@@ -152,7 +152,7 @@ def shrink(pipeline: Any, checkpoint: Checkpoint, lost: dict[int, str]) -> dict:
     release_placements(f"{pipeline.name}:")
     pipeline._lost_nodes |= {nodes[i].node_id for i in lost}
     n = len(survivors)
-    new, reshaped = reshape(pipeline._checkpoints, checkpoint, n, pipeline.ssd_stage.options)
+    new, reshaped = reshape(pipeline._checkpoints, checkpoint, n, pipeline.ssd_settings.options)
     alive = {node["NodeID"]: node for node in training_nodes()}
     root = os.path.dirname(nodes[0].ssd_dir)
     placed = []
@@ -163,7 +163,7 @@ def shrink(pipeline: Any, checkpoint: Checkpoint, lost: dict[int, str]) -> dict:
             place_node(pipeline, i, alive[nd.node_id], n, f"{root}/node-{i}", snapshot_of(new, i), admission_of(new, i))
         )
     pipeline._nodes, pipeline.n_nodes = placed, n
-    devices = pipeline.trainer_stage.n_devices
+    devices = pipeline.trainer_settings.n_devices
     if needs_group(n, devices):
         pipeline._generation += 1
         pipeline._aggregators = join_group(pipeline.name, placed, pipeline.sync, pipeline._generation, devices)
@@ -285,7 +285,7 @@ def restart_from(pipeline: Any, checkpoint: Checkpoint, dead: list[str], timeout
             started.add(node.index)
     if started:
         load_trainers(checkpoint, [nd for nd in nodes if nd.index in started])
-    devices = pipeline.trainer_stage.n_devices
+    devices = pipeline.trainer_settings.n_devices
     if needs_group(n, devices) and (trainers_together or started):
         pipeline._generation += 1
         pipeline._aggregators = join_group(pipeline.name, nodes, sync, pipeline._generation, devices)

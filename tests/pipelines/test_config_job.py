@@ -246,13 +246,13 @@ def test_the_checkpoint_section_builds_the_checkpoint_stage(tmp_path, monkeypatc
     assert build.checkpoint(job) == CheckpointSettings(str(sub / "ckpt"), 7, 3, 3, resume=False)
     assert build.checkpoint(job, resume=True).resume
     pipeline = build.pipeline(job, resume=True)  # no Ray yet: the actors start in fit()
-    assert pipeline.checkpoint_stage == CheckpointSettings(str(sub / "ckpt"), 7, 3, 3, resume=True)
+    assert pipeline.checkpoint_settings == CheckpointSettings(str(sub / "ckpt"), 7, 3, 3, resume=True)
     job = JobConfig.from_dict(with_("checkpoint", dir="/abs/ckpt", max_failures=0), where="j.toml")
     assert job.checkpoint.dir == "/abs/ckpt" and job.checkpoint.max_failures == 0
     # no section: no checkpoints, and nothing to resume from
     job = JobConfig.from_dict(SYN, where="j.toml")
     assert job.checkpoint is None and job.to_dict()["checkpoint"] is None and build.checkpoint(job) is None
-    assert build.pipeline(job).checkpoint_stage is None
+    assert build.pipeline(job).checkpoint_settings is None
     with pytest.raises(ConfigError) as e:
         build.checkpoint(job, resume=True)
     assert str(e.value) == "j.toml: checkpoint.dir: missing: the job has no [checkpoint] dir to resume from"
