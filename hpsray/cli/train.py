@@ -1,20 +1,10 @@
 """``hpsray train JOB.toml``: train a job file on the hierarchical parameter server (or the reference).
 
-The job file (``examples/train.toml``; schema in :class:`hpsray.job.JobConfig`) names the
-data, model, optimizers, tier budgets and pipeline sizes. The command prints held-out AUC,
-throughput and the stage table; ``--report`` writes the run report (JSON plus per-batch PNG
-plots), ``--export`` the trained rows (Parquet) and dense weights (``docs/export.md``).
-
-Checking losslessness (docs/architecture.md: invariant 1) takes two runs of the same job::
-
-    hpsray train job.toml --export out/hps
-    hpsray train job.toml --reference --compare out/hps
-
-With a ``[checkpoint]`` section the pipeline checkpoints every ``every_batches`` batches and
-recovers from dead actors; ``--resume`` continues a job whose driver died (or was stopped with
-Ctrl-C, exit code 130) from its newest checkpoint. ``--export DIR --incremental`` adds the rows
-changed since the export already in DIR as a delta beside it (docs/operations.md: Checkpoints,
-recovery and resume; docs/export.md).
+Contract: prints held-out AUC, throughput and the stage table; ``--report`` writes the run
+report, ``--export`` the trained model (docs/export.md), ``--reference --compare DIR`` checks
+losslessness against an export (docs/architecture.md: invariant 1), ``--resume`` continues from
+the newest checkpoint (exit code 130 after Ctrl-C). The job file's schema:
+:class:`hpsray.job.JobConfig`; checkpoints, recovery and resume: docs/operations.md.
 """
 
 from __future__ import annotations
