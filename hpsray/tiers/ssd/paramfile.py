@@ -230,28 +230,10 @@ def pick_staged(
     return int(r)
 
 
-@njit(cache=True)
-def touched_blocks(pos, starts, groups, block_rows):
+def touched_blocks(pos: np.ndarray, starts: np.ndarray, groups: np.ndarray, block_rows: int) -> np.ndarray:
     """Distinct blocks of ``block_rows`` among the positions ``pos[starts[g]:starts[g+1]]`` of
-    each file slot ``g`` in ``groups``."""
-    out = np.zeros(groups.size, dtype=np.int64)
-    top = 0
-    for g in groups:
-        for j in range(starts[g], starts[g + 1]):
-            top = max(top, pos[j] // block_rows + 1)
-    mark = np.zeros(top, dtype=np.bool_)
-    for k in range(groups.size):
-        g = groups[k]
-        c = 0
-        for j in range(starts[g], starts[g + 1]):
-            b = pos[j] // block_rows
-            if not mark[b]:
-                mark[b] = True
-                c += 1
-        for j in range(starts[g], starts[g + 1]):
-            mark[pos[j] // block_rows] = False
-        out[k] = c
-    return out
+    each file slot ``g`` in ``groups`` (:func:`touched_blocks_upto` without a limit)."""
+    return touched_blocks_upto(pos, starts, groups, block_rows, np.full(groups.size, np.iinfo(np.int64).max - 1))
 
 
 @njit(cache=True)
