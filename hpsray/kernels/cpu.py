@@ -24,7 +24,7 @@ from hpsray.kernels.fused import lookup_pool
 from hpsray.kernels.hashing import EMPTY_KEY, bucket_hash
 from hpsray.kernels.init import RowInit, init_row
 from hpsray.kernels.optim import SparseOptimizer, apply_row_update
-from hpsray.kernels.table import HashTable, as_keys, as_rows, bucket_count, check_columns, missing_key_error
+from hpsray.kernels.table import HashTable, as_keys, as_rows, bucket_count, check_columns, missing_key_error, readonly
 
 _EMPTY = EMPTY_KEY
 
@@ -224,7 +224,7 @@ class CpuHashTable(HashTable):
     def find(self, keys: npt.ArrayLike) -> npt.NDArray[np.int64]:
         keys = as_keys(keys)
         out = np.empty(keys.size, dtype=np.int64)
-        _find(self._buckets, self._mask, keys, out)
+        _find(self._buckets, self._mask, readonly(keys), out)
         return out
 
     def find_or_insert(self, keys: npt.ArrayLike, initialise: bool = True) -> npt.NDArray[np.int64]:
@@ -237,7 +237,7 @@ class CpuHashTable(HashTable):
             return out
         new_slots = np.empty(miss.size, dtype=np.int64)
         n_new = _insert_misses(
-            self._buckets, self._mask, self._row_keys, self._free, self._state, keys, miss, out, new_slots
+            self._buckets, self._mask, self._row_keys, self._free, self._state, readonly(keys), miss, out, new_slots
         )
         if n_new < 0:  # roll back this call's inserts, then report
             done = -1 - n_new
@@ -282,7 +282,7 @@ class CpuHashTable(HashTable):
         fancy assignment: docs/benchmarks.md, "Notes from the code")."""
         slots = self._checked_slots(slots, "put")
         values = as_rows(values, slots.size, self.width, "put values")
-        _scatter(self._rows, slots, values, False, self._threads())
+        _scatter(self._rows, readonly(slots), readonly(values), False, self._threads())
 
     def _present_slots(self, keys: npt.NDArray[np.uint64], op: str) -> npt.NDArray[np.int64]:
         slots = self.find(keys)
@@ -293,21 +293,25 @@ class CpuHashTable(HashTable):
     def scatter_add(self, keys: npt.ArrayLike, values: npt.ArrayLike) -> None:
         keys = as_keys(keys)
         values = as_rows(values, keys.size, self.width, "scatter_add values")
-        _scatter(self._rows, self._present_slots(keys, "scatter_add"), values, True, self._threads())
+        _scatter(
+            self._rows, readonly(self._present_slots(keys, "scatter_add")), readonly(values), True, self._threads()
+        )
 
     def assign(self, keys: npt.ArrayLike, values: npt.ArrayLike) -> None:
         keys = as_keys(keys)
         values = as_rows(values, keys.size, self.width, "assign values")
-        _scatter(self._rows, self._present_slots(keys, "assign"), values, False, self._threads())
+        _scatter(self._rows, readonly(self._present_slots(keys, "assign")), readonly(values), False, self._threads())
 
     def insert_or_assign(self, keys: npt.ArrayLike, values: npt.ArrayLike) -> None:
         keys = as_keys(keys)
         values = as_rows(values, keys.size, self.width, "insert_or_assign values")
-        _scatter(self._rows, self.find_or_insert(keys, initialise=False), values, False, self._threads())
+        _scatter(
+            self._rows, readonly(self.find_or_insert(keys, initialise=False)), readonly(values), False, self._threads()
+        )
 
     def erase(self, keys: npt.ArrayLike) -> int:
         keys = as_keys(keys)
-        return int(_erase(self._buckets, self._mask, self._row_keys, self._free, self._state, keys))
+        return int(_erase(self._buckets, self._mask, self._row_keys, self._free, self._state, readonly(keys)))
 
     def export(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         slots = _occupied_slots(self._row_keys)

@@ -70,6 +70,16 @@ def as_keys(keys: npt.ArrayLike, name: str = "keys") -> npt.NDArray[np.uint64]:
     return np.ascontiguousarray(arr)
 
 
+def readonly(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only view (no copy). numba compiles one machine code per writability of
+    an array argument, and arrays from Ray's object store are read-only: kernels take the arrays
+    they only read through this, so one compiled version serves both (a start's compile time)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 def as_rows(values: npt.ArrayLike, n: int, width: int, name: str) -> npt.NDArray[np.float32]:
     """``values`` as contiguous ``float32[n, width]``, with a clear error on a shape mismatch."""
     arr = np.ascontiguousarray(values, dtype=np.float32)

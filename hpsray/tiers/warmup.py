@@ -113,8 +113,8 @@ def warm_ssd_ps(width: int, **options: Any) -> None:
     directory built with the real one's options."""
     from hpsray.tiers.ssd import SSDPS
 
-    warm_cpu_table()
     keys = _keys(1500)  # files of many blocks: a sparse load reads some of their blocks only
+    initial_rows(keys[keys.size // 2 :][::3], width, RowInit(dim=width))  # the keys never stored
     rows = np.arange(keys.size * width, dtype=np.float32).reshape(keys.size, width)
     with tempfile.TemporaryDirectory(prefix="hpsray-warmup-") as directory:
         store = SSDPS(directory, width, **options)

@@ -30,6 +30,7 @@ from numba.extending import intrinsic
 
 from hpsray.errors import CorruptFileError
 from hpsray.kernels.hashing import EMPTY_KEY
+from hpsray.kernels.table import readonly
 from hpsray.tiers.ssd.files import FileTable
 from hpsray.tiers.ssd.manifest import NAME as MANIFEST_NAME
 from hpsray.tiers.ssd.manifest import Manifest
@@ -308,7 +309,7 @@ class KeyMap:
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Index slots of ``keys`` (-1: not stored)."""
         out = np.empty(keys.size, dtype=np.int64)
-        _find(self.keys, self._cap, np.ascontiguousarray(keys, dtype=np.uint64), out)
+        _find(self.keys, self._cap, readonly(np.ascontiguousarray(keys, dtype=np.uint64)), out)
         return out
 
     def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -316,7 +317,8 @@ class KeyMap:
         up in one parallel pass."""
         fs = np.empty(keys.size, dtype=np.int32)
         ps = np.empty(keys.size, dtype=np.int32)
-        _locate(self.keys, self.file_slot, self.pos, self._cap, np.ascontiguousarray(keys, dtype=np.uint64), fs, ps)
+        keys = readonly(np.ascontiguousarray(keys, dtype=np.uint64))
+        _locate(self.keys, self.file_slot, self.pos, self._cap, keys, fs, ps)
         return fs, ps
 
     def _resize(self, cap: int) -> None:

@@ -22,6 +22,7 @@ from numba import njit
 
 from hpsray.errors import CorruptFileError
 from hpsray.fileio import FULL_ERRNOS, Writer, full_error, unlink_quiet, write_all
+from hpsray.kernels.table import readonly
 
 __all__ = [
     "BLOCK_BYTES",
@@ -225,7 +226,19 @@ def pick_staged(
     ``keys[idx[j]]``. Returns 0, ``u + 1`` for the first bad block ``u``, or ``-(j + 1)`` for the
     first key mismatch (``block_of[j] < 0``: a position outside its file)."""
     r = _pick_staged(
-        staged_keys, staged_rows, blocks, key_at, row_at, block_n, expected, out, idx, pos, block_of, keys, block_rows
+        staged_keys,
+        staged_rows,
+        blocks,
+        key_at,
+        row_at,
+        block_n,
+        expected,
+        out,
+        idx,
+        pos,
+        block_of,
+        readonly(keys),
+        block_rows,
     )
     return int(r)
 

@@ -126,23 +126,23 @@ def _close_run(ranges, nr, fd, base, first_row, rows, unit, at, kind):
 
 
 @njit(cache=True)
-def _plan_blocks(tstart, pos, nrows, tfd, block_rows, row_bytes, max_gap):
+def _plan_blocks(ustart, ublock, nrows, tfd, block_rows, row_bytes, max_gap):
     """The blocks and ranges of a partial round. Task ``t`` (a file: descriptor ``tfd[t]``,
-    ``nrows[t]`` rows) wants positions ``pos[tstart[t]:tstart[t+1]]``; its distinct blocks, in
-    file order, are block ``u`` = number ``blk_b[u]`` of ``blk_n[u]`` rows. The keys of blocks
-    less than ``max_gap`` bytes apart are read as one range (the keys between them too), and so
-    are their rows: one range per run (``ranges``: descriptor, file offset, length, kind 0 for
-    keys (8 bytes a row) or 1 for rows (``row_bytes``), staging byte in that kind's buffer);
-    block ``u``'s first key is staged key ``blk_kat[u]``, its first row staged row
-    ``blk_at[u]``. ``ublk[j]``: the block of position ``pos[j]`` (-1 outside its file).
+    ``nrows[t]`` rows) wants the distinct blocks ``ublock[ustart[t]:ustart[t+1]]`` (ascending);
+    those inside its file become block ``v`` = number ``blk_b[v]`` of ``blk_n[v]`` rows, and
+    ``umap[u]`` is ``v`` (-1 for a block outside the file). The keys of blocks less than
+    ``max_gap`` bytes apart are read as one range (the keys between them too), and so are their
+    rows: one range per run (``ranges``: descriptor, file offset, length, kind 0 for keys (8
+    bytes a row) or 1 for rows (``row_bytes``), staging byte in that kind's buffer); block
+    ``v``'s first key is staged key ``blk_kat[v]``, its first row staged row ``blk_at[v]``.
     Returns the arrays, then the numbers of staged keys and staged rows."""
-    m = pos.size
+    m = ublock.size
     blk_task = np.empty(m, np.int64)
     blk_b = np.empty(m, np.int64)
     blk_kat = np.empty(m, np.int64)
     blk_at = np.empty(m, np.int64)
     blk_n = np.empty(m, np.int64)
-    ublk = np.full(m, -1, np.int64)
+    umap = np.full(m, -1, np.int64)
     ranges = np.empty((2 * m, 5), np.int64)  # fd, offset, length, kind, staging byte
     nb = 0
     nr = 0
@@ -150,22 +150,17 @@ def _plan_blocks(tstart, pos, nrows, tfd, block_rows, row_bytes, max_gap):
     rstage = 0  # staged rows so far
     key_gap = max_gap // 8  # rows between two blocks' keys that still join one range
     row_gap = max_gap // max(row_bytes, 1)
-    for t in range(tstart.size - 1):
-        a, e = tstart[t], tstart[t + 1]
+    for t in range(ustart.size - 1):
         n = nrows[t]
-        if a == e:
-            continue
         fd = tfd[t]
         rows_base = HEADER_BYTES + 16 * n
-        bs = np.unique(pos[a:e] // block_rows)
-        first = nb
         k_first = -1  # first row of the open key run, its staging row
         k_at = 0
         r_first = -1
         r_at = 0
         end = 0  # the row after the previous block
-        for k in range(bs.size):
-            b = bs[k]
+        for u in range(ustart[t], ustart[t + 1]):
+            b = ublock[u]
             lo = b * block_rows
             if lo >= n:  # positions outside the file: their key check fails
                 break
@@ -189,6 +184,7 @@ def _plan_blocks(tstart, pos, nrows, tfd, block_rows, row_bytes, max_gap):
             blk_kat[nb] = k_at + lo - k_first
             blk_at[nb] = r_at + lo - r_first
             blk_n[nb] = hi - lo
+            umap[u] = nb
             nb += 1
             end = hi
         if k_first >= 0:
@@ -197,18 +193,13 @@ def _plan_blocks(tstart, pos, nrows, tfd, block_rows, row_bytes, max_gap):
         if r_first >= 0:
             nr = _close_run(ranges, nr, fd, rows_base, r_first, end - r_first, row_bytes, r_at, 1)
             rstage = r_at + end - r_first
-        for j in range(a, e):
-            b = pos[j] // block_rows
-            k = np.searchsorted(blk_b[first:nb], b)
-            if pos[j] < n and first + k < nb and blk_b[first + k] == b:
-                ublk[j] = first + k
     return (
         blk_task[:nb],
         blk_b[:nb],
         blk_kat[:nb],
         blk_at[:nb],
         blk_n[:nb],
-        ublk,
+        umap,
         ranges[:nr],
         kstage,
         rstage,
@@ -449,9 +440,18 @@ class Reads:
         nrows = np.fromiter((m[0] for m in metas), np.int64, len(metas))
         tfd = np.asarray(fds, np.int32)
         row_bytes = 4 * st.width
-        blk_task, blk_b, blk_kat, blk_at, blk_n, ublk, ranges, n_keys, n_rows = _plan_blocks(
-            tstart, pos, nrows, tfd, st.block_rows, row_bytes, MERGE_GAP_BYTES
+        # each position's block, numbered among its task's distinct blocks (NumPy's sort: the
+        # planner stays a plain loop, cheap to compile)
+        task_of = np.repeat(np.arange(len(tasks), dtype=np.int64), sizes)
+        pblk = pos // st.block_rows
+        span = int(pblk.max()) + 1 if pos.size else 1
+        distinct, inverse = np.unique(task_of * span + pblk, return_inverse=True)
+        ustart = np.searchsorted(distinct // span, np.arange(len(tasks) + 1))
+        blk_task, blk_b, blk_kat, blk_at, blk_n, umap, ranges, n_keys, n_rows = _plan_blocks(
+            ustart, distinct % span, nrows, tfd, st.block_rows, row_bytes, MERGE_GAP_BYTES
         )
+        ublk = umap[inverse.ravel()]
+        ublk[pos >= nrows[task_of]] = -1
         r_fd, r_off, r_len, r_kind, r_dest = (np.ascontiguousarray(c) for c in ranges.T)
         staged_keys = np.empty(n_keys, np.uint64)
         staged_rows = np.empty((n_rows, st.width), np.float32)

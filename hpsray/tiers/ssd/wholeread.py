@@ -24,6 +24,7 @@ import numpy as np
 from numba import types as nbt
 
 from hpsray.errors import CorruptFileError
+from hpsray.kernels.table import readonly
 from hpsray.tiers.ssd.paramfile import HEADER_BYTES, check_shape, decode_header
 
 __all__ = ["CHUNK_BYTES", "ONE_PASS", "Buffers", "chunk_rows_for", "read_pick"]
@@ -160,7 +161,9 @@ def read_pick(
     nb_ = h.n_blocks if h.block_rows else 0
     bufs.fit(h.n, width, cr, nb_)
     sums = np.array([h.index_crc, h.rows_crc, h.table_crc], np.uint64)
-    status, j = _read_pick(fd, h.n, width, nb_, sums, bufs.index, bufs.chunk, bufs.table, cr, idx, pos, keys, out)
+    status, j = _read_pick(
+        fd, h.n, width, nb_, sums, bufs.index, bufs.chunk, bufs.table, cr, idx, pos, readonly(keys), out
+    )
     if status == _SHORT:
         raise CorruptFileError(f"{path}: truncated (a read came back short of the {size} bytes)")
     if status == _INDEX:
