@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import cProfile
 
     from hpsray.cluster.aggregation import AllReduceDense, ChunkedAggregator
+    from hpsray.models.dense_optim import DenseOptimizer
 
 HELP = "dense-gradient exchange only (zero-compute): collective all-reduce vs streamed PHub chunked aggregation"
 
@@ -97,9 +98,7 @@ def _top(profile: cProfile.Profile, n: int) -> list[dict]:
 class _ReplicaStep:
     """All-reduce, then this replica's own optimizer step; ``reduce`` returns the weights."""
 
-    def __init__(
-        self, allreduce: AllReduceDense, weights: torch.nn.Parameter, optimizer: torch.optim.Optimizer
-    ) -> None:
+    def __init__(self, allreduce: AllReduceDense, weights: torch.nn.Parameter, optimizer: DenseOptimizer) -> None:
         self.allreduce, self.weights, self.optimizer = allreduce, weights, optimizer
 
     def reduce(self, grad: torch.Tensor, step: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from hpsray.cluster import faults
 from hpsray.cluster.aggregation_mesh import Mesh
 from hpsray.cluster.aggregation_topology import ELEMENT_BYTES, ChunkPlan
+from hpsray.models.dense_optim import DenseOptimizer
 
 _HEADER = struct.Struct("<qq")  # step, n_elements
 _H = _HEADER.size
@@ -47,7 +48,7 @@ class OwnerOptimizer:
         make_dense_optimizer(name, [torch.nn.Parameter(torch.zeros(1))], lr)  # validates the name
         self.name, self.lr, self.segment = name, lr, segment
         self._make = make_dense_optimizer
-        self._state: dict[tuple[int, int], tuple[torch.nn.Parameter, torch.optim.Optimizer]] = {}
+        self._state: dict[tuple[int, int], tuple[torch.nn.Parameter, DenseOptimizer]] = {}
 
     def step(self, grad: np.ndarray, param: np.ndarray, a: int, b: int) -> None:
         """Update the segment ``param[a:b]`` in place with ``grad[a:b]``."""

@@ -7,6 +7,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from hpsray.models.dense_optim import DenseOptimizer
+
 
 class DNN(nn.Module):
     """MLP over the concatenation of per-slot pooled embeddings and dense features.
@@ -39,18 +41,9 @@ class DNN(nn.Module):
         return self.mlp(x).squeeze(1)
 
 
-def make_dense_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """The optimizer of the replicated dense parameters: ``adam``, ``adagrad`` or ``sgd``.
-
-    torch's multi-tensor (``foreach``) implementation: the single-tensor arithmetic, step for
-    step (the chunked aggregation's owner-side optimizer reproduces it to the bit), issued as a
-    few ops for all parameters instead of several per parameter (on CUDA, a few kernels).
-    Every trainer and the reference build theirs here, so they step alike."""
-    name = name.lower()
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, foreach=True)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, foreach=True)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=True)
-    raise ValueError(f"unknown dense optimizer {name!r}; choose adam, adagrad or sgd")
+def make_dense_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float) -> DenseOptimizer:
+    """The optimizer of the replicated dense parameters: ``adam``, ``adagrad`` or ``sgd``
+    (:class:`~hpsray.models.dense_optim.DenseOptimizer`: torch's multi-tensor arithmetic, bit for
+    bit; the chunked aggregation's owner-side optimizer reproduces it). Every trainer and the
+    reference build theirs here, so they step alike."""
+    return DenseOptimizer(name, params, lr)
