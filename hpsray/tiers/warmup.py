@@ -59,10 +59,10 @@ class _DictStore:
 
 
 def warm_cpu_table() -> None:
-    """Every verb of a throwaway CPU hash table, with writable and read-only inputs: the engines
-    keep key maps in such tables, and grow them (an export) only once they fill up."""
+    """Every verb of a throwaway CPU hash table MEM-PS uses, with writable and read-only inputs:
+    the engines keep key maps in such tables, and grow them (an export) only once they fill up.
+    Not ``apply_gradients``: only the trainer's HBM-PS and the reference apply gradients."""
     from hpsray.kernels.cpu import CpuHashTable
-    from hpsray.kernels.optim import SGD
 
     keys = _keys(40)
     for k in (keys, _frozen(keys)):
@@ -74,7 +74,6 @@ def warm_cpu_table() -> None:
         table.scatter_add(k, rows)
         table.assign(k, rows)
         table.insert_or_assign(k, rows)
-        table.apply_gradients(k, rows, SGD(lr=0.1), 1)
         table.get(k, columns=2)
         table.export()
         table.keys()
