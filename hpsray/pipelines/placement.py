@@ -11,6 +11,7 @@ is safe).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -70,13 +71,30 @@ def _options(node_id: str) -> dict:
     return dict(num_cpus=0, scheduling_strategy=on_node(node_id), max_concurrency=1)
 
 
+def _named(make: Callable[[], Any], wait_s: float = 30.0) -> Any:
+    """``make()``, which starts a named actor, tried again while the name still belongs to the
+    actor a recovery just stopped: Ray frees a killed actor's name only once the cluster has
+    recorded its death, a moment after the kill (longer on a loaded machine). Names are unique
+    per pipeline, so no other job's actor can hold it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return make()
+        except ray.exceptions.ActorAlreadyExistsError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def start_ssd(pipeline: Placed, index: int, node_id: str, directory: str, restore_from: str | None = None) -> Any:
     """Node ``index``'s SSD-PS actor over ``directory`` (rebuilt from a snapshot first when
     ``restore_from`` names one)."""
-    return (
-        ray.remote(SSDPSShard)
-        .options(name=f"{pipeline.name}:SSDPS[node {index}]", **_options(node_id))
-        .remote(index, directory, pipeline.config.row_width, restore_from, **pipeline.ssd_settings.options)
+    return _named(
+        lambda: (
+            ray.remote(SSDPSShard)
+            .options(name=f"{pipeline.name}:SSDPS[node {index}]", **_options(node_id))
+            .remote(index, directory, pipeline.config.row_width, restore_from, **pipeline.ssd_settings.options)
+        )
     )
 
 
@@ -84,21 +102,23 @@ def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_fr
     """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd`` (its admission counts
     from ``admission_from``, a checkpoint's, when given)."""
     config, stage = pipeline.config, pipeline.mem_settings
-    return (
-        ray.remote(MemPSShard)
-        .options(name=f"{pipeline.name}:MemPS[node {index}]", **_options(node_id))
-        .remote(
-            index,
-            ssd,
-            config.row_width,
-            config.row_init(),
-            stage.capacity_rows,
-            stage.capacity_bytes,
-            admit_after=stage.admit_after,
-            expire_after_batches=stage.expire_after_batches,
-            admission_from=admission_from,
-            dumps_in_flight=stage.dumps_in_flight,
-            **stage.options,
+    return _named(
+        lambda: (
+            ray.remote(MemPSShard)
+            .options(name=f"{pipeline.name}:MemPS[node {index}]", **_options(node_id))
+            .remote(
+                index,
+                ssd,
+                config.row_width,
+                config.row_init(),
+                stage.capacity_rows,
+                stage.capacity_bytes,
+                admit_after=stage.admit_after,
+                expire_after_batches=stage.expire_after_batches,
+                admission_from=admission_from,
+                dumps_in_flight=stage.dumps_in_flight,
+                **stage.options,
+            )
         )
     )
 
@@ -112,22 +132,24 @@ def start_trainer(pipeline: Placed, index: int, node: dict, n_nodes: int) -> Any
     threads = t.threads or max(1, cpus // t.n_devices)
     name = f"{pipeline.name}:Trainer[node {index}]"
     opts, group = trainer_placement(_options(node["NodeID"]), t.device, node, t.n_devices, name)
-    return (
-        ray.remote(Trainer)
-        .options(name=name, **opts)
-        .remote(
-            index,
-            n_nodes,
-            pipeline.config,
-            source.n_slots,
-            source.n_dense,
-            capacity,
-            t.n_devices,
-            t.device,
-            t.model,
-            threads,
-            placement=group,
-            name=name,
+    return _named(
+        lambda: (
+            ray.remote(Trainer)
+            .options(name=name, **opts)
+            .remote(
+                index,
+                n_nodes,
+                pipeline.config,
+                source.n_slots,
+                source.n_dense,
+                capacity,
+                t.n_devices,
+                t.device,
+                t.model,
+                threads,
+                placement=group,
+                name=name,
+            )
         )
     )
 
@@ -159,10 +181,12 @@ def open_reader(
     past its first ``skip`` batches."""
     if node.reader is None:
         opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
-        node.reader = (
-            ray.remote(Reader)
-            .options(name=f"{pipeline.name}:Reader[node {node.index}]", **opts)
-            .remote(source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip)
+        node.reader = _named(
+            lambda: (
+                ray.remote(Reader)
+                .options(name=f"{pipeline.name}:Reader[node {node.index}]", **opts)
+                .remote(source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip)
+            )
         )
     else:  # actor tasks from this driver run in order: the pass's reads come after this
         node.reader.open.remote(source, pipeline.batch_size, index, count, skip)
