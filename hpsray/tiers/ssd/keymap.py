@@ -19,17 +19,14 @@ tombstone file lives while some file that may hold an older copy of its keys doe
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import njit
-from numba.core import cgutils, types
-from numba.extending import intrinsic
 
 from hpsray.errors import CorruptFileError
 from hpsray.kernels.hashing import EMPTY_KEY
+from hpsray.kernels.prefetch import prefetch as _prefetch
 from hpsray.kernels.table import readonly
 from hpsray.tiers.ssd.files import FileTable
 from hpsray.tiers.ssd.manifest import NAME as MANIFEST_NAME
@@ -91,25 +88,6 @@ def _find(tkeys, cap, keys, out):
             b = _next(b, cap)
 
 
-def _prefetch_intrinsic(typingctx, arr, i):
-    """Hint the CPU to fetch ``arr[i]`` into its caches (LLVM's ``prefetch``: read, keep)."""
-    sig = types.void(arr, i)
-
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
-        )
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_prefetch: Any = intrinsic(_prefetch_intrinsic)
 _AHEAD = 32  # keys looked up ahead: their slots are prefetched, so cache misses overlap
 
 
