@@ -49,6 +49,12 @@ def test_ssd_bench_reports_its_keys(tmp_path):
     assert list(tmp_path.iterdir()) == []  # cleans up after itself
 
 
+def test_ssd_bench_runs_without_overwrites(tmp_path):
+    argv = ["--size", "1", "--rows-per-file", "1024", "--overwrites", "0", "--repeat", "1", "--dir", str(tmp_path)]
+    report = ssd_bench.run(_args(ssd_bench, argv))
+    assert report["space_ratio_max_after_dump"] == report["space_ratio"] > 0
+
+
 def test_cache_bench_reports_hit_rates():
     report = cache_bench.run(_args(cache_bench, ["--size", "0.02", "--batches", "30"]))
     for trace in ("zipf", "drift"):

@@ -551,3 +551,34 @@ def test_scan_sees_every_row_while_background_compaction_runs(tmp_path):
                 time_slice.wait(0.002)
             got = np.sort(np.concatenate(seen))
             assert np.array_equal(got, k)
+
+
+def test_a_key_moved_then_deleted_during_a_load_comes_back_absent(tmp_path):
+    """A later whole-file round finds its file retired by compaction and looks its keys up
+    again; a key deleted meanwhile comes back absent (zero row, not found), the rest as stored."""
+    with SSDPS(tmp_path / "s", W, rows_per_file=16, background=False, max_space_ratio=None) as s:
+        keys = np.arange(1, 161, dtype=np.uint64)  # 10 files
+        s.dump(keys, rows_for(keys, 0))
+        s.dump(keys[::16], rows_for(keys[::16], 1))  # a stale row in every file: compaction moves them all
+        reads = s._reads
+        reads.round_files = 2
+        original = reads._open_round
+        calls, victims = [], []
+
+        def open_round(k, group_slots, starts, idx, pos, file_no, gone):
+            calls.append(1)
+            if len(calls) == 2:  # round 2: its files compacted away and one of its keys deleted
+                victim = k[idx[starts[int(group_slots[0])] + 1]]
+                s.compact(full=True)
+                assert s.delete(np.array([victim], np.uint64)) == 1
+                victims.append(int(victim))
+            return original(k, group_slots, starts, idx, pos, file_no, gone)
+
+        reads._open_round = open_round
+        got, found = s.load(keys)
+        assert len(victims) == 1 and s.stats["compactions"] > 0
+        gone = keys == victims[0]
+        assert not found[gone].any() and found[~gone].all()
+        assert not got[gone].any()
+        np.testing.assert_array_equal(got[~gone & (keys % 16 != 1)], rows_for(keys[~gone & (keys % 16 != 1)], 0))
+        np.testing.assert_array_equal(got[keys % 16 == 1], rows_for(keys[keys % 16 == 1], 1))

@@ -234,6 +234,7 @@ class Reads:
         pending: list[list] = []  # futures of whole-file rounds in flight
         opened: list[tuple[list, list, list]] = []
         prefetch: list = []
+        gone: list[np.ndarray] = []  # keys deleted between the lookup and their round
         n_files = n_bytes = 0
         n_partial = 0
         try:
@@ -257,7 +258,7 @@ class Reads:
                 rf = self.round_files
                 rounds = [whole[r : r + rf] for r in range(0, whole.size, rf)]
                 if rounds:  # start the I/O right away
-                    opened.append(self._open_round(keys, rounds[0], starts, idx, pos, file_no))
+                    opened.append(self._open_round(keys, rounds[0], starts, idx, pos, file_no, gone))
             whole_rounds = opened[-1:] if rounds else []
             if rounds:
                 prefetch.append(pool.submit(_will_need, whole_rounds[0][1]))
@@ -267,7 +268,7 @@ class Reads:
             # ranges, all in flight, checksummed blocks), in rounds of open descriptors.
             part = groups[partial]
             for cut in self._partial_rounds(part, starts, pos):
-                opened.append(self._open_round(keys, cut, starts, idx, pos, file_no))
+                opened.append(self._open_round(keys, cut, starts, idx, pos, file_no, gone))
                 tasks, fds, metas = opened[-1]
                 blocky = [t for t, (_, table) in enumerate(metas) if table is not None]
                 if len(blocky) < len(tasks):  # moved to a file without a block table: read whole
@@ -302,7 +303,7 @@ class Reads:
                     wait(pending[0])
                     n_bytes += sum(fut.result()[0] for fut in pending.pop(0))
                 if r + 1 < len(rounds):
-                    opened.append(self._open_round(keys, rounds[r + 1], starts, idx, pos, file_no))
+                    opened.append(self._open_round(keys, rounds[r + 1], starts, idx, pos, file_no, gone))
                     whole_rounds.append(opened[-1])
                     prefetch.append(pool.submit(_will_need, opened[-1][1]))
             while pending:
@@ -314,6 +315,10 @@ class Reads:
             wait(prefetch)  # before their descriptors close
             for _, fds, _ in opened:
                 self.close_all(fds)
+        if gone:
+            lost = np.concatenate(gone)
+            found[lost] = False
+            n_present -= int(lost.size)
         counts = {
             "rows_loaded": n_present,
             "rows_absent": int(keys.size - n_present),
@@ -336,9 +341,12 @@ class Reads:
         idx: np.ndarray,
         pos: np.ndarray,
         file_no: np.ndarray,
+        gone: list[np.ndarray],
     ) -> tuple[list, list, list]:
         """Tasks ``(idx, pos, file number)`` for the file slots ``group_slots`` and, per task, an
-        open descriptor and ``(rows, block table or None)`` of the file, taken under the lock."""
+        open descriptor and ``(rows, block table or None)`` of the file, taken under the lock.
+        The keys of a file retired since ``file_no`` are looked up again; those no longer stored
+        (deleted meanwhile) are appended to ``gone`` (positions into ``keys``), read nowhere."""
         st = self.state
         tasks: list[tuple[np.ndarray, np.ndarray, int]] = []
         fds: list[int] = []
@@ -355,6 +363,9 @@ class Reads:
             if moved:
                 mi = np.concatenate(moved)
                 ms = kmap.find(keys[mi])
+                if (ms < 0).any():  # deleted since the lookup
+                    gone.append(mi[ms < 0])
+                    mi, ms = mi[ms >= 0], ms[ms >= 0]
                 mf, mp = kmap.file_slot[ms], kmap.pos[ms]
                 for s in np.unique(mf).tolist():
                     sel = np.flatnonzero(mf == s)
