@@ -25,6 +25,7 @@ from numba import njit
 
 from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
+from hpsray.tiers.ssd.outbuf import OutputPool
 from hpsray.tiers.ssd.paramfile import HEADER_BYTES, pick_staged, read_file, touched_blocks, touched_blocks_upto
 from hpsray.tiers.ssd.state import StoreState
 from hpsray.tiers.ssd.wholeread import ONE_PASS, Buffers, chunk_rows_for, read_pick
@@ -223,13 +224,14 @@ class Reads:
         # files opened per whole-file round: about ROUND_BYTES, at least 2, at most MAX_OPEN_FILES
         self.round_files = int(min(MAX_OPEN_FILES, max(2, ROUND_BYTES // (state.record * state.rows_per_file))))
         self.chunk_rows = chunk_rows_for(state.width)  # whole files are verified and picked a chunk at a time
+        self.outputs = OutputPool()  # the memory of released outputs, for the next loads
 
     def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
         """Rows of ``keys``, the found mask, and the load's counters (see :meth:`SSDPS.load`)."""
         st = self.state
         pool = st.pool
-        # zeros: absent rows stay zero, and the pages fault in on the I/O threads as rows land
-        out = np.zeros((keys.size, st.width), dtype=np.float32)
+        # every found key's row is written below; the absent ones are zeroed at the end
+        out = self.outputs.rows(keys.size, st.width)
         first_fds: list[int] = []
         pending: list[list] = []  # futures of whole-file rounds in flight
         opened: list[tuple[list, list, list]] = []
@@ -319,6 +321,8 @@ class Reads:
             lost = np.concatenate(gone)
             found[lost] = False
             n_present -= int(lost.size)
+        if n_present < keys.size:
+            out[~found] = 0
         counts = {
             "rows_loaded": n_present,
             "rows_absent": int(keys.size - n_present),

@@ -134,7 +134,9 @@ class SSDPS:
 
         Returns ``(rows float32[n, width], found bool[n])``; rows of absent keys are zero (the
         caller initialises them). Each file holding a requested key is read once: whole, or only
-        the checksummed blocks holding the requested rows (``partial_read_share``).
+        the checksummed blocks holding the requested rows (``partial_read_share``). The store
+        keeps the memory of its last two large outputs and writes a later output into it once
+        the caller holds no reference to it (:mod:`~hpsray.tiers.ssd.outbuf`).
         Raises :class:`CorruptFileError` when a file fails its checks.
         """
         keys = as_keys(keys)
@@ -378,6 +380,7 @@ class SSDPS:
             with self.state.compaction_lock:
                 self.state.pool.shutdown(wait=True)
                 self.state.manifest.close()
+            self._reads.outputs.clear()
 
     def __enter__(self):
         return self
