@@ -5,28 +5,34 @@ from __future__ import annotations
 import numpy as np
 
 from hpsray.tiers.ssd import SSDPS
-from hpsray.tiers.ssd.outbuf import KEEP, MIN_BYTES, OutputPool
+from hpsray.tiers.ssd.outbuf import MIN_BYTES, OutputPool
 
 
 def test_a_buffer_is_reused_only_once_nothing_references_it():
     pool = OutputPool()
-    n = MIN_BYTES // 16
+    n = MIN_BYTES // 4  # outputs of 4 MiB; half of it still pooled
     a = pool.rows(n, 4)
     addr = a.ctypes.data
-    b = pool.rows(n, 4)  # a is held: fresh memory
-    assert b.ctypes.data != addr
-    view = a[10:20]
+    kind = (a.shape, a.dtype, bool(a.flags.c_contiguous), bool(a.flags.writeable))
     del a
-    c = pool.rows(n // 2, 4)  # a's view still lives: not reused
-    assert c.ctypes.data not in (addr, b.ctypes.data)
-    del view, b, c
-    d = pool.rows(n, 4)
-    assert d.shape == (n, 4) and d.dtype == np.float32 and d.flags.c_contiguous
-    e = pool.rows(n, 4)
-    assert d.ctypes.data != e.ctypes.data  # two outputs held at once never share memory
-    assert len(pool._bufs) == KEEP
-    small = pool.rows(3, 4)
+    assert kind == ((n, 4), np.float32, True, True)
+    b = pool.rows(n // 2, 4)  # released: reused, a smaller output too
+    assert b.ctypes.data == addr and b.shape == (n // 2, 4)
+    view = b[10:20]
+    del b
+    c = pool.rows(n // 2, 4)  # a view of it lives: fresh memory, kept instead
+    assert c.ctypes.data != addr
+    view[:] = 1
+    assert not np.shares_memory(view, c)
+    c_addr = c.ctypes.data
+    del c
+    big = pool.rows(2 * n, 4)  # the kept one is too small: dropped, a bigger one allocated
+    assert big.shape == (2 * n, 4) and big.ctypes.data != c_addr
+    other = pool.rows(n, 4)  # two outputs held at once never share memory
+    assert not np.shares_memory(big, other)
+    small = pool.rows(3, 4)  # below MIN_BYTES: allocated as usual
     assert small.shape == (3, 4)
+    pool.clear()
 
 
 def test_loads_into_reused_memory_zero_absent_rows_and_leave_held_outputs_alone(tmp_path):
@@ -41,11 +47,11 @@ def test_loads_into_reused_memory_zero_absent_rows_and_leave_held_outputs_alone(
         second, _ = s.load(keys[::-1])  # first is held: its memory is not written
         np.testing.assert_array_equal(first, kept)
         np.testing.assert_array_equal(second, rows[::-1])
-        addrs = {first.ctypes.data, second.ctypes.data}
+        addr = second.ctypes.data  # the kept buffer: first was held when second was asked for
         del first, second
         mixed = np.concatenate([keys[:4000], keys[-1] + 1 + keys[:4192]])  # half absent
         got, found = s.load(mixed)  # written into released memory full of rows
-        assert got.ctypes.data in addrs
+        assert got.ctypes.data == addr
         assert found[:4000].all() and not found[4000:].any()
         np.testing.assert_array_equal(got[:4000], rows[:4000])
         assert not got[4000:].any()

@@ -3,11 +3,13 @@
 A load's output is usually as big as the bytes it reads, and a fresh allocation of it costs a
 page fault and the kernel's zeroing per page as the rows land, more where freed memory went back
 to a VM's host (a balloon's free-page reporting) and must be backed again: several times the cost
-of the reads that fill it. :class:`OutputPool` keeps the memory of the last :data:`KEEP` large
-outputs, and hands it out again once nothing references it any more (the caller dropped the
-output and every view of it), so a steady run of loads writes into memory that is already
-mapped. Contract: the store holds at most ``KEEP`` such buffers beyond what callers hold; an
-output is never handed out while any array, view or buffer export of it lives.
+of the reads that fill it. :class:`OutputPool` keeps the memory of the last large output and
+hands it out again once nothing references it any more (the caller dropped the output and every
+view of it), so loads whose caller lets go of each output before asking for the next write into
+memory that is already mapped. Contract: an output is never handed out while any array, view or
+buffer export of it lives; the pool holds one buffer, no bigger than the largest output it
+handed out, and frees a kept buffer too small for the next output before allocating that one,
+so a process's peak memory is what it would be without the pool.
 """
 
 from __future__ import annotations
@@ -17,38 +19,34 @@ import threading
 
 import numpy as np
 
-__all__ = ["KEEP", "MIN_BYTES", "OutputPool"]
+__all__ = ["MIN_BYTES", "OutputPool"]
 
-KEEP = 2  # buffers kept: a caller holding one output while it asks for the next still reuses
 MIN_BYTES = 1 << 20  # smaller outputs are allocated as usual (the faults are few)
 
 
 class OutputPool:
-    """Float32 buffers for load outputs, reused once their callers let go of them."""
+    """A float32 buffer for load outputs, reused once its caller lets go of it."""
 
     def __init__(self) -> None:
-        self._bufs: list[np.ndarray] = []
+        self._buf: np.ndarray | None = None
         self._lock = threading.Lock()
 
     def rows(self, n: int, width: int) -> np.ndarray:
-        """An uninitialised C-contiguous ``float32[n, width]``: a view of a kept buffer that no
-        one references and is big enough, or newly allocated (and kept, dropping the oldest)."""
+        """An uninitialised C-contiguous ``float32[n, width]``: a view of the kept buffer when no
+        one references it and it is big enough, else newly allocated (and kept instead)."""
         need = n * width
         if 4 * need < MIN_BYTES:
             return np.empty((n, width), np.float32)
         with self._lock:
-            for i in range(len(self._bufs)):
-                # 2: the list's reference and getrefcount's argument; any output or view adds one
-                if self._bufs[i].size >= need and sys.getrefcount(self._bufs[i]) == 2:
-                    buf = self._bufs.pop(i)
-                    self._bufs.append(buf)  # most recently used last
-                    return buf[:need].reshape(n, width)
+            # 2: the attribute's reference and getrefcount's argument; any output or view adds one
+            if self._buf is not None and self._buf.size >= need and sys.getrefcount(self._buf) == 2:
+                return self._buf[:need].reshape(n, width)
+            self._buf = None  # freed now if no one holds it, before the new one is allocated
             buf = np.empty(need, np.float32)
-            self._bufs.append(buf)
-            del self._bufs[:-KEEP]
+            self._buf = buf
             return buf.reshape(n, width)
 
     def clear(self) -> None:
-        """Drop the kept buffers (their memory is freed once no output references it)."""
+        """Drop the kept buffer (its memory is freed once no output references it)."""
         with self._lock:
-            self._bufs.clear()
+            self._buf = None

@@ -135,8 +135,8 @@ class SSDPS:
         Returns ``(rows float32[n, width], found bool[n])``; rows of absent keys are zero (the
         caller initialises them). Each file holding a requested key is read once: whole, or only
         the checksummed blocks holding the requested rows (``partial_read_share``). The store
-        keeps the memory of its last two large outputs and writes a later output into it once
-        the caller holds no reference to it (:mod:`~hpsray.tiers.ssd.outbuf`).
+        keeps the memory of its last large output and writes a later output into it once the
+        caller holds no reference to it (:mod:`~hpsray.tiers.ssd.outbuf`).
         Raises :class:`CorruptFileError` when a file fails its checks.
         """
         keys = as_keys(keys)
