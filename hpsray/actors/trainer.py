@@ -165,16 +165,14 @@ class Trainer:
         backend = "nccl" if self.hbm.device == "cuda" else "gloo"
         self.group = CollectiveGroup(world, self.node, group, backend, timeout_s=timeout_s)
         self.sync, self.board = sync, board
+        if self.exchange is not None:  # a re-formed group: the old one's streams end
+            self.exchange.close()
         self.exchange = None
         if sync.consistency != "bsp":
             from hpsray.cluster import consistency
 
             propagation = getattr(sync, "propagation", "relay")
-            boxes = None
-            if propagation != "relay":
-                self._mailbox = consistency.start_mailbox(group, world, self.node)
-                boxes = consistency.find_mailboxes(group, world)
-            self.exchange = consistency.make_exchange(propagation, self.node, world, board, boxes)
+            self.exchange, self._mailbox = consistency.join_exchange(propagation, group, world, self.node, board)
             self.relaxed = RelaxedSteps(
                 self.engine, self.node, world, sync, self.exchange, self.exchanged_bytes, self._straggle
             )

@@ -1,14 +1,16 @@
 """SSP, A-BSP and ASP between trainers, the Ray side: how a trainer's update of each clock reaches
 the others (docs/architecture.md: One batch across nodes, and Consistency).
 
-A trainer's :class:`Exchange` (:func:`make_exchange` picks the kind) ``publish``\\ es its update
+A trainer's :class:`Exchange` (:func:`join_exchange` makes the kind) ``publish``\\ es its update
 of clock ``c`` on a channel (``"all"``, or ``"dense"`` when the dense item has its own slack) and
 ``fetch``\\ es the others' versions once every other trainer has published the clock its slack
-needs. ``"push"`` sends each version to every consumer's :class:`Mailbox` (an async actor on the
-consumer's node), ``"pull"`` leaves it in the producer's mailbox until a consumer's copy is too
-old, ``"relay"`` sends everything through one :class:`ClockBoard`. ``fail`` makes every wait of
-the others raise :class:`~hpsray.errors.PeerFailedError`. The payloads and what a trainer
-carries across batch ends are Ray-free, in :mod:`hpsray.cluster.updates`.
+needs. ``"push"`` sends each version to every consumer over a TCP stream of its own
+(:mod:`hpsray.cluster.push_stream`; the :class:`Mailbox`, an async actor on the trainer's node,
+only hands out the stream's address and stands for the trainer's liveness), ``"pull"`` leaves
+it in the producer's mailbox until a consumer's copy is too old, ``"relay"`` sends everything
+through one :class:`ClockBoard`. ``fail`` makes every wait of the others raise
+:class:`~hpsray.errors.PeerFailedError`. The payloads and what a trainer carries across batch
+ends are Ray-free, in :mod:`hpsray.cluster.updates`.
 """
 
 from __future__ import annotations
@@ -82,13 +84,14 @@ def _raise_failed(failed: tuple[int, Hashable] | None) -> None:
 class Mailbox:
     """Async Ray actor on a trainer's node (push and pull propagation).
 
-    Push: the other trainers ``put`` their versions here and the owner ``take``\\ s them. Pull:
-    the owner ``put``\\ s its own versions here and the others call ``since``, which waits for the
-    version a consumer needs and returns the versions it has not taken, summed into one object.
+    Push: it holds the address of the trainer's stream listener
+    (:mod:`hpsray.cluster.push_stream`) and stands for the trainer's liveness. Pull: the owner
+    ``put``\\ s its own versions here and the others call ``since``, which waits for the version
+    a consumer needs and returns the versions it has not taken, summed into one object.
     """
 
-    def __init__(self, world: int, rank: int) -> None:
-        self.world, self.rank = world, rank
+    def __init__(self, world: int, rank: int, address: tuple[str, int] | None = None) -> None:
+        self.world, self.rank, self._address = world, rank, address
         self.versions = Versions(world)
         self._changed = asyncio.Condition()
         self.failed: tuple[int, Hashable] | None = None  # (rank, batch id) of a trainer that failed a batch
@@ -98,6 +101,9 @@ class Mailbox:
 
     def ready(self) -> int:
         return self.rank
+
+    def address(self) -> tuple[str, int] | None:
+        return self._address
 
     async def fail(self, rank: int, batch_id: Hashable) -> None:
         """``rank`` failed ``batch_id``: every wait here raises :class:`PeerFailedError` from now."""
@@ -109,20 +115,6 @@ class Mailbox:
         async with self._changed:
             self.versions.put(channel, rank, clock, update)
             self._changed.notify_all()
-
-    async def take(self, channel: str, oldest: int, upto: int | None) -> list[Version]:
-        """Push: once every other trainer's version ``oldest`` has arrived, all versions not
-        taken yet (up to ``upto``), ``(rank, clock, [ref])`` oldest first."""
-        v = self.versions
-        others = [r for r in range(self.world) if r != self.rank]
-        async with self._changed:
-            await self._changed.wait_for(
-                lambda: self.failed is not None or all(v.newest(channel, r) >= oldest for r in others)
-            )
-            _raise_failed(self.failed)
-            out = [u for r in others for u in v.take(channel, self.rank, r, upto)]
-            v.forget(lambda r: [self.rank])
-            return sorted(out, key=lambda u: (u[1], u[0]))
 
     async def since(
         self, channel: str, consumer: int, oldest: int, upto: int | None
@@ -173,6 +165,9 @@ class Exchange:
         :class:`PeerFailedError`); returns once they can see it."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Let go of what the exchange holds (a re-formed group makes a new one)."""
+
     def _resolve(self, got: list[Version]) -> list[tuple[int, int, Payload]]:
         values = ray.get([ref for _, _, (ref,) in got]) if got else []
         self.received_bytes += sum(payload_bytes(p) for p in values)
@@ -201,47 +196,6 @@ class RelayExchange(Exchange):
         return self._resolve(got)
 
 
-class PushExchange(Exchange):
-    """Every version to every other trainer's mailbox at once."""
-
-    def __init__(self, rank: int, world: int, mailboxes: list[Actor]) -> None:
-        super().__init__(rank, world)
-        self.mailboxes = mailboxes
-
-    def publish(self, channel: str, clock: int, payload: Payload) -> None:
-        ref = ray.put(payload)
-        for q, box in enumerate(self.mailboxes):
-            if q != self.rank:
-                box.put.remote(channel, self.rank, clock, [ref])
-
-    def fetch(
-        self, channel: str, oldest: int, upto: int | None, seen: dict[int, int]
-    ) -> list[tuple[int, int, Payload]]:
-        t0 = time.perf_counter()
-        got = self._watching(self.mailboxes[self.rank].take.remote(channel, oldest, upto), oldest)
-        self.wait_s += time.perf_counter() - t0
-        return self._resolve(got)
-
-    def _watching(self, ref: ray.ObjectRef, clock: int, every_s: float = 2.0) -> list[Version]:
-        """``ray.get(ref)``, checking every ``every_s`` while it waits that the other trainers'
-        mailboxes are alive: a mailbox dies with its trainer, and a dead trainer's versions never
-        come (:class:`PeerFailedError`, so the driver restarts the group instead of waiting)."""
-        while not ray.wait([ref], timeout=every_s)[0]:
-            others = [box for q, box in enumerate(self.mailboxes) if q != self.rank]
-            probes = [box.__ray_ready__.remote() for box in others]
-            for probe in probes:
-                try:
-                    ray.get(probe, timeout=every_s)
-                except ray.exceptions.GetTimeoutError:
-                    continue  # busy, not dead
-                except ray.exceptions.RayActorError:
-                    raise PeerFailedError(f"(clock {clock}: another trainer's mailbox is gone)") from None
-        return ray.get(ref)
-
-    def fail(self, batch_id: Hashable) -> None:
-        ray.get([box.fail.remote(self.rank, batch_id) for box in self.mailboxes])
-
-
 class PullExchange(Exchange):
     """Versions stay with their producer until a consumer's copy is too old."""
 
@@ -268,8 +222,9 @@ class PullExchange(Exchange):
         ray.get([box.fail.remote(self.rank, batch_id) for box in self.mailboxes])
 
 
-def start_mailbox(group: str, world: int, rank: int) -> Actor:
-    """This trainer's mailbox, on this process's node (called from the trainer's ``join``)."""
+def start_mailbox(group: str, world: int, rank: int, address: tuple[str, int] | None = None) -> Actor:
+    """This trainer's mailbox, on this process's node (called from the trainer's ``join``);
+    ``address``: its push stream listener's."""
     node_id = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(Mailbox)
@@ -279,7 +234,7 @@ def start_mailbox(group: str, world: int, rank: int) -> Actor:
             max_concurrency=1000,
             scheduling_strategy=on_node(node_id),
         )
-        .remote(world, rank)
+        .remote(world, rank, address)
     )
 
 
@@ -301,6 +256,23 @@ def find_mailboxes(group: str, world: int, timeout_s: float = 120.0) -> list[Act
     return boxes
 
 
+def join_exchange(propagation: str, group: str, world: int, rank: int, board: Actor | None) -> tuple[Exchange, Actor]:
+    """This trainer's exchange of ``propagation`` and its mailbox (``None`` under relay); every
+    trainer of the group calls this at once (push connects the trainers' streams)."""
+    if propagation == "relay":
+        return make_exchange(propagation, rank, world, board), None
+    if propagation != "push":
+        mailbox = start_mailbox(group, world, rank)
+        return make_exchange(propagation, rank, world, board, find_mailboxes(group, world)), mailbox
+    from hpsray.cluster.push_stream import Listener, StreamPushExchange
+
+    listener = Listener()
+    mailbox = start_mailbox(group, world, rank, listener.address)
+    boxes = find_mailboxes(group, world)
+    addresses = ray.get([b.address.remote() for b in boxes])
+    return StreamPushExchange(rank, world, listener, addresses, boxes), mailbox
+
+
 def make_exchange(
     propagation: str,
     rank: int,
@@ -308,14 +280,16 @@ def make_exchange(
     board: Actor | None = None,
     mailboxes: list[Actor] | None = None,
 ) -> Exchange:
-    """The exchange of ``propagation``: ``"relay"`` needs the ``board``, push and pull every
-    trainer's ``mailboxes`` in rank order."""
+    """The exchange of ``propagation`` (``"relay"``, needing the ``board``, or ``"pull"``, needing
+    every trainer's ``mailboxes`` in rank order); push connects streams: :func:`join_exchange`."""
     if propagation == "relay":
         if board is None:
             raise ValueError("propagation 'relay' needs the ClockBoard")
         return RelayExchange(rank, world, board)
     if propagation not in PROPAGATIONS:
         raise ValueError(f"propagation must be one of {PROPAGATIONS}, got {propagation!r}")
+    if propagation == "push":
+        raise ValueError("propagation 'push' connects the trainers' streams: use join_exchange")
     if mailboxes is None:
         raise ValueError(f"propagation {propagation!r} needs every trainer's mailbox")
-    return (PushExchange if propagation == "push" else PullExchange)(rank, world, mailboxes)
+    return PullExchange(rank, world, mailboxes)
