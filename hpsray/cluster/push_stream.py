@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from hpsray.cluster.consistency import Exchange
+from hpsray.cluster.faults import fault_timeout
 from hpsray.cluster.netaddr import node_address
 from hpsray.cluster.updates import Payload, Versions, payload_bytes
 from hpsray.errors import PeerFailedError
@@ -87,7 +88,7 @@ class StreamPushExchange(Exchange):
         for q, address in enumerate(addresses):
             if q != rank:
                 sock = socket.create_connection(address, timeout=timeout_s)
-                sock.settimeout(None)
+                sock.settimeout(fault_timeout())  # a send to a peer that stopped reading ends
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 _send(sock, b"H", struct.pack("<q", rank))
                 self.out[q] = sock
@@ -103,9 +104,14 @@ class StreamPushExchange(Exchange):
             listener.sock.close()
 
     def publish(self, channel: str, clock: int, payload: Payload) -> None:
+        """Send the version to every other trainer; a stream that cannot take it within the
+        fault timeout (a cut link, a peer that stopped reading) raises :class:`PeerFailedError`."""
         body = pickle.dumps((channel, clock, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        for sock in self.out.values():
-            _send(sock, b"D", body)
+        for q, sock in self.out.items():
+            try:
+                _send(sock, b"D", body)
+            except OSError as e:
+                raise PeerFailedError(f"(clock {clock}: the stream to trainer {q} failed: {e})") from e
 
     def fetch(
         self, channel: str, oldest: int, upto: int | None, seen: dict[int, int]
