@@ -5,18 +5,22 @@ batches (the job's batch size), no Ray.
   of the batch into the object store;
 * **pull**: :class:`hpsray.tiers.mem.MemPS` at the job's MEM-PS budget over the sampled batches
   in the pipeline's order (``pull(t)`` before ``write_back(t-1)``), per distinct row, plus the
-  copy of the rows it lends; the same run gives the MEM-PS hit rate of the sample's later half;
+  copy of the rows it lends, after one whole warm-up pass (every kernel it meets, evictions too,
+  loaded, as the MEM-PS actor's warm-up loads them before the clock); the same run gives the
+  MEM-PS hit rate of the sample's later half;
 * **load**: :class:`hpsray.tiers.ssd.SSDPS` ``dump`` and ``load`` of a batch's rows in a
-  temporary directory on the job's SSD-PS disk, per row, plus the copy of the loan;
+  temporary directory on the job's SSD-PS disk, per row, plus the copy of the loan, on a store
+  written and read once first (as the load stage's store is after a run's first batches, not a
+  new store's first fsync and first read);
 * **train**: the trainer's engine on a batch (:class:`~hpsray.training.engine.TrainerEngine`:
   borrow, the find-once index, the mini-batch steps, the rows back), with the trainer's torch
   threads, after one warm-up batch; its wall seconds at most one thread's CPU seconds.
 
-Every stage is timed ``repeats`` times and the fastest kept (a busy machine only slows a
-timing), in wall seconds and in CPU seconds of this process (all its threads); a stage's seconds
-are the lesser of the two (a busy machine stretches the wall seconds of a stage that computes;
-the load stage keeps its wall seconds: it waits for the disk), so the rate predicted is the idle
-machine's. The pipeline
+Every stage is timed ``REPEATS`` times (the train step ``TRAIN_REPEATS``) and the fastest kept
+(a busy machine only slows a timing), in wall seconds and in CPU seconds of this process (all
+its threads); a stage's seconds are the lesser of the two (a busy machine stretches the wall
+seconds of a stage that computes; the load stage keeps its wall seconds: it waits for the
+disk), so the rate predicted is the idle machine's. The pipeline
 overlaps the four stages (one actor each), but they share the node's cores: the predicted
 seconds per batch are ``max(slowest stage, CPU seconds of all stages / cores)``, and the
 bottleneck is that stage, or ``"cores"`` when the sum decides (:func:`predict_rate`).
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hpsray.data.batch import Batch
+from hpsray.errors import CapacityError
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.init import initial_rows
 from hpsray.plan.pipeline_cost import StageCosts, apply_costs
@@ -107,20 +112,30 @@ def _fastest(run: Callable[[], object], repeats: int = REPEATS) -> tuple[float, 
     return best
 
 
-class _Nothing:
-    """A backing store with no rows: MEM-PS initialises every miss (its hits are its own)."""
+class _TimedStore:
+    """SSD-PS behind the simulated MEM-PS, its calls timed: the load stage's engine work (the
+    pipeline's SSD-PS actor runs these calls; MEM-PS only submits its dumps)."""
 
-    def __init__(self, width: int) -> None:
-        self.width = width
+    def __init__(self, store: SSDPS) -> None:
+        self.store, self.width = store, store.width
+        self.load_s = self.load_cpu = self.dump_s = self.dump_cpu = 0.0
+        self.loaded = self.dumped = 0
 
     def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((keys.size, self.width), np.float32), np.zeros(keys.size, bool)
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = self.store.load(keys)
+        self.load_s, self.load_cpu = self.load_s + time.perf_counter() - w0, self.load_cpu + time.process_time() - c0
+        self.loaded += keys.size
+        return out
 
     def dump(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        pass
+        w0, c0 = time.perf_counter(), time.process_time()
+        self.store.dump(keys, rows)
+        self.dump_s, self.dump_cpu = self.dump_s + time.perf_counter() - w0, self.dump_cpu + time.process_time() - c0
+        self.dumped += keys.size
 
     def delete(self, keys: np.ndarray) -> int:
-        return 0
+        return self.store.delete(keys)
 
 
 def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, float, int]:
@@ -159,62 +174,83 @@ def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, fl
     return wall / n, cpu / n, sum(q.numel() for q in model.parameters())
 
 
-def _simulate_mem(job: JobConfig, sample: Sample, width: int) -> tuple[float, float, float | None]:
-    """``(wall, cpu)`` seconds per distinct row of MEM-PS over the sampled batches at the job's
-    budget, and the hit rate of the later half of them (``None`` when the budget cannot hold
-    two batches: the plan reports that as an error)."""
+@dataclass(frozen=True)
+class _Tiers:
+    """Seconds (wall, CPU) per distinct row pulled, per missing row loaded and per row dumped,
+    and MEM-PS's hit rate of the sample's later half (``None``: the budget cannot hold two batches)."""
+
+    pull: tuple[float, float]
+    load: tuple[float, float]
+    dump: tuple[float, float]
+    hit_rate: float | None
+
+
+def _simulate_tiers(job: JobConfig, sample: Sample, width: int) -> _Tiers:
+    """MEM-PS at the job's budget over the sampled batches in the pipeline's order (``pull(t)``,
+    the misses loaded, ``write_back(t-1)``) over a new SSD-PS with the job's options on its disk,
+    as a run starts: the pull stage's seconds are MEM-PS's (its dumps taken out), the load stage's
+    the store's loads and dumps, so the rows dumped, their sizes, overwrites and compactions are
+    the job's own. One whole warm-up pass (every kernel met, evictions too), then the least of
+    ``REPEATS`` passes, each figure its own least."""
     keys = sample.batch_keys or [distinct_sorted(b.keys) for b in sample.batches]
     capacity = mem_capacity_rows(job, sample.n_slots)
     init = job.train_config().row_init()
+    options = dict(job.tiers.ssd)
     rows = sum(k.size for k in keys)
     hit_rate: list[float | None] = [None]
 
-    def run(keys: list[np.ndarray] = keys) -> None:
-        mem = MemPS(capacity, width, _Nothing(width), init)
-        hits = looked = 0
-        previous = None
-        for t, k in enumerate(keys):
-            pulled, _ = mem.pull(t, k)  # as the pipeline's pull: the misses are the load stage's
-            if t >= len(keys) // 2:
-                s = mem.batch_stats(t)
-                hits, looked = hits + s["hits"], looked + s["hits"] + s["misses"]
-            if previous is not None:
-                mem.write_back(t - 1, *previous)
-                mem.unpin(t - 1)
-            previous = (k, pulled)
-        hit_rate[0] = hits / looked if looked else None
+    def run(directory: str) -> tuple[float, float, _TimedStore]:
+        store = _TimedStore(SSDPS(directory, width, **options))
+        try:
+            mem = MemPS(capacity, width, store, init)
+            hits = looked = 0
+            previous = None
+            w0, c0 = time.perf_counter(), time.process_time()
+            for t, k in enumerate(keys):
+                pulled, missing = mem.pull(t, k)
+                if missing.size:  # the load stage's: it fills the loan (rows' values do not matter here)
+                    store.load(k[missing])
+                if t >= len(keys) // 2:
+                    st = mem.batch_stats(t)
+                    hits, looked = hits + st["hits"], looked + st["hits"] + st["misses"]
+                if previous is not None:
+                    mem.write_back(t - 1, *previous)
+                    mem.unpin(t - 1)
+                previous = (k, pulled)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            hit_rate[0] = hits / looked if looked else None
+        finally:
+            store.store.close()
+        taken = store.load_s + store.dump_s, store.load_cpu + store.dump_cpu
+        return max(wall - taken[0], 0.0), max(cpu - taken[1], 0.0), store
 
-    try:
-        run(keys[:3])  # warm-up: numba loads MEM-PS's kernels
-        wall, cpu = _fastest(run, repeats=1)
-    except Exception:  # noqa: BLE001 - CapacityError: the plan's own check names the fix
-        capacity = max(capacity, 2 * max(k.size for k in keys) + 16)
-        wall, cpu = _fastest(run, repeats=1)
-        hit_rate[0] = None
-    return wall / max(rows, 1), cpu / max(rows, 1), hit_rate[0]
+    def passes(d: str) -> list[tuple[float, float, _TimedStore]]:
+        run(os.path.join(d, "warm-up"))
+        return [run(os.path.join(d, str(i))) for i in range(REPEATS)]
 
-
-def _time_ssd(job: JobConfig, sample: Sample, width: int) -> tuple[float, float, float, float]:
-    """``(load wall, load cpu, dump wall, dump cpu)`` seconds per row of SSD-PS."""
-    k = (sample.batch_keys or [distinct_sorted(b.keys) for b in sample.batches])[-1]
-    rows = initial_rows(k, width, job.train_config().row_init())
-    options = {key: v for key, v in dict(job.tiers.ssd).items() if key in ("rows_per_file", "block_rows")}
-    half = k[::2]
     with tempfile.TemporaryDirectory(prefix="hpsray-plan-", dir=_ssd_parent(job)) as d:
-        dumps, loads = [], []
-        for i in range(REPEATS):
-            store = SSDPS(os.path.join(d, str(i)), width, background=False, **options)
-            try:
-                w0, c0 = time.perf_counter(), time.process_time()
-                store.dump(k, rows)
-                dumps.append((time.perf_counter() - w0, time.process_time() - c0))
-                w0, c0 = time.perf_counter(), time.process_time()
-                store.load(half)
-                loads.append((time.perf_counter() - w0, time.process_time() - c0))
-            finally:
-                store.close()
-    (dw, dc), (lw, lc) = min(dumps), min(loads)
-    return lw / max(half.size, 1), lc / max(half.size, 1), dw / max(k.size, 1), dc / max(k.size, 1)
+        try:
+            done = passes(d)
+        except CapacityError:  # the plan's own check names the fix; time a budget that fits
+            capacity = max(capacity, 2 * max(k.size for k in keys) + 16)
+            done = passes(os.path.join(d, "fits"))
+            hit_rate[0] = None
+
+    def least(values: list[float], n: int) -> float:
+        return min(values) / max(n, 1)
+
+    return _Tiers(
+        pull=(least([w for w, _, _ in done], rows), least([c for _, c, _ in done], rows)),
+        load=(
+            least([s.load_s for _, _, s in done], done[0][2].loaded),
+            least([s.load_cpu for _, _, s in done], done[0][2].loaded),
+        ),
+        dump=(
+            least([s.dump_s for _, _, s in done], done[0][2].dumped),
+            least([s.dump_cpu for _, _, s in done], done[0][2].dumped),
+        ),
+        hit_rate=hit_rate[0],
+    )
 
 
 def _copy_s_per_byte(sample: Sample) -> float:
@@ -242,8 +278,8 @@ def calibrate(job: JobConfig, sample: Sample) -> Calibration:
     cores = node_cores()
     threads = job.pipeline.threads or max(1, cores // job.pipeline.n_devices)
     train, train_cpu, params = _time_train(job, sample, threads)
-    pull, pull_cpu, hit_rate = _simulate_mem(job, sample, width)
-    load, load_cpu, dump, dump_cpu = _time_ssd(job, sample, width)
+    tiers = _simulate_tiers(job, sample, width)
+    (pull, pull_cpu), (load, load_cpu), (dump, dump_cpu) = tiers.pull, tiers.load, tiers.dump
     read_cpu = sample.read_cpu_s / max(sample.read_examples or sample.examples, 1)
     # a busy machine stretches a timing's wall seconds, not its CPU seconds: a stage's seconds
     # are the lesser of the two (the load stage's wall: it waits for the disk)
@@ -265,7 +301,7 @@ def calibrate(job: JobConfig, sample: Sample) -> Calibration:
             "load": (load_cpu + dump_cpu) / (load + dump) if load + dump else 1.0,
             "train": train_cpu / train if train else 1.0,
         },
-        memps_hit_rate=hit_rate,
+        memps_hit_rate=tiers.hit_rate,
         threads=threads,
         row_width=width,
     )

@@ -181,3 +181,42 @@ def test_the_plan_command_times_the_stage_actors_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(plan_probe, "measure", broken)
     assert plan_probe.stage_costs(recalibrate=True, quiet=True) is None  # the plan goes on without them
+
+
+def test_the_tiers_are_timed_on_the_jobs_own_pull_load_and_dump_sequence(tmp_path):
+    """Pull and load are timed as the run meets them: MEM-PS at the job's budget over the sampled
+    batches in the pipeline's order, over a new SSD-PS on the job's disk that gets exactly the
+    job's evictions and loads (their sizes, overwrites and compactions), not a batch dumped into
+    a store's first, cold fsync."""
+    from hpsray.plan import calibrate as cal_mod
+    from hpsray.plan.sample import read_sample
+
+    job = JobConfig.from_dict(
+        {
+            "data": {"synthetic": {"rows": 12_000, "slots": 6, "keys": 3000, "dense": 2, "seed": 5}},
+            "model": {"dim": 4, "hidden": [8]},
+            "tiers": {"mem_rows": 9000, "ssd_path": str(tmp_path / "ssd")},
+            "pipeline": {"batch_size": 2000, "minibatch_size": 500},
+        },
+        where="job.toml",
+        base_dir=str(tmp_path),
+    )
+    sample = read_sample(job, 12_000)
+    seen = {"stores": 0}
+    real = cal_mod._TimedStore.__init__
+
+    def counting(self, store):
+        real(self, store)
+        seen["stores"] += 1
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cal_mod._TimedStore, "__init__", counting)
+    try:
+        tiers = cal_mod._simulate_tiers(job, sample, job.train_config().row_width)
+    finally:
+        mp.undo()
+    assert seen["stores"] == 1 + cal_mod.REPEATS  # a warm-up pass, then the passes timed
+    assert 0.0 < tiers.hit_rate < 1.0
+    for wall, cpu in (tiers.pull, tiers.load, tiers.dump):  # seconds per row: evictions and misses happened
+        assert wall > 0.0 and cpu >= 0.0
+    assert not any((tmp_path).glob("hpsray-plan-*"))  # the stores are removed
