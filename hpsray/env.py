@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 from hpsray.errors import ConfigError
 
-__all__ = ["env_seconds"]
+__all__ = ["env_seconds", "omp_threads_sleep"]
 
 
 def env_seconds(name: str, default: float, *, zero_ok: bool = False) -> float:
@@ -25,3 +26,13 @@ def env_seconds(name: str, default: float, *, zero_ok: bool = False) -> float:
         bound = ">= 0" if zero_ok else "> 0"
         raise ConfigError("environment", name, f"must be a finite number of seconds {bound}, got {raw!r}")
     return value
+
+
+def omp_threads_sleep() -> bool:
+    """Let idle OpenMP threads (torch's intra-op pool, numba's parallel loops) sleep between
+    parallel regions (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning, where no OpenMP runtime
+    of this process has started yet (else it read the policy already); a value the user set wins.
+    Returns whether the process's threads will sleep."""
+    if "torch" not in sys.modules and "numba.np.ufunc.omppool" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"

@@ -3,25 +3,26 @@ batches (the job's batch size), no Ray.
 
 * **read**: the sample's own read (decode, hash, ``distinct_sorted``) per example, plus the copy
   of the batch into the object store;
-* **pull**: :class:`hpsray.tiers.mem.MemPS` at the job's MEM-PS budget over the sampled batches
-  in the pipeline's order (``pull(t)`` before ``write_back(t-1)``), per distinct row, plus the
-  copy of the rows it lends, after one whole warm-up pass (every kernel it meets, evictions too,
-  loaded, as the MEM-PS actor's warm-up loads them before the clock); the same run gives the
-  MEM-PS hit rate of the sample's later half;
-* **load**: :class:`hpsray.tiers.ssd.SSDPS` ``dump`` and ``load`` of a batch's rows in a
-  temporary directory on the job's SSD-PS disk, per row, plus the copy of the loan, on a store
-  written and read once first (as the load stage's store is after a run's first batches, not a
-  new store's first fsync and first read);
+* **pull** and **load**: :class:`hpsray.tiers.mem.MemPS` at the job's MEM-PS budget over the
+  sampled batches in the pipeline's order (``pull(t)``, its misses loaded, ``write_back(t-1)``)
+  over a new :class:`hpsray.tiers.ssd.SSDPS` with the job's options on its disk, as a run starts:
+  pull is MEM-PS's seconds per distinct row (its dumps taken out), load the store's seconds per
+  row loaded and per row dumped, so the dumps' sizes, overwrites and compactions are the job's
+  own; one whole warm-up pass first (every kernel met, evictions too, as the actors warm up
+  before the clock); each plus the copy of the rows lent. The same run gives the MEM-PS hit
+  rate of the sample's later half;
 * **train**: the trainer's engine on a batch (:class:`~hpsray.training.engine.TrainerEngine`:
   borrow, the find-once index, the mini-batch steps, the rows back), with the trainer's torch
   threads, after one warm-up batch; its wall seconds at most one thread's CPU seconds.
 
-Every stage is timed ``REPEATS`` times (the train step ``TRAIN_REPEATS``) and the fastest kept
-(a busy machine only slows a timing), in wall seconds and in CPU seconds of this process (all
-its threads); a stage's seconds are the lesser of the two (a busy machine stretches the wall
-seconds of a stage that computes; the load stage keeps its wall seconds: it waits for the
-disk), so the rate predicted is the idle machine's. The pipeline
-overlaps the four stages (one actor each), but they share the node's cores: the predicted
+The engines' OpenMP threads sleep between parallel regions, as in the stage actors
+(:func:`~hpsray.env.omp_threads_sleep`, where this module is imported before torch or numba's
+parallel loops start). Every stage is timed ``REPEATS`` times (the train step
+``TRAIN_REPEATS``) and the fastest kept (a busy machine only slows a timing), in wall seconds
+and in CPU seconds of this process (all its threads); a stage's seconds are the lesser of the
+two (a busy machine stretches the wall seconds of a stage that computes; the load stage keeps
+its wall seconds: it waits for the disk), so the rate predicted is the idle machine's. The
+pipeline overlaps the four stages (one actor each), but they share the node's cores: the predicted
 seconds per batch are ``max(slowest stage, CPU seconds of all stages / cores)``, and the
 bottleneck is that stage, or ``"cores"`` when the sum decides (:func:`predict_rate`).
 """
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hpsray.data.batch import Batch
+from hpsray.env import omp_threads_sleep
 from hpsray.errors import CapacityError
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.kernels.init import initial_rows
@@ -51,7 +53,12 @@ from hpsray.tiers.ssd import SSDPS
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
 
-__all__ = ["STAGES", "Calibration", "bottleneck", "calibrate", "node_cores", "predict_rate"]
+__all__ = ["STAGES", "Calibration", "bottleneck", "calibrate", "node_cores", "omp_threads_sleep", "predict_rate"]
+
+# The engines are timed as the stage actors run them: their OpenMP threads (numba's parallel loops,
+# torch's pool) sleep between parallel regions (hpsray.actors). Spinning ones took the cores from
+# the threads doing the work: pull and load timed 2-7x slower than with sleeping ones (2 cores).
+omp_threads_sleep()
 
 STAGES = ("read", "pull", "load", "train")
 REPEATS = 3

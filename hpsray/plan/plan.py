@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from hpsray.errors import CapacityError
-from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, predict_rate
+from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, omp_threads_sleep, predict_rate
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
 from hpsray.plan.pipeline_cost import StageCosts
@@ -139,6 +139,11 @@ def make_plan(
     dense_bytes = 0
     if calibrate_stages:
         cal = calibrate(job, sample)
+        if not omp_threads_sleep():
+            notes.append(
+                "rate: this process's OpenMP threads spin (OMP_WAIT_POLICY), the stage actors' sleep: "
+                "the stages were timed slower than they run"
+            )
         if cal.memps_hit_rate is not None:  # MEM-PS itself at the job's budget, over the sample
             ssd_rows_per_batch = lent * (1.0 - cal.memps_hit_rate)
         batches = -(-keys.total_examples // (bs * nodes))  # of a pass, per node

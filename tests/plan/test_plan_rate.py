@@ -220,3 +220,19 @@ def test_the_tiers_are_timed_on_the_jobs_own_pull_load_and_dump_sequence(tmp_pat
     for wall, cpu in (tiers.pull, tiers.load, tiers.dump):  # seconds per row: evictions and misses happened
         assert wall > 0.0 and cpu >= 0.0
     assert not any((tmp_path).glob("hpsray-plan-*"))  # the stores are removed
+
+
+def test_the_engines_are_timed_with_sleeping_openmp_threads_as_in_the_actors():
+    """The calibration's process lets idle OpenMP threads sleep, as the stage actors do (spinning
+    ones timed pull and load 2-7x slower than the actors run them); a policy the user set wins."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import os, hpsray.plan.calibrate; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ACTIVE"
