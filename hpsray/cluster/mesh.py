@@ -12,6 +12,7 @@ most one mesh, and uses either it or :class:`~hpsray.cluster.collective.Collecti
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,12 +28,47 @@ from hpsray.tiers.partition import device_of, group_by
 __all__ = ["DeviceMesh", "rendezvous_address"]
 
 
-def rendezvous_address() -> str:
-    """``tcp://ip:port`` for rank 0's store: this node's address and a port free on it now."""
-    ip = node_address()
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+_FIRST_PORT = 20000  # above Ray's worker ports (10002-19999 by default)
+
+
+def _outside_ephemeral() -> range:
+    """Ports the kernel never hands out by itself (below its ephemeral range, above Ray's):
+    one found free there stays free until a process binds it by number."""
+    try:
+        with open(_EPHEMERAL) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(_FIRST_PORT, max(low, _FIRST_PORT))
+
+
+def _bindable(ip: str, port: int) -> int | None:
+    """``port`` (the kernel's choice when 0) if ``ip:port`` can be bound now, else ``None``."""
     with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-        s.bind((ip, 0))
-        port = s.getsockname()[1]
+        try:
+            s.bind((ip, port))
+        except OSError:
+            return None
+        return int(s.getsockname()[1])
+
+
+def rendezvous_address() -> str:
+    """``tcp://ip:port`` for rank 0's store: this node's address and a port free on it now,
+    outside the kernel's ephemeral range, so no other socket is given it before the store
+    listens (an ephemeral port was taken in between once: EADDRINUSE)."""
+    ip = node_address()
+    ports = _outside_ephemeral()
+    rng = random.Random()
+    port = None
+    for _ in range(64 if len(ports) else 0):
+        port = _bindable(ip, rng.choice(ports))
+        if port is not None:
+            break
+    if port is None:
+        port = _bindable(ip, 0)
+    if port is None:
+        raise OSError(f"no port can be bound on this node's address {ip}")
     host = f"[{ip}]" if ":" in ip else ip
     return f"tcp://{host}:{port}"
 
