@@ -33,7 +33,7 @@ from hpsray.training.engine import TrainerEngine
 if TYPE_CHECKING:
     from hpsray.cluster.aggregation import ChunkedAggregator
     from hpsray.cluster.collective import CollectiveGroup
-    from hpsray.cluster.consistency import Exchange
+    from hpsray.cluster.propagation import Exchange
     from hpsray.pipelines.settings import SyncSettings
 
 

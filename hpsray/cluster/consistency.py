@@ -22,6 +22,8 @@ from typing import Any
 
 import ray
 
+from hpsray.cluster.propagation import Exchange
+from hpsray.cluster.push_stream import Listener, StreamPushExchange
 from hpsray.cluster.runtime import on_node
 from hpsray.cluster.updates import Payload, Versions, merge_payloads, payload_bytes
 from hpsray.config import PROPAGATIONS
@@ -137,36 +139,8 @@ class Mailbox:
         return newest, [ray.put(merged)], payload_bytes(merged)
 
 
-class Exchange:
-    """A trainer's side of update propagation; :func:`make_exchange` picks the kind.
-
-    ``publish`` sends this trainer's version ``clock`` of ``channel`` on its way and returns at
-    once. ``fetch`` returns the others' versions ``(rank, clock, payload)`` this trainer has not
-    received yet, up to clock ``upto``, after waiting until it holds every other trainer's
-    version ``oldest`` or newer; ``seen`` is the newest clock held per other rank (pull asks only
-    the producers older than ``oldest``). ``received_bytes`` counts the payload bytes fetched.
-    """
-
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world = rank, world
-        self.received_bytes = 0
-        self.wait_s = 0.0
-
-    def publish(self, channel: str, clock: int, payload: Payload) -> None:
-        raise NotImplementedError
-
-    def fetch(
-        self, channel: str, oldest: int, upto: int | None, seen: dict[int, int]
-    ) -> list[tuple[int, int, Payload]]:
-        raise NotImplementedError
-
-    def fail(self, batch_id: Hashable) -> None:
-        """Tell every other trainer that this one failed ``batch_id`` (their waits then raise
-        :class:`PeerFailedError`); returns once they can see it."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Let go of what the exchange holds (a re-formed group makes a new one)."""
+class _StoreExchange(Exchange):
+    """An exchange whose versions travel as object-store references (relay, pull)."""
 
     def _resolve(self, got: list[Version]) -> list[tuple[int, int, Payload]]:
         values = ray.get([ref for _, _, (ref,) in got]) if got else []
@@ -174,7 +148,7 @@ class Exchange:
         return [(r, c, p) for (r, c, _), p in zip(got, values, strict=True)]
 
 
-class RelayExchange(Exchange):
+class RelayExchange(_StoreExchange):
     """Every update through the one :class:`ClockBoard`."""
 
     def __init__(self, rank: int, world: int, board: Actor) -> None:
@@ -196,7 +170,7 @@ class RelayExchange(Exchange):
         return self._resolve(got)
 
 
-class PullExchange(Exchange):
+class PullExchange(_StoreExchange):
     """Versions stay with their producer until a consumer's copy is too old."""
 
     def __init__(self, rank: int, world: int, mailboxes: list[Actor]) -> None:
@@ -264,8 +238,6 @@ def join_exchange(propagation: str, group: str, world: int, rank: int, board: Ac
     if propagation != "push":
         mailbox = start_mailbox(group, world, rank)
         return make_exchange(propagation, rank, world, board, find_mailboxes(group, world)), mailbox
-    from hpsray.cluster.push_stream import Listener, StreamPushExchange
-
     listener = Listener()
     mailbox = start_mailbox(group, world, rank, listener.address)
     boxes = find_mailboxes(group, world)

@@ -21,9 +21,9 @@ from typing import Any
 
 import ray
 
-from hpsray.cluster.consistency import Exchange
 from hpsray.cluster.faults import fault_timeout
 from hpsray.cluster.netaddr import node_address
+from hpsray.cluster.propagation import Exchange
 from hpsray.cluster.updates import Payload, Versions, payload_bytes
 from hpsray.errors import PeerFailedError
 
