@@ -53,7 +53,7 @@ from hpsray.tiers.ssd import SSDPS
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
 
-__all__ = ["STAGES", "Calibration", "bottleneck", "calibrate", "node_cores", "omp_threads_sleep", "predict_rate"]
+__all__ = ["STAGES", "Calibration", "bottleneck", "calibrate", "node_cores", "predict_rate"]
 
 # The engines are timed as the stage actors run them: their OpenMP threads (numba's parallel loops,
 # torch's pool) sleep between parallel regions (hpsray.actors). Spinning ones took the cores from

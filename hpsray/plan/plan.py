@@ -14,8 +14,9 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from hpsray.env import omp_threads_sleep
 from hpsray.errors import CapacityError
-from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, omp_threads_sleep, predict_rate
+from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, predict_rate
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
 from hpsray.plan.pipeline_cost import StageCosts

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ from hpsray.cluster.push_stream import Listener, StreamPushExchange
 from hpsray.errors import PeerFailedError
 
 
-def _pair() -> list[StreamPushExchange]:
+@contextmanager
+def _pair() -> Iterator[list[StreamPushExchange]]:
+    """Two connected exchanges on loopback, closed at the end."""
     listeners = [Listener("127.0.0.1") for _ in range(2)]
     addresses = [lst.address for lst in listeners]
     out: list = [None, None]
@@ -26,7 +30,11 @@ def _pair() -> list[StreamPushExchange]:
         t.start()
     for t in threads:
         t.join()
-    return out
+    try:
+        yield out
+    finally:
+        for x in out:
+            x.close()
 
 
 def _payload(clock: int) -> tuple:
@@ -34,8 +42,7 @@ def _payload(clock: int) -> tuple:
 
 
 def test_fetch_waits_for_the_clock_and_returns_each_version_once_in_order():
-    a, b = _pair()
-    try:
+    with _pair() as (a, b):
         for c in (1, 2, 3):
             b.publish("all", c, _payload(c))
         got = a.fetch("all", 3, upto=2, seen={1: 0})
@@ -51,25 +58,17 @@ def test_fetch_waits_for_the_clock_and_returns_each_version_once_in_order():
         assert time.perf_counter() - t0 >= 0.15
         a.publish("dense", 1, (None, None, np.ones(3, np.float32)))
         assert b.fetch("dense", 1, upto=1, seen={0: 0})[0][2][2].tolist() == [1.0, 1.0, 1.0]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_peer_that_failed_a_batch_ends_the_wait():
-    a, b = _pair()
-    try:
+    with _pair() as (a, b):
         b.fail("batch 7")
         with pytest.raises(PeerFailedError):
             a.fetch("all", 1, upto=None, seen={1: 0})
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_peer_whose_stream_ends_ends_a_wait_it_cannot_meet():
-    a, b = _pair()
-    try:
+    with _pair() as (a, b):
         b.publish("all", 1, _payload(1))
         b.close()  # as when its process dies
         deadline = time.monotonic() + 5
@@ -78,5 +77,3 @@ def test_a_peer_whose_stream_ends_ends_a_wait_it_cannot_meet():
         assert [c for _, c, _ in a.fetch("all", 1, upto=None, seen={1: 0})] == [1]  # what came is kept
         with pytest.raises(PeerFailedError):
             a.fetch("all", 2, upto=None, seen={1: 1})
-    finally:
-        a.close()
