@@ -54,7 +54,9 @@ def ray_local():
     started = not ray.is_initialized()
     if started:
         # address="local": a new instance, never a cluster some other process left running
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from hpsray.cluster.runtime import FAST_CONNECT
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=FAST_CONNECT)
     yield ray
     if started:
         ray.shutdown()

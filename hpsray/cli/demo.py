@@ -4,9 +4,11 @@ It writes a synthetic click log (Parquet, from a planted model) into a work dire
 job file for it, starts an embedded Ray, and trains with a MEM-PS budget well below the number
 of distinct keys, so rows are evicted to SSD-PS and loaded back while training. It prints the
 held-out AUC, throughput and the stage table; the job file it leaves behind reruns the same
-training with ``hpsray train WORKDIR/job.toml``. While it trains, the embedded Ray's dashboard is
-up: the demo prints its URL and, as Ray 2.60 asks for a token there, where the token is
-(``hpsray.cluster.runtime.dashboard_hint``; docs/operations.md, "Getting into the dashboard").
+training with ``hpsray train WORKDIR/job.toml``. The embedded Ray runs without its dashboard
+(``ray.init`` waits ~1.5 s for it to come up, and it would close with the demo a few seconds
+later); ``--dashboard`` starts it, and the demo prints its URL and, as Ray 2.60 asks for a token
+there, where the token is (``hpsray.cluster.runtime.dashboard_hint``; docs/operations.md,
+"Getting into the dashboard"). ``hpsray train`` always starts it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="Ray address (default: an embedded local Ray)")
     parser.add_argument("--json", action="store_true", help="print the run report as JSON on stdout")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    parser.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="start the embedded Ray's dashboard and print its URL (Ray's start takes ~1.5 s longer; "
+        "use a large --rows to have time to look)",
+    )
 
 
 def demo_job(workdir: str, rows: int, quiet: bool = True) -> dict:
@@ -101,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         try:  # the data is written while Ray comes up
-            ray_started = connect_alongside(args.address, args.quiet, write_job)
+            ray_started = connect_alongside(args.address, args.quiet, write_job, dashboard=args.dashboard)
         except ConfigError as e:  # a bug in the demo, but say where
             print(f"hpsray demo: error: {e}", file=sys.stderr)
             return 2

@@ -39,9 +39,10 @@ def import_pipeline() -> None:
     import hpsray.pipelines.pipeline  # noqa: F401
 
 
-def connect_alongside(address: str | None, quiet: bool, work: Callable[[], T]) -> RayStarted[T]:
+def connect_alongside(address: str | None, quiet: bool, work: Callable[[], T], dashboard: bool = True) -> RayStarted[T]:
     """Join (or start) Ray at ``address`` in this thread while ``work()`` and
-    :func:`import_pipeline` run in a helper thread; wait for both.
+    :func:`import_pipeline` run in a helper thread; wait for both. ``dashboard``: whether a
+    local Ray this call starts runs its dashboard (``ray.init`` waits for it: ~1.5 s more).
 
     An error of either is raised after both have ended, the work's first; a Ray this call
     started is stopped again when the work failed.
@@ -63,7 +64,9 @@ def connect_alongside(address: str | None, quiet: bool, work: Callable[[], T]) -
     helper.start()
     t0 = time.perf_counter()
     try:
-        started = connect(address, logging_level=logging.WARNING if quiet else logging.INFO, log_to_driver=not quiet)
+        options = {} if dashboard else {"include_dashboard": False}
+        level = logging.WARNING if quiet else logging.INFO
+        started = connect(address, logging_level=level, log_to_driver=not quiet, **options)
     finally:
         ray_init_s = time.perf_counter() - t0
         helper.join()

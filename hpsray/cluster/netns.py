@@ -12,6 +12,7 @@ namespaces, never ``ray stop``. Needs root and iproute2 (:func:`unavailable` say
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -232,6 +233,8 @@ class NetnsHosts:
         self.pinning = "cpuset"
 
     def _ray_start(self, h: Host) -> list[str]:
+        from hpsray.cluster.runtime import FAST_CONNECT
+
         ray = str(Path(sys.executable).with_name("ray"))
         argv = [
             ray,
@@ -245,7 +248,7 @@ class NetnsHosts:
         ]  # a host's own files, as on its own disk
         if h.index > 0:
             return [*argv, f"--address={self.address}"]
-        argv += ["--head", f"--port={RAY_PORT}"]
+        argv += ["--head", f"--port={RAY_PORT}", f"--system-config={json.dumps(FAST_CONNECT)}"]
         if self.dashboard:
             return [*argv, "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}"]
         return [*argv, "--include-dashboard=false"]

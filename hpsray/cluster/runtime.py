@@ -32,6 +32,12 @@ DEFAULT_START_SECONDS = 120.0
 
 T = TypeVar("T")
 
+# Ray's start races its raylet against the raylet's own object store: the raylet connects to the
+# store's socket as soon as it has started the store's thread and, when the socket is not there
+# yet, tries again after ``raylet_client_connect_timeout_milliseconds`` (1000 by default): half
+# the local starts here took 1 s longer for it. Tries every 100 ms keep Ray's 10 s bound.
+FAST_CONNECT = {"raylet_client_connect_timeout_milliseconds": 100, "raylet_client_num_connect_attempts": 100}
+
 
 def start_seconds() -> float:
     """How long :func:`connect` keeps trying: ``$HPSRAY_RAY_START_SECONDS``, else 120."""
@@ -91,7 +97,7 @@ def connect(address: str | None = None, **init_options: Any) -> bool:
     else:
         # Ray starts its workers at niceness 15; the embedded instance exists only for this job,
         # whose trainer must not yield its cores to whatever else runs on the machine
-        options.setdefault("_system_config", {"worker_niceness": 0})
+        options["_system_config"] = {"worker_niceness": 0, **FAST_CONNECT, **options.get("_system_config", {})}
         context = with_retries(
             lambda: ray.init(address="local", **options), "starting a local Ray", bound, ray.shutdown
         )

@@ -12,6 +12,8 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
+from hpsray.cluster.runtime import FAST_CONNECT
+
 
 class SimulatedCluster:
     """``nodes`` Ray nodes on this machine; the driver connects to it on ``__enter__``.
@@ -30,7 +32,9 @@ class SimulatedCluster:
         if ray.is_initialized():
             ray.shutdown()
         args: dict[str, Any] = {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_bytes}
-        self.cluster = cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
+        self.cluster = cluster = Cluster(
+            initialize_head=True, head_node_args={**args, "include_dashboard": False, "_system_config": FAST_CONNECT}
+        )
         for _ in range(self.nodes - 1):
             cluster.add_node(**args)
         cluster.wait_for_nodes()

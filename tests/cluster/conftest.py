@@ -6,7 +6,11 @@ session's local Ray (``ray_local``) and starts it again, with the same options, 
 
 import pytest
 
-LOCAL_RAY = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # as tests/conftest.py
+from hpsray.cluster.runtime import FAST_CONNECT
+
+LOCAL_RAY = dict(
+    address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=FAST_CONNECT
+)  # as tests/conftest.py
 
 
 def _cluster(nodes: int):

@@ -8,10 +8,13 @@ import pytest
 import ray
 
 from hpsray.actors.devices import device_options
+from hpsray.cluster.runtime import FAST_CONNECT
 from hpsray.errors import ConfigError
 from hpsray.pipelines.placement import release_placements, trainer_placement
 
-LOCAL_RAY = dict(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # as tests/conftest.py
+LOCAL_RAY = dict(
+    address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=FAST_CONNECT
+)  # as tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """Ray slow to come up (issue 31): the start is tried again within a bound, then refused with
 the reason; the package a reader actor unpickles its source from does not import torch."""
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -63,3 +65,23 @@ def test_a_reader_process_does_not_import_torch():
     code = "import sys, hpsray.pipelines.sources, hpsray.actors.reader; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_local_ray_started_by_hpsray_tries_its_store_every_100_ms_and_keeps_the_callers_config():
+    # Ray's raylet tries its own object store's socket again after 1 s when the first try comes
+    # before the store listens (every second start here): connect() asks for 100 ms tries
+    code = (
+        "import json, ray\n"
+        "from hpsray.cluster.runtime import connect\n"
+        "assert connect(None, include_dashboard=False, log_to_driver=False,\n"
+        "               _system_config={'raylet_client_num_connect_attempts': 150})\n"
+        "print(json.dumps(ray._private.worker._global_node._config))\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads(out.stdout.strip().splitlines()[-1])
+    assert config["raylet_client_connect_timeout_milliseconds"] == 100
+    assert config["raylet_client_num_connect_attempts"] == 150  # the caller's value wins
+    assert config["worker_niceness"] == 0
