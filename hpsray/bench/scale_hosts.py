@@ -25,7 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from hpsray.bench.scale_model import fit_nodes, project, stage_costs, summarize
+from hpsray.bench.scale_model import fit_nodes, project, stage_costs, summarize, terms_on_cores
 
 if TYPE_CHECKING:
     from hpsray.cluster.netns import NetnsHosts
@@ -99,9 +99,12 @@ def _probe(hosts: NetnsHosts, total_bytes: int) -> dict:
         server.wait()
 
 
-def _drive(hosts: NetnsHosts, args: argparse.Namespace, n: int) -> dict:
-    """One measurement of ``n`` nodes, its driver run inside host 0: the run's summary."""
-    spec = json.dumps({"n": n, **{k: getattr(args, k) for k in _FIT_KEYS}})
+def _drive(hosts: NetnsHosts, args: argparse.Namespace, n: int, probe: dict | None = None) -> dict:
+    """One measurement of ``n`` nodes, its driver run inside host 0: the run's summary; with
+    ``probe`` (the byte counts of :func:`~hpsray.bench.scale_probe.probe_exchange`) the exchange
+    probe's costs instead."""
+    fields = {k: getattr(args, k) for k in _FIT_KEYS}
+    spec = json.dumps({"n": n, **fields, "host_cpus": hosts.cpus, "cpus_per_host": args.cpus_per_host, "probe": probe})
     out = hosts.run(
         0,
         [sys.executable, "-m", "hpsray.bench.scale_hosts", spec],
@@ -109,8 +112,17 @@ def _drive(hosts: NetnsHosts, args: argparse.Namespace, n: int) -> dict:
         env=hosts.env(RAY_ADDRESS=hosts.address),
     )
     if out.returncode != 0:
-        raise RuntimeError(f"the {n}-node run on the namespace hosts failed:\n{out.stderr[-4000:]}")
+        what = "exchange probe" if probe else f"{n}-node run"
+        raise RuntimeError(f"the {what} on the namespace hosts failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def default_counts(cpus_per_host: int | None) -> str:
+    """``--nodes`` unset: 1 to 3 hosts, fewer where pinned hosts would have to share cores (never below 1,2)."""
+    if cpus_per_host is None:
+        return "1,2,3"
+    fits = len(os.sched_getaffinity(0)) // max(cpus_per_host, 1)
+    return ",".join(str(n) for n in range(1, max(2, min(3, fits)) + 1))
 
 
 def run_on_hosts(args: argparse.Namespace) -> dict:
@@ -118,7 +130,7 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
     from hpsray.cluster.netns import NetnsHosts
     from hpsray.errors import NetnsUnavailable
 
-    counts = sorted({int(x) for x in args.nodes.split(",")} | {1})
+    counts = sorted({int(x) for x in (args.nodes or default_counts(args.cpus_per_host)).split(",")} | {1})
     multi = [n for n in counts if n > 1]
     if not multi:
         raise ValueError("--hosts netns needs a node count above 1 in --nodes, e.g. --nodes 1,2")
@@ -140,10 +152,17 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
             probe = _probe(hosts, 64 << 20 if rate is None or _rate_bytes_per_s(rate) > 5e7 else 8 << 20)
             bw = _rate_bytes_per_s(rate) if rate else probe["bytes_per_s"]
             per_n = {}
+            exchange = None
             for n in multi:
                 print(f"[bench scale] {n} nodes, link {link} ...", file=sys.stderr, flush=True)
                 measured = _drive(hosts, args, n)
                 costs = stage_costs(args, {1: base, n: measured})
+                if exchange is None and pinned:  # what the batch's traffic costs on this link, measured apart
+                    print(f"[bench scale] exchange probe, link {link} ...", file=sys.stderr, flush=True)
+                    rows = costs["distinct_keys"] * costs["row_bytes"] / 2  # one remote owner's of two
+                    sizes = {k: costs[k] for k in ("dense_bytes", "sparse_bytes")}
+                    exchange = _drive(hosts, args, 2, {**sizes, "rows_bytes": rows, "dim": args.dim})
+                costs["probe"] = exchange
                 projected = project(costs, n, bw, probe["rtt_s"] / 2, 1.0)
                 train_s = measured["stage_busy_s"].get("train", 0.0) / measured["batches"]
                 per_n[str(n)] = {
@@ -158,12 +177,18 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
                     "train_s_per_batch": train_s,
                     "train_slowdown_vs_1_node": train_s / costs["train_s"] if costs["train_s"] else None,
                     "pulls": measured.get("pulls"),  # HierPS Fig. 4b: local vs remote lookups of a batch's keys
+                    "seconds_per_batch": measured.get("seconds_per_batch"),
+                    "host_cpu_s_per_batch": (measured["host_cpu_s"] / measured["batches"])
+                    if measured.get("host_cpu_s") is not None
+                    else None,
+                    "model_terms": terms_on_cores(costs, n, bw, probe["rtt_s"] / 2, 1.0) if exchange else None,
                 }
             results[link] = {
                 "rate": rate,
                 "delay_ms": delay,
                 "model_bandwidth_bytes_per_s": bw,
                 "probe": probe,
+                "exchange_probe": exchange,
                 "nodes": per_n,
             }
         hosts.shape(None, None)
@@ -199,11 +224,18 @@ def run_on_hosts(args: argparse.Namespace) -> dict:
 
 
 def _main(spec: str) -> None:
-    """Driver side (inside host 0): fit ``n`` nodes on the cluster at ``RAY_ADDRESS``, print the summary."""
+    """Driver side (inside host 0): fit ``n`` nodes on the cluster at ``RAY_ADDRESS`` and print
+    the summary, or (``probe`` in the spec) run the exchange probe and print its costs."""
     import ray
 
     fields = json.loads(spec)
+    probe = fields.pop("probe", None)
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    if probe:
+        from hpsray.bench.scale_probe import probe_exchange
+
+        print(json.dumps(probe_exchange(**probe, host_cpus=fields["host_cpus"])))
+        return
     summary = summarize(fit_nodes(argparse.Namespace(**fields), fields["n"]))
     print(json.dumps(summary))
 

@@ -2,9 +2,9 @@
 modes: simulated nodes (:mod:`hpsray.bench.scale`) and namespace hosts
 (:mod:`hpsray.bench.scale_hosts`).
 
-The projection takes the per-batch stage costs measured on one
-node and the bytes exchanged per mini-batch measured on two, and models a cluster of ``N``
-nodes (weak scaling: every node trains its own batch) as
+The projection takes the per-batch stage costs measured on one node and the bytes exchanged
+per mini-batch measured on two, and models a cluster of ``N`` nodes (weak scaling: every node
+trains its own batch) as
 
     T(N) = max(read / g, pull / g + remote_pull(N), load / g, train / g + steps * sync(N))
     sync(N) = alpha * ceil(log2 N) + 2 (N-1)/N * dense_bytes / BW + (N-1) * sparse_bytes / BW
@@ -16,6 +16,28 @@ real node gets through a batch's stages than the one simulated node measured her
 with many cores is far faster, which makes the exchange relatively dearer; the network does
 not get faster with ``g``). The report gives the projection at ``g = 1`` and at ``--gpu-factor``, and
 the ``g`` at which the model reproduces the paper's 3.57x on 4 nodes.
+
+On hosts with ``c`` cores of their own (``--hosts netns --cpus-per-host c``) the model also
+knows what the one-node run spent and what the exchange costs on the link being tried
+(:mod:`hpsray.bench.scale_probe`: one mini-batch's collectives, ``round``, and one owner's rows
+of a batch crossing as a Ray object, ``transfer``, each in wall and CPU seconds). Then
+
+    T(N) = max(path(N), cpu(N) / c)
+    path(N) = (P - I) / g + steps * round(N) + 2 * transfer(N) + I / g * hits(N)
+    cpu(N)  = H / g + steps * round_cpu(N) + 3 * transfer_cpu(N)
+    hits(N) = m * (1 - (1 - 1/m) ** N),  m = steps
+    I = max(H - X - (c - 1) * P, 0)
+
+with ``P`` the one-node run's seconds per batch, ``H`` its host's CPU seconds per batch (every
+process on its cores), ``X`` its trainer's. The trainer's path is the one-node period plus what
+the link adds: each mini-batch's collectives, and between batches the write-back to the owners
+and the refresh from them (two transfers); the host's CPU adds the collectives and three
+transfers (loan, write-back, refresh). ``I`` is the CPU of the other stages that does not fit
+on the host's other cores, so it interrupts the trainer; one node pays it once (``hits(1) =
+1``), but ``N`` trainers meet ``m`` times a batch, so each host's interruption stalls every
+trainer in the stretch it falls in: if it falls in one of the ``m`` stretches at random, ``hits``
+counts the stretches hit. ``round(N)``, ``transfer(N)`` and their CPU are the probe's (on two
+hosts) scaled by the formula's byte counts, ``sync(N) / sync(2)`` and ``2 (N-1) / N``.
 """
 
 from __future__ import annotations
@@ -31,16 +53,55 @@ if TYPE_CHECKING:
 __all__ = ["project", "speedup", "factor_for", "fit_nodes", "summarize", "stage_costs"]
 
 
+def _sync(costs: dict, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of one mini-batch's exchange among ``n`` nodes (the module docstring's ``sync``)."""
+    if n <= 1:
+        return 0.0
+    return (
+        latency * math.ceil(math.log2(n))
+        + 2 * (n - 1) / n * costs["dense_bytes"] / bandwidth
+        + (n - 1) * costs["sparse_bytes"] / bandwidth
+    )
+
+
+def hits(n: int, m: int) -> float:
+    """Expected stretches (of ``m`` between a batch's meeting points) that ``n`` hosts'
+    interruptions fall in, each host's in one at random: 1 for one host, at most ``m``."""
+    m = max(m, 1)
+    return m * (1 - (1 - 1 / m) ** n)
+
+
+def terms_on_cores(costs: dict, n: int, bandwidth: float, latency: float, g: float) -> dict:
+    """The module docstring's ``path``, ``cpu`` (both seconds per batch), ``interrupt`` (``I``)
+    and ``hits`` for ``n`` hosts with cores of their own and the exchange probe's costs."""
+    probe, cores, steps = costs["probe"], costs["cores"], costs["steps"]
+    period, host, trainer = costs["period_s"], costs["host_cpu_s"], costs["trainer_cpu_s"]
+    interrupt = max(host - trainer - (cores - 1) * period, 0.0)
+    per_sync = _sync(costs, n, bandwidth, latency) / _sync(costs, 2, bandwidth, latency)
+    per_row = 2 * (n - 1) / n
+    path = (
+        (period - interrupt) / g
+        + steps * probe["round_s"] * per_sync
+        + 2 * probe["transfer_s"] * per_row
+        + interrupt / g * hits(n, steps)
+    )
+    cpu = host / g + steps * probe["round_cpu_s"] * per_sync + 3 * probe["transfer_cpu_s"] * per_row
+    return {"path_s": path, "cpu_s": cpu, "cores": cores, "interrupt_s": interrupt, "hits": hits(n, steps)}
+
+
+def project_on_cores(costs: dict, n: int, bandwidth: float, latency: float, g: float) -> float:
+    """Projected examples/s of ``n`` hosts with cores of their own (:func:`terms_on_cores`)."""
+    t = terms_on_cores(costs, n, bandwidth, latency, g)
+    return n * costs["examples"] / max(t["path_s"], t["cpu_s"] / t["cores"])
+
+
 def project(costs: dict, n: int, bandwidth: float, latency: float, g: float) -> float:
-    """Projected examples/s of ``n`` nodes (see the module docstring); ``costs`` per batch."""
+    """Projected examples/s of ``n`` nodes (see the module docstring); ``costs`` per batch:
+    :func:`project_on_cores` where they hold the exchange probe's and the host's CPU."""
+    if costs.get("probe") and costs.get("host_cpu_s") is not None and costs["probe"].get("round_cpu_s") is not None:
+        return project_on_cores(costs, n, bandwidth, latency, g)
     bw = bandwidth
-    sync = 0.0
-    if n > 1:
-        sync = (
-            latency * math.ceil(math.log2(n))
-            + 2 * (n - 1) / n * costs["dense_bytes"] / bw
-            + (n - 1) * costs["sparse_bytes"] / bw
-        )
+    sync = _sync(costs, n, bandwidth, latency)
     remote = (n - 1) / n * costs["distinct_keys"] * costs["row_bytes"] / bw
     t = max(
         costs["read_s"] / g,
@@ -78,7 +139,12 @@ def distinct_keys(report: dict) -> float:
 
 def fit_nodes(args: argparse.Namespace, n: int) -> dict:
     """One warm-up batch per node, then ``args.rows`` examples per node on ``n`` nodes of the
-    Ray cluster this process is connected to: the run report."""
+    Ray cluster this process is connected to: the run report, with ``host_cpu_s`` (busy CPU
+    seconds of host 0's cores ``args.host_cpus[0]`` during the timed pass; ``None`` without
+    them) and ``trainer_cpu_s`` (node 0's trainer process's)."""
+    import ray
+
+    from hpsray.bench.scale_probe import host_cpu_seconds
     from hpsray.config import TrainConfig
     from hpsray.data import PlantedCTR
     from hpsray.pipelines import MemPSSettings, Pipeline, SyntheticSource, TrainerSettings
@@ -94,7 +160,12 @@ def fit_nodes(args: argparse.Namespace, n: int) -> dict:
     ) as p:
         p.fit(progress=False)
         p.source = source
+        cpus = (getattr(args, "host_cpus", None) or [None])[0]
+        trainer = p._nodes[0].trainer
+        cpu0, trainer0 = host_cpu_seconds(cpus) if cpus else None, ray.get(trainer.stats.remote())["process_cpu_s"]
         report = p.fit(progress=False)
+        report["trainer_cpu_s"] = ray.get(trainer.stats.remote())["process_cpu_s"] - trainer0
+        report["host_cpu_s"] = host_cpu_seconds(cpus) - cpu0 if cpus and cpu0 is not None else None
         report["pulls"] = pull_times(p, SyntheticSource(gen, rows=args.batch), args.batch)
         return report
 
@@ -141,6 +212,9 @@ def summarize(r: dict) -> dict:
         "exchanged_bytes_per_minibatch": r.get("sync", {}).get("exchanged_bytes_per_minibatch", 0.0),
         "distinct_keys_per_batch": distinct_keys(r),
         "pulls": r.get("pulls"),
+        "seconds_per_batch": r["wall_s"] / r["batches"] if r.get("wall_s") else None,
+        "host_cpu_s": r.get("host_cpu_s"),
+        "trainer_cpu_s": r.get("trainer_cpu_s"),
     }
 
 
@@ -166,4 +240,8 @@ def stage_costs(args: argparse.Namespace, measured: dict) -> dict:
         "sparse_bytes": max(float(np.mean(exchanged)) - dense_bytes, 0.0) if exchanged else 0.0,
         "distinct_keys": base["distinct_keys_per_batch"],
         "row_bytes": 4 * 2 * args.dim,
+        "period_s": base.get("seconds_per_batch") or args.batch / base["examples_per_s"],
+        "host_cpu_s": base["host_cpu_s"] / batches if base.get("host_cpu_s") is not None else None,
+        "trainer_cpu_s": base["trainer_cpu_s"] / batches if base.get("trainer_cpu_s") is not None else None,
+        "cores": getattr(args, "cpus_per_host", None) or 1,
     }

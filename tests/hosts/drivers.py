@@ -139,12 +139,20 @@ def gloo_group() -> dict:
     return {"unbound": _group(False), "bound": _group(True)}
 
 
+def exchange_probe(rows_bytes: str) -> dict:
+    """The scale bench's exchange probe between two hosts (:mod:`hpsray.bench.scale_probe`)."""
+    from hpsray.bench.scale_probe import probe_exchange
+
+    return probe_exchange(400_000, 200_000, float(rows_bytes), 16, host_cpus=None, count=3)
+
+
 if __name__ == "__main__":
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         assert variable not in os.environ, f"{variable} is set by hand: the hosts must work without it"
     started = time.perf_counter()
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     connected = time.perf_counter()
-    result = {"bsp": bsp, "ssp": ssp, "gloo_group": gloo_group}[sys.argv[1]](*sys.argv[2:])
+    named = {"bsp": bsp, "ssp": ssp, "gloo_group": gloo_group, "exchange_probe": exchange_probe}
+    result = named[sys.argv[1]](*sys.argv[2:])
     result["seconds"] = {"connect": round(connected - started, 1), "run": round(time.perf_counter() - connected, 1)}
     print(json.dumps(result))
