@@ -1,21 +1,22 @@
 """``hpsray bench scale --hosts netns``: the scaling model checked against shaped links.
 
 The nodes are network-namespace hosts (:mod:`hpsray.cluster.netns`): every byte between two
-nodes crosses a veth link, which ``tc`` limits to a rate (``tbf``; ``netem`` for delay where
-the kernel has it). Per link shape the bench measures the link itself (TCP throughput and
-round trip between host 0 and host 1), then examples/s and bytes per mini-batch of an
-``n``-node run, and sets beside it the projection of the model in :mod:`hpsray.bench.scale_model`
-for that link (``BW`` = the shaped rate, or the measured throughput when unshaped; ``alpha`` =
-half the measured round trip), from stage costs measured by a 1-node run on host 0, at
-``g = 1``; with ``--cpus-per-host`` also from that run's host and trainer CPU and the exchange
-probe's costs on the link (:mod:`hpsray.bench.scale_probe`; the model's ``path`` and ``cpu``,
-reported per node count as ``model_terms``). Without ``--cpus-per-host`` the hosts share this machine's cores, which the model does
-not know: on a 2-core machine two nodes compute slower than one node alone, and the report says
-so beside the ratio. With ``--cpus-per-host N`` each host runs on N cores of its own (a cpuset,
-:mod:`hpsray.cluster.netns`), so the 1-node baseline and each node of an ``n``-node run get the
-same cores. JSON: ``projection_vs_measured`` (link → projected ÷ measured examples/s of the
-largest node count), ``measured_vs_one_host`` (link → node count → examples/s ÷ the 1-node run's)
-and the load average before and after (figures taken on a busy machine say so).
+nodes crosses a veth link, which ``tc`` limits to a rate (``tbf``; ``netem`` for delay where the
+kernel has it). Per link shape the bench measures the link itself (TCP throughput and round trip
+between host 0 and host 1), then examples/s and bytes per mini-batch of an ``n``-node run, and
+sets beside it the projection of the model in :mod:`hpsray.bench.scale_model` for that link
+(``BW`` = the shaped rate, or the measured throughput when unshaped; ``alpha`` = half the
+measured round trip), from stage costs measured by a 1-node run on host 0, at ``g = 1``; with
+``--cpus-per-host`` also from that run's host and trainer CPU and the exchange probe's costs on
+the link (:mod:`hpsray.bench.scale_probe`; the model's ``path`` and ``cpu``, reported per node
+count as ``model_terms``). Without ``--cpus-per-host`` the hosts share this machine's cores,
+which the model does not know: on a 2-core machine two nodes compute slower than one node alone,
+and the report says so beside the ratio. With ``--cpus-per-host N`` each host runs on N cores of
+its own (a cpuset, :mod:`hpsray.cluster.netns`), so the 1-node baseline and each node of an
+``n``-node run get the same cores. JSON: ``projection_vs_measured`` (link → projected ÷ measured
+examples/s of the largest node count), ``measured_vs_one_host`` (link → node count → examples/s
+÷ the 1-node run's) and the load average before and after (figures taken on a busy machine say
+so).
 """
 
 from __future__ import annotations
