@@ -37,13 +37,15 @@ class BoundedEdge:
 
     Per batch, in order: :meth:`wait_room`, submit the producer, :meth:`put` its refs; later,
     submit the consumer and :meth:`taken` its refs. ``max_depth`` is the most batches it held,
-    ``stalls`` how often the producer had to wait for room.
+    ``stalls`` how often the producer had to wait for room, ``left`` how many batches left it
+    (their consumers done without error).
     """
 
     name: str
     capacity: int
     max_depth: int = 0
     stalls: int = 0
+    left: int = 0
     _batches: deque = field(default_factory=deque, repr=False)
     _gauges: LiveGauges = field(init=False, repr=False)
 
@@ -64,6 +66,7 @@ class BoundedEdge:
                 return
             ray.get(refs)
             self._batches.popleft()
+            self.left += 1
 
     def wait_room(self) -> None:
         """Block while the edge is full, until its oldest batch's consumers are done. Raises
@@ -108,6 +111,7 @@ class BoundedEdge:
         wait_all(refs, f"the consumers of the batches on edge {self.name!r}")
         values = ray.get(refs)
         self._batches = deque(b for b in self._batches if b.consumers is None)
+        self.left += len(held)
         return values
 
 

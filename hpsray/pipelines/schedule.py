@@ -258,10 +258,10 @@ class PassSchedule:
         SSD-PS, and return how many batches were saved (docs/architecture.md: invariant 7)."""
         nodes = self.nodes
         refs = [ref for edge in self.write_backs for ref in edge.in_flight()]
+        saved = sum(edge.left for edge in self.write_backs)  # written back before the failure
         if self._training is not None:
             batch_id, results = self._training.batch_id, self._training.results
             refs += [node.mem.write_back.remote(batch_id, *[r[o] for r in results]) for o, node in enumerate(nodes)]
-        saved = 0
         # one deadline for them all: a write-back whose owner is gone is not waited for again
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=faults.fault_timeout()) if refs else ([], [])
         for ref in ready:
