@@ -50,7 +50,17 @@ if TYPE_CHECKING:
     from hpsray.pipelines import Pipeline
     from hpsray.reference import ShardedSource
 
-__all__ = ["project", "speedup", "factor_for", "fit_nodes", "summarize", "stage_costs"]
+__all__ = [
+    "project",
+    "project_on_cores",
+    "terms_on_cores",
+    "hits",
+    "speedup",
+    "factor_for",
+    "fit_nodes",
+    "summarize",
+    "stage_costs",
+]
 
 
 def _sync(costs: dict, n: int, bandwidth: float, latency: float) -> float:
@@ -161,7 +171,7 @@ def fit_nodes(args: argparse.Namespace, n: int) -> dict:
         p.fit(progress=False)
         p.source = source
         cpus = (getattr(args, "host_cpus", None) or [None])[0]
-        trainer = p._nodes[0].trainer
+        trainer = p.actors()["Trainer[node 0]"]
         cpu0, trainer0 = host_cpu_seconds(cpus) if cpus else None, ray.get(trainer.stats.remote())["process_cpu_s"]
         report = p.fit(progress=False)
         report["trainer_cpu_s"] = ray.get(trainer.stats.remote())["process_cpu_s"] - trainer0
