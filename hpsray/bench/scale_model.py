@@ -172,10 +172,10 @@ def fit_nodes(args: argparse.Namespace, n: int) -> dict:
         p.source = source
         cpus = (getattr(args, "host_cpus", None) or [None])[0]
         trainer = p.actors()["Trainer[node 0]"]
-        cpu0, trainer0 = host_cpu_seconds(cpus) if cpus else None, ray.get(trainer.stats.remote())["process_cpu_s"]
+        cpu0, trainer0 = host_cpu_seconds(cpus or []), ray.get(trainer.stats.remote())["process_cpu_s"]
         report = p.fit(progress=False)
         report["trainer_cpu_s"] = ray.get(trainer.stats.remote())["process_cpu_s"] - trainer0
-        report["host_cpu_s"] = host_cpu_seconds(cpus) - cpu0 if cpus and cpu0 is not None else None
+        report["host_cpu_s"] = host_cpu_seconds(cpus) - cpu0 if cpus else None
         report["pulls"] = pull_times(p, SyntheticSource(gen, rows=args.batch), args.batch)
         return report
 

@@ -13,6 +13,7 @@ raylets and the kernel's network work included).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -23,7 +24,6 @@ __all__ = ["probe_exchange", "host_cpu_seconds"]
 
 def host_cpu_seconds(cpus: list[int]) -> float:
     """Busy CPU seconds so far of the cores ``cpus`` (``/proc/stat``: all but idle and iowait)."""
-    tick = 100.0  # USER_HZ on Linux
     busy = 0
     with open("/proc/stat") as f:
         for line in f:
@@ -31,7 +31,7 @@ def host_cpu_seconds(cpus: list[int]) -> float:
             if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
                 v = [int(x) for x in fields]
                 busy += sum(v) - v[3] - v[4]
-    return busy / tick
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 class _Peer:
