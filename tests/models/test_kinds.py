@@ -1,0 +1,119 @@
+"""The model kinds: their published formulas, seeded weights and checked settings."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hpsray.errors import ConfigError
+from hpsray.models.kinds import MODEL_KINDS, ModelSpec
+
+B, S, DIM, DENSE = 6, 4, 8, 3
+
+
+def _inputs(n_dense: int = DENSE) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, S, DIM, generator=g), torch.randn(B, n_dense, generator=g)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("n_dense", [DENSE, 0])
+def test_each_kind_gives_one_logit_per_example_from_its_seed_alone(kind, n_dense):
+    pooled, dense = _inputs(n_dense)
+    torch.manual_seed(123)  # the global RNG must not matter
+    a = ModelSpec(kind).build(S, DIM, n_dense, seed=7)
+    torch.manual_seed(456)
+    b = ModelSpec(kind).build(S, DIM, n_dense, seed=7)
+    c = ModelSpec(kind).build(S, DIM, n_dense, seed=8)
+    out = a(pooled, dense)
+    assert out.shape == (B,)
+    assert torch.equal(out, b(pooled, dense))
+    assert not torch.equal(out, c(pooled, dense))
+    out.sum().backward()  # every parameter takes part
+    assert all(p.grad is not None for p in a.parameters())
+
+
+def test_dlrm_is_the_top_mlp_over_the_dense_embedding_and_its_pairwise_dots():
+    pooled, dense = _inputs()
+    m = ModelSpec("dlrm", {"bottom": [5], "top": [4]}).build(S, DIM, DENSE, seed=0)
+    d = m.bottom(dense)
+    assert d.shape == (B, DIM)
+    feats = [d, *pooled.unbind(1)]
+    dots = [(feats[i] * feats[j]).sum(1) for i, j in itertools.combinations(range(S + 1), 2)]
+    expected = m.top(torch.cat([d, torch.stack(dots, 1)], 1)).squeeze(1)
+    torch.testing.assert_close(m(pooled, dense), expected)
+
+
+def test_dcn_cross_layers_follow_x0_times_wx_plus_b_plus_x_with_low_rank_and_both_structures():
+    pooled, dense = _inputs()
+    for structure in ("stacked", "parallel"):
+        m = ModelSpec("dcn", {"cross_layers": 2, "low_rank": 3, "structure": structure, "hidden": [5]}).build(
+            S, DIM, DENSE, seed=0
+        )
+        x0 = torch.cat([pooled.reshape(B, -1), dense], 1)
+        x = x0
+        for layer in m.cross:
+            v, u = layer.w[0], layer.w[1]
+            assert v.weight.shape == (3, x0.shape[1])  # rank 3
+            x = x0 * (x @ v.weight.T @ u.weight.T + u.bias) + x
+        out = m.deep(x) if structure == "stacked" else torch.cat([x, m.deep(x0)], 1)
+        torch.testing.assert_close(m(pooled, dense), m.head(out).squeeze(1))
+    full = ModelSpec("dcn", {"cross_layers": 1}).build(S, DIM, DENSE, seed=0)
+    assert full.cross[0].w.weight.shape == (S * DIM + DENSE,) * 2
+
+
+@pytest.mark.parametrize("kind", ["deepfm", "wide_deep"])
+def test_deepfm_and_wide_deep_read_the_first_order_weight_from_the_rows_last_float(kind):
+    pooled, dense = _inputs()
+    m = ModelSpec(kind, {"hidden": [5]}).build(S, DIM, DENSE, seed=0)
+    v, w = pooled[..., :-1], pooled[..., -1]
+    linear = m.linear if kind == "deepfm" else m.wide
+    expected = linear(dense).squeeze(1) + w.sum(1) + m.deep(torch.cat([v.reshape(B, -1), dense], 1)).squeeze(1)
+    if kind == "deepfm":
+        pairs = itertools.combinations(range(S), 2)
+        expected = expected + sum((v[:, i] * v[:, j]).sum(1) for i, j in pairs)
+    torch.testing.assert_close(m(pooled, dense), expected)
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings", "message"),
+    [
+        ("dlrn", {}, "unknown kind 'dlrn' (did you mean 'dlrm'?)"),
+        ("dlrm", {"botom": [4]}, "model.botom: not a setting of kind 'dlrm' (did you mean 'bottom'?)"),
+        ("dcn", {"structure": "side"}, 'model.structure: must be "stacked" or "parallel"'),
+        ("dcn", {"low_rank": 0}, "model.low_rank: must be an integer >= 1"),
+        ("mlp", {"hidden": [64, 0]}, "model.hidden: must be a list of integers >= 1"),
+        ("deepfm", {"hidden": "64"}, "model.hidden: must be a list of integers >= 1"),
+    ],
+)
+def test_a_bad_setting_is_a_config_error_naming_it(kind, settings, message):
+    with pytest.raises(ConfigError) as e:
+        ModelSpec(kind, settings)
+    assert message in str(e.value)
+
+
+def test_deepfm_needs_a_factor_beside_the_first_order_weight():
+    with pytest.raises(ValueError, match="dim must be >= 2"):
+        ModelSpec("deepfm").build(S, 1, DENSE, seed=0)
+
+
+def test_the_recorded_spec_builds_the_same_model():
+    spec = ModelSpec("dcn", {"low_rank": 2, "hidden": [8, 4]})
+    again = ModelSpec.from_dict(spec.to_dict())
+    assert again == spec
+    assert spec.to_dict() == {"kind": "dcn", "cross_layers": 3, "low_rank": 2, "structure": "stacked", "hidden": [8, 4]}
+
+
+def test_the_default_kind_is_the_papers_mlp_with_the_same_weights():
+    from hpsray.models.dnn import DNN
+
+    pooled, dense = _inputs()
+    spec = ModelSpec("mlp", {"hidden": [16, 8]})
+    torch.testing.assert_close(
+        spec.build(S, DIM, DENSE, seed=3)(pooled, dense),
+        DNN(S, DIM, DENSE, (16, 8), seed=3)(pooled, dense),
+        atol=0,
+        rtol=0,
+    )
