@@ -24,7 +24,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command's parser, for ``argv`` (the words after ``hpsray``; default ``sys.argv``):
     only the command named there gets its options (and for ``bench NAME`` only that
     benchmark's), so a command does not first import the others' modules (torch, numba: seconds
-    before anything starts); with no command named, every command's."""
+    before anything starts); with no command named, the commands and their one-line help only
+    (``hpsray --help`` imports no command's dependencies: well under a second)."""
     words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
     command = words[0] if words else None
     parser = argparse.ArgumentParser(
@@ -36,9 +37,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        if command not in SUBCOMMANDS:  # help: every command's options
-            module.add_arguments(p)
-        elif name == command:
+        if name == command:
             module.add_arguments(p, *([words[1]] if name == "bench" and len(words) > 1 else []))
         p.set_defaults(_run=module.run)
     return parser

@@ -28,8 +28,37 @@ from hpsray.kernels import make_table
 HELP = "hash-table kernels (find, find_or_insert, scatter_add) vs a Python dict and the random-gather bound"
 
 
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+
+
+def key_count(text: str) -> int:
+    """A key count as the help writes it: ``1000000``, ``1_000_000``, ``1M``, ``2.5M``, ``500k``."""
+    t = text.strip().replace("_", "").lower()
+    number, suffix = (t[:-1], t[-1]) if t and t[-1] in _SUFFIX else (t, "")
+    try:
+        value = float(number) * _SUFFIX[suffix]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a key count: {text!r} (write 1000000, 1M or 500k)") from None
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"need a positive whole key count, got {text!r}")
+    return int(value)
+
+
+def key_counts(text: str) -> list[int]:
+    """``--sizes``: comma-separated :func:`key_count` values."""
+    counts = [key_count(s) for s in str(text).split(",") if s.strip()]
+    if not counts:
+        raise argparse.ArgumentTypeError(f"need at least one key count, got {text!r}")
+    return counts
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default="1000000,10000000", help="comma-separated key counts (default 1M,10M)")
+    parser.add_argument(
+        "--sizes",
+        type=key_counts,
+        default="1M,10M",
+        help="comma-separated key counts such as 1M,10M or 500k (default 1M,10M)",
+    )
     parser.add_argument("--dim", type=int, default=16, help="row width in floats (default 16)")
     parser.add_argument("--queries", type=int, default=4_000_000, help="keys per timed call (default 4M)")
     parser.add_argument("--dict-queries", type=int, default=1_000_000, help="keys looked up in the dict baseline")
@@ -121,9 +150,7 @@ def measure(n: int, dim: int, queries: int, dict_queries: int, repeat: int, devi
 
 
 def run(args: argparse.Namespace) -> dict:
-    sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
-    if not sizes or min(sizes) < 1:
-        raise SystemExit(f"--sizes: need positive key counts, got {args.sizes!r}")
+    sizes = args.sizes if isinstance(args.sizes, list) else key_counts(str(args.sizes))
     by_size = {}
     for n in sizes:
         print(f"[bench kernels] {n:,} keys, dim {args.dim}, device {args.device} ...", file=sys.stderr, flush=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import json
 import platform
 import sys
@@ -14,13 +16,30 @@ from hpsray.bench import BENCHMARKS
 HELP = "run a benchmark side by side with its baseline; prints a report (JSON with --json)"
 
 
+def help_of(module_name: str) -> str:
+    """A benchmark module's ``HELP`` string, read from its source without importing it (the
+    modules import torch, numba or Ray: seconds for ``hpsray bench --help``)."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is not None and spec.origin:
+        with open(spec.origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "HELP" for t in node.targets):
+                try:
+                    return str(ast.literal_eval(node.value))
+                except ValueError:
+                    break
+    return str(importlib.import_module(module_name).HELP)
+
+
 def add_arguments(parser: argparse.ArgumentParser, only: str | None = None) -> None:
     """Every benchmark's subcommand; with ``only`` (a benchmark's name), only that one's module
-    is imported and given its options (the others are listed without them)."""
+    is imported and given its options; the others are listed with their one-line help, read
+    without importing them."""
     sub = parser.add_subparsers(dest="benchmark", metavar="NAME", required=True)
     for name, module_name in BENCHMARKS.items():
-        if only in BENCHMARKS and name != only:
-            sub.add_parser(name, help=f"see hpsray bench {name} --help")
+        if name != only:
+            sub.add_parser(name, help=help_of(module_name))
             continue
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)

@@ -4,8 +4,9 @@ Reads a sample of the job's data with the job's own readers, estimates distinct 
 and in all, and prints per node the MEM-PS rows and bytes needed, the trainer's memory, SSD-PS
 bytes with compaction headroom, object-store bytes in flight and a predicted examples/s from a
 short calibration of each stage on this machine, plus what the stage actors add on this machine
-(:mod:`hpsray.cli.plan_probe`: measured once with a local Ray, then cached; the only Ray the
-command starts, and only with calibration). Exit status 1 when the job cannot fit (each problem
+(:mod:`hpsray.cli.plan_probe`: measured with a local Ray only with ``--calibrate``, then cached
+unless the machine was busy; without it the cached costs, or the engines' rate alone: the
+command starts no Ray). Exit status 1 when the job cannot fit (each problem
 names the setting and the number), 2 for a bad job file.
 """
 
@@ -37,9 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-calibrate", action="store_true", help="skip timing the stages (no predicted rate)")
     parser.add_argument(
+        "--calibrate",
         "--recalibrate",
         action="store_true",
-        help="time the stage actors on this machine again (else their cached costs; the first plan times them)",
+        help="time the stage actors on this machine with a local Ray (~15 s idle) and cache their costs "
+        "(not when the machine is busy); without it the plan starts no Ray and uses the cached costs, if any",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -47,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hpsray.errors import ConfigError, DataError
     from hpsray.job import JobConfig
+    from hpsray.job.inputs import check_inputs
     from hpsray.plan import make_plan, render
 
     if args.sample_rows < 1:
@@ -54,11 +58,15 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     try:
         job = JobConfig.load(args.config)
+        check_inputs(job)  # a missing path or column: the job's mistake, in every bad-input mode
         costs = None
+        if args.calibrate and args.no_calibrate:
+            print("hpsray plan: error: --calibrate and --no-calibrate contradict each other", file=sys.stderr)
+            return EXIT_CONFIG
         if not args.no_calibrate:
-            from hpsray.cli.plan_probe import stage_costs
+            from hpsray.cli.plan_probe import cached_costs, stage_costs
 
-            costs = stage_costs(recalibrate=args.recalibrate)
+            costs = stage_costs(recalibrate=True) if args.calibrate else cached_costs()
         plan = make_plan(job, args.sample_rows, calibrate_stages=not args.no_calibrate, costs=costs)
     except (ConfigError, DataError) as e:
         print(f"hpsray plan: error: {e}", file=sys.stderr)

@@ -365,10 +365,18 @@ def interrupted(job: JobConfig, args: argparse.Namespace, e: KeyboardInterrupt) 
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from hpsray.errors import CapacityError, CheckpointError, ConfigError, DataError, TrainingStopped
+    from hpsray.job import JobConfig
+    from hpsray.job.inputs import check_inputs
+
+    try:  # the job file first, before Ray and the pipeline's modules are imported: its mistakes in a second
+        job = JobConfig.load(args.config)
+        check_inputs(job)  # a missing path or column: the job's mistake, in every bad-input mode
+    except ConfigError as e:
+        return error(str(e))
     from ray.exceptions import RayError
 
-    from hpsray.errors import CapacityError, CheckpointError, ConfigError, DataError, TrainingStopped
-    from hpsray.job import JobConfig, build
+    from hpsray.job import build
     from hpsray.pipelines.progress import progress_seconds
     from hpsray.reference_job import train_reference
     from hpsray.report import ResumedFrom
@@ -383,7 +391,6 @@ def run(args: argparse.Namespace) -> int:
         return error("--resume continues a pipeline run from its checkpoint; the reference trainer has none")
     resumed = None
     try:
-        job = JobConfig.load(args.config)
         if args.init_from:
             job = with_init_from(job, args.init_from)
         build.source(job)  # resolves the schema: configuration errors surface before Ray starts

@@ -5,6 +5,7 @@ dotted key. The checkers (``integer``, ``number``, ``choice``, ``size``, ...) re
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -82,7 +83,9 @@ class Table:
 
     def done(self) -> None:
         for k in self.d:
-            self.fail(k, f"unknown key (known: {', '.join(self.known)})")
+            close = difflib.get_close_matches(str(k), self.known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            self.fail(k, f"unknown key ({hint}known: {', '.join(self.known)})")
 
 
 UNSET = object()  # a key the table leaves out (None may be a real value)
@@ -205,4 +208,20 @@ def parse_sub(t: Table, parse: Callable[..., Any], sub: Table, where: str) -> An
     try:
         return parse(sub.d, where=where)
     except ValueError as e:
-        raise ConfigError(t.where, "", str(e)) from None
+        raise ConfigError(t.where, "", with_suggestion(str(e))) from None
+
+
+_UNKNOWN = re.compile(r"^(?P<key>[\w.\-]+): unknown key \(known: (?P<known>[^)]*)\)")
+
+
+def with_suggestion(message: str) -> str:
+    """An ``"<table>.<key>: unknown key (known: a, b)"`` message with ``did you mean 'a'?`` added
+    when one known key is close to the unknown one (difflib); other messages unchanged."""
+    m = _UNKNOWN.match(message)
+    if m is None:
+        return message
+    known = [k.strip() for k in m.group("known").split(",")]
+    close = difflib.get_close_matches(m.group("key").rsplit(".", 1)[-1], known, n=1, cutoff=0.6)
+    if not close:
+        return message
+    return message.replace("unknown key (", f"unknown key (did you mean {close[0]!r}? ", 1)

@@ -212,7 +212,7 @@ def _costs_note(costs: StageCosts | None) -> str:
     if costs is None:
         return "rate: the stages' engines alone (no stage costs of this machine): an upper bound"
     ms = "/".join(f"{costs.fixed_s.get(s, 0.0) * 1000:.0f}" for s in ("read", "pull", "load", "train"))
-    busy = " (a busy machine's: hpsray plan --recalibrate on an idle one)" if costs.load > node_cores() else ""
+    busy = " (a busy machine's: hpsray plan --calibrate on an idle one)" if costs.load > node_cores() else ""
     return (
         f"rate: stage costs of this machine (reference runs {costs.measured_at}, load {costs.load:.1f}{busy}): "
         f"fixed {ms} ms per batch (read/pull/load/train), stretch x{max(costs.stretch.values(), default=1.0):.1f}, "

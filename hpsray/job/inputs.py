@@ -1,0 +1,103 @@
+"""The input's configuration checked before anything runs: every path exists and every declared
+column is in every file.
+
+A path that does not exist or a column the files do not have is a mistake in the job, not bad
+input: :func:`check_inputs` raises :class:`~hpsray.errors.ConfigError` naming the job file, the
+key, the file and the path or column, whatever the bad-input mode (lenient mode would otherwise
+skip every file and report ``too_much_bad_input``). Reads only each file's header line (text) or
+footer schema (Parquet); URIs (``s3://`` ...) are left to the readers.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hpsray.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from hpsray.data import Schema
+    from hpsray.job import JobConfig
+
+__all__ = ["check_inputs", "check_sources"]
+
+MAX_FILES = 1000  # files whose columns are checked (a header each); the rest are the readers'
+
+
+def check_inputs(job: JobConfig) -> None:
+    """:func:`check_sources` for the job's ``data.paths`` and ``data.eval_paths`` (none for
+    ``[data.synthetic]``)."""
+    if job.data.synthetic is not None:
+        return
+    schema = job.schema()
+    for key, paths in (("data.paths", job.data.paths), ("data.eval_paths", job.data.eval_paths)):
+        if paths:
+            check_sources(list(paths), schema, job.where, key)
+
+
+def check_sources(paths: Sequence[str], schema: Schema, where: str, key: str = "data.paths") -> None:
+    """Raise :class:`ConfigError` (``where: key: reason``) for a local path that does not exist,
+    a pattern or directory without files, or a declared column missing from a file's header
+    (or Parquet schema): the reason names the file and the path or column."""
+    from hpsray.data.sources import list_files
+
+    local = [p for p in paths if "://" not in p or p.startswith("file://")]
+    if not local:
+        return
+    try:
+        files = list_files(local)
+    except DataError as e:
+        raise ConfigError(where, key, f"{e.file}: {e.detail}" if e.file else str(e)) from None
+    for f in files:
+        if f.size is None:
+            raise ConfigError(where, key, f"{f.uri}: no such file or directory")
+    for f in files[:MAX_FILES]:
+        names = _columns(f, schema)
+        if names is not None:
+            _check_columns(names, schema, f.uri, where)
+
+
+def _columns(split: object, schema: Schema) -> list[str] | None:
+    """The file's column names (its header line, or its Parquet schema); ``None`` when the
+    schema addresses columns by position only, or the file cannot be read (the readers then
+    report it under the bad-input policy)."""
+    import pyarrow as pa
+
+    from hpsray.data.sources import compression_of
+
+    fs, path = split.filesystem, split.path  # type: ignore[attr-defined]
+    try:
+        if schema.format == "parquet":
+            import pyarrow.parquet as pq
+
+            with fs.open_input_file(path) as f:
+                return list(pq.read_schema(f).names)
+        if not schema.header:
+            return None
+        with fs.open_input_stream(path, compression=compression_of(path, schema.compression)) as f:
+            line = f.read(1 << 16).split(b"\n", 1)[0]
+    except (OSError, pa.ArrowException):
+        return None
+    names = line.decode("utf-8", errors="replace").rstrip("\r").split(schema.delimiter)
+    q = schema.quote_char
+    return [n[1:-1] if q and len(n) >= 2 and n[0] == q and n[-1] == q else n for n in names]
+
+
+def _check_columns(names: list[str], schema: Schema, uri: str, where: str) -> None:
+    declared = [("label", schema.label)] + [("dense", c) for c in schema.dense]
+    declared += [("categorical", c) for c in schema.categorical]
+    for field, column in declared:
+        if isinstance(column, int):
+            if column >= len(names):
+                raise ConfigError(
+                    where, f"data.schema.{field}", f"column index {column}, but {uri} has {len(names)} columns"
+                )
+            continue
+        if column not in names:
+            close = difflib.get_close_matches(column, names, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            shown = ", ".join(names[:50]) + (" ..." if len(names) > 50 else "")
+            raise ConfigError(
+                where, f"data.schema.{field}", f"column {column!r} is not in {uri} (its columns: {shown}){hint}"
+            )
