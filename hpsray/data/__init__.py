@@ -8,9 +8,9 @@ The reading path a pipeline uses::
     reader.report.summary()
 """
 
+from hpsray.data.bad_input import LENIENT, STRICT, BadInputPolicy, BadInputReport
 from hpsray.data.batch import Batch
 from hpsray.data.categorical import hash_strings
-from hpsray.data.errors import LENIENT, STRICT, BadInputPolicy, BadInputReport
 from hpsray.data.generate import dataset_schema, load_dataset, write_synthetic
 from hpsray.data.keys import hash_keys
 from hpsray.data.osrp import OPOSRP

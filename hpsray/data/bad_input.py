@@ -1,4 +1,6 @@
-"""Bad input: the error type, the strict/lenient policy and the per-reason report (docs/architecture.md: invariant 8).
+"""The bad-input policy: reasons, strict/lenient policy, per-reason report (docs/architecture.md: invariant 8).
+
+The error itself is :class:`hpsray.errors.DataError`; this module defines none.
 
 Strict mode raises a :class:`DataError` naming the file, the line (text) or row (Parquet) and
 the reason at the first bad row or file. Lenient mode skips the bad row or file, counts it

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from hpsray.data.bad_input import EMPTY_LINE, INVALID_CATEGORICAL, INVALID_LABEL, NON_NUMERIC_DENSE
 from hpsray.data.batch import Batch
 from hpsray.data.categorical import assemble_csr, drop_rows, encode_column, encode_single_columns
-from hpsray.data.errors import EMPTY_LINE, INVALID_CATEGORICAL, INVALID_LABEL, NON_NUMERIC_DENSE
 from hpsray.data.numeric import parse_float32
 from hpsray.data.schema import Schema
 

@@ -8,14 +8,22 @@ groups whose first byte lies inside it. Bad rows are named by their 1-based row 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hpsray.data.bad_input import (
+    CORRUPT_FILE,
+    EMPTY_FILE,
+    MISSING_COLUMN,
+    UNREADABLE_PATH,
+    BadInputPolicy,
+    BadInputReport,
+)
 from hpsray.data.batch import Batch
 from hpsray.data.convert import Converter
-from hpsray.data.errors import CORRUPT_FILE, EMPTY_FILE, MISSING_COLUMN, UNREADABLE_PATH, BadInputPolicy, BadInputReport
+from hpsray.data.formats import Format, RowCount
 from hpsray.data.schema import Schema
 from hpsray.data.sources import Split
 from hpsray.errors import DataError
@@ -103,3 +111,38 @@ def read_parquet_split(
         report.files_ok += 1
     finally:
         f.close()
+
+
+class ParquetFormat(Format):
+    """Parquet: typed columns by name, split at row groups, rows counted from the file metadata."""
+
+    name = "parquet"
+
+    def read(
+        self,
+        split: Split,
+        schema: Schema,
+        policy: BadInputPolicy,
+        report: BadInputReport,
+        *,
+        block_size: int,
+        batch_size: int,
+    ) -> Iterator[Batch]:
+        return read_parquet_split(split, schema, policy, report, batch_size)
+
+    def splits(self, path: str, compression: str) -> bool:
+        return True
+
+    def file_columns(self, split: Split, schema: Schema) -> list[str] | None:
+        with split.filesystem.open_input_file(split.path) as f:
+            return list(pq.read_schema(f).names)
+
+    def count_rows(self, files: Sequence[Split], schema: Schema) -> RowCount:
+        n = 0
+        for s in files:
+            with s.filesystem.open_input_file(s.path) as f:
+                n += pq.ParquetFile(f).metadata.num_rows
+        return RowCount(n, True, len(files), sum(s.nbytes for s in files), "Parquet metadata")
+
+
+PARQUET = ParquetFormat()

@@ -16,12 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from hpsray.data.bad_input import LENIENT, BadInputPolicy, BadInputReport, log
 from hpsray.data.batch import Batch
-from hpsray.data.errors import LENIENT, BadInputPolicy, BadInputReport, log
-from hpsray.data.parquet import read_parquet_split
+from hpsray.data.formats import DEFAULT_BLOCK_SIZE, RowCount, format_of
 from hpsray.data.schema import Schema
-from hpsray.data.sources import Split, open_source
-from hpsray.data.text import DEFAULT_BLOCK_SIZE, read_text_split
+from hpsray.data.sources import Split, list_files, open_source
 
 Transform = Callable[[Batch], Batch]
 
@@ -37,9 +36,17 @@ def read_split(
 ) -> Iterator[Batch]:
     """The good rows of one split in file order, as variable-size batches."""
     report = report if report is not None else BadInputReport()
-    if schema.format == "parquet":
-        return read_parquet_split(split, schema, policy, report, batch_size)
-    return read_text_split(split, schema, policy, report, block_size)
+    return format_of(schema).read(split, schema, policy, report, block_size=block_size, batch_size=batch_size)
+
+
+def count_rows(sources: str | Sequence[str], schema: Schema, filesystem: Any = None) -> RowCount:
+    """The rows of the files ``sources`` names under ``schema``: counted where the format records
+    them (Parquet), else estimated from bytes (``RowCount.exact`` says which). Files that cannot be
+    listed are left out; raises ``DataError``/``OSError`` when nothing can be listed or read."""
+    files = [f for f in list_files(sources, filesystem) if f.size is not None]
+    if not files:
+        return RowCount(0, False, 0, 0, "no readable files")
+    return format_of(schema).count_rows(files, schema)
 
 
 def read_batches(
@@ -57,7 +64,7 @@ def read_batches(
 
     Rows come in split order, file order within a split, and batches span split boundaries.
     Bad input goes to ``report`` under ``policy``; lenient mode raises
-    :class:`~hpsray.data.errors.TooMuchBadInput` once the bad fraction passes the policy's limit.
+    :class:`~hpsray.data.bad_input.TooMuchBadInput` once the bad fraction passes the policy's limit.
     ``transform`` (e.g. :class:`~hpsray.data.osrp.OPOSRP`) is applied to each output batch.
     """
     if batch_size <= 0:

@@ -1,10 +1,10 @@
 """The declared layout of a click log: which column is the label, which are dense, which categorical.
 
-A :class:`Schema` is the ``[data.schema]`` table of the TOML config, so any click log in CSV/TSV
-or Parquet can be trained without code::
+A :class:`Schema` is the ``[data.schema]`` table of the TOML config, so any click log in CSV/TSV,
+Parquet or JSON lines can be trained without code::
 
     [data.schema]
-    format = "csv"              # "criteo" | "csv" | "parquet"
+    format = "csv"              # "criteo" | "csv" | "parquet" | "jsonl" (hpsray.data.formats)
     header = true
     delimiter = ","
     label = "click"
@@ -23,10 +23,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from hpsray.data.formats import get_format
+
 Column = str | int
 """A column by header/Parquet name or by 0-based position."""
 
-FORMATS = ("criteo", "csv", "parquet")
 ENCODINGS = ("string", "hex", "int")
 DENSE_TRANSFORMS = ("none", "log1p")
 COMPRESSIONS = ("auto", "none", "gzip", "zstd", "bz2")
@@ -168,8 +169,7 @@ class Schema:
         def bad(key: str, why: str) -> None:
             raise ValueError(f"schema.{key}: {why}")
 
-        if self.format not in FORMATS:
-            bad("format", f"must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        fmt = get_format(self.format)  # ValueError naming the known formats
         if self.encoding not in ENCODINGS:
             bad("encoding", f"must be one of {', '.join(ENCODINGS)}, got {self.encoding!r}")
         if self.dense_transform not in DENSE_TRANSFORMS:
@@ -189,9 +189,7 @@ class Schema:
         if self.quote_char and self.quote_char == self.delimiter:
             bad("quote_char", "must differ from the delimiter")
 
-        refs = [("label", self.label)]
-        refs += [(f"dense[{i}]", c) for i, c in enumerate(self.dense)]
-        refs += [(f"categorical[{i}]", c) for i, c in enumerate(self.categorical)]
+        refs = self.column_refs()
         seen: dict[Column, str] = {}
         for key, c in refs:
             if isinstance(c, bool) or not isinstance(c, (str, int)):
@@ -213,15 +211,7 @@ class Schema:
                 bad("n_columns", f"must be a positive integer, got {self.n_columns!r}")
             if self.columns is not None and len(self.columns) != self.n_columns:
                 bad("n_columns", f"is {self.n_columns} but columns names {len(self.columns)}")
-        if self.format in ("csv", "criteo") and not self.header:
-            names = set(self.columns or ())
-            for key, c in refs:
-                if isinstance(c, str) and c not in names:
-                    bad(key, f"column {c!r} is not named in schema.columns (a headerless file has no names)")
-            width = self.expected_columns()
-            for key, c in refs:
-                if isinstance(c, int) and c >= width:
-                    bad(key, f"column index {c} is outside the {width} columns of each row")
+        fmt.validate(self)
 
     # -- derived ------------------------------------------------------------------------------
 
@@ -233,9 +223,17 @@ class Schema:
     def n_dense(self) -> int:
         return len(self.dense)
 
-    @property
-    def is_text(self) -> bool:
-        return self.format in ("csv", "criteo")
+    def column_refs(self) -> list[tuple[str, Column]]:
+        """Every referenced column with the key that names it: ``("label", …), ("dense[0]", …)``."""
+        refs: list[tuple[str, Column]] = [("label", self.label)]
+        refs += [(f"dense[{i}]", c) for i, c in enumerate(self.dense)]
+        refs += [(f"categorical[{i}]", c) for i, c in enumerate(self.categorical)]
+        return refs
+
+    def known_column_names(self) -> list[str] | None:
+        """The file's column names when this schema alone gives them (a headerless text file), else
+        ``None``: the file names its columns (see :meth:`hpsray.data.formats.Format.column_names`)."""
+        return get_format(self.format).column_names(self)
 
     def expected_columns(self) -> int:
         """Columns per row of a headerless text file."""

@@ -8,9 +8,10 @@ example ``webhdfs://`` or ``memory://``) wrapped with ``PyFileSystem(FSSpecHandl
 :func:`open_source` lists the files once, cuts them into byte-range :class:`Split`\\ s and gives
 reader ``i`` of ``n`` a fixed share: the same listing always gives the same shares, the shares
 of all readers cover every file exactly once, and each node streams only its own part.
-Uncompressed text files split at line boundaries (a line belongs to the split holding its first
-byte), Parquet files at row groups (a row group belongs to the split holding its first byte);
-compressed text files are read whole.
+Each format says which files split (:mod:`hpsray.data.formats`): uncompressed line-per-row files
+split at line boundaries (a line belongs to the split holding its first byte), Parquet files at
+row groups (a row group belongs to the split holding its first byte); compressed files are read
+whole.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from hpsray.data.errors import UNREADABLE_PATH
+from hpsray.data.bad_input import UNREADABLE_PATH
+from hpsray.data.formats import get_format
 from hpsray.errors import DataError
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -270,12 +272,13 @@ def open_source(
     """The splits that reader ``reader_index`` of ``num_readers`` reads (see :func:`plan_splits`).
 
     ``format`` and ``compression`` (as in :class:`~hpsray.data.schema.Schema`) decide which files
-    can be split: uncompressed text and Parquet can, compressed text cannot.
+    can be split (:meth:`hpsray.data.formats.Format.splits`).
     """
     if not 0 <= reader_index < num_readers:
         raise ValueError(f"reader_index must lie in [0, {num_readers}), got {reader_index}")
     files = list_files(sources, filesystem)
-    splittable = [format == "parquet" or compression_of(f.path, compression) is None for f in files]
+    fmt = get_format(format)
+    splittable = [fmt.splits(f.path, compression) for f in files]
     return plan_splits(files, num_readers, split_bytes=split_bytes, splittable=splittable)[reader_index]
 
 
@@ -371,6 +374,23 @@ def next_line_start(f: pa.NativeFile, pos: int, size: int, chunk: int = 1 << 16)
             return pos + i + 1
         pos += len(data)
     return size
+
+
+def open_lines(split: Split, compression: str) -> tuple[RangeStream | WholeLineStream, int, bool]:
+    """A stream over the whole lines of ``split``: ``(stream, offset of its first line, no line
+    starts in the split)``. Uncompressed: the lines whose first byte lies in the byte range;
+    compressed (``compression`` as in the schema): the whole file, which must be one split."""
+    codec = compression_of(split.path, compression)
+    fs = split.filesystem
+    if codec:
+        if not split.whole:
+            raise ValueError(f"{split.uri}: a compressed file cannot be read in byte ranges")
+        return WholeLineStream(fs.open_input_stream(split.path, compression=codec)), 0, False
+    f = fs.open_input_file(split.path)
+    size = f.size()
+    start = 0 if split.start == 0 else next_line_start(f, split.start - 1, size)
+    end = size if split.end is None or split.end >= size else next_line_start(f, split.end - 1, size)
+    return RangeStream(f, start, max(start, end)), start, end <= start
 
 
 def count_lines_before(split: Split, offset: int, chunk: int = 1 << 22) -> int:

@@ -10,16 +10,14 @@ and invalid lines seen so far, because with ``newlines_in_values`` off each reco
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pcsv
 
-from hpsray.data.batch import Batch
-from hpsray.data.convert import Converter
-from hpsray.data.errors import (
+from hpsray.data.bad_input import (
     CORRUPT_FILE,
     EMPTY_FILE,
     MISSING_COLUMN,
@@ -29,6 +27,9 @@ from hpsray.data.errors import (
     BadInputPolicy,
     BadInputReport,
 )
+from hpsray.data.batch import Batch
+from hpsray.data.convert import Converter
+from hpsray.data.formats import DEFAULT_BLOCK_SIZE, Format, RowCount
 from hpsray.data.schema import Schema
 from hpsray.data.sources import (
     RangeStream,
@@ -37,10 +38,11 @@ from hpsray.data.sources import (
     compression_of,
     count_lines_before,
     next_line_start,
+    open_lines,
 )
 from hpsray.errors import DataError
 
-DEFAULT_BLOCK_SIZE = 4 << 20
+COUNT_BYTES = 64 << 20  # decompressed bytes read to measure a line-per-row file's lines per byte
 
 
 def _split_header(line: bytes, schema: Schema) -> list[str]:
@@ -94,20 +96,9 @@ class _TextSplitReader:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _open(self):
-        s, sp = self.schema, self.split
-        codec = compression_of(sp.path, s.compression)
-        fs = sp.filesystem
-        if codec:
-            if not sp.whole:
-                raise ValueError(f"{sp.uri}: a compressed file cannot be read in byte ranges")
-            return WholeLineStream(fs.open_input_stream(sp.path, compression=codec)), False
-        f = fs.open_input_file(sp.path)
-        size = f.size()
-        start = 0 if sp.start == 0 else next_line_start(f, sp.start - 1, size)
-        end = size if sp.end is None or sp.end >= size else next_line_start(f, sp.end - 1, size)
-        self._real_start = start
-        return RangeStream(f, start, max(start, end)), end <= start
+    def _open(self) -> tuple[RangeStream | WholeLineStream, bool]:
+        stream, self._real_start, no_lines = open_lines(self.split, self.schema.compression)
+        return stream, no_lines
 
     def _header_names(self) -> list[str]:
         with self.split.filesystem.open_input_file(self.split.path) as f:
@@ -281,3 +272,100 @@ def read_text_split(
 ) -> Iterator[Batch]:
     """Batches of the good rows of one text split (one per parsed block), recording bad input."""
     return iter(_TextSplitReader(split, schema, policy, report, block_size))
+
+
+def count_lines(split: Split, declared: str, limit: int = COUNT_BYTES) -> tuple[int, int, bool]:
+    """Lines in the first ``limit`` decompressed bytes of ``split``, how many bytes of the file
+    (compressed, as stored) held them, and whether that was the whole file. Counting is
+    ``bytes.count``: no per-line Python."""
+    codec = compression_of(split.uri, declared)
+    raw = split.filesystem.open_input_stream(split.path, compression=None)
+    stream = pa.CompressedInputStream(raw, codec) if codec else raw
+    lines = read = 0
+    last = b"\n"
+    try:
+        while read < limit:
+            chunk = stream.read(1 << 22)
+            if not chunk:
+                break
+            lines += chunk.count(b"\n")
+            read += len(chunk)
+            last = chunk[-1:]
+        whole = not stream.read(1)
+        if whole and last != b"\n":
+            lines += 1  # a last line without its newline
+        used = raw.tell() if codec else read
+        return lines, (split.nbytes if whole else used), whole
+    finally:
+        stream.close()
+
+
+def estimate_lines(files: Sequence[Split], compression: str, header_lines: int = 0) -> RowCount:
+    """Rows of line-per-row ``files``: the lines per byte of the largest file times the bytes of
+    all, less ``header_lines`` per file; exact when there is one file and it was read whole."""
+    if not files:
+        return RowCount(0, False, 0, 0, "no readable files")
+    total = sum(f.nbytes for f in files)
+    first = max(files, key=lambda f: f.nbytes)
+    lines, raw_bytes, whole = count_lines(first, compression)
+    rows = int(round(lines / max(raw_bytes, 1) * total)) - header_lines * len(files)
+    exact = whole and len(files) == 1
+    how = "lines of the file" if exact else f"lines per byte of {first.uri} × bytes of all files"
+    return RowCount(max(rows, 0), exact, len(files), total, how)
+
+
+class TextFormat(Format):
+    """Delimited text, one row per line: ``csv`` (the schema's columns) and ``criteo`` (its preset)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def read(
+        self,
+        split: Split,
+        schema: Schema,
+        policy: BadInputPolicy,
+        report: BadInputReport,
+        *,
+        block_size: int,
+        batch_size: int,
+    ) -> Iterator[Batch]:
+        return read_text_split(split, schema, policy, report, block_size)
+
+    def splits(self, path: str, compression: str) -> bool:
+        return compression_of(path, compression) is None
+
+    def count_rows(self, files: Sequence[Split], schema: Schema) -> RowCount:
+        return estimate_lines(files, schema.compression, 1 if schema.header else 0)
+
+    def validate(self, schema: Schema) -> None:
+        if schema.header:
+            return
+        names = set(schema.columns or ())
+        refs = schema.column_refs()
+        for key, c in refs:
+            if isinstance(c, str) and c not in names:
+                raise ValueError(
+                    f"schema.{key}: column {c!r} is not named in schema.columns (a headerless file has no names)"
+                )
+        width = schema.expected_columns()
+        for key, c in refs:
+            if isinstance(c, int) and c >= width:
+                raise ValueError(f"schema.{key}: column index {c} is outside the {width} columns of each row")
+
+    def file_columns(self, split: Split, schema: Schema) -> list[str] | None:
+        if not schema.header:
+            return None
+        codec = compression_of(split.path, schema.compression)
+        with split.filesystem.open_input_stream(split.path, compression=codec) as f:
+            return _split_header(f.read(1 << 16).split(b"\n", 1)[0], schema)
+
+    def column_names(self, schema: Schema) -> list[str] | None:
+        return None if schema.header else schema.column_names()
+
+    def preset(self) -> Schema | None:
+        return Schema.criteo() if self.name == "criteo" else None
+
+
+CSV = TextFormat("csv")
+CRITEO = TextFormat("criteo")

@@ -66,7 +66,7 @@ def input_spec(schema: Any) -> dict:
     "dense_transform"}``: categorical slot ``i`` is ``categorical[i]``; columns given by position
     in a headerless file are named as :meth:`~hpsray.data.Schema.column_names` names them.
     """
-    names = schema.column_names() if schema.is_text and not schema.header else None
+    names = schema.known_column_names()
 
     def name(c: str | int) -> str:
         if isinstance(c, str):

@@ -15,7 +15,8 @@ from typing import Any
 import tomllib
 
 from hpsray.config import TrainConfig
-from hpsray.data import Schema, load_dataset
+from hpsray.data import load_dataset
+from hpsray.data.formats import get_format
 from hpsray.data.generate import SCHEMA_FILE
 from hpsray.errors import ConfigError
 from hpsray.job import validate as chk
@@ -160,8 +161,9 @@ class JobConfig:
                     f"{d.format!r} contradicts {directory}/{SCHEMA_FILE} (format {schema.format!r})",
                 )
             return schema
-        if d.format == "criteo":
-            return Schema.criteo()
+        preset = get_format(d.format).preset() if d.format is not None else None
+        if preset is not None:
+            return preset
         raise ConfigError(
             self.where,
             "data.schema",

@@ -22,7 +22,7 @@ from hpsray.config import (
     SPARSE_OPTIMIZERS,
 )
 from hpsray.data import LENIENT, BadInputPolicy, PlantedCTR, Schema
-from hpsray.data.schema import FORMATS
+from hpsray.data.formats import format_names
 from hpsray.job import validate as chk
 from hpsray.kernels.optim import make_optimizer
 
@@ -213,7 +213,7 @@ def parse_data(t: chk.Table, base: str) -> DataSection:
 
     paths = t.take("paths", chk.paths, ())
     eval_paths = t.take("eval_paths", chk.paths, ())
-    fmt = t.take("format", chk.choice(FORMATS))
+    fmt = t.take("format", chk.choice(format_names()))
     schema = None
     schema_t = t.sub("schema")
     if schema_t is not None:

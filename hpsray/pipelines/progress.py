@@ -20,7 +20,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from hpsray.data.formats import RowCount
 from hpsray.env import env_seconds
+from hpsray.errors import DataError
 
 __all__ = [
     "DEFAULT_SECONDS",
@@ -40,26 +42,22 @@ ENV = "HPSRAY_PROGRESS_SECONDS"
 STAGES = ("read", "pull", "load", "train")
 
 
-def known_examples(source: Any) -> int | None:
-    """Examples ``source`` yields in one pass, when cheap to know: generated data's ``rows``, the
-    Parquet metadata of file sources; ``None`` for text files (the bar then shows no ETA)."""
+def known_examples(source: Any) -> RowCount | None:
+    """Examples ``source`` yields in one pass, when they can be known: generated data's ``rows``
+    (exact), else what the files' format counts or estimates from bytes (``exact`` says which;
+    :meth:`hpsray.data.formats.Format.count_rows`); ``None`` when the files cannot be read."""
     rows = getattr(source, "rows", None)
     if isinstance(rows, int):
-        return rows
+        return RowCount(rows, True, how="generated rows")
     schema = getattr(source, "schema", None)
-    if getattr(schema, "format", None) != "parquet":
+    paths = getattr(source, "paths", None)
+    if schema is None or paths is None:
         return None
+    from hpsray.data.readers import count_rows
+
     try:
-        import pyarrow.parquet as pq
-
-        from hpsray.data import list_files
-
-        n = 0
-        for split in list_files(source.paths):
-            with split.filesystem.open_input_file(split.path) as f:
-                n += pq.ParquetFile(f).metadata.num_rows
-        return n
-    except (OSError, ValueError):
+        return count_rows(paths, schema)
+    except (OSError, ValueError, DataError):
         return None
 
 
@@ -124,12 +122,15 @@ def format_line(
     stages: dict | None,
     checkpoint: str | None,
     end: bool = False,
+    *,
+    exact: bool = True,
 ) -> str:
     """One progress line; ``stages`` (``None`` when the actors did not answer) holds the busy
     seconds of each stage over the interval (``busy``), the MEM-PS hit rate (``hit_rate``) and
-    SSD-PS bytes read and written since the start (``ssd_read``, ``ssd_written``)."""
+    SSD-PS bytes read and written since the start (``ssd_read``, ``ssd_written``); a ``total``
+    that is not ``exact`` (estimated from bytes) is shown as ``~N``."""
     what = "pass end" if end else "progress"
-    of = f"/{total:,} ({100.0 * examples / total:.0f}%)" if total else ""
+    of = f"/{'' if exact else '~'}{total:,} ({100.0 * examples / total:.0f}%)" if total else ""
     parts = [
         f"{what}: batches {batches:,}",
         f"examples {examples:,}{of}",
@@ -167,7 +168,7 @@ class Progress:
 
     def __init__(
         self,
-        total: int | None,
+        total: int | RowCount | None,
         enabled: bool = True,
         seconds: float = DEFAULT_SECONDS,
         nodes: Sequence[Any] = (),
@@ -177,6 +178,9 @@ class Progress:
     ) -> None:
         from hpsray.actors.livemetrics import LiveGauges
 
+        # An estimated total (RowCount.exact False) is shown as "~N" and never ends the lines early.
+        self.total_exact = total.exact if isinstance(total, RowCount) else True
+        total = total.rows if isinstance(total, RowCount) else total
         self.total, self.seconds = total, seconds
         self.nodes = list(nodes)
         self.checkpoint = checkpoint or (lambda: None)
@@ -217,7 +221,7 @@ class Progress:
         interval = now - self._tick_t
         self.rate = (self.examples - self._tick_examples) / interval if interval > 0 else 0.0
         self._tick_t, self._tick_examples = now, self.examples
-        done = self.total is not None and self.examples >= self.total  # the pass-end line says it
+        done = self.total_exact and self.total is not None and self.examples >= self.total  # the pass-end line says it
         if self.logging and self._due is None and not done:
             self._due = (self.batches, self.examples, self.rate, interval)
             self._asked = self._ask_actors()
@@ -258,7 +262,9 @@ class Progress:
                 figures = None
         batches, examples, rate, interval = self._due
         self._due, self._asked = None, []
-        line = format_line(batches, examples, self.total, rate, interval, figures, self.checkpoint(), end)
+        line = format_line(
+            batches, examples, self.total, rate, interval, figures, self.checkpoint(), end, exact=self.total_exact
+        )
         log.info("%s", line)
         self.lines += 1
 

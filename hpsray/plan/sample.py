@@ -3,8 +3,8 @@
 Generated data (``[data.synthetic]``) comes from the job's :class:`~hpsray.data.PlantedCTR`
 exactly as the pipeline's ``SyntheticSource`` produces it; files are read by
 :class:`~hpsray.data.DataReader` with the job's schema and bad-input policy, so the sample's keys
-are the keys training will see. The input's size is exact for generated data and Parquet
-(row-group metadata) and estimated for text from the line density of the first file.
+are the keys training will see. The input's size is exact for generated data and counted or
+estimated by the input's format (:meth:`hpsray.data.formats.Format.count_rows`).
 """
 
 from __future__ import annotations
@@ -16,28 +16,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hpsray.data import LENIENT, Batch, DataReader, list_files
-from hpsray.data.sources import compression_of
+from hpsray.data import LENIENT, Batch, DataReader
+from hpsray.data.formats import RowCount
+from hpsray.data.readers import count_rows
 from hpsray.kernels.distinct import distinct_sorted
 
 if TYPE_CHECKING:
-    from hpsray.data.sources import Split
     from hpsray.job import JobConfig
 
 __all__ = ["InputSize", "Sample", "input_size", "read_sample"]
 
-_COUNT_BYTES = 64 << 20  # decompressed bytes read to measure a text file's lines per byte
 
-
-@dataclass(frozen=True)
-class InputSize:
-    """How much the job reads: ``rows`` (``exact`` or estimated), ``files`` and their ``bytes``."""
-
-    rows: int
-    exact: bool
-    files: int = 0
-    bytes: int = 0
-    how: str = ""
+InputSize = RowCount
+"""How much the job reads: ``rows`` (``exact`` or estimated), ``files`` and their ``bytes``."""
 
 
 @dataclass
@@ -136,57 +127,11 @@ def read_sample(job: JobConfig, rows: int, keep_batches: int = 3) -> Sample:
 
 
 def input_size(job: JobConfig) -> InputSize:
-    """The number of training examples the job reads (exact where the format records it)."""
+    """The number of training examples the job reads (counted where the format records it, else
+    estimated from bytes: :meth:`hpsray.data.formats.Format.count_rows`)."""
     syn = job.data.synthetic
     if syn is not None:
         return InputSize(syn.rows, True, how="data.synthetic.rows")
-    splits = [s for s in list_files(list(job.data.paths)) if s.size is not None]
-    total = sum(s.nbytes for s in splits)
-    if not splits:
-        return InputSize(0, False, 0, 0, "no readable files")
     schema = job.schema()
-    if schema.format == "parquet":
-        import pyarrow.parquet as pq
-
-        n = 0
-        for s in splits:
-            with s.filesystem.open_input_file(s.path) as f:
-                n += pq.ParquetFile(f).metadata.num_rows
-        return InputSize(n, True, len(splits), total, "Parquet metadata")
-    first = max(splits, key=lambda s: s.nbytes)
-    lines, raw_bytes = _count_lines(first, schema.compression)
-    per_byte = lines / max(raw_bytes, 1)
-    return InputSize(
-        int(round(per_byte * total)),
-        raw_bytes >= first.nbytes and len(splits) == 1,
-        len(splits),
-        total,
-        f"lines per byte of {first.uri} × bytes of all files",
-    )
-
-
-def _count_lines(split: Split, declared: str) -> tuple[int, int]:
-    """Lines in the first ``_COUNT_BYTES`` decompressed bytes of ``split``, and how many bytes of
-    the file (compressed, as stored) held them. Counting is ``bytes.count``: no per-line Python."""
-    import pyarrow as pa
-
-    codec = compression_of(split.uri, declared)
-    raw = split.filesystem.open_input_stream(split.path, compression=None)
-    stream = pa.CompressedInputStream(raw, codec) if codec else raw
-    lines = read = 0
-    last = b"\n"
-    try:
-        while read < _COUNT_BYTES:
-            chunk = stream.read(1 << 22)
-            if not chunk:
-                break
-            lines += chunk.count(b"\n")
-            read += len(chunk)
-            last = chunk[-1:]
-        whole = not stream.read(1)
-        if whole and last != b"\n":
-            lines += 1  # a last line without its newline
-        used = raw.tell() if codec else read
-        return lines, (split.nbytes if whole else used)
-    finally:
-        stream.close()
+    assert schema is not None  # files have a schema
+    return count_rows(list(job.data.paths), schema)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hpsray.data import LENIENT, STRICT, BadInputPolicy, BadInputReport, Schema, list_files, open_source, read_batches
-from hpsray.data import errors as E
+from hpsray.data import bad_input as E
 from hpsray.errors import DataError, TooMuchBadInput
 
 SCHEMA = Schema.criteo(2, 2, dense_transform="none")

@@ -61,9 +61,16 @@ def test_bar_is_silent_when_stderr_is_not_a_terminal(capfd):
 
 def test_known_examples(tmp_path):
     gen = PlantedCTR(n_slots=2, keys_per_slot=100, n_dense=1, seed=0)
-    assert known_examples(SyntheticSource(gen, rows=1234)) == 1234
+    synthetic = known_examples(SyntheticSource(gen, rows=1234))
+    assert synthetic is not None and (synthetic.rows, synthetic.exact) == (1234, True)
     write_synthetic(str(tmp_path / "p"), gen, 3000, "parquet", shard_rows=1000)
     schema = Schema(format="parquet", label="label", dense=("I1",), categorical=("C1", "C2"))
-    assert known_examples(FileSource([str(tmp_path / "p")], schema)) == 3000
+    parquet = known_examples(FileSource([str(tmp_path / "p")], schema))
+    assert parquet is not None and (parquet.rows, parquet.exact) == (3000, True)
+    # Text: counted when one file is read whole, else estimated from bytes (and said so).
     write_synthetic(str(tmp_path / "t"), gen, 300, "criteo")
-    assert known_examples(FileSource([str(tmp_path / "t")], Schema.criteo(1, 2))) is None
+    one = known_examples(FileSource([str(tmp_path / "t")], Schema.criteo(1, 2)))
+    assert one is not None and (one.rows, one.exact) == (300, True)
+    write_synthetic(str(tmp_path / "m"), gen, 3000, "criteo", shard_rows=1000)
+    many = known_examples(FileSource([str(tmp_path / "m")], Schema.criteo(1, 2)))
+    assert many is not None and not many.exact and abs(many.rows - 3000) <= 60, many
