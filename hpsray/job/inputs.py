@@ -59,29 +59,17 @@ def check_sources(paths: Sequence[str], schema: Schema, where: str, key: str = "
 
 
 def _columns(split: object, schema: Schema) -> list[str] | None:
-    """The file's column names (its header line, or its Parquet schema); ``None`` when the
-    schema addresses columns by position only, or the file cannot be read (the readers then
-    report it under the bad-input policy)."""
+    """The file's column names (its header line, or its Parquet schema: the format's
+    :meth:`~hpsray.data.formats.Format.file_columns`); ``None`` when the file declares none, or
+    cannot be read (the readers then report it under the bad-input policy)."""
     import pyarrow as pa
 
-    from hpsray.data.sources import compression_of
+    from hpsray.data.formats import format_of
 
-    fs, path = split.filesystem, split.path  # type: ignore[attr-defined]
     try:
-        if schema.format == "parquet":
-            import pyarrow.parquet as pq
-
-            with fs.open_input_file(path) as f:
-                return list(pq.read_schema(f).names)
-        if not schema.header:
-            return None
-        with fs.open_input_stream(path, compression=compression_of(path, schema.compression)) as f:
-            line = f.read(1 << 16).split(b"\n", 1)[0]
+        return format_of(schema).file_columns(split, schema)  # type: ignore[arg-type]
     except (OSError, pa.ArrowException):
         return None
-    names = line.decode("utf-8", errors="replace").rstrip("\r").split(schema.delimiter)
-    q = schema.quote_char
-    return [n[1:-1] if q and len(n) >= 2 and n[0] == q and n[-1] == q else n for n in names]
 
 
 def _check_columns(names: list[str], schema: Schema, uri: str, where: str) -> None:
