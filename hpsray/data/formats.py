@@ -93,6 +93,7 @@ _BUILTIN = {
     "criteo": "hpsray.data.text:CRITEO",
     "csv": "hpsray.data.text:CSV",
     "parquet": "hpsray.data.parquet:PARQUET",
+    "jsonl": "hpsray.data.jsonl:JSONL",
 }
 _registered: dict[str, Format] = {}
 
