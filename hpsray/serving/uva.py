@@ -124,6 +124,9 @@ def _gather_kernel(flat, dim, group, src_rows, dst_rows, out):
     m = src_rows.size
     r = g
     while r < m:
+        if src_rows[r] < 0:  # a row this source does not hold: left as it is
+            r += n_groups
+            continue
         first = src_rows[r] * dim
         end = first + dim
         d = dst_rows[r]
@@ -136,7 +139,8 @@ def _gather_kernel(flat, dim, group, src_rows, dst_rows, out):
 
 
 def gather_rows(src: Any, src_rows: Any, dst_rows: Any, out: Any, dim: int, stream: Any = None) -> None:
-    """``out[dst_rows[i], :] = src[src_rows[i], :]`` on the device (see the module docstring).
+    """``out[dst_rows[i], :] = src[src_rows[i], :]`` on the device where ``src_rows[i] >= 0``
+    (see the module docstring); rows with ``src_rows[i] < 0`` are left as they are.
 
     ``src``: float32[n, dim], C-contiguous, rows at their natural stride (a :func:`device_view`
     of host memory, or device memory); ``src_rows``/``dst_rows``: int64 device arrays of equal
@@ -156,5 +160,7 @@ def gather_rows(src: Any, src_rows: Any, dst_rows: Any, out: Any, dim: int, stre
 
 
 def gather_rows_host(src: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray, out: np.ndarray) -> None:
-    """The CPU twin of :func:`gather_rows`: ``out[dst_rows] = src[src_rows]``."""
-    out[dst_rows] = src[src_rows]
+    """The CPU twin of :func:`gather_rows`: ``out[dst_rows] = src[src_rows]`` where ``src_rows >= 0``
+    (fixed sizes, no mask: the twin of a device array module's lines)."""
+    held = (src_rows >= 0)[:, None]
+    out[dst_rows] = np.where(held, src[np.maximum(src_rows, 0)], out[dst_rows])

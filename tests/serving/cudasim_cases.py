@@ -48,6 +48,7 @@ def uva_gather_matches_numpy():
         arena[:] = rng.standard_normal(arena.shape).astype(np.float32)
         src = device_view(arena)
         src_rows = rng.integers(0, n, m).astype(np.int64)
+        src_rows[::7] = -1  # rows this source does not hold: left as they are
         dst_rows = rng.permutation(m).astype(np.int64)
         want = np.full((m, dim), np.nan, np.float32)
         gather_rows_host(arena, src_rows, dst_rows, want)
@@ -55,7 +56,9 @@ def uva_gather_matches_numpy():
             out = cuda.device_array((m, dim), np.float32)
             out.copy_to_device(np.full((m, dim), np.nan, np.float32))
             gather_rows(source, cuda.to_device(src_rows), cuda.to_device(dst_rows), out, dim)
-            assert np.array_equal(out.copy_to_host(), want), f"dim {dim}: the gather differs from its CPU twin"
+            got = out.copy_to_host()
+            assert np.array_equal(got, want, equal_nan=True), f"dim {dim}: the gather differs from its CPU twin"
+            assert np.isnan(got[dst_rows[src_rows < 0]]).all() and not np.isnan(want[dst_rows[src_rows >= 0]]).any()
         release_view(src)
     try:  # rows must be at their natural stride
         gather_rows(
@@ -252,6 +255,29 @@ def hot_rows_carried_to_a_new_model_are_re_read():
         s = new.stats()
         assert s["device_hits"] == q.size and s["ssd_reads"] == 0, s
         _device_rows_hold_their_keys(new, want_new)
+
+
+@case
+def device_driven_lookup_gathers_through_the_kernel():
+    """The device-driven lookup (NumPy arrays) with both tiers gathering through the CUDA kernel
+    (``gather_rows``, rows a tier misses passed as ``-1``) instead of its NumPy twin: every batch
+    equals a NumPy gather of the point store while the tiers fill and evict."""
+    from hpsray.kernels.init import RowInit
+    from hpsray.serving.device_driven import DeviceDrivenLookup
+    from hpsray.serving.pointstore import PointStore
+
+    with tempfile.TemporaryDirectory() as d:
+        path = _write_store(d, n=200, dim=8)
+        init = RowInit(dim=8, scale=0.01, seed=5)
+        keys, _, want = _oracle(path, 8, init)
+        lookup = DeviceDrivenLookup(PointStore(path), 24, init, device_rows=8)
+        lookup.device.kernel = lookup.host.kernel = True
+        for b, q in enumerate(_batches(keys, 5, 12, seed=6, hot=10)):
+            q = np.sort(q)  # distinct keys in order, as a layout's are
+            assert np.array_equal(lookup.rows(q), want(q)), f"batch {b} differs"
+        s = lookup.stats()
+        assert s["device_hits"] > 0 and s["host_hits"] > 0 and s["ssd_reads"] > 0, s
+        lookup.close()
 
 
 @case

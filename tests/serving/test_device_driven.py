@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import threading
+import types
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -146,7 +148,8 @@ def test_device_driven_predictions_equal_the_reference_with_one_upload_of_keys(p
     t = model.stats()["transfers"]
     up, down = t["host_to_device"], t["device_to_host"]
     assert up["keys"] == n and up["dense"] == n and down["probabilities"] == n  # one of each per batch
-    assert down.get("miss_keys", 0) == up.get("rows", 0) <= n  # misses: their keys down, their rows up, once
+    assert down["miss_keys"] == n  # the missed keys and their count, in one copy per batch
+    assert 0 < up.get("rows", 0) <= n  # their rows up, in one copy, in the batches with misses
     assert set(up) <= {"keys", "dense", "rows"} and set(down) <= {"probabilities", "miss_keys"}
 
 
@@ -287,3 +290,164 @@ def test_driver_options_are_checked():
         LoadOptions(driver="gpu")
     with pytest.raises(ValueError, match="baseline"):
         LoadOptions(driver="device", backend="rocksdb")
+
+
+# --- host syncs per batch, counted on the NumPy twin ---------------------------------------------
+
+SYNCS: Counter[str] = Counter()
+"""What :class:`DeviceLike` arrays and :class:`CountingXp` saw that would make a CUDA host wait."""
+
+
+def _bool_key(key) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, np.ndarray) and k.dtype == bool and k.ndim > 0 for k in keys)
+
+
+class DeviceLike(np.ndarray):
+    """A NumPy array standing for a CuPy one: counts in :data:`SYNCS` each use that syncs on CUDA
+    (a boolean mask, whose result size the host must learn; a value read on the host: ``int``,
+    ``bool``, ``float``, ``item``, ``tolist``; ``nonzero``; a download)."""
+
+    def __array_wrap__(self, arr, context=None, return_scalar=False):
+        return np.asarray(arr).view(DeviceLike)  # reductions stay on the "device", as CuPy's do
+
+    def __getitem__(self, key):
+        if _bool_key(key):
+            SYNCS["boolean mask"] += 1
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        if _bool_key(key):
+            SYNCS["boolean mask"] += 1
+        super().__setitem__(key, value)
+
+    def _read(self, what: str):
+        SYNCS[what] += 1
+        return np.asarray(self)
+
+    def __int__(self):
+        return int(self._read("int()"))
+
+    def __float__(self):
+        return float(self._read("float()"))
+
+    def __bool__(self):
+        return bool(self._read("bool()"))
+
+    def __index__(self):
+        return self._read("index").__index__()
+
+    def item(self, *args):
+        return self._read("item()").item(*args)
+
+    def tolist(self):
+        return self._read("tolist()").tolist()
+
+    def nonzero(self):
+        return self._read("nonzero()").nonzero()
+
+    def get(self):
+        return self._read("download")
+
+
+class CountingXp(types.ModuleType):
+    """NumPy as an array module whose arrays are :class:`DeviceLike`; the functions whose output
+    size depends on the data (``flatnonzero``, ``nonzero``, ``unique``, ...) count a sync."""
+
+    SYNCING = frozenset({"flatnonzero", "nonzero", "argwhere", "unique", "compress", "extract", "bincount"})
+
+    def __init__(self) -> None:
+        super().__init__("numpy")
+
+    def __getattr__(self, name: str):
+        attr = getattr(np, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+        syncing = name in self.SYNCING
+
+        def call(*args, **kwargs):
+            if syncing:  # one sync, whatever the call does inside
+                SYNCS[f"xp.{name}"] += 1
+                args = tuple(np.asarray(a) if isinstance(a, DeviceLike) else a for a in args)
+            out = attr(*args, **kwargs)
+            if isinstance(out, np.ndarray):
+                return out.view(DeviceLike)
+            if isinstance(out, tuple):
+                return tuple(o.view(DeviceLike) if isinstance(o, np.ndarray) else o for o in out)
+            return out
+
+        return call
+
+
+def _count_syncs(lookup: DeviceDrivenLookup, batches: list[Batch]) -> list[dict]:
+    """Per batch: ``{"layout": syncs, "rows": syncs, "downloads": d2h copies, "uploads": h2d}``;
+    the rows checked against the point store (initial rows for unseen keys)."""
+    _, want = _oracle(lookup.store, lookup.init)
+    out = []
+    for batch in batches:
+        h2d, d2h = sum(lookup.transfers.h2d.values()), sum(lookup.transfers.d2h.values())
+        SYNCS.clear()
+        layout = lookup.layout(batch)
+        n_layout = sum(SYNCS.values())
+        SYNCS.clear()
+        rows = lookup.rows(layout.unique_keys)
+        n_rows = sum(SYNCS.values())
+        assert np.array_equal(np.asarray(rows), want(np.asarray(layout.unique_keys)))
+        out.append(
+            {
+                "layout": n_layout,
+                "rows": n_rows,
+                "what": dict(SYNCS),
+                "downloads": sum(lookup.transfers.d2h.values()) - d2h,
+                "uploads": sum(lookup.transfers.h2d.values()) - h2d,
+            }
+        )
+    return out
+
+
+def _sync_workload(exports) -> tuple[DeviceDrivenLookup, list[Batch]]:
+    store = PointStore(build_point_store(exports["parquet"]))
+    keys = np.asarray(store.keys)
+    rng = np.random.default_rng(8)
+    batches = []
+    for _ in range(6):  # hot keys (device hits), others (host hits, SSD reads), unseen keys
+        b = _batch(rng, 60)
+        hot = keys[np.minimum(rng.zipf(1.3, b.nnz), 300) - 1]
+        k = np.where(rng.random(b.nnz) < 0.97, hot, rng.integers(1, 2**63, b.nnz, np.uint64))
+        batches.append(Batch(b.labels, b.dense, k.astype(np.uint64), b.offsets, b.slots, b.n_slots))
+    return DeviceDrivenLookup(store, 64, RowInit(dim=8, scale=0.02, seed=3), device_rows=16, xp=CountingXp()), batches
+
+
+def test_a_batch_syncs_once_for_its_layout_and_once_for_its_misses(exports):
+    """The device-driven lookup on the NumPy twin with every would-be sync counted: per batch one
+    upload of keys and one count read in the layout (the distinct keys), one download in the rows
+    (the missed keys and their count together) and one upload of the missed rows; nothing else."""
+    lookup, batches = _sync_workload(exports)
+    counts = _count_syncs(lookup, batches)
+    assert all(c["layout"] <= 1 and c["rows"] == 0 for c in counts), counts
+    assert all(c["downloads"] == 1 and c["uploads"] <= 2 for c in counts), counts
+    s = lookup.stats()
+    assert s["device_hits"] > 0 and s["host_hits"] > 0 and s["ssd_reads"] > 0 and s["unseen"] > 0, s
+
+
+@pytest.mark.parametrize("fault", ["item", "mask", "flatnonzero"])
+def test_the_sync_count_sees_a_sync_injected_into_a_batch(exports, monkeypatch, fault):
+    """The guard above, shown failing: a read-back, a boolean mask or a flatnonzero injected into
+    the host directory's probe is counted once per batch."""
+    lookup, batches = _sync_workload(exports)
+    probe = Directory.probe
+
+    def probe_with_a_sync(self, keys, *args, **kwargs):
+        slots = probe(self, keys, *args, **kwargs)
+        if self is lookup.host.directory:
+            if fault == "item":
+                (slots >= 0).sum().item()
+            elif fault == "mask":
+                slots[slots >= 0]
+            else:
+                self.xp.flatnonzero(slots >= 0)
+        return slots
+
+    monkeypatch.setattr(Directory, "probe", probe_with_a_sync)
+    counts = _count_syncs(lookup, batches)
+    assert all(c["rows"] == 1 for c in counts), counts
