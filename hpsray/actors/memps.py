@@ -121,7 +121,7 @@ class _RemoteStore:
         rows, found, deleted = self.in_flight(keys)
         rest = np.flatnonzero(~(found | deleted))
         if rest.size:
-            got, there = ray.get(self.actor.load.remote(keys[rest]))  # rows of found keys only
+            got, there = ray.get(self.actor.load_found.remote(keys[rest]))  # rows of found keys only
             found[rest[there]] = True
             rows[rest[there]] = got
         return rows, found

@@ -17,8 +17,8 @@ from hpsray.tiers.warmup import warm_ssd_ps
 
 class SSDPSShard:
     """Owns one node's parameter-file directory: the load stage (:meth:`load_missing`: the rows
-    a pull left missing), and MEM-PS's backing store (:meth:`load`, :meth:`dump`,
-    :meth:`delete`: the engine's verbs of the same names).
+    a pull left missing), and MEM-PS's backing store (:meth:`load_found`, :meth:`dump`,
+    :meth:`delete`: the engine's ``load`` less absent keys' rows, ``dump`` and ``delete``).
 
     Two clocks: ``load`` times the load stage (its events are the stage's intervals), ``dump``
     the writes MEM-PS hands down (tagged with the batch whose pull or write-back made them).
@@ -77,9 +77,11 @@ class SSDPSShard:
             self._export()
         return Loan(rows, pulled.held)
 
-    def load(self, keys: np.ndarray, batch: Hashable | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(rows of the keys found, found mask)`` (MEM-PS's own reads, for evaluation): only
-        found rows cross to MEM-PS (a first pass finds none)."""
+    def load_found(self, keys: np.ndarray, batch: Hashable | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows float32[found.sum(), width] of the found keys only, in key order; found
+        bool[n])``: :meth:`SSDPS.load <hpsray.tiers.ssd.SSDPS.load>` less the zero rows of absent
+        keys, so that only found rows cross to MEM-PS (its own reads, for evaluation; a first pass
+        finds none). ``load`` everywhere else returns a row per key."""
         with self.clock.timed(batch):
             rows, found = self.store.load(keys)
         self._export()

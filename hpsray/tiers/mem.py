@@ -54,7 +54,10 @@ class BackingStore(Protocol):
 
     width: int
 
-    def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows float32[n, width], found bool[n])``: a row per key, zero where not found (the
+        load contract, as :meth:`~hpsray.tiers.ssd.SSDPS.load`)."""
+        ...
 
     def dump(self, keys: np.ndarray, rows: np.ndarray) -> None: ...
 
