@@ -199,7 +199,7 @@ def test_plan_reports_a_missing_column_and_starts_no_ray(tmp_path):
 
 
 def test_a_calibration_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch, capsys):
-    from hpsray.cli import plan_probe
+    from hpsray.job import probe as plan_probe
     from hpsray.plan.calibrate import node_cores
     from hpsray.plan.pipeline_cost import StageCosts, cache_file, machine_key
 

@@ -6,14 +6,13 @@ examples/s, MEM-PS resident rows, distinct rows and SSD-PS bytes, then one real 
 (an embedded Ray) and what it measured — the run report's examples/s and ``cache.size``, the rows
 exported, and the bytes in the SSD-PS directory after the flush — and each ratio predicted / measured;
 beside them each stage's seconds per batch and the bottleneck, predicted and measured. The plans use
-this machine's cached stage costs (``hpsray.cli.plan_probe``; ``--recalibrate`` times them again
+this machine's cached stage costs (``hpsray.job.probe``; ``--recalibrate`` times them again
 first, as an idle rerun should).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tempfile
 import time
@@ -43,16 +42,14 @@ def _dir_bytes(path: str) -> int:
 
 
 def _one(rows: int, sample_rows: int | None, costs: StageCosts | None) -> dict:
-    from hpsray.cli.demo import demo_job
-    from hpsray.job import JobConfig, build
+    from hpsray.job import build
+    from hpsray.job.demo import demo_config
     from hpsray.plan import DEFAULT_SAMPLE_ROWS, make_plan
     from hpsray.plan.sizing import ssd_live_bytes
 
     with tempfile.TemporaryDirectory(prefix="hpsray-bench-plan-") as work:
-        demo_job(work, rows)
-        job = JobConfig.load(os.path.join(work, "job.toml"))
-        ssd_dir = os.path.join(work, "ssd")
-        job = dataclasses.replace(job, tiers=dataclasses.replace(job.tiers, ssd_path=ssd_dir))
+        job = demo_config(work, rows)
+        ssd_dir = os.path.join(work, "ssd")  # demo_config's SSD-PS
         t0 = time.perf_counter()
         plan = make_plan(job, sample_rows or DEFAULT_SAMPLE_ROWS, costs=costs)
         plan_s = time.perf_counter() - t0
@@ -105,7 +102,7 @@ def _one(rows: int, sample_rows: int | None, costs: StageCosts | None) -> dict:
 def run(args: argparse.Namespace) -> dict:
     if args.rows < 40:
         raise ValueError(f"--rows must be >= 40, got {args.rows}")
-    from hpsray.cli.plan_probe import stage_costs
+    from hpsray.job.probe import stage_costs
 
     costs = stage_costs(recalibrate=args.recalibrate)
     sizes = {"half": args.rows // 2, "demo": args.rows, "double": 2 * args.rows}

@@ -18,12 +18,8 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any
 
 HELP = "generate data, train it on an embedded Ray with rows travelling to SSD and back, print AUC and stages"
-
-SLOTS, KEYS_PER_SLOT, DENSE = 8, 100_000, 4
-BATCHES = 20  # the demo splits its rows into this many batches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,52 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def demo_job(workdir: str, rows: int, quiet: bool = True) -> dict:
-    """Write the demo's data to ``workdir/data`` and return its job table (also ``workdir/job.toml``).
-
-    The MEM-PS budget is 2.5 × the distinct keys of one batch: enough for the two batches in
-    flight, well below the distinct keys of the whole run.
-    """
-    import numpy as np
-
-    from hpsray.data import PlantedCTR, write_synthetic
-    from hpsray.data.generate import to_toml
-
-    batch = max(1, rows // BATCHES)
-    eval_rows = batch
-    rows = batch * BATCHES
-    gen = PlantedCTR(n_slots=SLOTS, keys_per_slot=KEYS_PER_SLOT, n_dense=DENSE, seed=0)
-    data = os.path.join(workdir, "data")
-    if os.path.isdir(data):
-        shutil.rmtree(data)
-
-    def progress(done: int, total: int, path: str) -> None:
-        if not quiet and done == total:
-            print(f"demo: wrote {total:,} rows of synthetic click log to {data}", file=sys.stderr)
-
-    files = write_synthetic(data, gen, rows + eval_rows, "parquet", shard_rows=batch, progress=progress)
-    per_batch = int(np.unique(gen.generate(batch).keys).size)
-    job: dict[str, dict[str, Any]] = {
-        "data": {
-            "paths": [os.path.relpath(f, workdir) for f in files[:-1]],
-            "eval_paths": [os.path.relpath(files[-1], workdir)],
-        },
-        "model": {"dim": 8, "hidden": [64, 32], "seed": 0},
-        "optimizer": {"sparse": "adagrad", "sparse_lr": 0.05, "dense": "adam", "dense_lr": 0.001},
-        "tiers": {"mem_rows": int(2.5 * per_batch)},  # SSD-PS in a temporary directory
-        "tiers.ssd": {"rows_per_file": 2048},
-        "pipeline": {"batch_size": batch, "minibatch_size": min(1000, batch), "read_queue": 2},
-    }
-    with open(os.path.join(workdir, "job.toml"), "w") as f:
-        f.write("# written by `hpsray demo`; rerun with: hpsray train job.toml\n\n" + to_toml(job))
-    return job
-
-
 def run(args: argparse.Namespace) -> int:
     from hpsray.cli.start import connect_alongside
     from hpsray.cli.train import summary, train_pipeline
     from hpsray.errors import ConfigError
     from hpsray.job import JobConfig
+    from hpsray.job.demo import BATCHES, demo_job
     from hpsray.report import Demo
 
     if args.rows < BATCHES:

@@ -4,7 +4,7 @@ Reads a sample of the job's data with the job's own readers, estimates distinct 
 and in all, and prints per node the MEM-PS rows and bytes needed, the trainer's memory, SSD-PS
 bytes with compaction headroom, object-store bytes in flight and a predicted examples/s from a
 short calibration of each stage on this machine, plus what the stage actors add on this machine
-(:mod:`hpsray.cli.plan_probe`: measured with a local Ray only with ``--calibrate``, then cached
+(:mod:`hpsray.job.probe`: measured with a local Ray only with ``--calibrate``, then cached
 unless the machine was busy; without it the cached costs, or the engines' rate alone: the
 command starts no Ray). Exit status 1 when the job cannot fit (each problem
 names the setting and the number), 2 for a bad job file.
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             print("hpsray plan: error: --calibrate and --no-calibrate contradict each other", file=sys.stderr)
             return EXIT_CONFIG
         if not args.no_calibrate:
-            from hpsray.cli.plan_probe import cached_costs, stage_costs
+            from hpsray.job.probe import cached_costs, stage_costs
 
             costs = stage_costs(recalibrate=True) if args.calibrate else cached_costs()
         plan = make_plan(job, args.sample_rows, calibrate_stages=not args.no_calibrate, costs=costs)

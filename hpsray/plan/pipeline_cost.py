@@ -13,7 +13,7 @@ The node then trains one batch per ``max(slowest stage, sum of the stages / core
 seconds, ``o`` the driver's and Ray's own share of the cores (the cores term: stages on ``N``
 cores are not free); a pass of ``B`` batches also waits once for its first batch to cross every
 stage (``sum of the stages / B`` per batch). ``a``, ``k`` and ``o`` come from real pipeline runs of two reference jobs
-on this machine (``hpsray.cli.plan_probe``): :func:`fit_costs` fits them, :func:`apply_costs`
+on this machine (``hpsray.job.probe``): :func:`fit_costs` fits them, :func:`apply_costs`
 predicts with them, and :func:`load_costs` / :func:`save_costs` keep them in a per-machine cache
 (``$HPSRAY_CACHE_DIR``, else ``$XDG_CACHE_HOME/hpsray``, else ``~/.cache/hpsray``).
 """

@@ -162,7 +162,7 @@ def test_a_plan_with_costs_says_where_its_rate_comes_from(tmp_path):
 
 
 def test_the_plan_command_times_the_stage_actors_once(tmp_path, monkeypatch):
-    from hpsray.cli import plan_probe
+    from hpsray.job import probe as plan_probe
 
     monkeypatch.setenv("HPSRAY_CACHE_DIR", str(tmp_path))
     runs = []

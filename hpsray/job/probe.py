@@ -44,15 +44,13 @@ def busy_reason(load: float, cores: int, stretch: float) -> str | None:
 
 
 def _point(work_dir: str, batch: int) -> RunPoint:
-    from hpsray.cli.demo import BATCHES, demo_job
-    from hpsray.job import JobConfig, build
+    from hpsray.job import build
+    from hpsray.job.demo import BATCHES, demo_config
     from hpsray.plan import make_plan
 
     d = os.path.join(work_dir, str(batch))
     os.makedirs(d)
-    demo_job(d, batch * BATCHES)  # the demo's job: its 20 batches of ``batch`` examples
-    job = JobConfig.load(os.path.join(d, "job.toml"))
-    job = dataclasses.replace(job, tiers=dataclasses.replace(job.tiers, ssd_path=os.path.join(d, "ssd")))
+    job = demo_config(d, batch * BATCHES)  # the demo's job: its 20 batches of ``batch`` examples
     plan = make_plan(job, 6 * batch)
     assert plan.stage_s_per_batch is not None and plan.calibration is not None
     with build.pipeline(job) as pipe:
