@@ -187,3 +187,32 @@ def test_the_reference_imports_nothing_of_the_trainer_engine():
     """The oracle stays apart from the system under test: the trainer's step is its own code."""
     graph = import_graph()
     assert not [d for d in graph["hpsray.reference"] if d.startswith(("hpsray.training", "hpsray.actors"))]
+
+
+def _all_imports(name: str, path: Path):
+    """Every hpsray module ``name`` imports anywhere (also inside functions), absolute."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def test_nothing_below_the_cli_imports_it():
+    """docs/architecture.md, Layers: ``hpsray.cli`` is the top; the benchmarks, the job builder and
+    every layer under them import nothing of it, not even inside a function."""
+    below = [m for m in _modules() if m != "hpsray.__main__" and not m.startswith("hpsray.cli")]
+    up = sorted(
+        (name, dep)
+        for name in below
+        for dep in _all_imports(name, _modules()[name])
+        if dep == "hpsray.cli" or dep.startswith("hpsray.cli.")
+    )
+    assert not up, up
+    assert {"hpsray.bench.plan", "hpsray.job.probe"} <= set(below)
