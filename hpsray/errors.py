@@ -33,7 +33,10 @@
         └── MissingRowsError                    a batch's keys have no row once its loans are in
 
 The second bases are kept for callers that catch the builtin kind (``except ValueError``). Every
-class is defined here and imported from here only (no package re-exports one). This module
+class is defined here and imported from here only (no package re-exports one). The one exception
+outside the family is :class:`PrivateControlFlow`: the base of a module's private exception that
+it raises and catches itself to leave a nested computation early (each subclass says where it is
+caught); tests/test_exception_family.py checks that every exception class derives from one of the two. This module
 imports nothing of hpsray, so every layer may use it.
 """
 
@@ -55,6 +58,7 @@ __all__ = [
     "MissingRowsError",
     "NetnsUnavailable",
     "NoSpareNode",
+    "PrivateControlFlow",
     "PeerFailedError",
     "RayStartError",
     "SSDError",
@@ -80,6 +84,11 @@ class HpsrayError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+class PrivateControlFlow(Exception):
+    """Not an error: a module's private signal, raised and caught by that module (a subclass's
+    docstring says where). Outside :class:`HpsrayError` on purpose: no caller is meant to catch it."""
 
 
 def _rebuild(cls: type[HpsrayError], args: tuple, state: dict[str, Any]) -> HpsrayError:
