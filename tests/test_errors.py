@@ -13,6 +13,7 @@ from hpsray.errors import (
     ExportError,
     HpsrayError,
     PeerFailedError,
+    PrivateControlFlow,
     SSDError,
     SSDFullError,
     TableFullError,
@@ -25,7 +26,7 @@ from hpsray.errors import (
 def test_every_error_is_an_hpsray_error_and_keeps_its_builtin_base():
     for name in errors.__all__:
         obj = getattr(errors, name)
-        if isinstance(obj, type):
+        if isinstance(obj, type) and obj is not PrivateControlFlow:
             assert issubclass(obj, HpsrayError), name
     assert issubclass(ConfigError, ValueError) and issubclass(DataError, ValueError)
     assert issubclass(ExportError, ValueError) and issubclass(SSDFullError, OSError)
@@ -122,12 +123,20 @@ def _hpsray_exception_classes() -> dict[str, type]:
 
 def test_every_exception_hpsray_defines_is_in_the_family_and_its_tree():
     """One family: each exception class hpsray defines derives from HpsrayError, is defined in
-    hpsray.errors and is drawn in the tree of its docstring. Private control-flow classes
-    (leading underscore, never raised to a caller) are the only exceptions."""
+    hpsray.errors and is drawn in the tree of its docstring. The only others are a module's
+    private control flow: a class with a leading underscore deriving from PrivateControlFlow
+    (the stated marker), raised and caught by its module."""
     classes = _hpsray_exception_classes()
     assert "hpsray.errors.FaultTimeout" in classes  # the walk reached the package
+    assert {"hpsray.job.validate._Rejected", "hpsray.serving.blockread._Repeated"} <= set(classes)
     tree = errors.__doc__ or ""
-    public = {name: cls for name, cls in classes.items() if not cls.__qualname__.startswith("_")}
+    private = {name: cls for name, cls in classes.items() if issubclass(cls, PrivateControlFlow)}
+    unmarked = sorted(n for n, c in classes.items() if c.__qualname__.startswith("_") and n not in private)
+    assert not unmarked, f"private exceptions must derive from PrivateControlFlow: {unmarked}"
+    named = sorted(n for n, c in private.items() if c is not PrivateControlFlow and not c.__qualname__.startswith("_"))
+    assert not named, f"a PrivateControlFlow class is private to its module (leading underscore): {named}"
+    assert not [c for c in private.values() if issubclass(c, HpsrayError)]
+    public = {name: cls for name, cls in classes.items() if name not in private}
     outside = sorted(name for name in public if not name.startswith("hpsray.errors."))
     assert not outside, f"define these in hpsray.errors: {outside}"
     for name, cls in public.items():

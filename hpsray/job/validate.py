@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from hpsray.errors import ConfigError
+from hpsray.errors import ConfigError, PrivateControlFlow
 
 __all__ = [
     "UNSET",
@@ -91,8 +91,9 @@ class Table:
 UNSET = object()  # a key the table leaves out (None may be a real value)
 
 
-class _Rejected(Exception):
-    """A value's reason for rejection; :class:`Table` adds file and key."""
+class _Rejected(PrivateControlFlow):
+    """A value's reason for rejection, raised by the checkers below and caught by
+    :meth:`Table.take`, which raises :class:`~hpsray.errors.ConfigError` naming file and key."""
 
 
 def type_name(v: Any) -> str:

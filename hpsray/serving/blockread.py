@@ -27,7 +27,7 @@ import numba as nb
 import numpy as np
 
 from hpsray.blockio import IOV_MAX, MIN_RANGES_PER_THREAD, preadv_ranges, read_parallel
-from hpsray.errors import ServingError
+from hpsray.errors import PrivateControlFlow, ServingError
 from hpsray.serving.layout import BLOCK_BYTES
 
 __all__ = ["BlockReader", "Ranges", "plan_ranges"]
@@ -69,8 +69,9 @@ def _vectors(rows, dst, starts, n_ranges, out_addr, out_row_bytes, scratch_addr,
         n_iov[r] = k - first_iov[r]
 
 
-class _Repeated(ValueError):
-    """A row asked for twice in one plan."""
+class _Repeated(PrivateControlFlow, ValueError):
+    """A row asked for twice in one plan: :meth:`BlockReader.read_into` catches it and reads the
+    distinct rows; to a caller of :func:`plan_ranges` it is the ``ValueError`` of a wrong argument."""
 
 
 class Ranges:
