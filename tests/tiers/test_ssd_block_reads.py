@@ -203,7 +203,7 @@ def test_locate_gives_each_keys_file_slot_and_position_like_find():
 
 
 def test_both_ways_of_grouping_a_loads_keys_agree():
-    from hpsray.tiers.ssd.reads import _group, group_keys
+    from hpsray.tiers.ssd.readplan import _group, group_keys
 
     rng = np.random.default_rng(5)
     for n, slots, chunks in ((200_000, 7, 5), (300, 50, 40), (0, 3, 2)):
