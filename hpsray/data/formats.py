@@ -24,7 +24,16 @@ if TYPE_CHECKING:
     from hpsray.data.schema import Schema
     from hpsray.data.sources import Split
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "Format", "RowCount", "format_names", "format_of", "get_format", "register"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "Format",
+    "RowCount",
+    "SplitRead",
+    "format_names",
+    "format_of",
+    "get_format",
+    "register",
+]
 
 DEFAULT_BLOCK_SIZE = 4 << 20  # bytes a streaming reader parses at a time
 
@@ -41,24 +50,29 @@ class RowCount:
     how: str = ""
 
 
+@dataclass(frozen=True)
+class SplitRead:
+    """One split to read: its ``schema``, the bad-input ``policy`` and the ``report`` bad input
+    goes to, the bytes a streaming reader parses at a time and the rows a reader's batch holds."""
+
+    split: Split
+    schema: Schema
+    policy: BadInputPolicy
+    report: BadInputReport
+    block_size: int = DEFAULT_BLOCK_SIZE
+    batch_size: int = 65536
+
+
 class Format(ABC):
     """A file layout: reading, splitting, counting rows and checking a schema (module docstring)."""
 
     name: str = ""
 
     @abstractmethod
-    def read(
-        self,
-        split: Split,
-        schema: Schema,
-        policy: BadInputPolicy,
-        report: BadInputReport,
-        *,
-        block_size: int,
-        batch_size: int,
-    ) -> Iterator[Batch]:
-        """The good rows of ``split`` in file order as variable-size batches; bad rows and files go
-        to ``report`` under ``policy`` (strict mode raises a ``DataError`` naming file and line/row)."""
+    def read(self, r: SplitRead) -> Iterator[Batch]:
+        """The good rows of ``r.split`` in file order as variable-size batches; bad rows and files
+        go to ``r.report`` under ``r.policy`` (strict mode raises a ``DataError`` naming file and
+        line/row)."""
 
     @abstractmethod
     def splits(self, path: str, compression: str) -> bool:

@@ -32,7 +32,7 @@ from hpsray.data.bad_input import (
 )
 from hpsray.data.batch import Batch
 from hpsray.data.convert import Converter
-from hpsray.data.formats import Format, RowCount
+from hpsray.data.formats import Format, RowCount, SplitRead
 from hpsray.data.schema import Schema
 from hpsray.data.sources import Split, WholeLineStream, compression_of, count_lines_before, open_lines
 from hpsray.data.text import estimate_lines
@@ -228,17 +228,8 @@ class JsonLinesFormat(Format):
 
     name = "jsonl"
 
-    def read(
-        self,
-        split: Split,
-        schema: Schema,
-        policy: BadInputPolicy,
-        report: BadInputReport,
-        *,
-        block_size: int,
-        batch_size: int,
-    ) -> Iterator[Batch]:
-        return iter(_JsonLinesSplitReader(split, schema, policy, report, block_size))
+    def read(self, r: SplitRead) -> Iterator[Batch]:
+        return iter(_JsonLinesSplitReader(r.split, r.schema, r.policy, r.report, r.block_size))
 
     def splits(self, path: str, compression: str) -> bool:
         return compression_of(path, compression) is None

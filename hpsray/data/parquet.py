@@ -23,7 +23,7 @@ from hpsray.data.bad_input import (
 )
 from hpsray.data.batch import Batch
 from hpsray.data.convert import Converter
-from hpsray.data.formats import Format, RowCount
+from hpsray.data.formats import Format, RowCount, SplitRead
 from hpsray.data.schema import Schema
 from hpsray.data.sources import Split
 from hpsray.errors import DataError
@@ -118,17 +118,8 @@ class ParquetFormat(Format):
 
     name = "parquet"
 
-    def read(
-        self,
-        split: Split,
-        schema: Schema,
-        policy: BadInputPolicy,
-        report: BadInputReport,
-        *,
-        block_size: int,
-        batch_size: int,
-    ) -> Iterator[Batch]:
-        return read_parquet_split(split, schema, policy, report, batch_size)
+    def read(self, r: SplitRead) -> Iterator[Batch]:
+        return read_parquet_split(r.split, r.schema, r.policy, r.report, r.batch_size)
 
     def splits(self, path: str, compression: str) -> bool:
         return True

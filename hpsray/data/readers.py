@@ -18,7 +18,7 @@ from typing import Any
 
 from hpsray.data.bad_input import LENIENT, BadInputPolicy, BadInputReport, log
 from hpsray.data.batch import Batch
-from hpsray.data.formats import DEFAULT_BLOCK_SIZE, RowCount, format_of
+from hpsray.data.formats import DEFAULT_BLOCK_SIZE, RowCount, SplitRead, format_of
 from hpsray.data.schema import Schema
 from hpsray.data.sources import Split, list_files, open_source
 
@@ -36,7 +36,7 @@ def read_split(
 ) -> Iterator[Batch]:
     """The good rows of one split in file order, as variable-size batches."""
     report = report if report is not None else BadInputReport()
-    return format_of(schema).read(split, schema, policy, report, block_size=block_size, batch_size=batch_size)
+    return format_of(schema).read(SplitRead(split, schema, policy, report, block_size, batch_size))
 
 
 def count_rows(sources: str | Sequence[str], schema: Schema, filesystem: Any = None) -> RowCount:

@@ -29,7 +29,7 @@ from hpsray.data.bad_input import (
 )
 from hpsray.data.batch import Batch
 from hpsray.data.convert import Converter
-from hpsray.data.formats import DEFAULT_BLOCK_SIZE, Format, RowCount
+from hpsray.data.formats import DEFAULT_BLOCK_SIZE, Format, RowCount, SplitRead
 from hpsray.data.schema import Schema
 from hpsray.data.sources import (
     RangeStream,
@@ -320,17 +320,8 @@ class TextFormat(Format):
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def read(
-        self,
-        split: Split,
-        schema: Schema,
-        policy: BadInputPolicy,
-        report: BadInputReport,
-        *,
-        block_size: int,
-        batch_size: int,
-    ) -> Iterator[Batch]:
-        return read_text_split(split, schema, policy, report, block_size)
+    def read(self, r: SplitRead) -> Iterator[Batch]:
+        return read_text_split(r.split, r.schema, r.policy, r.report, r.block_size)
 
     def splits(self, path: str, compression: str) -> bool:
         return compression_of(path, compression) is None
