@@ -24,6 +24,9 @@
     ├── PeerFailedError    (also RuntimeError)  this trainer is fine, another node's failed the batch
     ├── NoSpareNode        (also RuntimeError)  a node is gone and no node can take its place
     ├── RayStartError      (also ConnectionError) Ray did not come up, or could not be joined, in time
+    ├── DataPlaneError     (also ConnectionError) a connection between hpsray's processes broke the wire's
+    │   │                                       rules (malformed, oversized, out-of-order frame): closed
+    │   └── AuthenticationError                 a connection that did not prove it belongs to the job
     ├── NetnsUnavailable   (also RuntimeError)  namespace hosts cannot be made here (not root, no ``ip``)
     ├── ServingError                            a model directory that cannot be served
     │   └── BadRequest     (also ValueError)    a request refused with HTTP 400; the message is the reason
@@ -50,6 +53,8 @@ __all__ = [
     "CheckpointFullError",
     "ConfigError",
     "CorruptFileError",
+    "AuthenticationError",
+    "DataPlaneError",
     "DataError",
     "DiskFullError",
     "ExportError",
@@ -285,6 +290,21 @@ class NoSpareNode(HpsrayError, RuntimeError):
 
 class RayStartError(HpsrayError, ConnectionError):
     """Ray did not come up (or could not be joined) within the bound; the message says why."""
+
+
+class DataPlaneError(HpsrayError, ConnectionError):
+    """A connection between hpsray's own processes broke the wire's rules (a malformed, oversized
+    or out-of-order frame; docs/operations.md: Listening sockets): it was closed. ``peer`` names
+    the other end, ``reason`` what was wrong."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        self.peer, self.reason = peer, reason
+        super().__init__(f"{peer}: {reason}; the connection was closed")
+
+
+class AuthenticationError(DataPlaneError):
+    """A connection that did not prove it belongs to the job (no, or a wrong, job secret in the
+    HMAC challenge): refused before any frame was read."""
 
 
 class NetnsUnavailable(HpsrayError, RuntimeError):

@@ -10,8 +10,13 @@ per worker ``w`` (stripe):
 - every other rank connects to its node's leader: it carries the rank's values of the stripe,
   and back the stripe's results.
 
-So each direction of a connection carries, every step, a 16-byte header ``(step, n_elements)``
-and one contiguous run of ``float32`` values in a fixed order: no framing beyond the header.
+Every connection is admitted by :mod:`hpsray.cluster.wire`'s HMAC challenge on the listening
+rank's key (registered with its address in the directory actor, so handed out through Ray only)
+and names itself in a typed hello ``(kind, worker, peer)``; a stray or unproven connection is
+refused and counted, and the setup goes on. Then each direction of a connection carries, every
+step, a 16-byte header ``(step, n_elements)`` and one contiguous run of ``float32`` values in a
+fixed order; a header other than the step's closes the mesh with
+:class:`~hpsray.errors.DataPlaneError`.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpsray.cluster import faults
+from hpsray.cluster import faults, wire
 from hpsray.cluster.aggregation_topology import Topology
-from hpsray.errors import FaultTimeout
+from hpsray.errors import DataPlaneError, FaultTimeout
 
 OWNER, LOCAL = 1, 2  # connection kinds
-_IDENT = struct.Struct("<qqqq")  # magic, kind, worker, peer (client's node for OWNER, rank for LOCAL)
-_MAGIC = 0x68707372_61677267  # "hpsragrg"
+PURPOSE = b"aggregation"
+HELLO = 1  # frame kind
+_IDENT = struct.Struct("<qqq")  # kind, worker, peer (client's node for OWNER, rank for LOCAL)
 
 
 class AggregatorDirectory:
@@ -132,14 +138,9 @@ def _tune(sock: socket.socket) -> socket.socket:
     return sock
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            raise ConnectionError("aggregation peer closed the connection during setup")
-        buf += got
-    return bytes(buf)
+def listen() -> wire.AuthListener:
+    """This rank's listener on its node's address (:func:`local_address`)."""
+    return wire.AuthListener(local_address(), PURPOSE)
 
 
 def build_mesh(
@@ -151,56 +152,62 @@ def build_mesh(
     """
     import ray
 
-    address = local_address()
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    listener = socket.create_server((address, 0), family=family, backlog=max(128, 4 * world))
+    listener = listen()
     try:
-        host, port = listener.getsockname()[:2]
-        entry = {"node": ray.get_runtime_context().get_node_id(), "host": host, "port": port}
+        host, port = listener.address
+        entry = {"node": ray.get_runtime_context().get_node_id(), "host": host, "port": port, "key": listener.key}
         try:
             reply = ray.get(directory.register.remote(rank, entry), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise faults.expired(f"the aggregation directory's reply to rank {rank}", timeout_s) from None
-        entries = reply["entries"]
-        workers = int(workers or reply["workers"])
-        topo = Topology.from_keys([e["node"] for e in entries])
-        mesh = Mesh(topo, rank, workers)
-        me = topo.node_of[rank]
-        leader = topo.leader(me)
-        mesh.owner_out = [{} for _ in range(workers)]
-        mesh.owner_in = [{} for _ in range(workers)]
-        mesh.local = [{} for _ in range(workers)]
-        mesh.up = [None] * workers
-        try:
-            # connect first (the peers' listeners queue us), then accept what is owed to us
-            for w in range(workers):
-                if rank == leader:
-                    for k in range(topo.n_nodes):
-                        if k != me:
-                            e = entries[topo.leader(k)]
-                            s = _tune(socket.create_connection((e["host"], e["port"]), timeout=timeout_s))
-                            s.sendall(_IDENT.pack(_MAGIC, OWNER, w, me))
-                            mesh.owner_out[w][k] = s
-                else:
-                    e = entries[leader]
-                    s = _tune(socket.create_connection((e["host"], e["port"]), timeout=timeout_s))
-                    s.sendall(_IDENT.pack(_MAGIC, LOCAL, w, rank))
-                    mesh.up[w] = s
-            expected = workers * (topo.n_nodes - 1 + len(topo.members(me)) - 1) if rank == leader else 0
-            listener.settimeout(timeout_s)
-            for _ in range(expected):
-                s, _addr = listener.accept()
-                s.settimeout(timeout_s)
-                magic, kind, w, peer = _IDENT.unpack(_recv_exact(s, _IDENT.size))
-                if magic != _MAGIC or not 0 <= w < workers:
-                    s.close()
-                    raise ConnectionError(f"aggregation rank {rank}: a stray connection from {_addr}")
-                (mesh.owner_in if kind == OWNER else mesh.local)[w][peer] = _tune(s)
-            for s in mesh.sockets():
-                s.setblocking(False)
-        except BaseException:
-            mesh.close()
-            raise
-        return mesh
+        return connect_mesh(listener, reply["entries"], rank, int(workers or reply["workers"]), timeout_s)
     finally:
         listener.close()
+
+
+def connect_mesh(listener: wire.AuthListener, entries: list[dict], rank: int, workers: int, timeout_s: float) -> Mesh:
+    """This rank's connections, given every rank's directory entry (``node``, ``host``,
+    ``port``, ``key``) in rank order and this rank's ``listener`` (its entry's); Ray-free."""
+    topo = Topology.from_keys([e["node"] for e in entries])
+    mesh = Mesh(topo, rank, workers)
+    me = topo.node_of[rank]
+    leader = topo.leader(me)
+    mesh.owner_out = [{} for _ in range(workers)]
+    mesh.owner_in = [{} for _ in range(workers)]
+    mesh.local = [{} for _ in range(workers)]
+    mesh.up = [None] * workers
+
+    def dial(to: int, kind: int, w: int, peer: int) -> socket.socket:
+        e = entries[to]
+        hello = (HELLO, _IDENT.pack(kind, w, peer))
+        return wire.connect((e["host"], e["port"]), e["key"], PURPOSE, hello, timeout_s, peer=f"aggregation rank {to}")
+
+    def identify(frame: wire.Frame) -> tuple[int, int, int]:
+        if frame.kind != HELLO or len(frame.meta) != _IDENT.size:
+            raise DataPlaneError("a peer", f"a frame of kind {frame.kind} where an aggregation hello belongs")
+        kind, w, peer = _IDENT.unpack(frame.meta)
+        ok = 0 <= w < workers and (
+            (kind == OWNER and 0 <= peer < topo.n_nodes and peer != me)
+            or (kind == LOCAL and peer != rank and 0 <= peer < topo.world and topo.node_of[peer] == me)
+        )
+        if rank != leader or not ok:
+            raise DataPlaneError("a peer", f"hello (kind {kind}, worker {w}, peer {peer}) not owed to rank {rank}")
+        return (int(kind), int(w), int(peer))
+
+    try:
+        for w in range(workers):  # the peers' listeners answer in threads of their own
+            if rank == leader:
+                for k in range(topo.n_nodes):
+                    if k != me:
+                        mesh.owner_out[w][k] = _tune(dial(topo.leader(k), OWNER, w, me))
+            else:
+                mesh.up[w] = _tune(dial(leader, LOCAL, w, rank))
+        expected = workers * (topo.n_nodes - 1 + len(topo.members(me)) - 1) if rank == leader else 0
+        for (kind, w, peer), s in listener.admit(expected, identify, timeout_s).items():
+            (mesh.owner_in if kind == OWNER else mesh.local)[w][peer] = _tune(s)
+        for s in mesh.sockets():
+            s.setblocking(False)
+    except BaseException:
+        mesh.close()
+        raise
+    return mesh

@@ -25,6 +25,7 @@ import torch
 from hpsray.cluster import faults
 from hpsray.cluster.aggregation_mesh import Mesh
 from hpsray.cluster.aggregation_topology import ELEMENT_BYTES, ChunkPlan
+from hpsray.errors import DataPlaneError
 from hpsray.models.dense_optim import DenseOptimizer
 
 _HEADER = struct.Struct("<qq")  # step, n_elements
@@ -133,9 +134,10 @@ class _Conn:
         if before < _H <= self.received:
             got = _HEADER.unpack(self.hdr_in)
             if got != self.want:
-                raise ValueError(
-                    f"aggregation: {self.peer} is at (step, n_elements) = {got}, this rank at {self.want}: "
-                    "every rank must reduce the same steps with gradients of the same length"
+                raise DataPlaneError(
+                    f"aggregation: {self.peer}",
+                    f"a header (step, n_elements) = {got} where this rank is at {self.want}: "
+                    "every rank must reduce the same steps with gradients of the same length",
                 )
         return True
 

@@ -92,8 +92,8 @@ class Mailbox:
     a consumer needs and returns the versions it has not taken, summed into one object.
     """
 
-    def __init__(self, world: int, rank: int, address: tuple[str, int] | None = None) -> None:
-        self.world, self.rank, self._address = world, rank, address
+    def __init__(self, world: int, rank: int, address: tuple[str, int] | None = None, key: bytes | None = None) -> None:
+        self.world, self.rank, self._address, self._key = world, rank, address, key
         self.versions = Versions(world)
         self._changed = asyncio.Condition()
         self.failed: tuple[int, Hashable] | None = None  # (rank, batch id) of a trainer that failed a batch
@@ -106,6 +106,10 @@ class Mailbox:
 
     def address(self) -> tuple[str, int] | None:
         return self._address
+
+    def stream(self) -> tuple[tuple[str, int] | None, bytes | None]:
+        """The push listener's address and key (handed out through Ray only)."""
+        return self._address, self._key
 
     async def fail(self, rank: int, batch_id: Hashable) -> None:
         """``rank`` failed ``batch_id``: every wait here raises :class:`PeerFailedError` from now."""
@@ -196,9 +200,11 @@ class PullExchange(_StoreExchange):
         ray.get([box.fail.remote(self.rank, batch_id) for box in self.mailboxes])
 
 
-def start_mailbox(group: str, world: int, rank: int, address: tuple[str, int] | None = None) -> Actor:
+def start_mailbox(
+    group: str, world: int, rank: int, address: tuple[str, int] | None = None, key: bytes | None = None
+) -> Actor:
     """This trainer's mailbox, on this process's node (called from the trainer's ``join``);
-    ``address``: its push stream listener's."""
+    ``address`` and ``key``: its push stream listener's."""
     node_id = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(Mailbox)
@@ -208,7 +214,7 @@ def start_mailbox(group: str, world: int, rank: int, address: tuple[str, int] | 
             max_concurrency=1000,
             scheduling_strategy=on_node(node_id),
         )
-        .remote(world, rank, address)
+        .remote(world, rank, address, key)
     )
 
 
@@ -239,10 +245,11 @@ def join_exchange(propagation: str, group: str, world: int, rank: int, board: Ac
         mailbox = start_mailbox(group, world, rank)
         return make_exchange(propagation, rank, world, board, find_mailboxes(group, world)), mailbox
     listener = Listener()
-    mailbox = start_mailbox(group, world, rank, listener.address)
+    mailbox = start_mailbox(group, world, rank, listener.address, listener.key)
     boxes = find_mailboxes(group, world)
-    addresses = ray.get([b.address.remote() for b in boxes])
-    return StreamPushExchange(rank, world, listener, addresses, boxes), mailbox
+    streams = ray.get([b.stream.remote() for b in boxes])
+    addresses, keys = [a for a, _ in streams], [k for _, k in streams]
+    return StreamPushExchange(rank, world, listener, addresses, boxes, keys=keys), mailbox
 
 
 def make_exchange(

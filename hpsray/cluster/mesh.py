@@ -8,20 +8,33 @@ and **peers** (one device index on every node, ``N > 1``: :meth:`DeviceMesh.allg
 Received parts are concatenated in rank order (bit-equal copies). The rendezvous and every
 operation end within ``timeout_s`` in :class:`~hpsray.errors.FaultTimeout`. A process is in at
 most one mesh, and uses either it or :class:`~hpsray.cluster.collective.CollectiveGroup`.
+
+The rendezvous: rank 0 runs torch's ``TCPStore`` on a socket it bound to the node's address
+(torch's own binds every address), and the address carries a job token (made by
+:func:`rendezvous_address`, handed out through Ray): before the group forms, every rank checks
+the store's HMAC of the token and rank 0 checks every rank's, so a foreign or stale store, or a
+rank without the token, fails with :class:`~hpsray.errors.AuthenticationError`. What remains open
+is torch's: the store and gloo/NCCL's own connections take any client (docs/operations.md:
+Listening sockets).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import random
+import secrets
 import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import torch
 
 from hpsray.cluster import faults
 from hpsray.cluster.netaddr import bind_collectives, node_address
+from hpsray.errors import AuthenticationError
 from hpsray.kernels.arrays import array_module, is_device_array, to_host
 from hpsray.tiers.partition import device_of, group_by
 
@@ -53,11 +66,12 @@ def _bindable(ip: str, port: int) -> int | None:
         return int(s.getsockname()[1])
 
 
-def rendezvous_address() -> str:
-    """``tcp://ip:port`` for rank 0's store: this node's address and a port free on it now,
-    outside the kernel's ephemeral range, so no other socket is given it before the store
-    listens (an ephemeral port was taken in between once: EADDRINUSE)."""
-    ip = node_address()
+def rendezvous_address(ip: str | None = None) -> str:
+    """``tcp://ip:port?token=HEX`` for rank 0's store: this node's address (or ``ip``), a port
+    free on it now, outside the kernel's ephemeral range, so no other socket is given it before
+    the store listens (an ephemeral port was taken in between once: EADDRINUSE), and a fresh
+    job token (pass the address only through Ray)."""
+    ip = ip or node_address()
     ports = _outside_ephemeral()
     rng = random.Random()
     port = None
@@ -70,7 +84,49 @@ def rendezvous_address() -> str:
     if port is None:
         raise OSError(f"no port can be bound on this node's address {ip}")
     host = f"[{ip}]" if ":" in ip else ip
-    return f"tcp://{host}:{port}"
+    return f"tcp://{host}:{port}?token={secrets.token_hex(32)}"
+
+
+def _proof(token: bytes, what: str) -> bytes:
+    return hmac.new(token, what.encode(), hashlib.sha256).digest()
+
+
+def open_store(address: str, world: int, rank: int, timeout_s: float) -> Any:
+    """The rendezvous store at ``address`` (:func:`rendezvous_address`'s), checked: rank 0
+    serves it on a socket bound to the address's host only (the store owns and closes it);
+    every rank proves the token and rank 0 checks every proof before returning
+    (:class:`AuthenticationError` otherwise)."""
+    import torch.distributed as dist
+
+    parts = urlsplit(address)
+    token_hex = parse_qs(parts.query).get("token", [""])[0]
+    if parts.scheme != "tcp" or not parts.hostname or not parts.port or len(token_hex) != 64:
+        raise ValueError(f"a device mesh address is tcp://host:port?token=<64 hex digits>, got {address.split('?')[0]}")
+    token, host, port = bytes.fromhex(token_hex), parts.hostname, parts.port
+    wait = timedelta(seconds=timeout_s)
+    if rank == 0:
+        listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind((host, port))
+        listening.listen(128)
+        store = dist.TCPStore(
+            host, port, world, True, timeout=wait, wait_for_workers=False, master_listen_fd=listening.detach()
+        )
+        store.set("hpsray/proof/store", _proof(token, "store").hex())
+    else:
+        store = dist.TCPStore(host, port, world, False, timeout=wait)
+    if not hmac.compare_digest(bytes(store.get("hpsray/proof/store")), _proof(token, "store").hex().encode()):
+        raise AuthenticationError(f"the device mesh's store at {host}:{port}", "it does not hold this job's token")
+    store.set(f"hpsray/proof/rank/{rank}", _proof(token, f"rank {rank}").hex())
+    if rank == 0:
+        for r in range(world):
+            got = bytes(store.get(f"hpsray/proof/rank/{r}"))
+            if not hmac.compare_digest(got, _proof(token, f"rank {r}").hex().encode()):
+                raise AuthenticationError(f"the device mesh's rank {r}", "it did not prove this job's token")
+        store.set("hpsray/proof/checked", "1")
+    else:
+        store.get("hpsray/proof/checked")
+    return store
 
 
 class DeviceMesh:
@@ -103,12 +159,13 @@ class DeviceMesh:
         timeout_s = faults.fault_timeout() if timeout_s is None else timeout_s
         try:
             wait = timedelta(seconds=timeout_s)
-            dist.init_process_group(backend, init_method=address, world_size=self.world, rank=self.rank, timeout=wait)
+            store = open_store(address, self.world, self.rank, timeout_s)
+            dist.init_process_group(backend, store=store, world_size=self.world, rank=self.rank, timeout=wait)
         except Exception as e:  # a process that died at its start leaves the others here
             if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
                 raise
             raise faults.expired(
-                f"the device mesh's rendezvous at {address} (rank {self.rank} of {self.world})", timeout_s
+                f"the device mesh's rendezvous at {address.split('?')[0]} (rank {self.rank} of {self.world})", timeout_s
             ) from e
         # every process forms every subgroup, in the same order (torch.distributed's rule)
         nodes = [dist.new_group([i * n_devices + d for d in range(n_devices)]) for i in range(n_nodes)]

@@ -5,13 +5,15 @@ process's :class:`~hpsray.cluster.updates.Versions` book, so ``fetch`` waits on 
 condition: no Ray object, no actor call per mini-batch (each cost a round trip through the
 mailbox actor and the object store, on the trainer's core).
 
-The trainers' mailboxes stay: they publish each trainer's stream address (the rendezvous in
-``join``) and stand for its liveness while a ``fetch`` waits, as under the mailbox push.
+The trainers' mailboxes stay: they publish each trainer's stream address and listener key (the
+rendezvous in ``join``, through Ray) and stand for its liveness while a ``fetch`` waits. Every
+stream is admitted by :mod:`hpsray.cluster.wire`'s HMAC challenge on that key and carries typed
+frames (a hello, then versions and failures: never a pickle); the listener closes once the
+``world - 1`` peers are in.
 """
 
 from __future__ import annotations
 
-import pickle
 import socket
 import struct
 import threading
@@ -19,41 +21,72 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
 import ray
 
+from hpsray.cluster import wire
 from hpsray.cluster.faults import fault_timeout
 from hpsray.cluster.netaddr import node_address
 from hpsray.cluster.propagation import Exchange
 from hpsray.cluster.updates import Payload, Versions, payload_bytes
-from hpsray.errors import PeerFailedError
+from hpsray.errors import DataPlaneError, PeerFailedError
 
-_HEADER = struct.Struct("<Qc")  # body length, kind: b"D" a version, b"F" a failure, b"H" hello (rank)
+PURPOSE = b"push"
+HELLO, VERSION, FAIL = 1, 2, 3  # frame kinds
+_HELLO = struct.Struct("<qq")  # rank, world
+_CLOCK = struct.Struct("<q")
+_INT = struct.Struct("<q")
 
 
-class Listener:
-    """This trainer's end of the streams: a socket listening on ``ip`` (the node's address)."""
+class Listener(wire.AuthListener):
+    """This trainer's end of the streams: an :class:`~hpsray.cluster.wire.AuthListener` on ``ip``
+    (the node's address); its ``address`` and ``key`` go to the other trainers through its mailbox."""
 
     def __init__(self, ip: str | None = None) -> None:
-        ip = ip or node_address()
-        self.sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
-        self.sock.bind((ip, 0))
-        self.sock.listen(64)
-        self.address: tuple[str, int] = (ip, self.sock.getsockname()[1])
+        super().__init__(ip or node_address(), PURPOSE)
 
 
-def _send(sock: socket.socket, kind: bytes, body: bytes) -> None:
-    sock.sendall(_HEADER.pack(len(body), kind) + body)
+def version_frame(channel: str, clock: int) -> bytes:
+    """The meta of a version frame: the channel's name (length-prefixed UTF-8) and the clock."""
+    name = channel.encode()
+    return bytes([len(name)]) + name + _CLOCK.pack(clock)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            return None
-        got += k
-    return buf
+def parse_version(frame: wire.Frame, peer: str) -> tuple[str, int, Payload]:
+    """``(channel, clock, payload)`` of a version frame; :class:`DataPlaneError` if it is not one."""
+    meta = frame.meta
+    if not meta or len(meta) != 1 + meta[0] + _CLOCK.size or len(frame.arrays) != 3:
+        raise DataPlaneError(peer, "malformed version frame")
+    try:
+        channel = meta[1 : 1 + meta[0]].decode()
+    except UnicodeDecodeError:
+        raise DataPlaneError(peer, "malformed version frame: channel name") from None
+    (clock,) = _CLOCK.unpack_from(meta, 1 + meta[0])
+    keys, grads, dense = frame.arrays
+    if keys is not None and (keys.dtype != np.uint64 or keys.ndim != 1):
+        raise DataPlaneError(peer, f"malformed version frame: keys {keys.dtype} {keys.shape}")
+    if (keys is None) != (grads is None) or (
+        grads is not None and (grads.dtype != np.float32 or grads.ndim != 2 or grads.shape[0] != keys.shape[0])  # type: ignore[union-attr]
+    ):
+        raise DataPlaneError(peer, "malformed version frame: gradients do not match the keys")
+    if dense is not None and (dense.dtype != np.float32 or dense.ndim != 1):
+        raise DataPlaneError(peer, f"malformed version frame: dense {dense.dtype} {dense.shape}")
+    return channel, clock, (keys, grads, dense)
+
+
+def fail_frame(batch_id: Hashable) -> bytes:
+    """A failure frame's meta: an integer batch id, or any other id as its text."""
+    if isinstance(batch_id, int | np.integer) and -(2**63) <= int(batch_id) < 2**63:
+        return b"i" + _INT.pack(int(batch_id))
+    return b"s" + str(batch_id).encode()[: wire.MAX_META - 1]
+
+
+def parse_fail(meta: bytes, peer: str) -> Hashable:
+    if meta[:1] == b"i" and len(meta) == 1 + _INT.size:
+        return int(_INT.unpack_from(meta, 1)[0])
+    if meta[:1] == b"s":
+        return meta[1:].decode(errors="replace")
+    raise DataPlaneError(peer, "malformed failure frame")
 
 
 class StreamPushExchange(Exchange):
@@ -62,10 +95,12 @@ class StreamPushExchange(Exchange):
 
     Args:
         rank, world: this trainer and how many there are.
-        listener: this trainer's :class:`Listener` (its address already in its mailbox).
+        listener: this trainer's :class:`Listener` (its address and key already in its mailbox).
         addresses: every trainer's listener address, in rank order.
         mailboxes: every trainer's mailbox, in rank order (probed while a fetch waits).
         timeout_s: how long to wait for the other trainers' connections.
+        keys: every trainer's listener key, in rank order (from its mailbox).
+        max_frame_bytes: the largest version a peer may send; a larger one ends its stream.
     """
 
     def __init__(
@@ -76,40 +111,64 @@ class StreamPushExchange(Exchange):
         addresses: list[tuple[str, int]],
         mailboxes: list[Any],
         timeout_s: float = 120.0,
+        keys: list[bytes] | None = None,
+        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME,
     ) -> None:
         super().__init__(rank, world)
+        if keys is None or len(keys) != world:
+            raise ValueError("every trainer's listener key is needed (its mailbox hands it out)")
         self.mailboxes = mailboxes
         self.versions = Versions(world)
+        self.max_frame_bytes = max_frame_bytes
         self._changed = threading.Condition()
         self.failed: Hashable | None = None  # batch id another trainer failed
         self.gone: int | None = None  # a trainer whose stream ended
+        self.broken: DataPlaneError | None = None  # why a stream was closed (a bad frame)
+        self.refused = 0  # connections the listener refused while the streams formed
         self._closing = False
         self.out: dict[int, socket.socket] = {}
-        for q, address in enumerate(addresses):
-            if q != rank:
-                sock = socket.create_connection(address, timeout=timeout_s)
-                sock.settimeout(fault_timeout())  # a send to a peer that stopped reading ends
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _send(sock, b"H", struct.pack("<q", rank))
-                self.out[q] = sock
         self.inbound: list[socket.socket] = []
-        listener.sock.settimeout(timeout_s)
         try:
-            for _ in range(world - 1):
-                conn, _ = listener.sock.accept()
-                conn.settimeout(None)
-                self.inbound.append(conn)
-                threading.Thread(target=self._read, args=(conn,), daemon=True, name="push-stream").start()
+            for q, address in enumerate(addresses):
+                if q != rank:
+                    sock = wire.connect(
+                        tuple(address),  # type: ignore[arg-type]
+                        keys[q],
+                        PURPOSE,
+                        (HELLO, _HELLO.pack(rank, world)),
+                        timeout_s,
+                        peer=f"trainer {q} ({address[0]}:{address[1]})",
+                    )
+                    sock.settimeout(fault_timeout())  # a send to a peer that stopped reading ends
+                    self.out[q] = sock
+            admitted = listener.admit(world - 1, self._identify, timeout_s)
+        except BaseException:
+            self.close()
+            raise
         finally:
-            listener.sock.close()
+            listener.close()
+            self.refused = listener.refused
+        for q, conn in sorted(admitted.items()):
+            self.inbound.append(conn)
+            threading.Thread(target=self._read, args=(conn, q), daemon=True, name="push-stream").start()
+
+    def _identify(self, hello: wire.Frame) -> int:
+        """The rank a hello frame names: another trainer of this world."""
+        if hello.kind != HELLO or len(hello.meta) != _HELLO.size:
+            raise DataPlaneError("a peer", f"a frame of kind {hello.kind} where a hello belongs")
+        rank, world = _HELLO.unpack(hello.meta)
+        if world != self.world or not 0 <= rank < world or rank == self.rank:
+            here = f"this is trainer {self.rank} of {self.world}"
+            raise DataPlaneError("a peer", f"hello as trainer {rank} of {world}; {here}")
+        return int(rank)
 
     def publish(self, channel: str, clock: int, payload: Payload) -> None:
         """Send the version to every other trainer; a stream that cannot take it within the
         fault timeout (a cut link, a peer that stopped reading) raises :class:`PeerFailedError`."""
-        body = pickle.dumps((channel, clock, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        meta = version_frame(channel, clock)
         for q, sock in self.out.items():
             try:
-                _send(sock, b"D", body)
+                wire.send_frame(sock, VERSION, meta, payload)
             except OSError as e:
                 raise PeerFailedError(f"(clock {clock}: the stream to trainer {q} failed: {e})") from e
 
@@ -130,7 +189,8 @@ class StreamPushExchange(Exchange):
                 if ready:
                     break
                 if self.gone is not None:
-                    raise PeerFailedError(f"(clock {oldest}: trainer {self.gone}'s stream ended)")
+                    why = f": {self.broken}" if self.broken is not None else ""
+                    raise PeerFailedError(f"(clock {oldest}: trainer {self.gone}'s stream ended{why})") from self.broken
                 if not self._changed.wait(timeout=2.0):
                     self._probe(oldest)
             got = [u for r in others for u in v.take(channel, self.rank, r, upto)]
@@ -160,10 +220,10 @@ class StreamPushExchange(Exchange):
     def fail(self, batch_id: Hashable) -> None:
         """Tell every other trainer that this one failed ``batch_id`` (their waits raise
         :class:`PeerFailedError`); returns once it is on its way to each."""
-        body = pickle.dumps(batch_id)
+        meta = fail_frame(batch_id)
         for sock in self.out.values():
             try:
-                _send(sock, b"F", body)
+                wire.send_frame(sock, FAIL, meta)
             except OSError:
                 continue  # that trainer is gone already
 
@@ -177,30 +237,38 @@ class StreamPushExchange(Exchange):
                 pass
             sock.close()
 
-    def _read(self, sock: socket.socket) -> None:
-        """One incoming stream: file each version in the book, until the stream ends."""
-        peer = -1
+    def _read(self, sock: socket.socket, peer: int) -> None:
+        """One incoming stream: file each version in the book, until the stream ends. A frame
+        that is malformed, oversized or older than one already filed closes the stream (its
+        fetches then raise :class:`PeerFailedError` naming why)."""
+        name = f"trainer {peer}"
+        newest: dict[str, int] = {}
         try:
             while True:
-                head = _recv_exact(sock, _HEADER.size)
-                if head is None:
+                frame = wire.read_frame(sock, name, self.max_frame_bytes, kinds=(VERSION, FAIL))
+                if frame is None:
                     break
-                n, kind = _HEADER.unpack(head)
-                body = _recv_exact(sock, n)
-                if body is None:
-                    break
-                if kind == b"H":
-                    peer = struct.unpack("<q", body)[0]
-                    continue
-                if kind == b"F":
+                if frame.kind == FAIL:
+                    failed = parse_fail(frame.meta, name)
                     with self._changed:
-                        self.failed = pickle.loads(body)
+                        self.failed = failed
                         self._changed.notify_all()
                     continue
-                channel, clock, payload = pickle.loads(body)
+                channel, clock, payload = parse_version(frame, name)
+                if clock <= newest.get(channel, 0):
+                    raise DataPlaneError(name, f"version {clock} of {channel!r} after version {newest[channel]}")
+                newest[channel] = clock
                 with self._changed:
                     self.versions.put(channel, peer, clock, [payload])
                     self._changed.notify_all()
+        except DataPlaneError as e:
+            if not self._closing:
+                wire.log.warning("push stream: %s", e)
+                self.broken = e
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         except OSError:
             pass
         if not self._closing:

@@ -10,20 +10,39 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import wire_fuzz as wire_tests  # tests/cluster/wire_fuzz.py
 
-from hpsray.cluster.push_stream import Listener, StreamPushExchange
-from hpsray.errors import PeerFailedError
+from hpsray.cluster import wire
+from hpsray.cluster.push_stream import VERSION, Listener, StreamPushExchange, version_frame
+from hpsray.errors import DataPlaneError, PeerFailedError
 
 
 @contextmanager
-def _pair() -> Iterator[list[StreamPushExchange]]:
-    """Two connected exchanges on loopback, closed at the end."""
+def _pair(junk: int = 0, max_frame_bytes: int | None = None) -> Iterator[list[StreamPushExchange]]:
+    """Two connected exchanges on loopback, closed at the end; ``junk`` unauthenticated
+    connections hit each listener first (tests/cluster/test_wire.py)."""
     listeners = [Listener("127.0.0.1") for _ in range(2)]
+    if junk:
+        good = wire_tests.frame_bytes(1, b"\0" * 16, [])
+        fuzzers = [
+            threading.Thread(target=wire_tests.junk_connections, args=(lst.address, junk, i, good))
+            for i, lst in enumerate(listeners)
+        ]
+        for t in fuzzers:
+            t.start()
+        for t in fuzzers:
+            t.join()
+        for lst in listeners:
+            wire_tests.wait_refused(lst, junk)
     addresses = [lst.address for lst in listeners]
     out: list = [None, None]
 
     def make(rank: int) -> None:
-        out[rank] = StreamPushExchange(rank, 2, listeners[rank], addresses, [None, None], timeout_s=10)
+        keys = [lst.key for lst in listeners]
+        extra = {} if max_frame_bytes is None else {"max_frame_bytes": max_frame_bytes}
+        out[rank] = StreamPushExchange(
+            rank, 2, listeners[rank], addresses, [None, None], timeout_s=10, keys=keys, **extra
+        )
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
     for t in threads:
@@ -77,3 +96,67 @@ def test_a_peer_whose_stream_ends_ends_a_wait_it_cannot_meet():
         assert [c for _, c, _ in a.fetch("all", 1, upto=None, seen={1: 0})] == [1]  # what came is kept
         with pytest.raises(PeerFailedError):
             a.fetch("all", 2, upto=None, seen={1: 1})
+
+
+def _exchange_both_ways(a: StreamPushExchange, b: StreamPushExchange) -> list:
+    """Five clocks each way, fetched: what each side received, in order."""
+    for c in range(1, 6):
+        a.publish("all", c, _payload(c))
+        b.publish("all", c, _payload(10 + c))
+    got = [x.fetch("all", 5, upto=None, seen={}) for x in (a, b)]
+    return [[(r, c, [None if v is None else v.tolist() for v in p]) for r, c, p in g] for g in got]
+
+
+@pytest.mark.slow
+def test_ten_thousand_junk_connections_per_listener_change_nothing():
+    with _pair() as (a, b):
+        expected = _exchange_both_ways(a, b)
+    with _pair(junk=10_000) as (a, b):
+        assert (a.refused, b.refused) == (10_000, 10_000)
+        assert _exchange_both_ways(a, b) == expected
+        with pytest.raises(OSError):  # nothing listens once the streams are formed
+            wire.connect(a.inbound[0].getsockname()[:2], b"k" * 32, b"push", (1, b""), 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda sock: sock.sendall(b"HF\x09" + b"\0" * 13), id="unknown-kind"),
+        pytest.param(lambda sock: sock.sendall(b"garbage!" * 4), id="garbage"),
+        pytest.param(
+            lambda sock: wire.send_frame(sock, VERSION, version_frame("all", 9), [np.ones(300, np.uint64), None, None]),
+            id="oversized",
+        ),
+        pytest.param(
+            lambda sock: wire.send_frame(sock, VERSION, version_frame("all", 9), [np.ones(2, np.float32), None, None]),
+            id="keys-not-uint64",
+        ),
+        pytest.param(
+            lambda sock: [wire.send_frame(sock, VERSION, version_frame("all", c), _payload(c)) for c in (3, 2)],
+            id="out-of-order",
+        ),
+    ],
+)
+def test_a_bad_frame_from_a_peer_closes_its_stream_and_ends_the_wait_naming_why(bad):
+    with _pair(max_frame_bytes=2048) as (a, b):
+        bad(b.out[0])
+        deadline = time.monotonic() + 5
+        while a.gone is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(a.broken, DataPlaneError) and a.broken.peer == "trainer 1"
+        with pytest.raises(PeerFailedError, match="trainer 1's stream ended: trainer 1: ") as info:
+            a.fetch("all", 4, upto=None, seen={})
+        assert isinstance(info.value.__cause__, DataPlaneError)
+        b.publish("all", 1, _payload(1))  # the other direction still works
+        assert [c for _, c, _ in b.fetch("all", 0, upto=None, seen={})] == []
+        a.publish("all", 1, _payload(1))
+        assert [c for _, c, _ in b.fetch("all", 1, upto=None, seen={})] == [1]
+
+
+def test_failures_travel_as_typed_ids():
+    for batch_id, shown in ((7, 7), ("batch 7", "batch 7"), (("a", 1), "('a', 1)")):
+        with _pair() as (a, b):
+            b.fail(batch_id)
+            with pytest.raises(PeerFailedError) as info:
+                a.fetch("all", 1, upto=None, seen={1: 0})
+            assert info.value.batch_id == shown
