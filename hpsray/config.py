@@ -50,6 +50,10 @@ class TrainConfig:
         minibatch_size: examples per gradient step.
         init_scale: new rows' weights are uniform in ``[-init_scale, init_scale)``.
         seed: seeds row initialisation and model weights.
+        sparse_params: the sparse optimizer's own parameters (betas, eps, ...).
+        model_kind: the dense model, one of :data:`hpsray.models.kinds.MODEL_KINDS`
+            (:func:`hpsray.models.kinds.build_model`); ``"mlp"`` is the paper's DNN over ``hidden``.
+        model_settings: that kind's settings (``[model]`` keys of a job file; checked when built).
     """
 
     dim: int = 16
@@ -62,6 +66,8 @@ class TrainConfig:
     init_scale: float = 0.01
     seed: int = 0
     sparse_params: dict = field(default_factory=dict)
+    model_kind: str = "mlp"
+    model_settings: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dim < 1:

@@ -31,7 +31,7 @@ from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.kernels.optim import apply_to_rows
-from hpsray.models.dnn import DNN
+from hpsray.models.kinds import build_model
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
@@ -223,7 +223,7 @@ class ReferenceTrainer:
         n_dense: dense features per example.
         config: model shape, optimizers, mini-batch size and seed.
         model: any module ``(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]``;
-            the paper's :class:`~hpsray.models.DNN` when ``None``.
+            the kind ``config`` names when ``None`` (:func:`~hpsray.models.kinds.build_model`).
         admit_after: a key gets a row from the batch in which it is seen for the
             ``admit_after``-th time on (counting batches; ``0``: every key).
         expire_after_batches: rows of keys not seen for this many batches are dropped
@@ -244,7 +244,7 @@ class ReferenceTrainer:
         self.n_slots, self.n_dense = n_slots, n_dense
         self.optimizer = self.config.optimizer()
         self.store = SortedRowStore(self.config.row_width, self.config.row_init())
-        self.model = model or DNN(n_slots, self.config.dim, n_dense, self.config.hidden, seed=self.config.seed)
+        self.model = model or build_model(self.config, n_slots, n_dense)
         self.dense = DenseReplicas(self.model, 1, self.config.dense_optimizer, self.config.dense_lr)
         self.step = 0  # mini-batches trained; the sparse optimizer's global step
         self.batches = 0  # batches trained: the next batch's id, as the pipeline numbers them

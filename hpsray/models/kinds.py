@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpsray.config import TrainConfig
 from hpsray.errors import ConfigError
 from hpsray.models.dcn import DCN, STRUCTURES
 from hpsray.models.deepfm import DeepFM, WideDeep
@@ -128,6 +129,22 @@ class ModelSpec:
         """The inverse of :meth:`to_dict`."""
         rest = {k: v for k, v in recorded.items() if k != "kind"}
         return cls(str(recorded.get("kind", "mlp")), rest)
+
+
+def model_spec(config: TrainConfig) -> ModelSpec:
+    """The kind and settings ``config`` names; ``"mlp"`` takes ``config.hidden`` unless its
+    settings give ``hidden``."""
+    settings = dict(config.model_settings)
+    if config.model_kind == "mlp":
+        settings.setdefault("hidden", config.hidden)
+    return ModelSpec(config.model_kind, settings)
+
+
+def build_model(config: TrainConfig, n_slots: int, n_dense: int) -> nn.Module:
+    """The dense model ``config`` names, for ``n_slots`` slots of width ``config.dim`` and
+    ``n_dense`` dense features, its weights drawn from ``config.seed``: what the trainers, the
+    reference and serving build alike."""
+    return model_spec(config).build(n_slots, config.dim, n_dense, config.seed)
 
 
 def _near(name: str, known: Any) -> str:
