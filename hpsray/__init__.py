@@ -7,9 +7,9 @@ torch: every actor process of a pipeline imports ``hpsray`` first.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from hpsray.lazy import lazy_exports
 from hpsray.version import __version__
 
 if TYPE_CHECKING:
@@ -30,15 +30,4 @@ _HOMES = {
     "ReferenceTrainer": "hpsray.reference",
 }
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'hpsray' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

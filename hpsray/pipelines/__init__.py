@@ -8,8 +8,9 @@ into that process (docs/operations.md: The start).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from hpsray.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from hpsray.pipelines.edge import BoundedEdge
@@ -47,15 +48,4 @@ _HOMES = {
     "TrainerSettings": "hpsray.pipelines.settings",
 }
 
-
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'hpsray.pipelines' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())
