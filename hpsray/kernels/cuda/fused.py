@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from hpsray.kernels.cuda.common import EMPTY, cuda
+from hpsray.kernels.cuda.common import cuda
+from hpsray.kernels.cuda.probing import probe
 from hpsray.kernels.fused import FusedBags, bag_ends
-from hpsray.kernels.hashing import bucket_hash
 
 
 @cuda.jit
@@ -30,17 +30,7 @@ def k_lookup_rows(bkeys, bslots, mask, keys, arena, slots, rows, stat):
     first ``dim`` floats (zeros when absent)."""
     u = cuda.grid(1)
     if u < keys.size:
-        k = keys[u]
-        b = np.int64(bucket_hash(k) & np.uint64(mask))
-        s = np.int64(-1)
-        for _ in range(mask + 1):
-            kk = bkeys[b]
-            if kk == k:
-                s = bslots[b]
-                break
-            if kk == EMPTY:
-                break
-            b = (b + 1) & mask
+        s = probe(bkeys, bslots, mask, keys[u])
         slots[u] = s
         if s < 0:
             stat[0] = 1

@@ -15,22 +15,27 @@ from hpsray.kernels.cuda.common import BIG, EMPTY, cuda
 from hpsray.kernels.hashing import bucket_hash
 
 
+@cuda.jit(device=True)
+def probe(bkeys, bslots, mask, k):
+    """The slot of key ``k`` or -1: the buckets probed linearly from ``bucket_hash(k) & mask``
+    up to an empty one (the one lookup of :func:`k_find` and the fused ``k_lookup_rows``)."""
+    b = np.int64(bucket_hash(k) & np.uint64(mask))
+    for _ in range(mask + 1):
+        kk = bkeys[b]
+        if kk == k:
+            return bslots[b]  # -1 for the reserved key, which matches an empty bucket
+        if kk == EMPTY:
+            break
+        b = (b + 1) & mask
+    return np.int64(-1)
+
+
 @cuda.jit
 def k_find(bkeys, bslots, mask, keys, out, stat):
     """``out[i]`` = slot of ``keys[i]`` or -1; ``stat[0]`` = 1 if any is absent."""
     i = cuda.grid(1)
     if i < keys.size:
-        k = keys[i]
-        b = np.int64(bucket_hash(k) & np.uint64(mask))
-        s = np.int64(-1)
-        for _ in range(mask + 1):
-            kk = bkeys[b]
-            if kk == k:
-                s = bslots[b]  # -1 for the reserved key, which matches an empty bucket
-                break
-            if kk == EMPTY:
-                break
-            b = (b + 1) & mask
+        s = probe(bkeys, bslots, mask, keys[i])
         out[i] = s
         if s < 0:
             stat[0] = 1
