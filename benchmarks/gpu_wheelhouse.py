@@ -1,27 +1,35 @@
 """A wheelhouse of what an offline GPU machine lacks to run ``hpsray bench serve --device cuda``, in carriable parts.
 
 The GPU machines at hand have torch, CuPy, numba-cuda and pyarrow but no Ray, and no network;
-what reaches them travels in pieces of at most 64 MiB (the device tool's carry limit), while
-Ray's wheel alone is ~79 MB. So, on a machine with an index::
+what reaches them travels with one ``run`` call of the device tool, at most 64 MiB with the
+working tree (~3 MiB), while Ray's wheel alone is ~79 MB. So, on a machine with an index::
 
-    python benchmarks/gpu_wheelhouse.py build [--out build/gpu-wheelhouse] [--python-version 3.12]
+    python benchmarks/gpu_wheelhouse.py build [--out build/gpu-wheelhouse] [--python-version 3.12] [--cuda 13]
 
 downloads the wheels of the serving stack for the GPU machine's Python and platform (``ray[serve,
 default]``, rocksdict, aiohttp, orjson, fsspec, matplotlib, tqdm, pytest; with their
-dependencies; kvikio without its own), drops those the machine already has (``--have``: torch, numpy, pyarrow, CuPy,
-numba, nvidia-*), cuts every wheel larger than ``--part-mib`` (default 48) into byte pieces, and
-packs wheels and pieces into ``OUT/carry-1``, ``OUT/carry-2`` ... of at most ``--part-mib`` each,
-every part with a ``manifest.json`` (each wheel's size and SHA-256, its pieces). ``build/`` is
-git-ignored, so each part travels as one ``carry`` of its own call; the parts stay on the warm
-machine between calls. Then, on the GPU machine, in the repository root::
+dependencies; kvikio without its own), drops those the machine already has (``--have``: torch,
+numpy, pyarrow, CuPy, numba, nvidia-*), cuts every wheel larger than ``--part-mib`` (default 56)
+into byte pieces, and packs wheels and pieces into ``OUT/carry-1``, ``OUT/carry-2`` ... of at most
+``--part-mib`` each, every part with a ``manifest.json`` (each wheel's size and SHA-256, its
+pieces; how many parts there are). ``build/`` is git-ignored: a part travels only as the
+``carry`` of a call, one part per call. The device machine's disk lasts only while it is
+warm (it is given back about 30 s after a call ends), so the parts must go over in consecutive
+calls, each started as soon as the one before returns, and each call copies its part out of the
+tree into a folder that outlives the call (the tree's ignored paths are replaced by the next
+call's carry)::
 
-    python benchmarks/gpu_wheelhouse.py install [--out build/gpu-wheelhouse]
+    run(carry=["build/gpu-wheelhouse/carry-1"], command="python3 benchmarks/gpu_wheelhouse.py stash")
+    run(carry=["build/gpu-wheelhouse/carry-2"], command="python3 benchmarks/gpu_wheelhouse.py stash")
+    run(carry=["build/gpu-wheelhouse/carry-3"], command="benchmarks/gpu_check_ray")  # stashes, installs, runs
 
-joins the pieces, checks every wheel's size and SHA-256 (a missing part or a damaged piece is an
-error naming it), makes ``OUT/venv`` with ``--system-site-packages`` (so torch, CuPy and
-numba-cuda are the machine's own) and installs the wheels there with ``--no-index``; hpsray itself
-runs from the working tree (``OUT/venv/bin/python -m hpsray ...``, ``PYTHONPATH=.``). It prints
-the command line to use. ``--no-venv`` installs into the running interpreter instead.
+``stash [--from build/gpu-wheelhouse] [--into /tmp/hpsray-wheelhouse]`` copies the parts found in
+the tree into ``--into``. ``install [--out /tmp/hpsray-wheelhouse] [--target OUT/site]`` joins the
+pieces, checks every wheel's size and SHA-256 (a missing part or a damaged piece is an error
+naming it) and installs the wheels with ``pip install --no-index --no-deps --target``: a folder
+to put first on ``PYTHONPATH`` (torch, CuPy and numba-cuda stay the machine's own; a virtual
+environment made from that machine's Python, itself a venv, would not see them). It prints the
+``PYTHONPATH`` to use; hpsray runs from the working tree.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ import sys
 from pathlib import Path
 
 CARRY_LIMIT_MIB = 64
+STASH = "/tmp/hpsray-wheelhouse"
+"""Where the parts wait on the GPU machine between calls (its disk, while the machine stays warm)."""
 REQUIREMENTS = [
     "ray[serve,default]>=2.60,<3",
     "rocksdict>=0.3",
@@ -112,7 +122,8 @@ def pack(wheels: Path, out: Path, part_bytes: int) -> list[Path]:
                 src.seek(start)
                 dst.write(src.read(length))
             manifest[wheel] = meta[wheel]
-        (part / "manifest.json").write_text(json.dumps({"wheels": manifest}, indent=1, sort_keys=True))
+        doc = {"wheels": manifest, "part": b, "parts": len(bins)}
+        (part / "manifest.json").write_text(json.dumps(doc, indent=1, sort_keys=True))
         parts.append(part)
     return parts
 
@@ -126,18 +137,24 @@ def unpack(out: Path, wheels: Path) -> list[Path]:
         raise SystemExit(f"{out}: no carry-N parts here; carry them first (see the docstring)")
     where: dict[str, Path] = {}
     meta: dict[str, dict] = {}
+    total = 0
     for part in parts:
-        m = json.loads((part / "manifest.json").read_text())["wheels"]
-        meta.update(m)
+        doc = json.loads((part / "manifest.json").read_text())
+        meta.update(doc["wheels"])
+        total = max(total, int(doc.get("parts", 0)))
         for f in part.iterdir():
             if f.name != "manifest.json":
                 where[f.name] = f
-    wheels.mkdir(parents=True, exist_ok=True)
-    done = []
     for wheel, info in sorted(meta.items()):
         missing = [p for p in info["pieces"] if p not in where]
         if missing:
             raise SystemExit(f"{wheel}: pieces {missing} are in none of {[p.name for p in parts]}: carry the rest")
+    missing_parts = sorted({f"carry-{i}" for i in range(1, total + 1)} - {p.name for p in parts})
+    if missing_parts:
+        raise SystemExit(f"{out}: parts {missing_parts} of {total} are missing: carry the rest")
+    wheels.mkdir(parents=True, exist_ok=True)
+    done = []
+    for wheel, info in sorted(meta.items()):
         target = wheels / wheel
         with open(target, "wb") as dst:
             for p in info["pieces"]:
@@ -147,6 +164,17 @@ def unpack(out: Path, wheels: Path) -> list[Path]:
             raise SystemExit(f"{wheel}: joined wheel does not match its SHA-256 (a damaged piece)")
         done.append(target)
     return done
+
+
+def stash(source: Path, into: Path) -> list[Path]:
+    """Copy the ``carry-N`` parts found under ``source`` into ``into`` (replacing a part of the same
+    number); returns the parts now in ``into``."""
+    into.mkdir(parents=True, exist_ok=True)
+    for part in sorted(source.glob("carry-*")):
+        if (part / "manifest.json").exists():
+            shutil.rmtree(into / part.name, ignore_errors=True)
+            shutil.copytree(part, into / part.name)
+    return sorted(into.glob("carry-*"))
 
 
 def build(args: argparse.Namespace) -> int:
@@ -179,20 +207,14 @@ def build(args: argparse.Namespace) -> int:
 def install(args: argparse.Namespace) -> int:
     out = Path(args.out)
     wheels = unpack(out, out / "wheels")
-    names = sorted({_name(w.name) for w in wheels})
-    python = sys.executable
-    if not args.no_venv:
-        venv = out / "venv"
-        if not (venv / "bin" / "python").exists():
-            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-        python = str(venv / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(out / "wheels")]
-    kvikio = [n for n in names if "kvikio" in n]
-    subprocess.run(pip + [n for n in names if n not in kvikio], check=True)
-    if kvikio and subprocess.run(pip + ["--no-deps", *kvikio]).returncode != 0:
+    target = Path(args.target or out / "site")
+    kvikio = [w for w in wheels if "kvikio" in _name(w.name)]
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
+    pip += ["--target", str(target)]
+    subprocess.run(pip + [str(w) for w in wheels if w not in kvikio], check=True)
+    if kvikio and subprocess.run(pip + [str(w) for w in kvikio]).returncode != 0:
         print("kvikio did not install: the GPU paths read SSD misses by parallel preadv", file=sys.stderr)
-    run = f"PYTHONPATH={os.getcwd()} {python} -m hpsray bench serve --device cuda --json"
-    print(f"installed {len(wheels)} wheels; run: {run}")
+    print(f"installed {len(wheels)} wheels into {target}; run with PYTHONPATH={target}:{os.getcwd()}")
     return 0
 
 
@@ -210,11 +232,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--cuda", choices=("", "12", "13"), default="12", help="kvikio for CUDA 12 or 13 ('' : none)")
     b.add_argument("--have", default=",".join(HAVE), help="packages the GPU machine has: not packed")
-    b.add_argument("--part-mib", type=float, default=48.0, help=f"largest part (at most {CARRY_LIMIT_MIB} MiB)")
+    b.add_argument(
+        "--part-mib", type=float, default=56.0, help=f"largest part (at most {CARRY_LIMIT_MIB} MiB with the tree)"
+    )
+    st = sub.add_parser("stash", help="copy the carried parts out of the tree (on the GPU machine)")
+    st.add_argument("--from", dest="source", default="build/gpu-wheelhouse")
+    st.add_argument("--into", default=STASH)
     i = sub.add_parser("install", help="join, check and install (on the GPU machine, offline)")
-    i.add_argument("--out", default="build/gpu-wheelhouse")
-    i.add_argument("--no-venv", action="store_true", help="install into this interpreter, not OUT/venv")
+    i.add_argument("--out", default=STASH, help="the folder holding the carry-N parts")
+    i.add_argument("--target", help="install into this folder (default OUT/site), for PYTHONPATH")
     args = parser.parse_args(argv)
+    if args.command == "stash":
+        parts = stash(Path(args.source), Path(args.into))
+        print(f"{args.into}: {', '.join(p.name for p in parts) or 'no parts'}")
+        return 0
     if args.command == "build":
         if not 1 <= args.part_mib <= CARRY_LIMIT_MIB:
             parser.error(f"--part-mib must lie in 1..{CARRY_LIMIT_MIB}")

@@ -1,6 +1,7 @@
 """The trainer's step alone against plain PyTorch's, same mini-batches, same process (a profile).
 
-    python benchmarks/profile_device_step.py --device cpu --keys-per-example 26 [--json] [--profile]
+    python benchmarks/profile_device_step.py --device cpu --keys-per-example 26[,100] [--json] [--out F]
+        [--graph] [--profile]
 
 hpsray: a :class:`~hpsray.training.engine.TrainerEngine` holding every row of the data in its
 working set, timed over whole batches: the batch's find-once index plus its mini-batch steps
@@ -9,13 +10,23 @@ under the same seeded DNN (:mod:`hpsray.bench.baselines.plain_torch`), its key-t
 done before the clock as any integer-encoded data set has it. Both alternate over ``--repeat``
 rounds; the best round of each counts. ``--profile`` adds the engine's aten ops by self time
 (on CUDA, with the kernels' device time).
+
+``--graph`` (CUDA): also the step as CUDA graphs. A mini-batch's shapes are fixed once it is
+indexed, so each mini-batch's step (``train_local`` of it alone) is captured once, after a
+warm-up on a side stream, and the timed rounds replay the graphs in order: the step's device
+work without launch gaps, beside the same step launched op by op (``hpsray_step_examples_per_s``,
+the index left out of both). A step that cannot be captured (a host read inside it, say) is
+reported with its error. Several ``--keys-per-example`` give ``{"by_keys": {k: figures}}``;
+``--out`` writes the JSON to a file as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,24 +58,68 @@ def _plain_minibatches(batches, minibatch: int, keys: np.ndarray, device: torch.
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--keys-per-example", type=int, default=26)
-    ap.add_argument("--keys-per-slot", type=int, default=100_000)
-    ap.add_argument("--minibatch", type=int, default=4096)
-    ap.add_argument("--minibatches-per-batch", type=int, default=4)
-    ap.add_argument("--batches", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    ap.add_argument("--profile", action="store_true", help="print the engine's aten ops by self time")
-    args = ap.parse_args()
+def _optimizers(obj: object) -> list[torch.optim.Optimizer]:
+    """The torch optimizers held by ``obj``'s attributes (directly or in a list)."""
+    out = []
+    for v in vars(obj).values():
+        for o in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(o, torch.optim.Optimizer):
+                out.append(o)
+    return out
+
+
+def graph_variant(engine: TrainerEngine, batches: list, repeat: int, sync: Callable[[], None]) -> dict:
+    """Each mini-batch's step captured as a CUDA graph and replayed (see the module docstring)."""
+    if engine.device.torch.type != "cuda":
+        return {"skipped": "CUDA graphs need --device cuda"}
+    try:
+        singles = []
+        for batch in batches:
+            index = engine.index(batch)
+            for mb in index.minibatches:
+                singles.append(dataclasses.replace(index, minibatches=[mb], n_examples=mb.n_examples))
+        for opt in _optimizers(engine.dense):  # optimizer steps inside a graph: state on the device
+            for group in opt.param_groups:
+                if "capturable" in group:
+                    group["capturable"] = True
+            for state in opt.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(engine.device.torch, torch.float32)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: scratch grown to its largest, handles made
+            for one in singles:
+                engine.train_local(one)
+        torch.cuda.current_stream().wait_stream(side)
+        sync()
+        graphs: list[torch.cuda.CUDAGraph] = []
+        for one in singles:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=graphs[0].pool() if graphs else None):
+                engine.train_local(one)
+            graphs.append(g)
+        best = float("inf")
+        for _ in range(repeat + 1):  # the first round warms the replays
+            sync()
+            t0 = time.perf_counter()
+            for g in graphs:
+                g.replay()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - reported: the step does not capture as it stands
+        return {"captured": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    examples = sum(one.n_examples for one in singles)
+    return {"captured": True, "graphs": len(graphs), "examples_per_s": examples / best}
+
+
+def measure(args: argparse.Namespace, keys_per_example: int) -> dict:
+    """The figures at ``keys_per_example`` (see the module docstring)."""
     gen = PlantedCTR(
         n_slots=26,
         keys_per_slot=args.keys_per_slot,
         n_dense=13,
         seed=0,
-        nnz_per_slot=PlantedCTR.spread_nnz(26, args.keys_per_example),
+        nnz_per_slot=PlantedCTR.spread_nnz(26, keys_per_example),
     )
     cfg = TrainConfig(dim=16, hidden=(512, 256, 128), minibatch_size=args.minibatch)
     batches = [gen.generate(args.minibatch * args.minibatches_per_batch) for _ in range(args.batches)]
@@ -107,22 +162,27 @@ def main() -> None:
     best = int(np.argmin(hp))
     out = {
         "device": args.device,
-        "keys_per_example": args.keys_per_example,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "keys_per_example": keys_per_example,
         "minibatch": args.minibatch,
         "examples": examples,
         "hpsray_examples_per_s": examples / hp[best],
         "hpsray_index_share": idx[best] / hp[best],
+        "hpsray_step_examples_per_s": examples / max(hp[best] - idx[best], 1e-9),
         "pytorch_examples_per_s": examples / min(pt),
         "ratio_vs_pytorch": min(pt) / hp[best],
         "threads": torch.get_num_threads(),
     }
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
+    if args.graph:
+        out["graph"] = graph_variant(engine, batches, args.repeat, sync)
+        if out["graph"].get("captured"):
+            out["graph"]["vs_step"] = out["graph"]["examples_per_s"] / out["hpsray_step_examples_per_s"]
+    if not args.json:
         print(
-            f"device {args.device}, {args.keys_per_example} keys/example: hpsray {out['hpsray_examples_per_s']:,.0f} "
+            f"device {args.device}, {keys_per_example} keys/example: hpsray {out['hpsray_examples_per_s']:,.0f} "
             f"examples/s (find-once index {out['hpsray_index_share']:.0%} of it), plain PyTorch "
             f"{out['pytorch_examples_per_s']:,.0f}: {out['ratio_vs_pytorch']:.2f}x"
+            + (f"; as CUDA graphs: {out['graph']}" if args.graph else "")
         )
     if args.profile:
         acts = [torch.profiler.ProfilerActivity.CPU] + (
@@ -132,7 +192,35 @@ def main() -> None:
             run_engine()
         key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--keys-per-example", default="26", help="one count or several, comma-separated (26,100)")
+    ap.add_argument("--keys-per-slot", type=int, default=100_000)
+    ap.add_argument("--minibatch", type=int, default=4096)
+    ap.add_argument("--minibatches-per-batch", type=int, default=4)
+    ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--out", help="also write the JSON to this file")
+    ap.add_argument("--graph", action="store_true", help="also each mini-batch's step as a CUDA graph (CUDA)")
+    ap.add_argument("--profile", action="store_true", help="print the engine's aten ops by self time")
+    args = ap.parse_args(argv)
+    counts = [int(k) for k in str(args.keys_per_example).split(",") if k.strip()]
+    if not counts or min(counts) < 1:
+        ap.error(f"--keys-per-example: positive counts, got {args.keys_per_example!r}")
+    runs = {str(k): measure(args, k) for k in counts}
+    out = runs[str(counts[0])] if len(counts) == 1 else {"by_keys": runs}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

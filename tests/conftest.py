@@ -1,20 +1,30 @@
-"""Shared fixtures: one local Ray instance for every test that needs it."""
+"""Shared fixtures: one local Ray instance for every test that needs it; and collection that gets
+by without the optional test dependencies (a GPU machine without Ray, hypothesis or xdist)."""
 
+import importlib.util
 import os
+import re
 
 import pytest
+
+OPTIONAL = ("ray", "hypothesis", "xdist", "rocksdict", "moto", "aiohttp", "orjson", "requests", "kvikio", "cupy")
+"""Packages a test module or conftest may need that a machine may lack: a module (or directory)
+that fails to import for want of one of them is reported skipped, with the reason, not an error."""
+_MISSING = re.compile(r"No module named '([\w.]+)'")
 
 # Ray shows repeated log lines of its workers once, with a count; the tests want every line.
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 def pytest_configure(config):
-    """Before the xdist workers start their Ray instances: make Ray's default auth token once.
+    """Register :class:`_OptionalCollect`; and, before the xdist workers start their Ray
+    instances, make Ray's default auth token once.
 
     Each ``ray.init`` of a new local instance writes ``~/.ray/auth_token`` when it is missing; two
     workers doing that at once on a fresh machine could leave one cluster with a token the file
     no longer holds.
     """
+    config.pluginmanager.register(_OptionalCollect(), "hpsray-optional-collect")
     if hasattr(config, "workerinput") or os.environ.get("RAY_AUTH_TOKEN"):
         return
     try:
@@ -44,6 +54,38 @@ def pytest_terminal_summary(terminalreporter):
         for name, runs in sorted(figures.items()):
             worst = max(runs)
             terminalreporter.write_line(f"{name}: {len(runs)} trial(s), worst {worst[0]:.1f} s ({worst[1]})")
+
+
+def _missing_optional(text: str) -> str | None:
+    """The optional package a collection error's text says is missing, if it really is absent here."""
+    for name in _MISSING.findall(text):
+        top = name.split(".", 1)[0]
+        if top in OPTIONAL:
+            try:
+                absent = importlib.util.find_spec(top) is None
+            except (ImportError, ValueError):  # blocked, or a half-imported package
+                absent = True
+            if absent:
+                return top
+    return None
+
+
+class _OptionalCollect:
+    """A module (or a directory's conftest) that cannot be imported without an optional package
+    absent here is skipped, naming it: ``pytest -m gpu`` collects on a machine without Ray.
+    Registered as a plugin of the session (not as this conftest's hook), so it also sees the
+    directory whose own conftest failed: pytest leaves conftest hooks out of that report."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_make_collect_report(self, collector):
+        outcome = yield
+        report = outcome.get_result()
+        if report.failed:
+            top = _missing_optional(str(report.longrepr))
+            if top is not None:
+                reason = f"needs {top!r}, which is not installed here"
+                longrepr = (str(collector.path), None, reason)
+                outcome.force_result(pytest.CollectReport(report.nodeid, "skipped", longrepr, [], report.sections))
 
 
 @pytest.fixture(scope="session")

@@ -63,3 +63,20 @@ def test_packages_the_gpu_machine_has_are_not_packed():
     assert wh._dropped(wh._name("nvidia_cublas_cu12-12.9-py3-none-manylinux_2_27_x86_64.whl"), have)
     assert wh._dropped(wh._name("torch-2.9.0-cp312-cp312-manylinux_2_28_x86_64.whl"), have)
     assert not wh._dropped(wh._name("ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl"), have)
+
+
+def test_stash_keeps_each_carried_part_for_the_next_call(tmp_path):
+    """On the GPU machine each call carries one part into the tree; ``stash`` copies it out to a
+    folder that outlives the call, and once every part is there they join back exactly."""
+    want = _wheels(tmp_path / "dl")
+    parts = wh.pack(tmp_path / "dl", tmp_path / "built", 2 * MIB)
+    keep = tmp_path / "keep"
+    for i, part in enumerate(parts):  # one call per part: the tree holds only that part
+        tree = tmp_path / f"call{i}" / "build" / "gpu-wheelhouse"
+        shutil.copytree(part, tree / part.name)
+        assert [p.name for p in wh.stash(tree, keep)] == sorted(p.name for p in parts[: i + 1])
+        if i < len(parts) - 1:
+            with pytest.raises(SystemExit, match="carry the rest"):
+                wh.unpack(keep, tmp_path / f"early{i}")
+    got = wh.unpack(keep, tmp_path / "joined")
+    assert {w.name: w.read_bytes() for w in got} == want
