@@ -35,6 +35,7 @@ from hpsray.models.kinds import build_model
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
+from hpsray.tiers.admission import check_admission
 
 _NEVER = np.iinfo(np.int64).min  # "last seen" of a key not seen yet
 
@@ -63,14 +64,7 @@ class SeenCounts:
     """
 
     def __init__(self, admit_after: int = 0, expire_after_batches: int | None = None) -> None:
-        if isinstance(admit_after, bool) or not isinstance(admit_after, (int, np.integer)) or admit_after < 0:
-            raise ValueError(f"admit_after must be an integer >= 0, got {admit_after!r}")
-        if expire_after_batches is not None and (
-            isinstance(expire_after_batches, bool)
-            or not isinstance(expire_after_batches, (int, np.integer))
-            or expire_after_batches < 1
-        ):
-            raise ValueError(f"expire_after_batches must be an integer >= 1 or None, got {expire_after_batches!r}")
+        check_admission(admit_after, expire_after_batches)  # the pipeline's checks, the same errors
         self.need = max(int(admit_after), 1)
         self.expire_after = None if expire_after_batches is None else int(expire_after_batches)
         self.enabled = int(admit_after) > 1 or self.expire_after is not None

@@ -4,6 +4,8 @@ the reference trainer's side (docs/architecture.md: Admission and expiry)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -315,3 +317,19 @@ def test_the_reference_keeps_rows_only_of_admitted_unexpired_keys():
     assert ref.batches == 5
     with pytest.raises(ValueError):
         ReferenceTrainer(3, 2, cfg, admit_after=-1)
+
+
+@pytest.mark.parametrize(
+    "admit, expire, message",
+    [
+        (-1, None, "admit_after must be an integer >= 0, got -1"),
+        (True, None, "admit_after must be an integer >= 0, got True"),
+        (2, 0, "expire_after_batches must be an integer >= 1 or None, got 0"),
+        (2, 1.5, "expire_after_batches must be an integer >= 1 or None, got 1.5"),
+    ],
+)
+def test_the_pipeline_and_the_reference_refuse_the_same_admission_settings(admit, expire, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Admission(admit, expire)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ReferenceTrainer(2, 1, TrainConfig(dim=4, hidden=(8,)), admit_after=admit, expire_after_batches=expire)
