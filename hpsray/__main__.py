@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    from hpsray.cli.start import tidy_ray_logs
+
+    tidy_ray_logs()  # a log without a terminal: no colour codes, no notice the user cannot act on
     return int(args._run(args) or 0)
 
 

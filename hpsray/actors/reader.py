@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,8 @@ class Reader:
         """Read the first few rows of the share through a separate pass and drop them, so the
         format's numba decoders compile before the pipeline's clock starts. Transforms do not
         run; an error here is left for the real pass to raise in its place and order."""
+        data_log = logging.getLogger("hpsray.data")  # its bad rows: the real pass reports them, once
+        was, data_log.disabled = data_log.disabled, True
         try:
             it = source.reader(64, index, count) if hasattr(source, "reader") else source.open(64, index, count)
             batch = next(iter(it), None)
@@ -75,6 +78,8 @@ class Reader:
                 owner_of(keys, max(self.n_nodes, 1))
         except Exception:  # noqa: BLE001,S110 - the real read reports it, as it always did
             pass
+        finally:
+            data_log.disabled = was
 
     def read(self, batch_id: int | None) -> ReadBatch:
         """The next batch of the share (``batch_id`` tags its busy time; ``None``: not a

@@ -10,6 +10,9 @@ thread that started them; the driver's work runs in a helper thread meanwhile.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +21,47 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["RayStarted", "connect_alongside", "import_pipeline"]
+__all__ = ["RayStarted", "connect_alongside", "import_pipeline", "tidy_ray_logs"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Ray's loggers whose records a command's log shows: the driver's (the dashboard line, in colour)
+# and Serve's; the token-authentication one says what hpsray's own dashboard line says better
+RAY_LOGGERS = ("ray._private.worker", "ray.serve", "ray._private.authentication.authentication_token_setup")
+TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _TidyRayLogs(logging.Filter):
+    """Drops Ray's notice that a local cluster turned token authentication on (nothing for the
+    user to do: hpsray prints where the token is, ``dashboard_hint``); with ``plain``, takes the
+    colour codes out of the others."""
+
+    def __init__(self, plain: bool) -> None:
+        super().__init__()
+        self.plain = plain
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if TOKEN_NOTICE in str(record.msg):
+            return False
+        if self.plain:
+            record.msg, record.args = _ANSI.sub("", record.getMessage()), None
+        return True
+
+
+def tidy_ray_logs(stream: object = None) -> None:
+    """Before Ray starts in a command: when ``stream`` (default stderr) is not a terminal, no
+    colour codes in Ray's lines (``RAY_COLOR_PREFIX=0`` for the workers' lines the driver prints,
+    unless the environment sets it; a filter on Ray's driver loggers), and never Ray's
+    token-authentication notice. Imports no Ray; idempotent."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    plain = not (callable(isatty) and isatty())
+    if plain:
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    for name in RAY_LOGGERS:
+        logger = logging.getLogger(name)
+        for f in [f for f in logger.filters if isinstance(f, _TidyRayLogs)]:
+            logger.removeFilter(f)
+        logger.addFilter(_TidyRayLogs(plain))
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "died or was stopped with Ctrl-C)",
     )
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over: remove what an earlier run of the job left (its SSD-PS files, its checkpoints, "
+        "the --export DIR) instead of refusing",
+    )
+    parser.add_argument(
         "--reference",
         action="store_true",
         help="train with the in-memory reference trainer instead (the losslessness oracle)",
@@ -112,15 +118,29 @@ def error(msg: str, code: int = EXIT_CONFIG) -> int:
 
 def check_fresh_ssd(path: str | None) -> None:
     """Refuse an SSD-PS directory that holds an earlier run's parameter files: training on top
-    of them would silently start from old rows."""
-    if not path or not os.path.isdir(path):
-        return
-    leftovers = [e for e in os.listdir(path) if e.startswith("node-") and os.listdir(os.path.join(path, e))]
+    of them would silently start from old rows (``--overwrite`` removes them first)."""
+    from hpsray.pipelines.preflight import ssd_leftovers
+
+    leftovers = ssd_leftovers(path)
     if leftovers:
         raise ValueError(
             f"tiers.ssd_path: {path} already holds parameter files of an earlier run "
-            f"({', '.join(sorted(leftovers))}); remove them or choose another directory"
+            f"({', '.join(leftovers)}); add --overwrite to replace them (or --resume to continue a stopped run), "
+            "or choose another directory"
         )
+
+
+def check_export_dir(directory: str | None, incremental: bool) -> None:
+    """Refuse an ``--export DIR`` that holds files (an earlier export, the point file ``hpsray
+    serve`` wrote there): the export would replace them. ``--incremental`` adds a delta beside
+    an export; ``--overwrite`` replaces it."""
+    if not directory or incremental or not os.path.isdir(directory) or not os.listdir(directory):
+        return
+    what = "an earlier export" if os.path.isfile(os.path.join(directory, "manifest.json")) else "files"
+    raise ValueError(
+        f"--export {directory}: holds {what} ({', '.join(sorted(os.listdir(directory))[:5])}); add --overwrite "
+        "to replace it, --incremental to add a delta beside it, or choose another directory"
+    )
 
 
 def check_checkpoints(job: JobConfig, resume: bool) -> Checkpoint | None:
@@ -130,48 +150,59 @@ def check_checkpoints(job: JobConfig, resume: bool) -> Checkpoint | None:
     checkpoints: the run's first checkpoint would remove them. ``None`` without ``[checkpoint]``."""
     import dataclasses
 
-    from hpsray.checkpoint import Checkpoint, Checkpoints
+    from hpsray.checkpoint.remote import is_uri, open_checkpoints
     from hpsray.errors import CheckpointError
     from hpsray.job import build
+    from hpsray.pipelines.preflight import earlier_checkpoints
 
     stage = build.checkpoint(job, resume)  # ConfigError: --resume of a job without [checkpoint]
     if stage is None:
         return None
     directory = stage.directory
-    if not os.path.isdir(directory):
+    if not is_uri(directory) and not os.path.isdir(directory):
         if resume:
             raise CheckpointError(directory, "no such directory: no checkpoint to resume from")
         return None
     # the job's fingerprint, as its Pipeline computes it (built without checkpoints: no directory is touched)
     fingerprint = build.pipeline(dataclasses.replace(job, checkpoint=None)).fingerprint
-    checkpoints = Checkpoints(directory, stage.keep)
     if resume:
-        latest = checkpoints.latest(fingerprint)  # refuses another job's, or when none verifies
+        latest = open_checkpoints(directory, stage.keep).latest(fingerprint)  # refuses another job's, or none verifying
         if latest is None:
             raise CheckpointError(
                 directory, "no checkpoint to resume from (the run stopped before its first); run it without --resume"
             )
         return latest
-    committed = checkpoints.committed()
-    if committed:
-        try:
-            theirs = Checkpoint.open(committed[0]).fingerprint
-        except CheckpointError:
-            theirs = None
-        if theirs == fingerprint:
-            what = "this job's earlier run", "continue it with --resume, or remove them to start over"
-        else:
-            what = "another job (or of this job file before a change)", "choose another directory, or remove them"
-        raise CheckpointError(directory, f"holds checkpoints of {what[0]} (newest: {committed[0].name}); {what[1]}")
+    earlier_checkpoints(directory, stage.keep, fingerprint, "--resume", "--overwrite (removes them)")
     return None
+
+
+def overwrite(job: JobConfig, export_dir: str | None, quiet: bool, run_dirs: bool = True) -> None:
+    """``--overwrite``: remove what an earlier run of the job left (with ``run_dirs`` the SSD-PS
+    ``node-*`` directories and the checkpoints; the export directory) and say so."""
+    import shutil
+
+    from hpsray.pipelines.preflight import clear_checkpoints, clear_ssd
+
+    gone = []
+    if run_dirs and job.tiers.ssd_path:
+        gone += [os.path.join(job.tiers.ssd_path, n) for n in clear_ssd(job.tiers.ssd_path)]
+    if run_dirs and job.checkpoint is not None:
+        gone += [os.path.join(job.checkpoint.dir, n) for n in clear_checkpoints(job.checkpoint.dir)]
+    if export_dir and os.path.isdir(export_dir) and os.listdir(export_dir):
+        shutil.rmtree(export_dir)
+        gone.append(export_dir)
+    if gone and not quiet:
+        print(f"hpsray train: --overwrite: removed {', '.join(gone)}", file=sys.stderr)
 
 
 def check_capacity(job: JobConfig, quiet: bool) -> None:
     """``hpsray plan``'s check (its sample, no calibration): raise the
     :class:`~hpsray.errors.CapacityError` the run would hit, with the fix; print warnings."""
+    from hpsray.pipelines.preflight import silent_bad_input
     from hpsray.plan import check_plan, make_plan
 
-    plan = make_plan(job, calibrate_stages=False)
+    with silent_bad_input():  # the readers report the sample's bad rows, once
+        plan = make_plan(job, calibrate_stages=False)
     if job.cluster.nodes:  # with nodes = 0 the node count is the cluster's: the plan's 1 node is a guess
         check_plan(plan)
     if not quiet:
@@ -179,21 +210,27 @@ def check_capacity(job: JobConfig, quiet: bool) -> None:
             print(f"hpsray train: warning: {p.setting}: {p.message}; {p.fix}", file=sys.stderr)
 
 
-def process_start() -> float:
-    """When this process started (``time.time()`` scale): the origin of the report's
-    ``time_to_first_batch_s``, so the command's imports count. Read from ``/proc`` on Linux;
-    elsewhere the time this function is first called."""
+def process_age_s() -> float:
+    """Seconds since this process started, on the boot clock both ends share (the kernel's start
+    time of the process in ``/proc/self/stat`` against ``CLOCK_BOOTTIME``), so a step of the wall
+    clock (NTP at boot) cannot shift it; elsewhere the seconds since this module was imported."""
     try:
         with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return _IMPORTED
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: ticks after boot
+        now = time.clock_gettime(time.CLOCK_BOOTTIME)  # type: ignore[attr-defined,unused-ignore]
+        return max(now - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - _IMPORTED
 
 
-_IMPORTED = time.time()
+def process_start() -> float:
+    """When this process started, on the ``time.time()`` scale: now minus its age
+    (:func:`process_age_s`). The origin of the report's ``time_to_first_batch_s``, so the
+    command's imports count."""
+    return time.time() - process_age_s()
+
+
+_IMPORTED = time.monotonic()
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -300,7 +337,7 @@ def summary(report: dict) -> str:
         lines.append("no evaluation data in the job (data.eval_paths or data.synthetic.eval_rows)")
     resumed = report.get("resumed_from")
     if resumed:
-        lines.append(f"resumed from {resumed['checkpoint']} (batch {resumed['batch']})")
+        lines.append(f"resumed from {resumed['checkpoint']} (after {_batches(resumed['batch'])} trained)")
     reshaped = report.get("reshaped")
     if reshaped:
         shape = f"{reshaped['from_nodes']} to {reshaped['to_nodes']} nodes"
@@ -314,8 +351,8 @@ def summary(report: dict) -> str:
     for r in report.get("recovery") or []:
         dead = ", ".join(r.get("dead") or []) or "an actor"
         lines.append(
-            f"recovery: {dead} lost at batch {r['failed_at_batch']} ({r['error']}); resumed from the checkpoint "
-            f"of batch {r['resumed_from_batch']}, {_batches(r['replayed_batches'])} replayed, "
+            f"recovery: {dead} lost after {_batches(r['failed_at_batch'])} trained ({r['error']}); resumed from "
+            f"the checkpoint after {_batches(r['resumed_from_batch'])}, {_batches(r['replayed_batches'])} replayed, "
             f"restarted in {r['restart_s']:.1f} s"
         )
         for lost in r.get("lost_nodes") or []:
@@ -332,17 +369,25 @@ def _megabytes(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def resume_command(args: argparse.Namespace) -> str:
-    """The command line that continues this run from its checkpoint."""
+def resume_command(args: argparse.Namespace, how: str = "--resume") -> str:
+    """The command line that continues this run from its checkpoint (``how="--overwrite"``:
+    that starts it over)."""
     import shlex
 
-    words = ["hpsray", "train", args.config, "--resume"]
+    words = ["hpsray", "train", args.config, how]
     for flag, value in (("--address", args.address), ("--report", args.report), ("--export", args.export)):
         if value:
             words += [flag, value]
-    if args.incremental:
+    if args.incremental and how == "--resume":
         words.append("--incremental")
     return shlex.join(words)
+
+
+def with_command(message: str, args: argparse.Namespace) -> str:
+    """A refusal that names ``--overwrite``, with the exact command that starts the run over."""
+    if "--overwrite" not in message or args.overwrite:
+        return message
+    return f"{message}; to start over: {resume_command(args, '--overwrite')}"
 
 
 def interrupted(job: JobConfig, args: argparse.Namespace, e: KeyboardInterrupt) -> int:
@@ -350,10 +395,10 @@ def interrupted(job: JobConfig, args: argparse.Namespace, e: KeyboardInterrupt) 
     why = f"interrupted: {e}" if str(e) else "interrupted"
     if job.checkpoint is None:
         return error(f"{why}; the job has no [checkpoint] dir, so a new run starts over", EXIT_INTERRUPTED)
-    from hpsray.checkpoint import Checkpoints
+    from hpsray.checkpoint.remote import is_uri, open_checkpoints
 
     directory = job.checkpoint.dir
-    committed = Checkpoints(directory).committed() if os.path.isdir(directory) else []
+    committed = open_checkpoints(directory).committed() if is_uri(directory) or os.path.isdir(directory) else []
     if not committed:
         return error(f"{why}; no checkpoint in {directory} yet, so a new run starts over", EXIT_INTERRUPTED)
     print(f"hpsray train: {why}", file=sys.stderr)
@@ -389,6 +434,8 @@ def run(args: argparse.Namespace) -> int:
         return error("--incremental needs --export DIR (the earlier export to add the changed rows to)")
     if args.resume and args.reference:
         return error("--resume continues a pipeline run from its checkpoint; the reference trainer has none")
+    if args.resume and args.overwrite:
+        return error("--resume continues the earlier run, --overwrite removes it: choose one")
     resumed = None
     try:
         if args.init_from:
@@ -396,6 +443,9 @@ def run(args: argparse.Namespace) -> int:
         build.source(job)  # resolves the schema: configuration errors surface before Ray starts
         progress_seconds(job.pipeline.progress_seconds)  # ValueError: a bad $HPSRAY_PROGRESS_SECONDS
         build.eval_source(job)
+        if args.overwrite:
+            overwrite(job, args.export, args.quiet, run_dirs=not args.reference)
+        check_export_dir(args.export, args.incremental)
         if not args.reference:
             build.cluster_kwargs(job)
             if not args.resume:  # a resume replaces the SSD-PS directories by the checkpoint's snapshot
@@ -403,13 +453,15 @@ def run(args: argparse.Namespace) -> int:
             try:
                 resumed = check_checkpoints(job, args.resume)
             except CheckpointError as e:
-                return error(f"--resume: {e}" if args.resume else f"{args.config}: checkpoint.dir: {e}")
+                return error(
+                    f"--resume: {e}" if args.resume else with_command(f"{args.config}: checkpoint.dir: {e}", args)
+                )
             if not args.no_plan:  # before any actor starts: refuse a job that cannot fit, naming the fix
                 check_capacity(job, args.quiet)
     except (ConfigError, DataError, CapacityError) as e:
         return error(str(e))
     except (ValueError, OSError) as e:
-        return error(f"{args.config}: {e}")
+        return error(with_command(f"{args.config}: {e}", args))
     if resumed is not None and not args.quiet:
         print(f"hpsray train: resuming from {resumed.path} ({resumed.batch} batches trained)", file=sys.stderr)
 

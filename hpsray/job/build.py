@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpsray.errors import ConfigError
+from hpsray.fields import same_fields
 from hpsray.job.jobconfig import JobConfig
 from hpsray.pipelines.pipeline import Pipeline
 from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
@@ -80,16 +81,7 @@ def cluster_kwargs(job: JobConfig) -> dict:
         raise ConfigError(job.where, "cluster.chunk_bytes", f"must be at least 4 bytes, got {c.chunk_bytes}")
     return {
         "nodes": c.nodes or None,
-        "sync": SyncSettings(
-            consistency=c.consistency,
-            staleness=c.staleness,
-            dense_staleness=c.dense_staleness,
-            work_per_clock=c.work_per_clock,
-            propagation=c.propagation,
-            dense=c.dense_sync,
-            chunk_bytes=c.chunk_bytes,
-            fault_timeout_s=c.fault_timeout_s,
-        ),
+        "sync": SyncSettings(**same_fields(SyncSettings, c, dense=c.dense_sync)),
     }
 
 
@@ -113,9 +105,12 @@ def pipeline(
     name: str | None = None,
     transforms: Sequence[Callable] = (),
     resume: bool = False,
+    preflight: bool = False,
 ) -> Pipeline:
     """A :class:`~hpsray.pipelines.Pipeline` for ``job`` (``address`` overrides ``cluster.address``);
-    ``resume``: its first ``fit()`` continues from the newest checkpoint of ``[checkpoint] dir``."""
+    ``resume``: its first ``fit()`` continues from the newest checkpoint of ``[checkpoint] dir``;
+    ``preflight``: its first ``fit()`` runs the checks of ``hpsray train`` (which runs them
+    itself, before Ray starts: off by default)."""
     kwargs = cluster_kwargs(job)
     src = source(job)
     trainer, mem, ssd = stages(job, src.n_slots)
@@ -134,5 +129,6 @@ def pipeline(
         name=name,
         checkpoint=checkpoint(job, resume),
         progress_seconds=job.pipeline.progress_seconds,
+        preflight=preflight,
         **kwargs,
     )

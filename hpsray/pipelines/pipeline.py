@@ -70,6 +70,10 @@ class Pipeline:
             actor (``None``: no checkpoints; a dead actor stops ``fit()``).
         progress_seconds: seconds between progress lines when stderr is not a terminal
             (``None``: ``$HPSRAY_PROGRESS_SECONDS``, else 30; docs/operations.md: Progress).
+        preflight: before the first ``fit()`` starts any actor, run ``hpsray train``'s checks
+            (:func:`~hpsray.pipelines.preflight.preflight`: files and columns, an earlier run's
+            SSD-PS files or checkpoints, the plan's capacity check); ``hpsray train`` runs them
+            itself and passes ``False``.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class Pipeline:
         sync: SyncSettings | None = None,
         checkpoint: CheckpointSettings | None = None,
         progress_seconds: float | None = None,
+        preflight: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -142,6 +147,7 @@ class Pipeline:
         # a caller sets it before (hpsray train: the command's start)
         self.started_at: float | None = None
         self.start_s: dict[str, float] = {}  # the start's seconds: ray_init_s, actors_s
+        self.preflight = preflight  # the first fit() checks what hpsray train checks
 
     @property
     def fingerprint(self) -> str:
@@ -213,6 +219,11 @@ class Pipeline:
         ``max_failures`` times (the report's ``recovery`` lists each). Any other failure stops
         training with :class:`TrainingStopped` after every batch that trained is written back.
         """
+        if self.preflight and not self._nodes:
+            from hpsray.pipelines.preflight import preflight
+
+            preflight(self)  # before any actor starts: ConfigError, CheckpointError, CapacityError
+            self.preflight = False
         self._start()
         if self._pass_first is None:
             self._pass_first = self._next_batch
@@ -220,12 +231,19 @@ class Pipeline:
         called_at = time.time()
         origin = self.started_at if self.started_at is not None else called_at
         self.started_at = None  # a later fit() counts from its own call
+        total = known_examples(self.source)
+        done_batches = started_at - first  # a resumed pass: its batches trained before, full ones
+        done_examples = done_batches * self.batch_size * len(self._nodes)
+        if total is not None and total.exact:
+            done_examples = min(done_examples, total.rows)
         bar = Progress(
-            known_examples(self.source),
+            total,
             progress,
             self.progress_seconds,
             checkpoint=lambda: self._checkpoint_path,
             first_batch=self._next_batch,
+            done_batches=done_batches,
+            done_examples=done_examples,
         )
         recovery: list[dict] = []
         self.recovery = recovery  # grows while fit() runs: one entry per recovery
@@ -307,8 +325,8 @@ class Pipeline:
                 self._checkpoint(done)
             else:
                 ray.get([n.mem.flush.remote() for n in self._nodes])
-            where = f"; resume from the checkpoint of batch {done}" if self._checkpoints is not None else ""
-            raise KeyboardInterrupt(f"stopped after batch {batch_id}, every trained row written back{where}")
+            where = f"; resume from its checkpoint (ckpt-{done:06d})" if self._checkpoints is not None else ""
+            raise KeyboardInterrupt(f"stopped after {done} batches trained, every trained row written back{where}")
         if stage is None or (done - (self._pass_first or 0)) % stage.every_batches:
             return
         schedule.drain()

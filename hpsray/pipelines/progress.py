@@ -160,7 +160,9 @@ class Progress:
     ``nodes``: the pipeline's :class:`~hpsray.pipelines.placement.NodeActors` (empty: no stage
     figures, as for the reference trainer); ``seconds``: between lines (:func:`progress_seconds`);
     ``checkpoint()``: the newest checkpoint's path (``…/ckpt-NNNNNN``), or ``None``;
-    ``first_batch``: the pass's first batch id. Every ``seconds`` the interval closes: its
+    ``first_batch``: the id of the first batch this run trains; ``done_batches`` and
+    ``done_examples``: what a resumed pass trained before it (the counters, the bar and the
+    lines continue from them, the rates count this run's examples only). Every ``seconds`` the interval closes: its
     examples/s go to the gauges, and the stage figures are asked of the actors without waiting;
     the line is logged once they answer (a batch later at most: each actor answers after the
     call it is running). :meth:`pass_end` logs the pass's last line, waiting for them.
@@ -175,6 +177,8 @@ class Progress:
         checkpoint: Callable[[], str | None] | None = None,
         desc: str = "hpsray",
         first_batch: int = 0,
+        done_batches: int = 0,
+        done_examples: int = 0,
     ) -> None:
         from hpsray.actors.livemetrics import LiveGauges
 
@@ -189,10 +193,12 @@ class Progress:
         if self.logging:
             ensure_handler()
         self.gauges = LiveGauges(stage="driver", node="0")
-        self.examples = self.batches = 0
+        self.examples, self.batches, self._done_examples = done_examples, done_batches, done_examples
+        if done_examples:  # as tqdm's initial=: counted, not part of the rate
+            self.bar.n = self.bar.last_print_n = done_examples
         self.lines = 0
         self._t0 = self._tick_t = time.monotonic()
-        self._tick_examples, self._last_batch = 0, first_batch
+        self._tick_examples, self._last_batch = done_examples, first_batch
         self.rate: float | None = None  # examples/s of the last closed interval
         self._due: tuple | None = None  # (counts, rate, interval) of a line waiting for the actors
         self._asked: list = []  # their stats refs
@@ -229,7 +235,7 @@ class Progress:
                 self._emit(wait=False)
 
     def _set_gauges(self, now: float) -> None:
-        rate = self.rate if self.rate is not None else self.examples / max(now - self._t0, 1e-9)
+        rate = self.rate if self.rate is not None else (self.examples - self._done_examples) / max(now - self._t0, 1e-9)
         eta = (self.total - self.examples) / rate if self.total and rate > 0 else -1.0
         self.gauges.set(
             progress_examples=self.examples,

@@ -4,7 +4,8 @@
 
 - ``out.stage_times.png``: busy seconds of each stage per batch (paper Fig. 3c),
 - ``out.cache_hit_rate.png``: MEM-PS cache hit rate per batch (Fig. 4c),
-- ``out.ssd_io.png``: SSD-PS I/O seconds per batch, i.e. the ``load`` stage (Fig. 5a).
+- ``out.ssd_io.png``: the ``load`` stage's busy seconds per batch, the stage that reads rows from
+  SSD-PS and writes evicted ones to it (Fig. 5a), with the run's SSD-PS bytes read and written.
 
 A report lacking a series (the reference trainer has no cache) still gets its plot, saying so.
 """
@@ -22,11 +23,14 @@ PLOTS = ("stage_times", "cache_hit_rate", "ssd_io")
 
 
 def _series(per_batch: Mapping[str, float] | None, batches: int | None = None) -> tuple[list[int], list[float]]:
-    """A ``{batch: value}`` map (JSON keys are strings) as sorted ``(batches, values)``, without
-    entries at or past ``batches`` (the reader's empty end-of-data reads)."""
+    """A ``{batch: value}`` map (JSON keys are strings) as sorted ``(batches, values)``: with
+    ``batches`` (the run's count), its first ``batches`` ids only (not the reader's empty
+    end-of-data reads). A resumed run's ids start where the checkpoint left off, not at 0."""
     if not per_batch:
         return [], []
-    items = sorted((int(k), float(v)) for k, v in per_batch.items() if batches is None or int(k) < batches)
+    items = sorted((int(k), float(v)) for k, v in per_batch.items())
+    if batches is not None:
+        items = items[: max(int(batches), 0)]
     return [k for k, _ in items], [v for _, v in items]
 
 
@@ -74,10 +78,10 @@ def _figure(title: str) -> tuple[Any, Any, Any]:
     return plt, fig, ax
 
 
-def _save(plt: Any, fig: Any, ax: Any, path: str, empty: bool, why: str) -> None:
+def _save(plt: Any, fig: Any, ax: Any, path: str, empty: bool, why: str, bottom: float = 0.0) -> None:
     if empty:
         ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, bottom, 1.0, 1.0))
     fig.savefig(path, format="png")
     plt.close(fig)
 
@@ -108,13 +112,30 @@ def _plot_cache_hit_rate(report: Mapping[str, Any], path: str) -> None:
     _save(plt, fig, ax, path, not x, "no MEM-PS cache in this run")
 
 
+def ssd_io_labels(report: Mapping[str, Any]) -> tuple[str, str, str]:
+    """``(title, y label, caption)`` of the SSD-PS plot: what it draws is the ``load`` stage's
+    busy seconds per batch (SSD-PS reads and writes, and the stage's own work), so it says
+    seconds; the caption gives the run's SSD-PS bytes and seconds (``ssd``), when known."""
+    ssd = report.get("ssd") or {}
+    caption = ""
+    if ssd:
+        caption = (
+            f"SSD-PS in all: {_bytes(ssd.get('bytes_read', 0))} read in {ssd.get('load_seconds', 0.0):.2f} s, "
+            f"{_bytes(ssd.get('bytes_written', 0))} written in {ssd.get('dump_seconds', 0.0):.2f} s"
+        )
+    return "load stage (SSD-PS reads and writes) per batch", "load-stage busy seconds", caption
+
+
 def _plot_ssd_io(report: Mapping[str, Any], path: str) -> None:
-    plt, fig, ax = _figure("SSD-PS I/O time per batch")
+    title, ylabel, caption = ssd_io_labels(report)
+    plt, fig, ax = _figure(title)
     x, y = _series((report.get("per_batch_s") or {}).get("load"))
     if x:
         ax.bar(x, y, color="tab:orange")
-    ax.set_ylabel("seconds (SSD-PS load + dump)")
-    _save(plt, fig, ax, path, not x, "no SSD-PS in this run")
+    ax.set_ylabel(ylabel)
+    if caption:
+        fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=8, color="dimgray")
+    _save(plt, fig, ax, path, not x, "no SSD-PS in this run", bottom=0.05 if caption else 0.0)
 
 
 def _bytes(n: float) -> str:

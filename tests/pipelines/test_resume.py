@@ -234,9 +234,10 @@ def test_ctrl_c_checkpoints_exits_130_and_resume_ends_equal_to_the_reference(tmp
     text = log.read_text()
     assert code == 130, text[-3000:]
     assert ray_processes and not left, f"processes of the interrupted driver still alive: {sorted(left)}"
-    stopped = re.search(r"interrupted: stopped after batch (\d+), every trained row written back", text)
+    stopped = re.search(r"interrupted: stopped after (\d+) batches trained, every trained row written back", text)
     assert stopped, text[-3000:]
-    done = int(stopped.group(1)) + 1
+    done = int(stopped.group(1))
+    assert f"resume from its checkpoint (ckpt-{done:06d})" in text, text[-3000:]
     assert f"the newest checkpoint is {tmp_path / 'ckpt' / f'ckpt-{done:06d}'}" in text, text[-3000:]
     command = f"hpsray train {job} --resume --export {served} --incremental"
     assert f"continue with: {command}" in text, text[-3000:]
@@ -352,8 +353,8 @@ def test_the_summary_has_a_line_for_checkpoints_and_one_per_recovery(tmp_path, c
     lines = summary(report).splitlines()
     assert "checkpoints: 4 written in 1.5 s, 12.5 % of wall, 2.5 MB referenced" in lines
     assert [line for line in lines if line.startswith("recovery: ")] == [
-        "recovery: Trainer[node 0] lost at batch 13 (ActorDiedError: gone); resumed from the checkpoint of batch 12, "
-        "1 batch replayed, restarted in 2.0 s",
-        "recovery: an actor lost at batch 20 (ActorDiedError: gone); resumed from the checkpoint of batch 16, "
-        "4 batches replayed, restarted in 2.0 s",
+        "recovery: Trainer[node 0] lost after 13 batches trained (ActorDiedError: gone); resumed from the checkpoint "
+        "after 12 batches, 1 batch replayed, restarted in 2.0 s",
+        "recovery: an actor lost after 20 batches trained (ActorDiedError: gone); resumed from the checkpoint "
+        "after 16 batches, 4 batches replayed, restarted in 2.0 s",
     ]
