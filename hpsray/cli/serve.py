@@ -63,27 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpsray.errors import ServingError
-    from hpsray.serving import Limits, LoadOptions, ServeOptions, resolve_export, start
+    from hpsray.fields import same_fields
+    from hpsray.serving import Limits, ServeOptions, resolve_export, start
+    from hpsray.serving.server import load_options
 
     try:
         limits = Limits(args.max_body_bytes, args.max_examples)
-        LoadOptions(
-            args.mem_rows, args.mem_fraction, args.device, limits, device_rows=args.device_rows, driver=args.driver
-        )  # checks
+        options = ServeOptions(**same_fields(ServeOptions, args, limits=limits, watch_s=args.watch))
+        load_options(options)  # its checks, before Ray starts
         resolve_export(args.model_dir)  # before Ray starts: a wrong directory fails in a second
-        options = ServeOptions(
-            host=args.host,
-            port=args.port,
-            replicas=args.replicas,
-            mem_rows=args.mem_rows,
-            mem_fraction=args.mem_fraction,
-            device=args.device,
-            device_rows=args.device_rows,
-            driver=args.driver,
-            limits=limits,
-            max_batch_size=args.max_batch_size,
-            watch_s=args.watch,
-        )
         start(args.model_dir, options, address=args.address)
     except (ServingError, ValueError) as e:
         print(f"hpsray serve: {e}", file=sys.stderr)
