@@ -102,3 +102,30 @@ def ray_local():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size)``: a tmpfs of ``size`` (``"1m"``, ``"192k"``) under the test's directory,
+    unmounted after the test, for a real full disk; skips the test where mounting is not
+    permitted (not root, or no CAP_SYS_ADMIN in a container)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str):
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        if os.geteuid() != 0:
+            pytest.skip(f"mounting a {size} tmpfs needs root")
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
+        )
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a {size} tmpfs here: {r.stderr.strip() or r.returncode}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)

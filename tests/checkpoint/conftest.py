@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -24,17 +21,7 @@ def ssd_warm(tmp_path_factory):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    """A 1 MiB tmpfs mounted for the test (unmounted after it); skips where mounting is not
-    permitted (not root, or no CAP_SYS_ADMIN in a container)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 1 MiB tmpfs needs root; the injected-ENOSPC tests cover the logic")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+def small_fs(tmpfs):
+    """A 1 MiB tmpfs (tests/conftest.py: ``tmpfs``); the injected-ENOSPC tests cover the logic
+    where it cannot be mounted."""
+    return tmpfs("1m")

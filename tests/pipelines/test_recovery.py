@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -107,19 +105,9 @@ def test_killing_a_busy_pipeline_without_checkpoints_still_stops_with_the_cause(
 
 
 @pytest.fixture
-def small_fs(tmp_path):
-    """A 192 KiB tmpfs for the test (root only; skipped where mounting is not permitted)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+def small_fs(tmpfs):
+    """A 192 KiB tmpfs (tests/conftest.py: ``tmpfs``)."""
+    return tmpfs("192k")
 
 
 def test_a_full_checkpoint_disk_stops_clearly_and_the_last_checkpoint_resumes(ray_local, tmp_path, small_fs, reference):
