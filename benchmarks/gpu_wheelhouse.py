@@ -200,7 +200,10 @@ def build(args: argparse.Namespace) -> int:
     for p in parts:
         size = sum(f.stat().st_size for f in p.iterdir()) / 2**20
         print(f"  {p} ({size:.1f} MiB)")
-    print(f"then, on the GPU machine: python benchmarks/gpu_wheelhouse.py install --out {out}")
+    print("then one call per part, at once one after the other (the machine keeps its disk only while warm):")
+    for p in parts[:-1]:
+        print(f'  run(carry=["{p}"], command="python3 benchmarks/gpu_wheelhouse.py stash --from {out}")')
+    print(f'  run(carry=["{parts[-1]}"], command="python3 benchmarks/gpu_check_ray", timeout_s=600)')
     return 0
 
 
