@@ -131,6 +131,7 @@ def test_gzip_and_counting(tmp_path):
     assert not both.exact and both.files == 2
 
 
+@pytest.mark.slow
 def test_trains_end_to_end_as_the_reference(ray_local, tmp_path):
     from hpsray.config import TrainConfig
     from hpsray.pipelines import FileSource
