@@ -133,6 +133,13 @@ class Checkpoints:
                 found.append((int(m.group(1)), Path(entry.path)))
         return [p for _, p in sorted(found, reverse=True)]
 
+    def fingerprint_of(self, path: Path) -> str | None:
+        """The job fingerprint recorded by the committed checkpoint ``path`` (``None`` if damaged)."""
+        try:
+            return Checkpoint.open(path).fingerprint
+        except CheckpointError:
+            return None
+
     def latest(self, fingerprint: str | None = None, *, deep: bool = False) -> Checkpoint | None:
         """The newest checkpoint that verifies (:meth:`Checkpoint.verify`, ``deep`` as there);
         ``None`` when the directory holds none at all.

@@ -388,12 +388,7 @@ def parse_checkpoint(t: chk.Table, base: str) -> CheckpointSection:
     t.done()
     if not directory.strip():
         t.fail("dir", "must not be empty (leave out the [checkpoint] section for no checkpoints)")
-    if chk.is_uri(directory):
-        t.fail(
-            "dir",
-            "must be a directory on a file system every node mounts at the same path (a checkpoint is "
-            f"committed by renaming a directory), got {directory!r}",
-        )
+    # a directory every node mounts at the same path, or object storage (s3://...: checkpoint/remote.py)
     return CheckpointSection(chk.resolve_path(directory, base), every_batches, keep, max_failures)
 
 

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from hpsray.checkpoint import Checkpoint, Checkpoints, job_fingerprint
+from hpsray.checkpoint import Checkpoint, job_fingerprint
+from hpsray.checkpoint.remote import open_checkpoints
 from hpsray.cluster.runtime import connect, training_nodes
 from hpsray.data.batch import Batch
 from hpsray.errors import CheckpointError, TrainingStopped
@@ -133,7 +134,7 @@ class Pipeline:
         self._next_batch = 0  # batch ids continue across fit() calls
         self._pass_first: int | None = None  # first batch id of a pass in progress (a resume's)
         self.checkpoint_settings = checkpoint
-        self._checkpoints = Checkpoints(checkpoint.directory, checkpoint.keep) if checkpoint else None
+        self._checkpoints = open_checkpoints(checkpoint.directory, checkpoint.keep) if checkpoint else None
         self._checkpointed: int | None = None  # batches trained at the newest checkpoint
         self._costs = CheckpointCosts()
         self._generation = 0  # collective groups formed by recoveries

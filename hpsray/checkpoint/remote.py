@@ -1,0 +1,297 @@
+"""Checkpoints in object storage: ``[checkpoint] dir = "s3://bucket/prefix"`` (any pyarrow.fs
+URI; docs/architecture.md: Checkpoints).
+
+A checkpoint is staged and sealed in a local cache directory exactly as
+:class:`~hpsray.checkpoint.checkpoints.Checkpoints` does (same record, same checks), then
+uploaded under ``URI``::
+
+    params/<sha256 of the header>-<size>.hps   an SSD-PS parameter file: immutable, so uploaded
+                                               once and referenced by every later checkpoint
+    data/ckpt-000120/<path>                    the checkpoint's other files (small)
+    ckpt-000120.json                           the manifest: the record and every file's object,
+                                               written last: its presence commits the checkpoint
+
+Keeping: after a commit, manifests beyond the ``keep`` newest (and of later batches: an
+abandoned run's) are deleted, then every object no kept manifest references (reference count
+zero). Resuming (:meth:`RemoteCheckpoints.latest`) downloads the newest manifest that verifies
+into the cache, so a host whose disks are empty resumes. One writer per URI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from hpsray.checkpoint.checkpoints import Checkpoint, Checkpoints, node_dir
+from hpsray.checkpoint.record import NAME, read_record
+from hpsray.errors import CheckpointError
+from hpsray.tiers.ssd.paramfile import HEADER_BYTES
+
+__all__ = ["RemoteCheckpoints", "is_uri", "open_checkpoints"]
+
+log = logging.getLogger("hpsray.checkpoint")
+
+MANIFEST_FORMAT = "hpsray-remote-checkpoint"
+_MANIFEST = re.compile(r"ckpt-(\d{6,})\.json")
+_CHUNK = 8 << 20
+CACHE_ENV = "HPSRAY_CHECKPOINT_CACHE"
+
+
+def is_uri(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` names object storage (``scheme://``, not ``file://``)."""
+    text = str(directory)
+    return "://" in text and not text.startswith("file://")
+
+
+def open_checkpoints(directory: str | os.PathLike, keep: int = 2) -> Checkpoints:
+    """The checkpoints at ``directory``: a local directory, or a URI (:class:`RemoteCheckpoints`)."""
+    return RemoteCheckpoints(str(directory), keep) if is_uri(directory) else Checkpoints(directory, keep)
+
+
+def default_cache(uri: str) -> Path:
+    """The local cache of ``uri``'s checkpoints: ``$HPSRAY_CHECKPOINT_CACHE`` or
+    ``~/.cache/hpsray/checkpoints``, then a digest of the URI."""
+    base = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hpsray" / "checkpoints")
+    return base / hashlib.sha256(uri.encode()).hexdigest()[:16]
+
+
+def _param_key(path: Path, size: int) -> str:
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)  # its checksums (index, rows, block table) and file number
+    return f"params/{hashlib.sha256(head).hexdigest()[:40]}-{size}.hps"
+
+
+class RemoteCheckpoints(Checkpoints):
+    """The checkpoints under ``uri`` (see the module docstring), staged in ``cache`` (default
+    :func:`default_cache`); the :class:`Checkpoints` interface. ``filesystem``: a
+    ``pyarrow.fs.FileSystem`` to use instead of the URI's (then ``uri`` is its path).
+
+    ``last_upload`` says what the newest commit sent: ``{"bytes", "files", "reused",
+    "reused_bytes"}``.
+    """
+
+    def __init__(self, uri: str, keep: int = 2, cache: str | os.PathLike | None = None, filesystem: Any = None) -> None:
+        import pyarrow.fs as pafs
+
+        if filesystem is None:
+            try:
+                filesystem, root = pafs.FileSystem.from_uri(uri)
+            except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
+                raise CheckpointError(uri.split("?")[0], f"cannot open the checkpoint store: {e}") from e
+        else:
+            root = uri
+        self.uri, self.fs, self.root = uri.split("?")[0], filesystem, root.rstrip("/")
+        super().__init__(cache or default_cache(uri), keep)
+        self.last_upload: dict = {}
+
+    def __repr__(self) -> str:
+        return f"RemoteCheckpoints({self.uri!r}, keep={self.keep}, cache={str(self.directory)!r})"
+
+    # -- the store ---------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def _exists(self, key: str) -> int | None:
+        import pyarrow.fs as pafs
+
+        info = self.fs.get_file_info(self._key(key))
+        return int(info.size) if info.type == pafs.FileType.File else None
+
+    def _list(self, prefix: str = "") -> dict[str, int]:
+        import pyarrow.fs as pafs
+
+        base = self._key(prefix).rstrip("/")
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        except FileNotFoundError:
+            return {}
+        return {i.path[len(self.root) + 1 :]: int(i.size) for i in infos if i.type == pafs.FileType.File}
+
+    def _put(self, local: Path, key: str) -> int:
+        size = 0
+        with open(local, "rb") as src, self.fs.open_output_stream(self._key(key)) as out:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                size += len(chunk)
+        return size
+
+    def _put_bytes(self, data: bytes, key: str) -> None:
+        with self.fs.open_output_stream(self._key(key)) as out:
+            out.write(data)
+
+    def _get(self, key: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with self.fs.open_input_stream(self._key(key)) as src, open(local, "wb") as out:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+
+    def _manifests(self) -> list[tuple[int, str]]:
+        """``(batch, key)`` of every manifest, newest first."""
+        found = []
+        for key in self._list(""):
+            m = _MANIFEST.fullmatch(key)
+            if m is not None:
+                found.append((int(m.group(1)), key))
+        return sorted(found, reverse=True)
+
+    def _manifest(self, key: str) -> dict:
+        try:
+            with self.fs.open_input_stream(self._key(key)) as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.uri}/{key}", f"unreadable manifest: {e}") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+            raise CheckpointError(f"{self.uri}/{key}", "not an hpsray checkpoint manifest")
+        return manifest
+
+    # -- Checkpoints' interface --------------------------------------------------------------
+
+    def committed(self) -> list[Path]:
+        """Every committed checkpoint's name (as a path under the URI), newest first."""
+        return [Path(self.uri) / key[: -len(".json")] for _, key in self._manifests()]
+
+    def fingerprint_of(self, path: Path) -> str | None:
+        """The job fingerprint in the manifest of ``path`` (one of :meth:`committed`)."""
+        try:
+            return json.loads(self._manifest(f"{Path(path).name}.json")["record"]).get("fingerprint")
+        except (CheckpointError, ValueError, KeyError):
+            return None
+
+    def commit(
+        self, staging: str | os.PathLike, batch: int, meta: Any = None, *, fingerprint: str | None = None
+    ) -> Checkpoint:
+        """Seal ``staging`` locally (:meth:`Checkpoints.commit`), upload what the store lacks,
+        write the manifest (the commit), then delete what no kept manifest references."""
+        self._refuse_foreign_remote(fingerprint)
+        nodes = int(dict(meta or {}).get("nodes", 0))
+        absent = [i for i in range(nodes) if not node_dir(staging, i).is_dir()]
+        if absent:
+            self.abort(staging)
+            raise CheckpointError(
+                f"{staging}",
+                f"node {absent[0]}'s files are not on the driver's host: a checkpoint to {self.uri} is uploaded "
+                "by the driver, so every node's staging must be on its host (or on a shared path)",
+            )
+        ckpt = super().commit(staging, batch, meta, fingerprint=fingerprint)
+        name = ckpt.path.name
+        have = self._list("params/")
+        objects, sent, reused, reused_bytes, files = {}, 0, 0, 0, 0
+        for entry in ckpt.files:
+            rel, size = entry["path"], int(entry["size"])
+            local = ckpt.path / rel
+            if entry.get("check") == "param":
+                key = _param_key(local, size)
+                if have.get(key) == size:
+                    reused, reused_bytes = reused + 1, reused_bytes + size
+                else:
+                    sent += self._put(local, key)
+                    files += 1
+            else:
+                key = f"data/{name}/{rel}"
+                sent += self._put(local, key)
+                files += 1
+            objects[rel] = key
+        record = (ckpt.path / NAME).read_text()
+        manifest = {"format": MANIFEST_FORMAT, "version": 1, "batch": int(batch), "record": record, "objects": objects}
+        self._put_bytes(json.dumps(manifest, sort_keys=True).encode(), f"{name}.json")  # the commit
+        self.last_upload = {"bytes": sent, "files": files, "reused": reused, "reused_bytes": reused_bytes}
+        log.info("checkpoint %s uploaded to %s: %s", name, self.uri, self.last_upload)
+        self._collect(batch)
+        return ckpt
+
+    def latest(self, fingerprint: str | None = None, *, deep: bool = False) -> Checkpoint | None:
+        """The newest checkpoint under the URI that downloads and verifies, in the local cache
+        (the same refusals and skips as :meth:`Checkpoints.latest`); ``None`` when there is none."""
+        skipped: list[str] = []
+        for _, key in self._manifests():
+            try:
+                manifest = self._manifest(key)
+                record = json.loads(manifest["record"])
+            except (CheckpointError, ValueError, KeyError) as e:
+                skipped.append(str(e))
+                continue
+            if fingerprint is not None and record.get("fingerprint") != fingerprint:
+                raise CheckpointError(
+                    f"{self.uri}/{key}",
+                    f"written by another job (fingerprint {record.get('fingerprint')!r}, this job's is "
+                    f"{fingerprint!r}); refusing to resume from it",
+                )
+            try:
+                ckpt = self.materialize(manifest)
+                ckpt.verify(deep=deep)
+            except (CheckpointError, OSError) as e:
+                skipped.append(f"{self.uri}/{key}: {e}")
+                continue
+            for reason in skipped:
+                log.warning("checkpoint skipped, resuming from %s instead: %s", key, reason)
+            return Checkpoint(
+                ckpt.path, ckpt.batch, ckpt.fingerprint, ckpt.meta, ckpt.created, ckpt.files, tuple(skipped)
+            )
+        if skipped:
+            raise CheckpointError(self.uri, "no checkpoint verifies: " + "; ".join(skipped))
+        return None
+
+    def materialize(self, manifest: dict) -> Checkpoint:
+        """The manifest's checkpoint as a local directory in the cache (downloaded unless the
+        cache holds it with the same record)."""
+        batch, record = int(manifest["batch"]), manifest["record"]
+        final = self.directory / f"ckpt-{batch:06d}"
+        if (final / NAME).is_file() and (final / NAME).read_text() == record:
+            return Checkpoint.open(final)
+        staging = self.directory / f".ckpt-{batch:06d}.tmp-{uuid.uuid4().hex}"
+        try:
+            for rel, key in sorted(manifest["objects"].items()):
+                if self._exists(key) is None:
+                    raise CheckpointError(f"{self.uri}/{key}", f"missing (referenced as {rel})")
+                self._get(key, staging / rel)
+            (staging / NAME).write_text(record)
+            read_record(str(staging))  # its own checksum
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return Checkpoint.open(final)
+
+    # -- parts -------------------------------------------------------------------------------
+
+    def _refuse_foreign_remote(self, fingerprint: str | None) -> None:
+        for _, key in self._manifests():
+            try:
+                other = json.loads(self._manifest(key)["record"]).get("fingerprint")
+            except (CheckpointError, ValueError, KeyError):
+                continue
+            if other != fingerprint:
+                raise CheckpointError(
+                    self.uri,
+                    f"holds checkpoints of another job ({key} has fingerprint {other!r}, this job's is "
+                    f"{fingerprint!r}); use another URI, or remove them",
+                )
+
+    def _collect(self, batch: int) -> None:
+        """Delete manifests of later batches and beyond the ``keep`` newest, then every object
+        that no kept manifest references."""
+        kept: list[dict] = []
+        for b, key in self._manifests():
+            if b <= batch and len(kept) < self.keep:
+                try:
+                    kept.append(self._manifest(key))
+                    continue
+                except CheckpointError:
+                    pass  # a damaged manifest references nothing
+            self.fs.delete_file(self._key(key))
+        referenced = {key for m in kept for key in m["objects"].values()}
+        for key in self._list("params/").keys() | self._list("data/").keys():
+            if key not in referenced:
+                self.fs.delete_file(self._key(key))

@@ -1,0 +1,202 @@
+"""Checkpoints in object storage (hpsray/checkpoint/remote.py; issue 45) against a real S3
+server started here (moto's server mode, over HTTP through pyarrow's S3 client): each parameter
+file uploaded once, the manifest as the commit, reference-counted keeping, resuming with an
+empty local disk."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hpsray.checkpoint import job_fingerprint, node_dir
+from hpsray.checkpoint.remote import RemoteCheckpoints, open_checkpoints
+from hpsray.errors import CheckpointError
+from hpsray.tiers.ssd import SSDPS, restore_snapshot
+
+FP = job_fingerprint({"remote": 1})
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """``(host, port)`` of a moto S3 server in this process, with dummy credentials."""
+    moto_server = pytest.importorskip("moto.server")
+    mp = pytest.MonkeyPatch()
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        mp.setenv(k, v)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        yield server.get_host_and_port()
+    finally:
+        server.stop()
+        mp.undo()
+
+
+@pytest.fixture
+def s3_uri(s3_server, request):
+    host, port = s3_server
+    bucket = "b" + request.node.name.replace("_", "-").lower()[:40]
+    return f"s3://{bucket}/ckpts?endpoint_override={host}:{port}&scheme=http&allow_bucket_creation=true"
+
+
+def _remote(uri: str, cache, keep: int = 2) -> RemoteCheckpoints:
+    ckpts = open_checkpoints(uri, keep) if cache is None else RemoteCheckpoints(uri, keep, cache=cache)
+    assert isinstance(ckpts, RemoteCheckpoints)
+    ckpts.fs.create_dir(ckpts.root.split("/")[0])
+    return ckpts
+
+
+def _checkpoint(ckpts, store, batch: int):
+    with ckpts.staged(batch) as staging:
+        store.snapshot(node_dir(staging, 0) / "ssd")
+        (staging / "dense.pt").write_bytes(b"dense %d" % batch)
+        return ckpts.commit(staging, batch, {"examples": batch}, fingerprint=FP)
+
+
+def test_parameter_files_upload_once_and_a_fresh_host_resumes(s3_uri, tmp_path, ssd_warm):
+    k = np.arange(200, dtype=np.uint64)
+    rows = np.repeat(k[:, None].astype(np.float32), 4, axis=1)
+    ckpts = _remote(s3_uri, tmp_path / "cache-a")
+    with SSDPS(tmp_path / "ssd", 4, rows_per_file=32, background=False) as s:
+        s.dump(k, rows)
+        c1 = _checkpoint(ckpts, s, 1)
+        first = dict(ckpts.last_upload)
+        _checkpoint(ckpts, s, 2)  # nothing changed: only the small files go up again
+        second = dict(ckpts.last_upload)
+        s.dump(k[:10], rows[:10] + 1)  # one new parameter file
+        _checkpoint(ckpts, s, 3)
+        third = dict(ckpts.last_upload)
+    assert first["reused"] == 0 and first["bytes"] == sum(f["size"] for f in c1.files)
+    assert second["reused"] == first["files"] - 3 and second["bytes"] < 1000  # MANIFEST, SNAPSHOT.json, dense.pt
+    assert third["reused"] == second["reused"] and third["files"] == 4
+    listed = ckpts._list("")
+    assert sorted(k for k in listed if "/" not in k) == ["ckpt-000002.json", "ckpt-000003.json"]
+    assert not any(k.startswith("data/ckpt-000001/") for k in listed)  # collected with its manifest
+    kept = [
+        json.loads(ckpts.fs.open_input_stream(ckpts._key(m)).read()) for m in ("ckpt-000002.json", "ckpt-000003.json")
+    ]
+    referenced = {o for m in kept for o in m["objects"].values()}
+    assert set(listed) - {"ckpt-000002.json", "ckpt-000003.json"} == referenced  # nothing unreferenced is left
+    # a host with empty disks: another cache, no store directory
+    fresh = _remote(s3_uri, tmp_path / "cache-b")
+    assert [p.name for p in fresh.committed()] == ["ckpt-000003", "ckpt-000002"]
+    latest = fresh.latest(FP, deep=True)
+    assert latest is not None and latest.batch == 3 and latest.meta == {"examples": 3}
+    assert str(latest.path).startswith(str(tmp_path / "cache-b"))
+    restore_snapshot(latest.node(0) / "ssd", tmp_path / "restored")
+    with SSDPS(tmp_path / "restored") as r:
+        got, found = r.load(k)
+    expected = rows.copy()
+    expected[:10] += 1
+    assert found.all() and np.array_equal(got, expected)
+    with pytest.raises(CheckpointError, match="another job"):
+        fresh.latest(job_fingerprint({"other": 1}))
+
+
+def test_the_manifest_commits_and_a_missing_object_falls_back_to_the_older(s3_uri, tmp_path, ssd_warm):
+    k = np.arange(50, dtype=np.uint64)
+    ckpts = _remote(s3_uri, tmp_path / "cache-a", keep=3)
+    with SSDPS(tmp_path / "ssd", 2, rows_per_file=16, background=False) as s:
+        s.dump(k, np.ones((50, 2), np.float32))
+        _checkpoint(ckpts, s, 1)
+        s.dump(k, np.full((50, 2), 2, np.float32))
+        c2 = _checkpoint(ckpts, s, 2)
+    # objects of a checkpoint whose manifest never came (a crash before the commit) are not a checkpoint
+    ckpts._put_bytes(b"half", "data/ckpt-000004/dense.pt")
+    fresh = _remote(s3_uri, tmp_path / "cache-b")
+    assert fresh.latest(FP).batch == 2
+    # damage: an object the newest manifest references is gone
+    manifest = json.loads(ckpts.fs.open_input_stream(ckpts._key("ckpt-000002.json")).read())
+    param = next(o for o in manifest["objects"].values() if o.startswith("params/") and o not in _objects(ckpts, 1))
+    ckpts.fs.delete_file(ckpts._key(param))
+    other = _remote(s3_uri, tmp_path / "cache-c")
+    got = other.latest(FP)
+    assert got.batch == 1 and len(got.skipped) == 1 and "missing" in got.skipped[0] and param in got.skipped[0]
+    assert c2.batch == 2
+
+
+def _objects(ckpts: RemoteCheckpoints, batch: int) -> set[str]:
+    m = json.loads(ckpts.fs.open_input_stream(ckpts._key(f"ckpt-{batch:06d}.json")).read())
+    return set(m["objects"].values())
+
+
+def test_a_local_directory_stays_local(tmp_path):
+    from hpsray.checkpoint import Checkpoints
+
+    assert type(open_checkpoints(tmp_path / "c")) is Checkpoints
+    assert type(open_checkpoints(f"file://{tmp_path}/c")) is Checkpoints
+
+
+# -- a job: checkpoints to s3://, the local disks lost, resumed -----------------------------------
+
+
+@pytest.mark.slow
+def test_a_job_checkpointed_to_s3_resumes_on_empty_local_disks_equal_to_the_reference(
+    ray_local, s3_uri, tmp_path, monkeypatch
+):
+    import shutil
+    import threading
+    import time
+
+    from hpsray.config import TrainConfig
+    from hpsray.data import PlantedCTR
+    from hpsray.pipelines import (
+        CheckpointSettings,
+        MemPSSettings,
+        Pipeline,
+        SSDPSSettings,
+        SyntheticSource,
+        TrainerSettings,
+    )
+    from hpsray.reference import ReferenceTrainer
+
+    source = SyntheticSource(PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=3, seed=5), rows=12000)
+    batch, cfg = 500, TrainConfig(dim=4, hidden=(8,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
+    ref = ReferenceTrainer(source.n_slots, source.n_dense, cfg)
+    ref.fit(source.open(batch))
+    ref_keys, ref_rows, ref_dense = ref.export()
+
+    monkeypatch.setenv("HPSRAY_CHECKPOINT_CACHE", str(tmp_path / "cache"))
+    _remote(s3_uri, None)  # the bucket
+    stages = (TrainerSettings(cfg), MemPSSettings(capacity_rows=1500), SSDPSSettings(str(tmp_path / "ssd")))
+    with Pipeline(source, *stages, batch_size=batch, checkpoint=CheckpointSettings(s3_uri, every_batches=3)) as p:
+
+        def stop_after_a_checkpoint() -> None:
+            while (p._checkpointed or 0) < 6:
+                time.sleep(0.05)
+            p._interrupted = True  # as the first Ctrl-C does: stop, checkpoint, at the next batch end
+
+        threading.Thread(target=stop_after_a_checkpoint, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            p.fit(progress=False)
+        stopped = p._checkpointed
+        upload = dict(p._checkpoints.last_upload)
+    assert 6 < stopped < 24 and upload["files"] >= 1
+    shutil.rmtree(tmp_path / "ssd")  # every local disk lost: the store and the checkpoint cache
+    shutil.rmtree(tmp_path / "cache")
+    resumed = CheckpointSettings(s3_uri, every_batches=10, resume=True)
+    with Pipeline(source, *stages, batch_size=batch, checkpoint=resumed) as p:
+        report = p.fit(progress=False)
+        assert report["batches"] == 24 - stopped
+        keys, rows = p.export_rows()
+        dense = p.dense_state()
+    np.testing.assert_array_equal(keys, ref_keys)
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
+    for name, value in ref_dense.items():
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_a_node_whose_files_are_not_on_the_driver_host_stops_the_commit(s3_uri, tmp_path):
+    ckpts = _remote(s3_uri, tmp_path / "cache")
+    staging = ckpts.stage(4)
+    node_dir(staging, 0).mkdir()
+    (node_dir(staging, 0) / "state.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="node 1's files are not on the driver's host"):
+        ckpts.commit(staging, 4, {"nodes": 2}, fingerprint=FP)
+    assert ckpts.committed() == [] and not staging.exists()
