@@ -5,7 +5,11 @@ import importlib.util
 import os
 import re
 
+import numpy as np
 import pytest
+
+if not hasattr(np, "row_stack"):  # numpy 2.5 dropped it; numba-cuda's array overloads still name it
+    np.row_stack = np.vstack
 
 OPTIONAL = ("ray", "hypothesis", "xdist", "rocksdict", "moto", "aiohttp", "orjson", "requests", "kvikio", "cupy")
 """Packages a test module or conftest may need that a machine may lack: a module (or directory)

@@ -376,6 +376,8 @@ def _device_rows_hold_their_keys(lookup, rows_of) -> int:
 
 def main(argv: list[str]) -> int:
     out_path, names = argv[0], argv[1:] or list(CASES)
+    if not hasattr(np, "row_stack"):  # numpy 2.5 dropped it; numba-cuda's array overloads still name it
+        np.row_stack = np.vstack
     from numba import config, cuda
 
     report = {"simulator": bool(config.ENABLE_CUDASIM), "cuda": bool(cuda.is_available()), "results": {}}
