@@ -1,6 +1,7 @@
 """The small pipeline the tests train: its usual shape built in one place, every setting overridable.
 
-``small_pipeline()`` is ``Pipeline`` over 1,000 rows of :data:`GEN` with :data:`CFG`, a MEM-PS
+``small_config(**changes)`` is :data:`CFG` with the settings a test is about; ``small_pipeline()`` is
+``Pipeline`` over 1,000 rows of :data:`GEN` with :data:`CFG`, a MEM-PS
 of 10,000 rows (every key fits) and batches of 500; the caller names only what its test is about.
 Tests that need another shape (several sources, a killed actor, a cluster fixture's address)
 build ``Pipeline`` themselves.
@@ -8,6 +9,7 @@ build ``Pipeline`` themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -17,6 +19,15 @@ from hpsray.pipelines import MemPSSettings, Pipeline, SSDPSSettings, SyntheticSo
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)
 CFG = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+
+
+def small_config(**changes: Any) -> TrainConfig:
+    """:data:`CFG` with ``changes`` (the settings a test is about): the tests' one model shape."""
+    return dataclasses.replace(CFG, **changes)
+
+
+CLUSTER_CFG = small_config(hidden=(16, 8), minibatch_size=64, seed=3)
+"""The multi-node tests' model: a deeper MLP, mini-batches of 64."""
 
 
 def small_pipeline(

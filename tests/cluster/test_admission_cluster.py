@@ -6,17 +6,16 @@ import numpy as np
 import pytest
 import ray
 
-from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.partition import owner_of
 
-from small_pipeline import small_pipeline  # tests/small_pipeline.py
+from small_pipeline import CLUSTER_CFG, small_pipeline  # tests/small_pipeline.py
 
 pytestmark = pytest.mark.slow
 
-CFG = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=64, seed=3)
+CFG = CLUSTER_CFG
 GEN = PlantedCTR(n_slots=4, keys_per_slot=1500, n_dense=2, seed=3)
 BATCH = 200
 RULES = dict(admit_after=2, expire_after_batches=2)

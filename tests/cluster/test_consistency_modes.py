@@ -9,14 +9,15 @@ is checked against the reference in test_multinode.py and test_three_nodes.py.
 import numpy as np
 import pytest
 
-from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.pipelines import MemPSSettings, Pipeline, SyncSettings, SyntheticSource, TrainerSettings
+
+from small_pipeline import small_config  # tests/small_pipeline.py
 
 pytestmark = pytest.mark.slow
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=200, n_dense=2, seed=5)
-CFG = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=128, seed=5, sparse_lr=0.1)
+CFG = small_config(hidden=(16, 8), minibatch_size=128, seed=5, sparse_lr=0.1)
 
 
 def dense_digests(directory: str):

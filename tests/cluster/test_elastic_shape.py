@@ -15,7 +15,6 @@ import pytest
 import ray
 
 from hpsray.checkpoint import Checkpoints
-from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.pipelines import (
     CheckpointSettings,
@@ -29,10 +28,11 @@ from hpsray.reference import ReferenceTrainer, global_batches
 from hpsray.tiers.partition import owner_of
 
 from recovery_drivers import pid_of  # tests/recovery_drivers.py
+from small_pipeline import CLUSTER_CFG  # tests/small_pipeline.py
 
 pytestmark = pytest.mark.slow
 
-CFG = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=64, seed=3)
+CFG = CLUSTER_CFG
 GEN = PlantedCTR(n_slots=4, keys_per_slot=300, n_dense=2, seed=3)
 BATCH = 200
 SOURCE = SyntheticSource(GEN, rows=BATCH * 8)  # 8 batches on 1 node, 4 on 2, 3 on 3

@@ -18,10 +18,11 @@ from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.partition import owner_of
 
 from hooks import straggler  # tests/cluster/hooks.py (pytest puts this directory on sys.path)
+from small_pipeline import CLUSTER_CFG, small_config  # tests/small_pipeline.py
 
 pytestmark = pytest.mark.slow
 
-CFG = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=64, seed=3)
+CFG = CLUSTER_CFG
 GEN = PlantedCTR(n_slots=4, keys_per_slot=300, n_dense=2, seed=3)
 BATCH = 200
 
@@ -124,7 +125,7 @@ def expected_traffic(source, nodes: int, batch: int = BATCH) -> dict:
 
 def test_ssp_bounded_and_learns_asp_runs(two_nodes_cluster):
     gen = PlantedCTR(n_slots=4, keys_per_slot=200, n_dense=2, seed=5)
-    cfg = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=128, seed=5, sparse_lr=0.1)
+    cfg = small_config(hidden=(16, 8), minibatch_size=128, seed=5, sparse_lr=0.1)
     # long enough for both to approach the planted model: early on, stale updates lag by ~0.01 AUC
     train = SyntheticSource(gen, rows=36_000)
     held_out = SyntheticSource(gen, rows=10_000, start_row=500_000)

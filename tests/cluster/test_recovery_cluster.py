@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.pipelines import (
     CheckpointSettings,
@@ -18,11 +17,12 @@ from hpsray.pipelines import (
 )
 
 from recovery_drivers import Killer, kill_plan  # tests/recovery_drivers.py
+from small_pipeline import CLUSTER_CFG  # tests/small_pipeline.py
 from test_multinode import check_lossless  # tests/cluster
 
 pytestmark = pytest.mark.slow
 
-CFG = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=64, seed=3)
+CFG = CLUSTER_CFG
 GEN = PlantedCTR(n_slots=4, keys_per_slot=300, n_dense=2, seed=3)
 BATCH = 200
 SOURCE = SyntheticSource(GEN, rows=BATCH * 2 * 16)  # 16 batches per node

@@ -10,7 +10,6 @@ equality with the reference is test_multinode.py's and test_pipeline_system.py's
 import numpy as np
 import pytest
 
-from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.kernels.init import RowInit
 from hpsray.pipelines import MemPSSettings, Pipeline, SyncSettings, SyntheticSource, TrainerSettings
@@ -21,9 +20,10 @@ from hpsray.tiers.warmup import _DictStore
 
 from hooks import straggler  # tests/cluster/hooks.py (pytest puts this directory on sys.path)
 from loading import lend  # tests/loading.py
+from small_pipeline import small_config  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=200, n_dense=2, seed=7)
-CFG = TrainConfig(dim=4, hidden=(16, 8), minibatch_size=128, seed=7, sparse_lr=0.1)
+CFG = small_config(hidden=(16, 8), minibatch_size=128, seed=7, sparse_lr=0.1)
 W = 8
 INIT = RowInit(dim=4, scale=0.1, seed=3)
 

@@ -133,14 +133,13 @@ def test_gzip_and_counting(tmp_path):
 
 @pytest.mark.slow
 def test_trains_end_to_end_as_the_reference(ray_local, tmp_path):
-    from hpsray.config import TrainConfig
     from hpsray.pipelines import FileSource
     from hpsray.reference import ReferenceTrainer
 
-    from small_pipeline import small_pipeline  # tests/small_pipeline.py
+    from small_pipeline import small_config, small_pipeline  # tests/small_pipeline.py
 
     _write(tmp_path / "train.jsonl", _table(1000, seed=5).to_pylist())
-    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=250)
+    cfg = small_config(minibatch_size=250)
     source = FileSource(str(tmp_path / "train.jsonl"), SCHEMA, policy=STRICT)
     with small_pipeline(source, cfg, mem_rows=2000, batch_size=500) as p:
         p.fit(progress=False)

@@ -6,18 +6,17 @@ seen in fewer than ``admit_after`` batches."""
 import numpy as np
 import ray
 
-from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
 
-from small_pipeline import small_pipeline  # tests/small_pipeline.py
+from small_pipeline import small_config, small_pipeline  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)  # Zipf keys
 SOURCE = SyntheticSource(GEN, rows=6000)
 SECOND = SyntheticSource(GEN, rows=3000, start_row=6000)
 BATCH = 1000
-CFG = TrainConfig(dim=4, hidden=(16,), minibatch_size=200, sparse_optimizer="adagrad", sparse_lr=0.05)
+CFG = small_config(hidden=(16,), minibatch_size=200, sparse_optimizer="adagrad", sparse_lr=0.05)
 RULES = dict(admit_after=2, expire_after_batches=3)
 
 

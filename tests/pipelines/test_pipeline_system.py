@@ -19,7 +19,7 @@ from hpsray.reference import ReferenceTrainer
 from hpsray.report import json_keys
 
 from report_keys import check_fit_report  # tests/report_keys.py
-from small_pipeline import GEN, small_pipeline  # tests/small_pipeline.py
+from small_pipeline import CFG, GEN, small_config, small_pipeline  # tests/small_pipeline.py
 
 SOURCE = SyntheticSource(GEN, rows=6000)
 BATCH = 1000
@@ -36,7 +36,7 @@ def reference_of(cfg: TrainConfig, source=SOURCE) -> tuple:
     [("adagrad", 0.05, 2), ("adam", 0.01, 1)],
 )
 def test_pipeline_is_lossless_with_rows_travelling_to_ssd_and_back(ray_local, tmp_path, optimizer, lr, devices):
-    cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=200, sparse_optimizer=optimizer, sparse_lr=lr)
+    cfg = small_config(hidden=(16,), minibatch_size=200, sparse_optimizer=optimizer, sparse_lr=lr)
     # 3000 rows of MEM-PS against ~5000 distinct keys, two batches pinned at a time: rows must
     # be evicted to SSD-PS and loaded back for later batches.
     with small_pipeline(
@@ -65,7 +65,7 @@ def test_pipeline_is_lossless_with_rows_travelling_to_ssd_and_back(ray_local, tm
 def test_later_passes_reuse_the_reader_and_stay_lossless(ray_local):
     """fit, evaluate, fit again on more data: one reader actor serves every pass (a new actor
     costs seconds of process start), and the result is the reference's over both passes."""
-    cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=200)
+    cfg = small_config(hidden=(16,), minibatch_size=200)
     second = SyntheticSource(GEN, rows=3000, start_row=6000)
     with small_pipeline(SOURCE, cfg, mem_rows=20000, batch_size=BATCH) as p:
         first_report = p.fit(progress=False)
@@ -109,7 +109,7 @@ class SlowDNN(torch.nn.Module):
 
 
 def test_slow_trainer_stalls_the_reader(ray_local):
-    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    cfg = CFG
     source = SyntheticSource(GEN, rows=8000)
     with small_pipeline(source, cfg, mem_rows=20000, trainer=dict(model=SlowDNN(4, 4, 3, 0.15)), read_queue=2) as p:
         report = p.fit(progress=False)
@@ -140,7 +140,7 @@ def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
 
 
 def test_actors_are_named_for_the_dashboard(ray_local):
-    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    cfg = CFG
     with small_pipeline(cfg=cfg, name="named-run") as p:
         p.fit(progress=False)
         names = set(ray.util.list_named_actors())
@@ -154,7 +154,7 @@ def test_actors_are_named_for_the_dashboard(ray_local):
 
 
 def test_transform_stage_runs_in_the_reader(ray_local):
-    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    cfg = CFG
 
     def only_first_slot(batch: Batch) -> Batch:
         keep = batch.slots == 0
@@ -172,14 +172,14 @@ def test_transform_stage_runs_in_the_reader(ray_local):
 
 
 def test_too_small_memory_budget_fails_clearly(ray_local):
-    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    cfg = CFG
     with small_pipeline(SyntheticSource(GEN, rows=2000), cfg, mem_rows=50, batch_size=1000) as p:
         with pytest.raises(TrainingStopped, match="CapacityError"):
             p.fit(progress=False)
 
 
 def test_evaluate_scores_held_out_rows(ray_local):
-    cfg = TrainConfig(dim=8, hidden=(32,), minibatch_size=500)
+    cfg = small_config(dim=8, hidden=(32,))
     gen = PlantedCTR(n_slots=6, keys_per_slot=500, n_dense=3, seed=4)
     with small_pipeline(SyntheticSource(gen, rows=40_000), cfg, mem_rows=8000, batch_size=5000) as p:
         p.fit(progress=False)
@@ -204,7 +204,7 @@ def test_bad_input_in_strict_mode_stops_training_but_keeps_what_was_trained(ray_
     schema = Schema.from_dict(
         {"format": "csv", "header": True, "label": "click", "dense": ["price"], "categorical": ["user", "ad"]}
     )
-    cfg = TrainConfig(dim=4, hidden=(8,), minibatch_size=250)
+    cfg = small_config(minibatch_size=250)
     # small parse blocks, so the first batches are read before the bad line is reached
     source = FileSource(str(path), schema, policy=STRICT, options={"block_size": 8192})
     with small_pipeline(source, cfg, mem_rows=2000, batch_size=1000, read_queue=1) as p:

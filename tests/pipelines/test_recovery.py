@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from hpsray.checkpoint import Checkpoints
-from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.errors import DiskFullError, TrainingStopped, caused_by
 from hpsray.pipelines import (
@@ -23,12 +22,12 @@ from hpsray.pipelines import (
 from hpsray.reference import ReferenceTrainer
 
 from recovery_drivers import Killer, kill_plan  # tests/recovery_drivers.py
-from small_pipeline import small_pipeline  # tests/small_pipeline.py
+from small_pipeline import small_config, small_pipeline  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=3, seed=5)
 SOURCE = SyntheticSource(GEN, rows=15000)
 BATCH = 500
-CFG = TrainConfig(dim=4, hidden=(8,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
+CFG = small_config(minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
 
 
 ADMISSION = {"admit_after": 2, "expire_after_batches": 3}  # training state a checkpoint must keep too

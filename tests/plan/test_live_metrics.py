@@ -17,11 +17,10 @@ import urllib.request
 import pytest
 
 from hpsray.actors.livemetrics import METRICS, LiveGauges, prometheus_names
-from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.pipelines import SyntheticSource
 
-from small_pipeline import small_pipeline  # tests/small_pipeline.py
+from small_pipeline import CFG, small_pipeline  # tests/small_pipeline.py
 
 LINE = re.compile(r"^(ray_hpsray_\w+)\{([^}]*)\} (\S+)$")
 DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "grafana" / "hpsray.json"
@@ -69,7 +68,7 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
     probe = ray.remote(num_cpus=0)(SyncProbe).remote()
     ray.get(probe.run.remote())
     data = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=2, seed=0)
-    config = TrainConfig(dim=4, hidden=(8,), minibatch_size=500)
+    config = CFG
     every = {s for name, kind in METRICS.items() for s in prometheus_names(name, kind)}
     want = every
     queried = set(re.findall(r"\bray_hpsray_\w+", DASHBOARD.read_text()))

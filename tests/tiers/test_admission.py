@@ -21,6 +21,7 @@ from hpsray.tiers.mem import MemPS
 from hpsray.tiers.ssd import SSDPS
 
 from loading import lend, pull_loaded  # tests/loading.py
+from small_pipeline import small_config  # tests/small_pipeline.py
 
 W = 4
 INIT = RowInit(dim=W, scale=0.1, seed=3)
@@ -332,4 +333,4 @@ def test_the_pipeline_and_the_reference_refuse_the_same_admission_settings(admit
     with pytest.raises(ValueError, match=re.escape(message)):
         Admission(admit, expire)
     with pytest.raises(ValueError, match=re.escape(message)):
-        ReferenceTrainer(2, 1, TrainConfig(dim=4, hidden=(8,)), admit_after=admit, expire_after_batches=expire)
+        ReferenceTrainer(2, 1, small_config(), admit_after=admit, expire_after_batches=expire)

@@ -16,7 +16,7 @@ from hpsray.pipelines import SyntheticSource
 from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.ssd import TableImport, read_table
 
-from small_pipeline import small_pipeline  # tests/small_pipeline.py
+from small_pipeline import small_config, small_pipeline  # tests/small_pipeline.py
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=3000, n_dense=3, seed=1)
 SOURCE = SyntheticSource(GEN, rows=4000)
@@ -46,7 +46,7 @@ def _export_like(directory, cfg: TrainConfig) -> np.ndarray:
 def test_training_from_an_import_equals_the_reference_from_it(ray_local, tmp_path):
     """Imported rows are read from SSD-PS, trained, evicted (3500 rows of MEM-PS against ~6000
     distinct keys) and read back; every row and dense weight equals the reference's bit for bit."""
-    cfg = TrainConfig(dim=4, hidden=(16,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
+    cfg = small_config(hidden=(16,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
     imported = _export_like(tmp_path / "table", cfg)
     spec = TableImport(str(tmp_path / "table"), cfg.dim, float(cfg.row_init().state_value))
     with small_pipeline(
@@ -76,7 +76,7 @@ def test_hpsray_train_init_from_equals_the_reference_from_it(tmp_path):
     """The user's path: ``hpsray train --init-from DIR --export OUT``, then the reference started
     from the same table compares equal (``--reference --compare OUT``); a bad table is refused
     naming its file, before any row is trained."""
-    cfg = TrainConfig(dim=4, hidden=[16], minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
+    cfg = small_config(hidden=(16,), minibatch_size=250, sparse_optimizer="adagrad", sparse_lr=0.05)
     _export_like(tmp_path / "table", cfg)
     job = tmp_path / "job.toml"
     job.write_text(
