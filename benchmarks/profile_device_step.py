@@ -112,8 +112,9 @@ def graph_variant(engine: TrainerEngine, batches: list, repeat: int, sync: Calla
     return {"captured": True, "graphs": len(graphs), "examples_per_s": examples / best}
 
 
-def measure(args: argparse.Namespace, keys_per_example: int) -> dict:
-    """The figures at ``keys_per_example`` (see the module docstring)."""
+def measure(args: argparse.Namespace, keys_per_example: int) -> tuple[dict, Callable[[], dict]]:
+    """The figures at ``keys_per_example`` (see the module docstring), and the graph variant's
+    measurement over the same engine and batches, to call later (:func:`graph_variant`)."""
     gen = PlantedCTR(
         n_slots=26,
         keys_per_slot=args.keys_per_slot,
@@ -173,16 +174,11 @@ def measure(args: argparse.Namespace, keys_per_example: int) -> dict:
         "ratio_vs_pytorch": min(pt) / hp[best],
         "threads": torch.get_num_threads(),
     }
-    if args.graph:
-        out["graph"] = graph_variant(engine, batches, args.repeat, sync)
-        if out["graph"].get("captured"):
-            out["graph"]["vs_step"] = out["graph"]["examples_per_s"] / out["hpsray_step_examples_per_s"]
     if not args.json:
         print(
             f"device {args.device}, {keys_per_example} keys/example: hpsray {out['hpsray_examples_per_s']:,.0f} "
             f"examples/s (find-once index {out['hpsray_index_share']:.0%} of it), plain PyTorch "
             f"{out['pytorch_examples_per_s']:,.0f}: {out['ratio_vs_pytorch']:.2f}x"
-            + (f"; as CUDA graphs: {out['graph']}" if args.graph else "")
         )
     if args.profile:
         acts = [torch.profiler.ProfilerActivity.CPU] + (
@@ -192,7 +188,16 @@ def measure(args: argparse.Namespace, keys_per_example: int) -> dict:
             run_engine()
         key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25))
-    return out
+
+    def graph() -> dict:
+        g = graph_variant(engine, batches, args.repeat, sync)
+        if g.get("captured"):
+            g["vs_step"] = g["examples_per_s"] / out["hpsray_step_examples_per_s"]
+        if not args.json:
+            print(f"device {args.device}, {keys_per_example} keys/example, each mini-batch's step as a CUDA graph: {g}")
+        return g
+
+    return out, graph
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,13 +217,26 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(k) for k in str(args.keys_per_example).split(",") if k.strip()]
     if not counts or min(counts) < 1:
         ap.error(f"--keys-per-example: positive counts, got {args.keys_per_example!r}")
-    runs = {str(k): measure(args, k) for k in counts}
-    out = runs[str(counts[0])] if len(counts) == 1 else {"by_keys": runs}
+    runs: dict[str, dict] = {}
+
+    def result() -> dict:
+        return runs[str(counts[0])] if len(counts) == 1 else {"by_keys": runs}
+
+    def save() -> None:  # after every figure: a run cut short keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result(), f, indent=2)
+
+    graphs = {}
+    for k in counts:  # every plain figure first: a capture that fails cannot spoil them
+        runs[str(k)], graphs[str(k)] = measure(args, k)
+        save()
+    if args.graph:
+        for k, graph in graphs.items():
+            runs[k]["graph"] = graph()
+            save()
     if args.json:
-        print(json.dumps(out, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
+        print(json.dumps(result(), indent=2))
     return 0
 
 

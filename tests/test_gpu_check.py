@@ -87,6 +87,24 @@ def test_a_part_that_fails_or_runs_out_of_time_is_recorded_and_the_next_one_runs
     assert "===== tests: timeout" in log and "===== kernels: failed" in log and "Traceback" in log
 
 
+def test_the_step_part_writes_the_json_the_check_reads(tmp_path):
+    """profile_device_step at 26 and 100 keys (tiny, on the CPU) writes ``by_keys`` with the
+    figures :func:`_targets` reads; the CUDA-graph variant says why it did not run here."""
+    out = tmp_path / "step.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_device_step.py"), "--keys-per-example", "26,100"]
+    cmd += ["--keys-per-slot", "400", "--minibatch", "64", "--minibatches-per-batch", "2", "--batches", "1"]
+    r = _run([*cmd, "--repeat", "1", "--graph", "--out", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    step = json.loads(out.read_text())
+    for k in ("26", "100"):
+        fig = step["by_keys"][k]
+        assert fig["keys_per_example"] == int(k) and fig["ratio_vs_pytorch"] > 0 and fig["pytorch_examples_per_s"] > 0
+        assert fig["hpsray_step_examples_per_s"] >= fig["hpsray_examples_per_s"]  # the index left out
+        assert fig["graph"] == {"skipped": "CUDA graphs need --device cuda"}
+    t = gpu_check._targets({"step": {"result": step}})
+    assert t["step_vs_pytorch_100"]["value"] == step["by_keys"]["100"]["ratio_vs_pytorch"]
+
+
 def test_gpu_check_ray_without_cuda_says_so_and_exits_0(tmp_path):
     r = _run([str(CHECK_RAY), "--dry-run"])
     assert r.returncode == 0 and "bench peers --device cuda" in r.stdout and "bench serve --device cuda" in r.stdout
