@@ -286,7 +286,7 @@ class DeviceDrivenLookup:
         hslots = self.host.directory.probe(unique_keys, active=rest)
         self.host.gather(hslots, out)
         miss = rest & (hslots < 0)
-        order = xp.argsort(~miss, kind="stable")  # the missed keys first, in key order
+        order = xp.argsort((~miss).astype(xp.int8), kind="stable")  # the missed keys first, in key order
         packed = xp.empty(n + 1, dtype=xp.uint64)
         packed[:1] = miss.sum(keepdims=True)  # a device copy: no value read on the host
         packed[1:] = unique_keys[order]
