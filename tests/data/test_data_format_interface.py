@@ -1,6 +1,7 @@
 """The Format interface: the registry, row counts (counted or estimated, and said so), and that
 no code outside ``hpsray/data`` asks which format it has."""
 
+import dataclasses
 import pathlib
 import re
 
@@ -92,3 +93,31 @@ def test_file_columns_are_the_header_or_the_parquet_schema(tmp_path):
     (split,) = list_files(str(tmp_path / "b.parquet"))
     schema = Schema(format="parquet", label="click", categorical=("user",))
     assert format_of(schema).file_columns(split, schema) == ["click", "user"]
+
+
+def test_a_format_registered_from_outside_reads_through_every_reader(tmp_path, monkeypatch):
+    """The extension point: a Format subclass and register() are all a new layout needs."""
+    from hpsray.data import Batch, DataReader, register
+    from hpsray.data import formats as F
+    from hpsray.data.text import CSV
+
+    class Semicolons(F.Format):  # CSV with ';' whatever the schema says
+        name = "semicolons"
+
+        def read(self, r):
+            return CSV.read(
+                F.SplitRead(r.split, dataclasses.replace(r.schema, format="csv", delimiter=";"), r.policy, r.report)
+            )
+
+        def splits(self, path, compression):
+            return CSV.splits(path, compression)
+
+        def count_rows(self, files, schema):
+            return CSV.count_rows(files, schema)
+
+    monkeypatch.setattr(F, "_registered", dict(F._registered))
+    register(Semicolons())
+    (tmp_path / "a.txt").write_text("click;user\n1;u1\n0;u2\n")
+    schema = Schema(format="semicolons", header=True, label="click", categorical=("user",))
+    batch = Batch.concat(list(DataReader(str(tmp_path / "a.txt"), schema)))
+    assert batch.labels.tolist() == [1, 0] and count_rows(str(tmp_path / "a.txt"), schema).rows == 2
