@@ -1,24 +1,10 @@
 """The device processes of a node's trainer (docs/architecture.md: Devices): where device 0
-starts the other ``D - 1``, and what each gives back of a batch."""
+starts the other ``D - 1``, and how it tells that one died. What each gives back of a batch is a
+:class:`~hpsray.training.devices.DevicePart`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-
-
-@dataclass(frozen=True)
-class DevicePart:
-    """One device process's result of a batch: its rows of each owner's keys going back (in the
-    keys' order, only those it holds) and its loss share of each global mini-batch, with the
-    factor that turns the node's summed shares into its mean loss (0: the node's part was empty)."""
-
-    rows: list[np.ndarray]
-    losses: list[float]
-    scales: list[float]
-    returned: list[np.ndarray | None]  # per owner, which of its keys go back (None: all)
 
 
 def start_device_workers(trainer: type, args: tuple, placement: Any, name: str | None) -> list:

@@ -2,8 +2,9 @@
 
 Layering: the loan's four (``Pulled``, ``Loan``, ``Refresh``, ``Returned``) are defined in the
 Ray-free :mod:`hpsray.tiers.loans` and re-exported here, since two engines (the owner's and the
-trainer's) build and read them and engines never import this package; the three that carry refs
-are defined here, Ray-free too (refs are typed for mypy only).
+trainer's) build and read them and engines never import this package; so is a device process's
+``DevicePart`` (:mod:`hpsray.training.devices`, built by the device strategy). The three that
+carry refs are defined here, Ray-free too (refs are typed for mypy only).
 
 Refs travel inside these messages unresolved (Ray resolves only top-level arguments), so each
 actor fetches exactly the parts it needs: a MEM-PS gets one owner's keys, never the batch.
@@ -15,7 +16,8 @@ Per batch ``t`` (docs/architecture.md: The pipeline; the verbs: Glossary)::
     SSDPSShard.load_missing(Pulled)  -> Loan        (the owner's rows of the borrower's keys it does not hold)
     MemPSShard.refresh               -> Refresh     (rows other borrowers changed since the loan)
     MemPSShard.must_return           -> keys        (several nodes: what a trainer returns though it keeps it)
-    Trainer.train(TrainInputs)       -> Returned per owner, then TrainOutcome
+    Trainer.train(TrainInputs)       -> Returned per owner, then TrainOutcome   (TrainReturns)
+    Trainer.train_part(TrainInputs)  -> DevicePart  (D > 1 devices: device d's part, to device 0)
     MemPSShard.write_back(*Returned)
     Trainer.flush                    -> [Returned per owner]  (rows it kept across a batch end: before a
     MemPSShard.store_kept(*flushed)                              checkpoint, at a stop, after a failure)
@@ -31,13 +33,25 @@ import numpy as np
 import numpy.typing as npt
 
 from hpsray.tiers.loans import Loan, Pulled, Refresh, Returned
+from hpsray.training.devices import DevicePart
 
 if TYPE_CHECKING:
     from ray import ObjectRef
 
     from hpsray.data.batch import Batch
 
-__all__ = ["Loan", "Pulled", "ReadBatch", "Refresh", "Returned", "TrainData", "TrainInputs", "TrainOutcome"]
+__all__ = [
+    "DevicePart",
+    "Loan",
+    "Pulled",
+    "ReadBatch",
+    "Refresh",
+    "Returned",
+    "TrainData",
+    "TrainInputs",
+    "TrainOutcome",
+    "TrainReturns",
+]
 
 Keys = npt.NDArray[np.uint64]
 
@@ -100,3 +114,9 @@ class TrainOutcome:
 
     loss: float
     examples: int
+
+
+TrainReturns = tuple["Returned | TrainOutcome", ...]
+"""What ``Trainer.train`` returns: one :class:`Returned` per owner node (in node order), then the
+batch's :class:`TrainOutcome`; Ray hands each out as its own ref (``num_returns = n_nodes + 1``),
+so each owner's write-back fetches only its rows."""

@@ -15,15 +15,15 @@ if TYPE_CHECKING:
 
     from hpsray.actors.messages import ReadBatch
 
-__all__ = ["Traffic", "kept_masks", "working_set_report"]
+__all__ = ["Traffic", "fetch_keep_masks", "working_set_report"]
 
 
-def kept_masks(
+def fetch_keep_masks(
     next_batch: ObjectRef[ReadBatch] | None,
     key_parts: list[np.ndarray],
     must_return: Sequence[ObjectRef[np.ndarray]] = (),
 ) -> list[np.ndarray] | None:
-    """Per owner, which of this batch's keys the trainer keeps (:func:`keep_masks`), given a ref
+    """:func:`keep_masks` of this batch's keys, fetched: per owner, which the trainer keeps, given a ref
     to the next batch's ``ReadBatch`` and refs of each owner's keys needed back. ``None``
     (return every row) without a next batch, when it is empty or could not be read (its
     reader's error is the driver's to raise)."""

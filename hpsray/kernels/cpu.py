@@ -28,6 +28,9 @@ from hpsray.kernels.table import HashTable, as_keys, as_rows, bucket_count, chec
 
 _EMPTY = EMPTY_KEY
 
+# apply_row_update is inlined into this file's cached kernels: numba's cache keys on this file only,
+# so a change of its math comes with a change here (per-row Adagrad's float64 sum, 2026-11-27)
+
 
 @njit(parallel=True, cache=True)
 def _find(buckets, mask, keys, out):

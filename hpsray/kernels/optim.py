@@ -10,6 +10,7 @@ optimizer                 state per row    update for summed gradient ``g``
 ``SGD``                   none             ``w -= lr * g``
 ``Adagrad``               ``dim``          ``a += g*g;  w -= lr * g / (sqrt(a) + eps)``
 ``Adagrad(per_row)``      1                ``a += mean(g*g);  w -= lr * g / (sqrt(a) + eps)``
+                                           (the squares summed in float64)
 ``Adam`` (lazy)           ``2 * dim``      moments of touched rows only;
                                            ``w -= lr * (m/bc1) / (sqrt(v/bc2) + eps)``
                                            with bias corrections ``bc`` of the global
@@ -54,10 +55,10 @@ def apply_row_update(kind, row, g, dim, hp):
             row[j] = row[j] - lr * g[j] / (np.float32(math.sqrt(a)) + eps)
     elif kind == 2:  # Adagrad, one accumulator per row
         eps = hp[1]
-        s = np.float32(0.0)
+        s = 0.0  # the float32 squares summed in float64, in column order, rounded once
         for j in range(dim):
-            s += g[j] * g[j]
-        a = row[dim] + s / np.float32(dim)
+            s += np.float64(g[j] * g[j])
+        a = row[dim] + np.float32(s) / np.float32(dim)
         row[dim] = a
         scale = lr / (np.float32(math.sqrt(a)) + eps)
         for j in range(dim):

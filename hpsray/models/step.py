@@ -171,16 +171,19 @@ class DenseReplicas:
     def _reduce_across_nodes(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Sum the replicas' gradients locally, then over nodes with ``reduce``, and give every
         replica the total (zeros stand in for parameters without a gradient)."""
-        params = [list(m.parameters()) for m in self.models]
-        flat = torch.cat(
-            [
-                sum((p.grad for p in group if p.grad is not None), torch.zeros_like(group[0])).reshape(-1)
-                for group in zip(*params)
-            ]
-        )
+        groups = list(zip(*[list(m.parameters()) for m in self.models]))
+        if len(self.models) == 1 and all(g[0].grad is not None for g in groups):  # one replica: its gradients
+            flat = torch.cat([g[0].grad.reshape(-1) for g in groups if g[0].grad is not None])
+        else:
+            flat = torch.cat(
+                [
+                    sum((p.grad for p in group if p.grad is not None), torch.zeros_like(group[0])).reshape(-1)
+                    for group in groups
+                ]
+            )
         total = reduce(flat)
-        for group in zip(*params):
+        for group in groups:
             n = group[0].numel()
             chunk, total = total[:n].view_as(group[0]), total[n:]
-            for p in group:
-                p.grad = chunk.clone()
+            for p in group:  # one replica takes its part of the sum as it is (nothing else writes it)
+                p.grad = chunk if len(group) == 1 else chunk.clone()

@@ -1,18 +1,18 @@
 """``TrainerEngine``: a node's trainer without Ray (docs/architecture.md: The trainer).
 
-Per batch the :class:`~hpsray.actors.trainer.Trainer` actor resolves its inputs and calls, in
-order: :meth:`TrainerEngine.borrow` (the loaned rows become the working set),
-:meth:`TrainerEngine.index` (every key occurrence found once), :meth:`TrainerEngine.train_local`
-or :meth:`TrainerEngine.train_bsp` (the mini-batch steps, torch ops on the arena), then
-:meth:`TrainerEngine.close_batch` (the one read of the losses) and
-:meth:`TrainerEngine.give_back` (the rows that leave, per owner). Collectives come in as
-collaborators (:class:`SparseExchange`, a dense ``reduce``), so the same engine trains one node
-in a test, in the actor, or beside other engines in one process.
+The engine holds a node's state (working set, dense model, step) and the parts of a batch; a
+strategy (:mod:`hpsray.training.strategies`) calls them, in order: :meth:`TrainerEngine.borrow`
+(the loaned rows become the working set), :meth:`TrainerEngine.index` (every key occurrence
+found once), the mini-batch steps (:meth:`TrainerEngine.train_local` on one node; torch ops on
+the arena), :meth:`TrainerEngine.close_batch` (the one read of the losses) and
+:meth:`TrainerEngine.end_batch` (the rows that leave, per owner). Collectives come in as the
+strategies' collaborators, so the same engine trains one node in a test, in the actor, or beside
+other engines in one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,16 +26,16 @@ from hpsray.kernels.arrays import to_host
 from hpsray.kernels.distinct import in_sorted
 from hpsray.models.device import StepDevice
 from hpsray.models.dnn import DNN
+from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.loans import Loan, Refresh
 from hpsray.training.layout import BatchIndex, MiniBatchIndex, index_batch, keys_as_tensor
+from hpsray.training.marks import minibatch
 from hpsray.training.step import ArenaStep
 from hpsray.training.working_set import Traffic
 
 __all__ = ["SparseExchange", "TrainerEngine", "loaned_rows"]
-
-DenseReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class SparseExchange(Protocol):
@@ -91,7 +91,9 @@ class TrainerEngine:
         self.step = 0  # mini-batch steps taken: the sparse optimizer's global step
         self.examples = 0
         self.traffic = Traffic(config.row_width * 4)
-        self.unreturned: list[np.ndarray] = []  # per owner: keys kept at the last batch's end, not returned
+        self.losses: dict[Hashable, float] = {}  # per batch, its mean loss
+        self.empty = Batch.empty(n_slots, n_dense)  # an exhausted node's part of a batch
+        self.kept: list[np.ndarray] = []  # per owner: keys kept at the last batch's end (not returned)
         self._resident: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted int64 keys, their slots
         self._parts: list[np.ndarray] | None = None  # per owner, the sorted keys resident (the last batch's)
         self._arena: tuple[Any, ArenaStep] | None = None  # (table, its step): a grown table has a new arena
@@ -100,7 +102,7 @@ class TrainerEngine:
         """Drop the working set (a recovery that keeps this process; the dense model stays)."""
         c = self.config
         self.hbm = HbmPS(self.capacity, c.row_width, c.row_init(), 1, self.n_nodes, self.device.name)
-        self._arena, self._resident, self.unreturned, self._parts = None, None, [], None
+        self._arena, self._resident, self.kept, self._parts = None, None, [], None
 
     # -- a batch -----------------------------------------------------------------------------
 
@@ -125,13 +127,19 @@ class TrainerEngine:
         self.traffic.received(batch_id, loans)
         self._resident = None
         if self.n_nodes > 1:
-            self.hold(keys)
+            self.set_resident(keys)
         return hits
 
-    def hold(self, keys: np.ndarray) -> None:
-        """Note ``keys`` as the rows held (resident) for :meth:`apply_updates`: sorted once, so
-        each update finds its rows by ``searchsorted``."""
+    def set_resident(self, keys: np.ndarray) -> None:
+        """Note ``keys`` as the working set's rows that updates of other nodes reach
+        (:meth:`apply_updates`, :class:`~hpsray.training.exchange_plan.ExchangePlan`): sorted
+        once, so an update finds its rows by ``searchsorted``."""
         self._resident = self._sorted_slots(keys)
+
+    @property
+    def resident(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys :meth:`set_resident` noted (``int64`` bits, sorted) and their slots."""
+        return self._resident
 
     @property
     def arena(self) -> ArenaStep:
@@ -181,51 +189,12 @@ class TrainerEngine:
         self.dense.train(True)
         arena, losses = self.arena, []
         for mb in index.minibatches:
-            gathered, loss, grads = self.forward_backward(arena, mb, mb.n_examples)
-            self.dense.step_optimizers()
-            self.step += 1
-            arena.update(mb.rows, gathered, grads, self.step)
-            losses.append(loss)
-        self.examples += index.n_examples
-        return losses
-
-    def train_bsp(
-        self,
-        index: BatchIndex,
-        sizes: list[int],
-        exchange: SparseExchange,
-        reduce: DenseReduce,
-        before_step: Callable[[int], None] | None = None,
-        after_step: Callable[[], None] | None = None,
-    ) -> list[torch.Tensor]:
-        """BSP across nodes: every node steps through as many global mini-batches as the node
-        with the most examples (``sizes``: every node's examples in this batch; an exhausted
-        node contributes empty ones); after each, ``reduce`` sums the dense gradient over the
-        nodes and ``exchange`` gives every node's row gradients, which each node applies to the
-        rows it holds, summed in rank order. Returns the losses (this node's part of each
-        global mini-batch's mean, unread); ``before_step(clock)`` and ``after_step()`` run around
-        each step."""
-        self.dense.train(True)
-        arena, losses = self.arena, []
-        for mb, total in self.global_minibatches(index, sizes):
-            if before_step is not None:
-                before_step(self.step + 1)
-            if mb is not None:
-                gathered, loss, grads = self.forward_backward(arena, mb, total)
-                assert mb.keys is not None  # indexed with keys: several nodes
-                keys = mb.keys
-            else:
-                self.dense.zero_grad()
-                keys = torch.empty(0, dtype=torch.int64, device=self.device.torch)
-                grads = torch.empty((0, self.config.dim), dtype=torch.float32, device=self.device.torch)
-            self.dense.step_optimizers(reduce)
-            all_keys, all_grads = exchange.allgather_sparse(self._out(keys, keys=True), self._out(grads))
-            self.step += 1
-            self.apply_updates(all_keys, all_grads)
-            if after_step is not None:
-                after_step()
-            if mb is not None:
-                losses.append(loss * total / mb.n_examples)
+            with minibatch():  # a profiler range: tests count what runs inside it
+                gathered, loss, grads = self.forward_backward(arena, mb, mb.n_examples)
+                self.dense.step_optimizers()
+                self.step += 1
+                arena.update(mb.rows, gathered, grads, self.step)
+                losses.append(loss)
         self.examples += index.n_examples
         return losses
 
@@ -233,17 +202,46 @@ class TrainerEngine:
         """The batch's mean loss: the one read of the device per batch (``nan`` without steps)."""
         return float(torch.stack(losses).sum()) / len(losses) if losses else float("nan")
 
+    @torch.no_grad()
+    def predict(self, batch: Batch, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Click probabilities of ``batch`` given the current ``rows`` of ``keys`` (any order)."""
+        order = np.argsort(keys)
+        keys, rows = keys[order], rows[order]
+        model = self.dense.models[0]
+        model.eval()
+        out = []
+        dim, dev = self.config.dim, self.device
+        for mb in batch.minibatches(self.config.minibatch_size):
+            layout = BagLayout.of(mb)
+            emb = dev.tensor(np.ascontiguousarray(rows[np.searchsorted(keys, layout.unique_keys), :dim]))
+            out.append(torch.sigmoid(model(pool_sum(emb, layout), dev.tensor(mb.dense))).cpu().numpy())
+        return np.concatenate(out) if out else np.empty(0, np.float32)
+
+    def resident_rows(self, keys: Any, columns: int) -> Any:
+        """The first ``columns`` of the rows of ``keys`` (``uint64``, in the device's array
+        module), every one among the keys :meth:`set_resident` noted: found by ``searchsorted``
+        and gathered from the arena with torch ops (no table probe, no read-back)."""
+        resident = self._resident
+        assert resident is not None, "resident_rows before set_resident"
+        res_keys, res_slots = resident
+        k = torch.as_tensor(keys.view(self.device.xp.int64), device=self.device.torch)
+        if k.numel() == 0 or res_keys.numel() == 0:
+            return self.device.xp.zeros((k.numel(), columns), dtype=self.device.xp.float32)
+        at = torch.searchsorted(res_keys, k).clamp_(max=res_keys.numel() - 1)
+        rows = self.arena.arena.index_select(0, res_slots.index_select(0, at))
+        return self.device.from_tensor(rows[:, :columns].contiguous())
+
     def rows(self, keys: np.ndarray) -> np.ndarray:
         """The current rows of resident ``keys`` (``float32[n, width]``, on the host)."""
         return to_host(self.hbm.get(keys))
 
-    def give_back(
+    def end_batch(
         self, batch_id: Any, key_parts: list[np.ndarray], keep: list[np.ndarray] | None
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """At a batch's end, per owner, ``(keys, rows)`` of the keys that leave the working set
-        (``keep[o]``: which of owner ``o``'s keys stay, :func:`keep_masks`; ``None``: none stay).
-        The kept keys stay resident until the next batch's end or a :meth:`flush`."""
-        self.unreturned = [k[m] for k, m in zip(key_parts, keep, strict=True)] if keep is not None else []
+        (``keep[o]``: which of owner ``o``'s keys stay, :func:`~hpsray.training.working_set.keep_masks`;
+        ``None``: none stay). The kept keys stay resident until the next batch's end or a :meth:`flush`."""
+        self.kept = [k[m] for k, m in zip(key_parts, keep, strict=True)] if keep is not None else []
         leaving = key_parts if keep is None else [k[~m] for k, m in zip(key_parts, keep, strict=True)]
         out = [(k, self.rows(k)) for k in leaving]
         self.traffic.returned(batch_id, sum(k.size for k in leaving))
@@ -252,7 +250,7 @@ class TrainerEngine:
     def flush(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per owner, ``(keys, rows)`` of the rows kept at the last batch's end (empty when none
         were): their owners' copies are stale until these reach them. They stay resident."""
-        kept, self.unreturned = self.unreturned, []
+        kept, self.kept = self.kept, []
         self.traffic.flushed += sum(k.size for k in kept)
         return [(k, self.rows(k)) for k in kept]
 
@@ -287,7 +285,7 @@ class TrainerEngine:
             total = sum(min(max(s - k * m, 0), m) for s in sizes)
             yield (own[k] if k < len(own) else None), total
 
-    def _out(self, t: torch.Tensor, keys: bool = False) -> Any:
+    def exchange_array(self, t: torch.Tensor, keys: bool = False) -> Any:
         """A tensor as the exchange takes it: numpy on the CPU (keys as uint64), CuPy on CUDA."""
         a = self.device.from_tensor(t)
         return a.view(self.device.xp.uint64) if keys else a

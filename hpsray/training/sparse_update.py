@@ -49,10 +49,9 @@ def update_rows(rows: torch.Tensor, grads: torch.Tensor, optimizer: SparseOptimi
         w.sub_((grads * lr).div_(_sqrt(a).add_(eps)))
         return
     if kind == KIND_ADAGRAD_ROW:
-        sq = grads * grads
-        s = sq[:, 0].clone()
-        for j in range(1, dim):  # the kernels' order: a sequential float32 sum over the row
-            s.add_(sq[:, j])
+        # the kernels' sum: the float32 squares in float64, in column order (a CPU cumsum is
+        # sequential), rounded once; no loop over the columns
+        s = (grads * grads).double().cumsum_(1)[:, -1].float()
         a = rows[:, dim]
         a.add_(s.div_(float(np.float32(dim))))
         scale = torch.full_like(a, lr).div_(_sqrt(a).add_(eps))

@@ -103,7 +103,7 @@ SCRIPT = textwrap.dedent(
             keys = frozen(keys)
             engine.borrow(t, [keys], [Loan(rows)])  # from the second batch on, erases the stale rows
             engine.close_batch(engine.train_local(engine.index(batch)))
-            engine.give_back(t, [keys], None)
+            engine.end_batch(t, [keys], None)
             trainer.hbm.insert_or_assign(keys[:9], frozen(trainer.hbm.get(keys[:9])))
         facts["steps"] = trainer.step
     after = compiled()

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from inprocess import ThreadGroup  # tests/training/inprocess.py
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
@@ -22,6 +23,7 @@ from hpsray.reference import ReferenceTrainer
 from hpsray.tiers.loans import Loan
 from hpsray.training.engine import TrainerEngine
 from hpsray.training.layout import index_batch
+from hpsray.training.strategies import BspSteps
 
 from gpus import DEVICES  # tests/gpus.py
 
@@ -245,38 +247,6 @@ def test_a_step_reads_nothing_back_from_the_device(device):
     np.testing.assert_allclose(np.stack([owner.rows[k] for k in keys.tolist()]), rows, rtol=1e-4, atol=1e-6)
 
 
-class ThreadGroup:
-    """A collective of ``n`` ranks in one process (threads): what the engine needs of a group,
-    gathered and summed in rank order."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=60), [None] * n
-
-    def _gather(self, rank: int, value):
-        self.slots[rank] = value
-        self.barrier.wait()
-        got = list(self.slots)
-        self.barrier.wait()
-        return got
-
-    def member(self, rank: int):
-        group = self
-
-        class Member:
-            def allgather_sparse(self, keys, grads):
-                got = group._gather(rank, (np.array(keys), np.array(grads)))
-                return np.concatenate([k for k, _ in got]), np.concatenate([g for _, g in got])
-
-            def reduce(self, flat: torch.Tensor) -> torch.Tensor:
-                got = group._gather(rank, flat.clone())
-                total = got[0].clone()
-                for part in got[1:]:
-                    total += part
-                return total
-
-        return Member()
-
-
 def test_two_engines_under_bsp_apply_every_nodes_update_and_match_the_reference():
     """Two nodes as two engines in threads: each trains its share, both hold the same rows
     after every batch, and the result is the reference's over the global mini-batches."""
@@ -291,12 +261,14 @@ def test_two_engines_under_bsp_apply_every_nodes_update_and_match_the_reference(
         )
     group = ThreadGroup(2)
     engines = [TrainerEngine(config, N_SLOTS, N_DENSE, capacity=4000, n_nodes=2) for _ in range(2)]
+    members = [group.member(r) for r in range(2)]
+    strategies = [BspSteps(e, m, m.allreduce_sum) for e, m in zip(engines, members, strict=True)]
     store: dict[int, np.ndarray] = {}
     errors: list[BaseException] = []
 
     def run(rank: int, t: int) -> None:
         try:
-            batch, engine, member = shares[rank][t], engines[rank], group.member(rank)
+            batch, engine = shares[rank][t], engines[rank]
             keys = np.unique(batch.keys)
             rows = initial_rows(keys, config.row_width, config.row_init())
             for i, k in enumerate(keys.tolist()):
@@ -304,7 +276,7 @@ def test_two_engines_under_bsp_apply_every_nodes_update_and_match_the_reference(
                     rows[i] = store[k]
             engine.borrow(t, [keys], [Loan(rows)])
             sizes = [len(shares[0][t]), len(shares[1][t])]
-            engine.close_batch(engine.train_bsp(engine.index(batch), sizes, member, member.reduce))
+            engine.close_batch(strategies[rank].steps(engine.index(batch), sizes))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
             group.barrier.abort()
