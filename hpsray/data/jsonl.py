@@ -1,11 +1,14 @@
 """JSON lines (``format = "jsonl"``): one JSON object per line, columns by the schema's names.
 
-A value maps as a Parquet value does: a number is used as it is, a string is parsed or hashed
-per ``schema.encoding``, a list is a multi-hot categorical; a missing key or ``null`` is a
-missing value. Each block of ``block_size`` bytes is parsed at once by pyarrow's JSON reader; a
-block it refuses (a line that is not a JSON object, a blank line, a column whose values change
-type) is parsed again line by line with ``orjson`` (or the standard ``json``) to name each bad
-line, and only its good lines are used. Uncompressed files split at line boundaries.
+A value maps as a Parquet value does: a number is used as it is (a categorical one must be an
+integer below ``2**64``), a string is parsed or hashed per ``schema.encoding``, a list is a
+multi-hot categorical; a missing key or ``null`` is a missing value.
+
+Each block of ``block_size`` bytes is parsed at once by pyarrow's JSON reader; a block it refuses
+(a line that is not a JSON object, a blank line, a column whose values change type, a
+categorical number it would read as a double) is parsed again line by line with ``orjson`` (or
+the standard ``json``) to name each bad line, and only its good lines are used. Uncompressed
+files split at line boundaries.
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ INVALID_JSON = "invalid_json"  # a line that is not one JSON object
 
 def _kind(v: Any) -> str:
     return "number" if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v).__name__
+
+
+def _array(values: list) -> pa.Array | None:
+    """``values`` as one Arrow column (integers past ``2**63`` as ``uint64``), or ``None`` when no
+    type holds them all."""
+    for kind in (None, pa.uint64()):
+        try:
+            return pa.array(values, type=kind)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+            continue
+    return None
 
 
 class _JsonLinesSplitReader:
@@ -176,7 +190,12 @@ class _JsonLinesSplitReader:
             )
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             return None
-        return table if table.num_rows == len(lines) else None
+        if table.num_rows != len(lines):
+            return None
+        for name in self.conv.cat_names:  # pyarrow reads integers past 2**63 as doubles: keys would be wrong
+            if name in table.column_names and pa.types.is_floating(table.column(name).type):
+                return None
+        return table
 
     def _parse_slow(self, lines: list[bytes]) -> tuple[pa.Table, np.ndarray, set[str]]:
         """The good objects of ``lines`` as a table, and the line index of each; bad lines and
@@ -213,14 +232,25 @@ class _JsonLinesSplitReader:
                 if v is not None and _kind(v) != want and keep[i]:
                     keep[i] = False
                     bad.append((line_of[i], role[name], f"column {name!r} value {v!r} is a {_kind(v)}, not a {want}"))
+        for name in self.conv.cat_names:  # a categorical number is an integer (a key's raw value)
+            for i, o in enumerate(objects):
+                v = o.get(name)
+                if keep[i] and isinstance(v, float):
+                    keep[i] = False
+                    bad.append((line_of[i], INVALID_CATEGORICAL, f"column {name!r} value {v!r} is not an integer"))
+        for name in self.conv.used:  # integers no one 64-bit type holds: beyond uint64, or big beside negatives
+            values = [o.get(name) for o in objects]
+            if _array(values) is None:
+                for i, v in enumerate(values):
+                    if keep[i] and isinstance(v, int) and not -(1 << 63) <= v < (1 << 63):
+                        keep[i] = False
+                        bad.append((line_of[i], role[name], f"column {name!r} value {v} is beyond 64-bit integers"))
         self._bad_rows(bad)
         good = [o for o, k in zip(objects, keep) if k]
-        cols = {name: [o.get(name) for o in good] for name in self.conv.used}
-        try:
-            table = pa.table(cols)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-            raise DataError(self.split.uri, INVALID_JSON, f"values no column type holds: {e}") from e
-        return table, np.asarray(line_of, np.int64)[keep], present
+        arrays = [_array([o.get(name) for o in good]) for name in self.conv.used]
+        if any(a is None for a in arrays):  # nothing left that a row could be blamed for alone
+            raise DataError(self.split.uri, INVALID_JSON, "a block's values fit no column type")
+        return pa.table(dict(zip(self.conv.used, arrays))), np.asarray(line_of, np.int64)[keep], present
 
 
 class JsonLinesFormat(Format):

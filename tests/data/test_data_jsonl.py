@@ -85,6 +85,19 @@ def test_a_value_of_another_type_and_a_bad_label_are_bad_rows(tmp_path):
     assert len(got) == 8 and got.labels.tolist() == [r["y"] for i, r in enumerate(rows) if i not in (4, 7)]
 
 
+def test_categorical_integers_keep_all_64_bits_and_a_float_is_refused(tmp_path):
+    """pyarrow's JSON reader would read 2**64 - 5 as a double (a wrong key, silently)."""
+    from hpsray.data import hash_keys
+
+    big = [2**64 - 5, 2**63 + 11, 7]
+    rows = [{"y": 1, "price": 0.0, "user": u, "site": "a", "tags": []} for u in big]
+    _write(tmp_path / "big.jsonl", rows + [dict(rows[0], user=1.5)])  # line 4
+    got, report = _read(tmp_path / "big.jsonl", policy=LENIENT)
+    want = hash_keys(np.zeros(3, np.int32), np.array(big, np.uint64))
+    np.testing.assert_array_equal(got.keys[got.slots == 0], want)
+    assert report.counts == {"invalid_categorical": 1} and "line 4" in report.examples[0]
+
+
 def test_a_misspelled_column_is_a_missing_column(tmp_path):
     path = tmp_path / "a.jsonl"
     _write(path, [{"y": 1, "price": 1.0, "usr": 3, "site": "a", "tags": []}])
