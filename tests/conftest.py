@@ -60,23 +60,29 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{name}: {len(runs)} trial(s), worst {worst[0]:.1f} s ({worst[1]})")
 
 
+def _absent_optional(name: str) -> str | None:
+    """``name``'s top-level package if it is an optional one that is really absent here."""
+    top = name.split(".", 1)[0]
+    if top not in OPTIONAL:
+        return None
+    try:
+        absent = importlib.util.find_spec(top) is None
+    except (ImportError, ValueError):  # blocked, or a half-imported package
+        absent = True
+    return top if absent else None
+
+
 def _missing_optional(text: str) -> str | None:
     """The optional package a collection error's text says is missing, if it really is absent here."""
     for name in _MISSING.findall(text):
-        top = name.split(".", 1)[0]
-        if top in OPTIONAL:
-            try:
-                absent = importlib.util.find_spec(top) is None
-            except (ImportError, ValueError):  # blocked, or a half-imported package
-                absent = True
-            if absent:
-                return top
+        if (top := _absent_optional(name)) is not None:
+            return top
     return None
 
 
 class _OptionalCollect:
-    """A module (or a directory's conftest) that cannot be imported without an optional package
-    absent here is skipped, naming it: ``pytest -m gpu`` collects on a machine without Ray.
+    """A module (or a directory's conftest, or a test) that cannot import an optional package
+    absent here is skipped, naming it: ``pytest -m gpu`` runs on a machine without Ray.
     Registered as a plugin of the session (not as this conftest's hook), so it also sees the
     directory whose own conftest failed: pytest leaves conftest hooks out of that report."""
 
@@ -90,6 +96,18 @@ class _OptionalCollect:
                 reason = f"needs {top!r}, which is not installed here"
                 longrepr = (str(collector.path), None, reason)
                 outcome.force_result(pytest.CollectReport(report.nodeid, "skipped", longrepr, [], report.sections))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        """A test (or its fixture) that imports an optional package absent here is skipped, naming it."""
+        outcome = yield
+        report = outcome.get_result()
+        exc = call.excinfo
+        if report.failed and exc is not None and exc.errisinstance(ModuleNotFoundError):
+            top = _absent_optional(getattr(exc.value, "name", None) or "")
+            if top is not None:
+                report.outcome = "skipped"
+                report.longrepr = (str(item.path), item.location[1], f"needs {top!r}, which is not installed here")
 
 
 @pytest.fixture(scope="session")

@@ -143,6 +143,27 @@ def test_without_the_hook_those_modules_error_at_collection():
     assert r.returncode in (0, 5) and r.stdout.count("which is not installed here") == 2, r.stdout[-3000:]
 
 
+def test_a_test_that_imports_ray_is_skipped_naming_it_and_other_import_errors_still_fail(tmp_path):
+    """At run time too: a test (or fixture) whose ``import ray`` fails is skipped with the
+    reason; an import of a package outside the optional ones still fails; with the hook off,
+    the Ray test fails (the guard, shown failing)."""
+    (tmp_path / "test_imports.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef cluster():\n    import ray\n    return ray\n\n"
+        "def test_in_a_fixture(cluster):\n    pass\n\ndef test_in_the_body():\n    import ray.serve  # noqa: F401\n\n"
+        "def test_not_optional():\n    import no_such_package_here  # noqa: F401\n"
+    )
+    env = _env()
+    env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests")  # tests/conftest.py as a plugin, outside tests/
+    flags = ["-p", "conftest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rs", *NO_PLUGINS]
+    cmd = [sys.executable, "-m", "pytest", *flags, "--rootdir", str(tmp_path), str(tmp_path)]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 failed, 2 skipped" in r.stdout.splitlines()[-1], r.stdout[-3000:]
+    assert r.stdout.count("needs 'ray', which is not installed here") == 2
+    hook_off = [*cmd, "-p", "no:hpsray-optional-collect"]
+    off = subprocess.run(hook_off, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "2 failed, 1 error" in off.stdout.splitlines()[-1], off.stdout[-3000:]  # the fixture: an error
+
+
 def test_junit_results_and_targets_are_read_as_the_json_reports_them(tmp_path):
     xml = tmp_path / "t.xml"
     xml.write_text(
