@@ -109,7 +109,12 @@ class Checkpoints:
             checkpoints.commit(staging, batch, {"examples": n}, fingerprint=fp)
 
     Resuming: ``checkpoints.latest(fp)`` (see there for what it refuses and what it skips).
+
+    ``durable``: whether a checkpoint here survives the loss or damage of the disks the job
+    trains on (``False``: an SSD-PS snapshot here hard-links the live parameter files).
     """
+
+    durable = False
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2) -> None:
         if keep < 1:

@@ -77,6 +77,8 @@ class RemoteCheckpoints(Checkpoints):
     "reused_bytes"}``.
     """
 
+    durable = True  # a copy away from the job's disks
+
     def __init__(self, uri: str, keep: int = 2, cache: str | os.PathLike | None = None, filesystem: Any = None) -> None:
         import pyarrow.fs as pafs
 
@@ -228,7 +230,12 @@ class RemoteCheckpoints(Checkpoints):
                 )
             try:
                 ckpt = self.materialize(manifest)
-                ckpt.verify(deep=deep)
+                try:
+                    ckpt.verify(deep=deep)
+                except CheckpointError as e:  # the cached copy (hard links to live files) is damaged
+                    log.warning("the cached copy of %s fails its checks, fetching it again: %s", key, e)
+                    ckpt = self.materialize(manifest, fresh=True)
+                    ckpt.verify(deep=deep)
             except (CheckpointError, OSError) as e:
                 skipped.append(f"{self.uri}/{key}: {e}")
                 continue
@@ -241,12 +248,13 @@ class RemoteCheckpoints(Checkpoints):
             raise CheckpointError(self.uri, "no checkpoint verifies: " + "; ".join(skipped))
         return None
 
-    def materialize(self, manifest: dict) -> Checkpoint:
+    def materialize(self, manifest: dict, fresh: bool = False) -> Checkpoint:
         """The manifest's checkpoint as a local directory in the cache (downloaded unless the
-        cache holds it with the same record)."""
+        cache holds it with the same record, or ``fresh``: downloaded again, replacing the
+        cached names, never writing through them into a file they link)."""
         batch, record = int(manifest["batch"]), manifest["record"]
         final = self.directory / f"ckpt-{batch:06d}"
-        if (final / NAME).is_file() and (final / NAME).read_text() == record:
+        if not fresh and (final / NAME).is_file() and (final / NAME).read_text() == record:
             return Checkpoint.open(final)
         staging = self.directory / f".ckpt-{batch:06d}.tmp-{uuid.uuid4().hex}"
         try:

@@ -26,6 +26,7 @@ from hpsray.export.read import (
     model_state,
     read_manifest,
 )
+from hpsray.export.remote import fetch_export, is_uri, local_files, upload_export
 from hpsray.fileio import fsync_dir, write_json
 
 DEFAULT_ROWS_PER_FILE = 1_000_000
@@ -82,6 +83,26 @@ def input_spec(schema: Any) -> dict:
     }
 
 
+def _export_to_uri(pipeline_or_rows: Any, uri: str, config: TrainConfig, incremental: bool, **kw: Any) -> dict:
+    """:func:`export` to ``uri``: into a local directory (holding the export there first, for a
+    delta), then uploaded; returns the manifest."""
+    import tempfile
+
+    local = tempfile.mkdtemp(prefix="hpsray-export-")
+    try:
+        unchanged = None
+        if incremental:
+            try:
+                unchanged = local_files(fetch_export(uri, local))
+            except ExportError:
+                pass  # no export there yet: a full one
+        manifest = export(pipeline_or_rows, local, config, incremental=incremental, **kw)
+        upload_export(local, uri, unchanged)
+        return manifest
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def export(
     pipeline_or_rows: Any,
     directory: str | os.PathLike,
@@ -101,7 +122,8 @@ def export(
             :meth:`~hpsray.pipelines.Pipeline.export_rows` and ``dense_state()`` are written), or
             a tuple ``(keys uint64[n], rows float32[n, width], dense_state)`` such as
             :meth:`hpsray.reference.ReferenceTrainer.export` returns.
-        directory: a local directory, created if needed; an earlier export there is replaced.
+        directory: a local directory, created if needed; an earlier export there is replaced;
+            or an object-storage URI (``s3://bucket/model``: written locally, then uploaded).
         config: the :class:`~hpsray.config.TrainConfig` the rows were trained with (gives dim,
             optimizer and therefore the split of each row into weights and state).
         n_slots, n_dense: the model's input shape, recorded in the manifest (taken from the
@@ -119,6 +141,18 @@ def export(
 
     if rows_per_file < 1:
         raise ValueError(f"rows_per_file must be >= 1, got {rows_per_file}")
+    if is_uri(directory):  # object storage: written here, then uploaded (export/remote.py)
+        return _export_to_uri(
+            pipeline_or_rows,
+            os.fspath(directory),
+            config,
+            n_slots=n_slots,
+            n_dense=n_dense,
+            rows_per_file=rows_per_file,
+            extra=extra,
+            schema=schema,
+            incremental=incremental,
+        )
     if isinstance(pipeline_or_rows, tuple):
         keys, rows, dense = pipeline_or_rows
     else:

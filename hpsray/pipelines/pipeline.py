@@ -25,7 +25,7 @@ from hpsray.checkpoint import Checkpoint, job_fingerprint
 from hpsray.checkpoint.remote import open_checkpoints
 from hpsray.cluster.runtime import connect, training_nodes
 from hpsray.data.batch import Batch
-from hpsray.errors import CheckpointError, TrainingStopped
+from hpsray.errors import CheckpointError, CorruptFileError, TrainingStopped, caused_by
 from hpsray.models.metrics import auc, logloss
 from hpsray.pipelines.placement import NodeActors, join_group, needs_group, open_reader, place_node, release_placements
 from hpsray.pipelines.progress import Progress, known_examples
@@ -344,13 +344,16 @@ class Pipeline:
         self._checkpointed = batch
 
     def _recover_or_stop(self, error: Exception, schedule: PassSchedule, recovery: list, failed_at: int) -> None:
-        """Restart the stages from the newest checkpoint when an actor died (and failures are
-        left); otherwise salvage what trained and raise :class:`TrainingStopped`."""
+        """Restart the stages from the newest checkpoint when an actor died, or a parameter file
+        failed its checksum and the checkpoints are durable (object storage: the damaged file is
+        fetched again), and failures are left; otherwise salvage what trained and raise
+        :class:`TrainingStopped` (a damaged file: its message names the file and the rows at stake)."""
         stage = self.checkpoint_settings
         root = schedule.first_failure(error)
         actors = self.actors()
         dead = dead_actors(actors) if stage is not None else []
-        if stage is None or not (dead or actor_lost(root)) or len(recovery) >= stage.max_failures:
+        damaged = caused_by(root, CorruptFileError) and getattr(self._checkpoints, "durable", False)
+        if stage is None or not (dead or actor_lost(root) or damaged) or len(recovery) >= stage.max_failures:
             try:
                 saved = schedule.salvage()
             except Exception:  # noqa: BLE001 - an actor is gone: what it held is in the last checkpoint
@@ -358,7 +361,7 @@ class Pipeline:
             raise TrainingStopped(root, saved) from error
         t0 = time.perf_counter()
         assert self._checkpoints is not None
-        restore = self._checkpoints.latest(self.fingerprint)
+        restore = self._checkpoints.latest(self.fingerprint, deep=damaged)  # deep: a damaged copy is fetched again
         if restore is None:
             raise TrainingStopped(root, 0) from error
         try:

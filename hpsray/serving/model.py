@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from hpsray.data.batch import Batch
-from hpsray.errors import ServingError
+from hpsray.errors import ExportError, ServingError
 from hpsray.kernels.init import RowInit
 from hpsray.models import DNN
 from hpsray.models.pooling import BagLayout, pool_sum
@@ -72,9 +72,18 @@ def resolve_export(path: str | os.PathLike) -> str:
 
     "Newest" is the latest ``manifest.json`` (written last by an export, and by each of its
     deltas), so a directory of versioned exports (``models/v1``, ``models/v2`` ...) serves the
-    latest complete one, and an export that a delta just landed in counts as new.
+    latest complete one, and an export that a delta just landed in counts as new. A URI
+    (``s3://bucket/model``) is downloaded into a local cache first, again only when it changed
+    (:func:`~hpsray.export.remote.fetch_export`).
     """
+    from hpsray.export.remote import fetch_export, is_uri
+
     path = os.fspath(path)
+    if is_uri(path):
+        try:
+            return fetch_export(path)
+        except (ExportError, OSError) as e:
+            raise ServingError(f"{path.split('?')[0]}: {e}") from None
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
     best, best_t = None, -1

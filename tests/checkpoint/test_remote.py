@@ -18,33 +18,6 @@ from hpsray.tiers.ssd import SSDPS, restore_snapshot
 FP = job_fingerprint({"remote": 1})
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    """``(host, port)`` of a moto S3 server in this process, with dummy credentials."""
-    moto_server = pytest.importorskip("moto.server")
-    mp = pytest.MonkeyPatch()
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        mp.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        yield server.get_host_and_port()
-    finally:
-        server.stop()
-        mp.undo()
-
-
-@pytest.fixture
-def s3_uri(s3_server, request):
-    host, port = s3_server
-    bucket = "b" + request.node.name.replace("_", "-").lower()[:40]
-    return f"s3://{bucket}/ckpts?endpoint_override={host}:{port}&scheme=http&allow_bucket_creation=true"
-
-
 def _remote(uri: str, cache, keep: int = 2) -> RemoteCheckpoints:
     ckpts = open_checkpoints(uri, keep) if cache is None else RemoteCheckpoints(uri, keep, cache=cache)
     assert isinstance(ckpts, RemoteCheckpoints)

@@ -457,9 +457,9 @@ def read_file(
     check_shape(h, size, path, expect_width)
     n = h.n
     if zlib.crc32(buf[HEADER_BYTES : HEADER_BYTES + 16 * n].data) != h.index_crc:
-        raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged)")
+        raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged: its {n} rows at stake)")
     if zlib.crc32(buf[HEADER_BYTES + 16 * n : h.table_offset].data) != h.rows_crc:
-        raise CorruptFileError(f"{path}: rows checksum mismatch (row data damaged)")
+        raise CorruptFileError(f"{path}: rows checksum mismatch (row data damaged: its {n} rows at stake)")
     if h.block_rows:
         _check_table(buf[h.table_offset : h.size], h, path)
     return _split(buf, h, True)

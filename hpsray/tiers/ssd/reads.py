@@ -321,8 +321,8 @@ class Reads:
             u = r - 1
             t = int(blk_task[u])
             raise CorruptFileError(
-                f"{st.path(tasks[t][2])}: block {int(blk_b[u])} checksum mismatch "
-                f"(rows {int(blk_b[u]) * st.block_rows}.. damaged)"
+                f"{st.path(tasks[t][2])}: block {int(blk_b[u])} checksum mismatch (rows "
+                f"{int(blk_b[u]) * st.block_rows}..{(int(blk_b[u]) + 1) * st.block_rows - 1} of the file at stake)"
             )
         if r < 0:
             j = -r - 1

@@ -198,9 +198,9 @@ def read_pick(
     if status == _SHORT:
         raise CorruptFileError(f"{path}: truncated (a read came back short of the {size} bytes)")
     if status == _INDEX:
-        raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged)")
+        raise CorruptFileError(f"{path}: index checksum mismatch (keys/versions damaged: its {h.n} rows at stake)")
     if status == _ROWS:
-        raise CorruptFileError(f"{path}: rows checksum mismatch (row data damaged)")
+        raise CorruptFileError(f"{path}: rows checksum mismatch (row data damaged: its {h.n} rows at stake)")
     if status == _TABLE:
         raise CorruptFileError(f"{path}: block table checksum mismatch")
     if status == _KEY:
