@@ -7,6 +7,7 @@ import io
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -252,3 +253,28 @@ def test_time_to_first_batch_counts_from_the_process_age():
     after = time.time()
     assert 1.0 <= age <= now - before + 0.05  # at least the sleep, at most since the parent spawned it
     assert before - 0.05 <= start <= after and math.isclose(start, now - age, abs_tol=0.05)
+
+
+def test_serve_metrics_are_prometheus_text():
+    from hpsray.serving.metrics import ServeMetrics
+
+    m = ServeMetrics()
+    m.observe(200, 64, 0.004)
+    m.observe(200, 16, 0.3)
+    m.observe(400, 0, 0.0005)
+    text = m.exposition({"rows": 1000, "delta": 0, "cache": {"hits": 7, "hit_rate": 0.5}, "directory": "/x"}, 2, "42")
+    lines = text.splitlines()
+    assert 'hpsray_serve_requests_total{replica="42",code="200"} 2' in lines
+    assert 'hpsray_serve_requests_total{replica="42",code="400"} 1' in lines
+    assert 'hpsray_serve_examples_total{replica="42"} 80' in lines
+    assert 'hpsray_serve_request_seconds_bucket{replica="42",le="0.001"} 1' in lines
+    assert 'hpsray_serve_request_seconds_bucket{replica="42",le="0.005"} 2' in lines  # cumulative
+    assert 'hpsray_serve_request_seconds_bucket{replica="42",le="+Inf"} 3' in lines
+    assert 'hpsray_serve_request_seconds_count{replica="42"} 3' in lines
+    assert 'hpsray_serve_swaps_total{replica="42"} 2' in lines
+    assert 'hpsray_serve_model_cache_hit_rate{replica="42"} 0.5' in lines and "directory" not in text
+    for line in lines:  # every sample line: name{labels} number
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            float(value)
+            assert re.fullmatch(r'[a-z_]+\{[a-z]+="[^"]*"(,[a-z]+="[^"]*")*\}', name), line

@@ -10,8 +10,11 @@ which the newest is served; a newer export appearing there is swapped in without
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
+
+from hpsray.errors import PrivateControlFlow
 
 HELP = "serve an exported model on Ray Serve: POST /predict with raw feature values (docs/serving.md)"
 
@@ -61,27 +64,81 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
 
 
+class _Stop(PrivateControlFlow):
+    """A SIGTERM or SIGINT arrived: stop serving (``signum`` says which); raised by the signal
+    handler, caught by :func:`run`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signum)
+
+
+def _on_signals() -> None:
+    """SIGTERM and SIGINT raise :class:`_Stop` in the main thread (Python's handler in place of
+    Ray's, whose SIGTERM handler prints a C++ stack dump)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_stop)
+
+
+def _shutdown() -> None:
+    """Stop Serve and the Ray this command joined or started; Ctrl-C meanwhile is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        import ray
+
+        connected = ray.is_initialized()
+    except Exception:  # noqa: BLE001 - stopped while Ray was being imported: nothing of it runs yet
+        return
+    if connected:
+        from hpsray.serving import stop
+
+        try:
+            stop()
+        finally:
+            ray.shutdown()
+
+
 def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT (Ctrl-C), then stop Serve and Ray: exit 0 once it served,
+    128 + the signal's number when stopped while deploying; 2 for a bad model or option."""
     from hpsray.errors import ServingError
     from hpsray.fields import same_fields
     from hpsray.serving import Limits, ServeOptions, resolve_export, start
-    from hpsray.serving.server import load_options
+    from hpsray.serving.server import connect_ray, load_options
 
     try:
         limits = Limits(args.max_body_bytes, args.max_examples)
         options = ServeOptions(**same_fields(ServeOptions, args, limits=limits, watch_s=args.watch))
         load_options(options)  # its checks, before Ray starts
         resolve_export(args.model_dir)  # before Ray starts: a wrong directory fails in a second
-        start(args.model_dir, options, address=args.address)
     except (ServingError, ValueError) as e:
         print(f"hpsray serve: {e}", file=sys.stderr)
         return 2
-    print(f"serving {args.model_dir} at http://{args.host}:{args.port}/predict (Ctrl-C stops)", flush=True)
+    serving = False
+    _on_signals()
     try:
+        print(f"hpsray serve: deploying {args.model_dir} ...", file=sys.stderr, flush=True)
+        connect_ray(args.address)
+        _on_signals()  # again: starting Ray installed its own SIGTERM handler (a C++ stack dump)
+        start(args.model_dir, options, address=args.address)
+        serving = True
+        url = f"http://{args.host}:{args.port}"
+        print(f"serving {args.model_dir} at {url}/predict, metrics at {url}/metrics (Ctrl-C stops)", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        from hpsray.serving import stop
-
-        stop()
-    return 0
+    except (_Stop, KeyboardInterrupt) as e:
+        name = str(e) if isinstance(e, _Stop) else "SIGINT"
+        signum = e.signum if isinstance(e, _Stop) else int(signal.SIGINT)
+        print(f"hpsray serve: {name}: stopping{'' if serving else ' (while deploying)'}", file=sys.stderr, flush=True)
+        _shutdown()
+        print("hpsray serve: stopped", file=sys.stderr, flush=True)
+        return 0 if serving else 128 + signum
+    except (ServingError, ValueError) as e:
+        _shutdown()
+        print(f"hpsray serve: {e}", file=sys.stderr)
+        return 2

@@ -487,6 +487,8 @@ def run(args: argparse.Namespace) -> int:
                 import tempfile
 
                 export_dir = tempfile.mkdtemp(prefix="hpsray-export-")
+            if not args.quiet:  # the start takes seconds (Ray, the actors' processes): say what is happening
+                print("hpsray train: starting Ray and the stage actors ...", file=sys.stderr, flush=True)
             report, model = train_pipeline(
                 job, args.address, args.quiet, export_dir, resume=args.resume, incremental=args.incremental
             )

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from dataclasses import asdict
 from typing import cast
 
@@ -30,6 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from hpsray.data.batch import Batch
 from hpsray.errors import BadRequest, ServingError
+from hpsray.serving.metrics import CONTENT_TYPE, ServeMetrics
 from hpsray.serving.model import LoadOptions, ServableModel, export_version, resolve_export
 from hpsray.serving.request import Limits
 
@@ -83,6 +85,7 @@ class Predictor:
         self._model = ServableModel.load(self._root, self._load)
         self._swap_lock = asyncio.Lock()
         self.swaps = 0
+        self.metrics = ServeMetrics()  # GET /metrics
         self._failed: tuple[str, int, tuple[int, ...]] | None = None
         # ray's serve.batch is annotated as returning a plain callable; its wrapper has these setters
         self._batched.set_max_batch_size(max_batch_size)  # type: ignore[attr-defined]
@@ -161,31 +164,47 @@ class Predictor:
         path = request.url.path.rstrip("/")
         if path.endswith("/healthz"):
             return PlainTextResponse("ok")
+        if path.endswith("/metrics"):  # Prometheus' text format, this replica's series
+            text = self.metrics.exposition(self._model.stats(), self.swaps, str(os.getpid()))
+            return Response(text, media_type=CONTENT_TYPE)
         if not path.endswith("/predict"):
-            return PlainTextResponse(f"no such endpoint {request.url.path!r}; POST /predict", status_code=404)
+            return PlainTextResponse(
+                f"no such endpoint {request.url.path!r}; POST /predict, GET /metrics, GET /healthz", status_code=404
+            )
         if request.method != "POST":
             return PlainTextResponse("POST /predict only", status_code=405)
+        t0 = time.perf_counter()
+        try:
+            response, examples = await self._predict_http(request)
+        except Exception:
+            self.metrics.observe(500, 0, time.perf_counter() - t0)  # Serve answers it with a 500
+            raise
+        self.metrics.observe(response.status_code, examples, time.perf_counter() - t0)
+        return response
+
+    async def _predict_http(self, request: Request) -> tuple[Response, int]:
+        """The answer to ``POST /predict`` and the examples it predicted."""
         model = self._model  # parses and predicts this request, even if a swap lands meanwhile
         parser = model.parser
         limit = parser.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return JSONResponse({"error": f"body of {declared} bytes exceeds the limit of {limit}"}, status_code=400)
+            return JSONResponse({"error": f"body of {declared} bytes exceeds the limit of {limit}"}, status_code=400), 0
         chunks, size = [], 0
         async for chunk in request.stream():
             chunks.append(chunk)
             size += len(chunk)
             if size > limit:
-                return JSONResponse({"error": f"body exceeds the limit of {limit} bytes"}, status_code=400)
+                return JSONResponse({"error": f"body exceeds the limit of {limit} bytes"}, status_code=400), 0
         try:
             batch = parser.parse_body(chunks[0] if len(chunks) == 1 else b"".join(chunks))
         except BadRequest as e:
-            return JSONResponse({"error": str(e)}, status_code=400)
+            return JSONResponse({"error": str(e)}, status_code=400), 0
         try:
             probs = await self._batched((model, batch))
         except ServingError as e:
-            return JSONResponse({"error": str(e)}, status_code=500)
-        return Response(_dumps({"probabilities": probs}), media_type="application/json")
+            return JSONResponse({"error": str(e)}, status_code=500), 0
+        return Response(_dumps({"probabilities": probs}), media_type="application/json"), len(batch)
 
     # -- introspection ------------------------------------------------------------------------
 

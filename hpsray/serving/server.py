@@ -11,6 +11,7 @@ when this process is not connected to a cluster yet.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
     from hpsray.serving.model import LoadOptions
 
-__all__ = ["ServeOptions", "build_app", "start", "stop"]
+__all__ = ["ServeOptions", "build_app", "connect_ray", "start", "stop"]
 
 
 @dataclass(frozen=True)
@@ -102,17 +103,36 @@ def build_app(
     )
 
 
+def connect_ray(address: str | None = None) -> None:
+    """Join Ray at ``address``, or start a local one, unless this process is connected already."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+
+
 def start(
     model_dir: str | os.PathLike, options: ServeOptions = ServeOptions(), *, address: str | None = None
 ) -> DeploymentHandle:
     """Deploy ``model_dir`` and return its deployment handle (Ray and Serve started if needed)."""
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": options.host, "port": options.port})
-    return serve.run(build_app(model_dir, options), name=options.name, route_prefix=options.route_prefix)
+    connect_ray(address)
+    serve.start(http_options={"host": options.host, "port": options.port})  # says so if Serve ran already
+    serve_log = logging.getLogger("ray.serve")
+    quiet = _NotAppliedNotice()  # serve.run connects to the Serve just started: its notice is not for the user
+    serve_log.addFilter(quiet)
+    try:
+        return serve.run(build_app(model_dir, options), name=options.name, route_prefix=options.route_prefix)
+    finally:
+        serve_log.removeFilter(quiet)
+
+
+class _NotAppliedNotice(logging.Filter):
+    """Drops Serve's "New http_options/controller_options will not be applied" notice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "will not be applied" not in str(record.msg)
 
 
 def stop(name: str | None = None) -> None:

@@ -77,14 +77,58 @@ def test_hpsray_serve_answers_on_localhost(exports, planted, trained, tmp_path):
         if not other.startswith("127."):
             with pytest.raises(requests.ConnectionError):
                 requests.post(f"http://{other}:{port}/predict", json={"examples": examples}, timeout=10)
+        metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30)  # Prometheus' text format
+        assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert 'hpsray_serve_requests_total{replica="' in metrics.text and 'code="200"} ' in metrics.text
+        assert "hpsray_serve_request_seconds_count" in metrics.text
+        while "serving " not in (tmp_path / "serve.log").read_text() and time.time() < deadline:
+            time.sleep(0.5)  # serve.run returns a moment after the application answers
+        proc.send_signal(signal.SIGTERM)  # a service manager's stop: clean, no Ray stack dump
+        code = proc.wait(timeout=120)
+        text = (tmp_path / "serve.log").read_text()
+        assert code == 0, text[-3000:]
+        assert "hpsray serve: SIGTERM: stopping" in text and "hpsray serve: stopped" in text, text[-3000:]
+        for noise in ("Traceback", "SIGTERM received", "*** ", "will not be applied", "Token authentication", "\x1b["):
+            assert noise not in text, text[-3000:]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
         log.close()
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_deploying_stops_without_a_traceback(exports, tmp_path):
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hpsray", "serve", exports["parquet"], "--port", str(_free_port()), "--watch", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.time() + 120
+            while "deploying" not in log.read_text() and time.time() < deadline:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.2)
+            time.sleep(1.0)  # Ray is starting
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    text = log.read_text()
+    if "serving " in text:  # deployed before the signal came: a clean stop all the same
+        assert code == 0, text[-3000:]
+    else:
+        assert code == 130 and "SIGINT: stopping (while deploying)" in text, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "hpsray serve: stopped" in text, text[-3000:]
 
 
 def test_hpsray_train_export_serves_raw_criteo_text(tmp_path):
