@@ -27,6 +27,8 @@ class DLRM(nn.Module):
         super().__init__()
         self.bottom = mlp(n_dense, [*bottom, dim]) if n_dense else None
         f = n_slots + (1 if n_dense else 0)
+        self.rows: torch.Tensor
+        self.cols: torch.Tensor
         rows, cols = torch.triu_indices(f, f, offset=1)
         self.register_buffer("rows", rows, persistent=False)
         self.register_buffer("cols", cols, persistent=False)
