@@ -1,5 +1,5 @@
 """How a node's trainer joins its group and which strategy that picks (docs/architecture.md:
-The trainer): the collectives are Ray's and torch.distributed's, so they are made here, in the
+One training step): the collectives are Ray's and torch.distributed's, so they are made here, in the
 actor layer, and handed to the Ray-free strategies of :mod:`hpsray.training.strategies`."""
 
 from __future__ import annotations

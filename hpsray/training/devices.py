@@ -111,7 +111,7 @@ class DeviceSteps(Strategy):
             shares, scales = self.train(data.batch, sizes or [len(data.batch) if data.batch is not None else 0])
         kept = keep(data.keys)  # may wait for the next batch's read
         with self.timed(batch_id), host_step("batch end"):
-            rows, back = self.give_back(data.keys, devices, kept)
+            rows, back = self.end_batch(data.keys, devices, kept)
         return data, devices, DevicePart(rows, shares, scales, back)
 
     def borrow(
@@ -212,7 +212,7 @@ class DeviceSteps(Strategy):
         index = index_batch(part, len(part), positions, distinct.size, device, with_keys=False)
         return index.minibatches[0], distinct
 
-    def give_back(
+    def end_batch(
         self, key_parts: list[np.ndarray], devices: list[np.ndarray], keep: list[np.ndarray] | None
     ) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
         """At the batch's end: this device's rows of each owner's keys that leave (``keep``:

@@ -1,4 +1,4 @@
-"""``TrainerEngine``: a node's trainer without Ray (docs/architecture.md: The trainer).
+"""``TrainerEngine``: a node's trainer without Ray (docs/architecture.md: One training step).
 
 The engine holds a node's state (working set, dense model, step) and the parts of a batch; a
 strategy (:mod:`hpsray.training.strategies`) calls them, in order: :meth:`TrainerEngine.borrow`
@@ -25,7 +25,7 @@ from hpsray.errors import MissingRowsError
 from hpsray.kernels.arrays import to_host
 from hpsray.kernels.distinct import in_sorted
 from hpsray.models.device import StepDevice
-from hpsray.models.dnn import DNN
+from hpsray.models.kinds import build_model
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
 from hpsray.tiers.hbm import HbmPS
@@ -68,7 +68,7 @@ class TrainerEngine:
         capacity: rows the working set of two consecutive batches may hold.
         n_nodes: ``N``, for the device hash of the table.
         device: ``"cpu"`` or ``"cuda"``: where the table, the arena and the whole step live.
-        model: ``(pooled [B, n_slots, dim], dense) -> logits``; the DNN when ``None``.
+        model: ``(pooled [B, n_slots, dim], dense) -> logits``; the kind ``config`` names when ``None``.
     """
 
     def __init__(
@@ -86,7 +86,7 @@ class TrainerEngine:
         self.device = StepDevice(device)
         self.optimizer = config.optimizer()
         self.hbm = HbmPS(capacity, config.row_width, config.row_init(), 1, n_nodes, device)
-        model = model if model is not None else DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
+        model = model if model is not None else build_model(config, n_slots, n_dense)
         self.dense = DenseReplicas(model, 1, config.dense_optimizer, config.dense_lr, self.device)
         self.step = 0  # mini-batch steps taken: the sparse optimizer's global step
         self.examples = 0

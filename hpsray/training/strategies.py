@@ -1,5 +1,5 @@
 """How a node's trainer steps through one batch: one strategy per mode, chosen once when the
-trainers' group is joined (docs/architecture.md: The trainer), behind one call per batch,
+trainers' group is joined (docs/architecture.md: One training step), behind one call per batch,
 :meth:`Strategy.run_batch`.
 
 - :class:`LocalSteps`: one node, a step per mini-batch;

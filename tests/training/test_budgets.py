@@ -9,16 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from budget import tally  # tests/training/budget.py
+from budget import HOST_READS, LAUNCHES, tally  # tests/training/budget.py
 from paths import OPTIMIZERS, PATHS, path  # tests/training/paths.py
 
 from hpsray.training.step import ArenaStep
-
-# launching ops per mini-batch (dim 16, a 32-16 MLP, dense Adam; measured in the docs' table)
-LAUNCHES = {"local": 60, "bsp": 80, "ssp": 80, "asp": 80, "absp": 80, "devices": 80}
-# a relaxed mode's publish reads its dense gradient back (keys and gradients go through
-# StepDevice.from_tensor's views here, CuPy copies on CUDA); others' updates are applied there too
-HOST_READS = {"ssp": 8, "asp": 8, "absp": 8}
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -50,8 +44,10 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
-@pytest.mark.parametrize("name", ["local", "bsp", "devices"])
+@pytest.mark.parametrize(
+    ("name", "fault"),
+    [("local", f) for f in sorted(FAULTS)] + [(p, f) for p in ("bsp", "devices") for f in ("item", "sort")],
+)
 def test_the_budget_check_fails_on_a_read_back_or_sort_in_a_minibatch(monkeypatch, name, fault):
     go, _ = path(name, "adagrad")
     inject, message = FAULTS[fault]
@@ -80,3 +76,10 @@ def test_the_budget_check_fails_on_launches_over_budget(monkeypatch):
 def test_a_run_without_minibatches_fails_the_check():
     with pytest.raises(AssertionError, match="no mini-batch ran"):
         tally(lambda: None).check(LAUNCHES["local"])
+
+
+def test_the_host_step_budget_fails_when_exceeded():
+    """A relaxed mode's publish reads back on purpose, counted apart, and within its own budget."""
+    go, _ = path("ssp", "sgd")
+    with pytest.raises(AssertionError, match="host reads in a mini-batch's host step"):
+        tally(go).check(LAUNCHES["ssp"], host_reads=0)

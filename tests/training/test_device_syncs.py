@@ -10,9 +10,8 @@ import math
 
 import pytest
 import torch
-from budget import tally  # tests/training/budget.py
+from budget import HOST_READS, LAUNCHES, tally  # tests/training/budget.py
 from paths import PATHS, path  # tests/training/paths.py
-from test_budgets import HOST_READS, LAUNCHES  # tests/training/test_budgets.py
 
 from hpsray.training.marks import syncs_are_errors
 from hpsray.training.step import ArenaStep
