@@ -28,6 +28,7 @@ from hpsray.export.read import (
 )
 from hpsray.export.remote import fetch_export, is_uri, local_files, upload_export
 from hpsray.fileio import fsync_dir, write_json
+from hpsray.models.kinds import model_spec
 
 DEFAULT_ROWS_PER_FILE = 1_000_000
 
@@ -209,7 +210,7 @@ def export(
             "dense": config.dense_optimizer,
             "dense_lr": config.dense_lr,
         },
-        "model": {"hidden": list(config.hidden), "n_slots": n_slots, "n_dense": n_dense},
+        "model": {**model_spec(config).to_dict(), "n_slots": n_slots, "n_dense": n_dense},
         "init_scale": config.init_scale,
         "seed": config.seed,
         "minibatch_size": config.minibatch_size,

@@ -135,6 +135,8 @@ class JobConfig:
             init_scale=self.model.init_scale,
             seed=self.model.seed,
             sparse_params=dict(self.optimizer.sparse_params),
+            model_kind=self.model.kind,
+            model_settings=dict(self.model.settings),
         )
 
     def schema(self):

@@ -23,6 +23,7 @@ from hpsray.config import (
 )
 from hpsray.data import LENIENT, BadInputPolicy, PlantedCTR, Schema
 from hpsray.data.formats import format_names
+from hpsray.errors import ConfigError
 from hpsray.job import validate as chk
 from hpsray.kernels.optim import make_optimizer
 
@@ -99,12 +100,15 @@ class DataSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """``[model]``: embedding width, MLP widths, row initialisation scale and seed."""
+    """``[model]``: embedding width, the dense model's ``kind`` (:data:`~hpsray.models.kinds.MODEL_KINDS`)
+    and that kind's settings (``hidden`` for ``mlp``; docs/models.md), row initialisation scale and seed."""
 
     dim: int = 16
     hidden: tuple[int, ...] = (512, 256, 128)
     init_scale: float = 0.01
     seed: int = 0
+    kind: str = "mlp"
+    settings: dict = field(default_factory=dict)  # the kind's settings other than mlp's hidden
 
 
 @dataclass(frozen=True)
@@ -258,13 +262,27 @@ def parse_data(t: chk.Table, base: str) -> DataSection:
 
 
 def parse_model(t: chk.Table) -> ModelSection:
+    from hpsray.models.kinds import KINDS, MODEL_KINDS, ModelSpec
+
+    kind = t.take("kind", chk.choice(MODEL_KINDS), "mlp")
+    hidden = t.take("hidden", chk.hidden, None)
+    settings = {k: t.take(k, None) for k in KINDS[kind].checks if k != "hidden"}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if hidden is not None and kind != "mlp":
+        settings["hidden"] = hidden
     m = ModelSection(
         dim=t.take("dim", chk.integer(1), 16),
-        hidden=t.take("hidden", chk.hidden, (512, 256, 128)),
+        hidden=hidden if hidden is not None and kind == "mlp" else (512, 256, 128),
         init_scale=t.take("init_scale", chk.number(0.0), 0.01),
         seed=t.take("seed", chk.integer(0), 0),
+        kind=kind,
+        settings=settings,
     )
     t.done()
+    try:
+        ModelSpec(kind, settings)
+    except ConfigError as e:  # the spec names model.<key>; the job names its file
+        t.fail(e.key.removeprefix("model."), e.reason)
     return m
 
 

@@ -52,6 +52,7 @@ class DCN(nn.Module):
         hidden: Sequence[int],
     ) -> None:
         super().__init__()
+        self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
         width = n_slots * dim + n_dense
         self.structure = structure
         self.cross = nn.ModuleList(CrossLayer(width, low_rank) for _ in range(cross_layers))

@@ -35,6 +35,7 @@ class DeepFM(nn.Module):
 
     def __init__(self, n_slots: int, dim: int, n_dense: int, hidden: Sequence[int]) -> None:
         super().__init__()
+        self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
         if dim < 2:
             raise ValueError(f"DeepFM: dim must be >= 2 (dim - 1 factors and one first-order weight), got {dim}")
         self.linear = nn.Linear(n_dense, 1)  # the dense features' first-order weights and the bias
@@ -61,6 +62,7 @@ class WideDeep(nn.Module):
 
     def __init__(self, n_slots: int, dim: int, n_dense: int, hidden: Sequence[int]) -> None:
         super().__init__()
+        self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
         if dim < 2:
             raise ValueError(
                 f"WideDeep: dim must be >= 2 (dim - 1 embedding floats and one first-order weight), got {dim}"

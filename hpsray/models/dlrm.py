@@ -25,6 +25,7 @@ class DLRM(nn.Module):
 
     def __init__(self, n_slots: int, dim: int, n_dense: int, bottom: Sequence[int], top: Sequence[int]) -> None:
         super().__init__()
+        self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
         self.bottom = mlp(n_dense, [*bottom, dim]) if n_dense else None
         f = n_slots + (1 if n_dense else 0)
         self.rows: torch.Tensor

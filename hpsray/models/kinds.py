@@ -1,7 +1,8 @@
 """The model kinds a job names (``[model] kind``): each kind's settings, checked, and the module
 built from them. ``fit(model=...)`` takes any module of the same signature; these are its built-ins.
 
-Every kind is ``forward(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]`` and draws
+Every kind is ``forward(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]``, has the
+attributes ``n_slots``, ``dim`` and ``n_dense`` (serving checks a request's shape against them) and draws
 its weights from ``seed`` alone (not from the global torch RNG), so every replica, the reference
 and a served copy start identical.
 """

@@ -150,13 +150,13 @@ def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, fl
     dense parameters."""
     import torch  # here: a plan without calibration (``hpsray train``'s check) needs no torch
 
-    from hpsray.models.dnn import DNN
+    from hpsray.models.kinds import build_model
     from hpsray.training.engine import TrainerEngine
 
     cfg = job.train_config()
     batches = sample.batches[:2] if len(sample.batches) >= 2 else sample.batches * 2
     keys = [distinct_sorted(b.keys) for b in batches]
-    model = DNN(sample.n_slots, cfg.dim, sample.n_dense, cfg.hidden, seed=cfg.seed)
+    model = build_model(cfg, sample.n_slots, sample.n_dense)
     capacity = 2 * max(q.size for q in keys) + 64
     engine = TrainerEngine(cfg, sample.n_slots, sample.n_dense, capacity, model=model)
 

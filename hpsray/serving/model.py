@@ -22,7 +22,7 @@ import torch
 from hpsray.data.batch import Batch
 from hpsray.errors import ExportError, ServingError
 from hpsray.kernels.init import RowInit
-from hpsray.models import DNN
+from hpsray.models.kinds import ModelSpec
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.serving.layout import build_point_store
 from hpsray.serving.lookup import SSD_READS, MemoryLookup, TieredLookup, mem_rows_for
@@ -210,7 +210,8 @@ class ServableModel:
             )
         dim = int(m["dim"])
         state = torch.load(os.path.join(chain[-1], last["dense"]), map_location="cpu", weights_only=True)
-        dense = DNN(n_slots, dim, n_dense, tuple(shape.get("hidden", ())))
+        recorded = {k: v for k, v in shape.items() if k not in ("n_slots", "n_dense")}  # an older export: mlp
+        dense = ModelSpec.from_dict(recorded).build(n_slots, dim, n_dense, seed=0)  # weights: the state below
         dense.load_state_dict(state)
         dense.eval()
         init = RowInit(dim=dim, scale=float(m["init_scale"]), seed=int(m["seed"]))

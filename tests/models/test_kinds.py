@@ -117,3 +117,9 @@ def test_the_default_kind_is_the_papers_mlp_with_the_same_weights():
         atol=0,
         rtol=0,
     )
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_each_kind_states_its_input_shape(kind):
+    m = ModelSpec(kind).build(S, DIM, DENSE, seed=0)
+    assert (m.n_slots, m.dim, m.n_dense) == (S, DIM, DENSE)  # serving checks requests against these
