@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +124,28 @@ def test_the_default_kind_is_the_papers_mlp_with_the_same_weights():
 def test_each_kind_states_its_input_shape(kind):
     m = ModelSpec(kind).build(S, DIM, DENSE, seed=0)
     assert (m.n_slots, m.dim, m.n_dense) == (S, DIM, DENSE)  # serving checks requests against these
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
+
+
+@pytest.mark.parametrize("kind", [k for k in MODEL_KINDS if k != "mlp"])
+def test_each_kind_has_an_example_job_that_names_it(kind):
+    from hpsray.job import JobConfig
+
+    job = JobConfig.load(EXAMPLES / f"{kind}.toml")
+    assert job.train_config().model_kind == kind
+    ModelSpec(kind, job.train_config().model_settings)  # its settings are the kind's
+
+
+def test_a_job_files_model_mistake_names_the_file_and_the_key(tmp_path):
+    from hpsray.job import JobConfig
+
+    path = tmp_path / "job.toml"
+    path.write_text('[data.synthetic]\nrows = 100\n[model]\nkind = "dlrm"\nbotom = [8]\n')
+    with pytest.raises(ConfigError) as e:
+        JobConfig.load(path)
+    assert str(e.value).startswith(f"{path}: model.botom: unknown key (did you mean 'bottom'?")
+    path.write_text('[data.synthetic]\nrows = 100\n[model]\nkind = "dcn"\nstructure = "side"\n')
+    with pytest.raises(ConfigError, match=f'{path}: model.structure: must be "stacked" or "parallel"'):
+        JobConfig.load(path)
