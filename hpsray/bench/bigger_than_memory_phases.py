@@ -96,6 +96,7 @@ def _pipeline(job: Job, ssd_path: str, mem_rows: int, sources: tuple[SyntheticSo
         MemPSSettings(capacity_rows=mem_rows),
         SSDPSSettings(ssd_path, options={"io_threads": job.io_threads}),
         batch_size=job.batch,
+        preflight=False,  # its SSD-PS holds the imported table on purpose (and the cgroup is the test)
     )
 
 

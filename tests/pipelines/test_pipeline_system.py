@@ -173,7 +173,8 @@ def test_transform_stage_runs_in_the_reader(ray_local):
 
 def test_too_small_memory_budget_fails_clearly(ray_local):
     cfg = CFG
-    with small_pipeline(SyntheticSource(GEN, rows=2000), cfg, mem_rows=50, batch_size=1000) as p:
+    # preflight=False: the actors meet the budget (fit()'s pre-flight plan refuses it first: test_first_hour_runs)
+    with small_pipeline(SyntheticSource(GEN, rows=2000), cfg, mem_rows=50, batch_size=1000, preflight=False) as p:
         with pytest.raises(TrainingStopped, match="CapacityError"):
             p.fit(progress=False)
 
@@ -207,7 +208,8 @@ def test_bad_input_in_strict_mode_stops_training_but_keeps_what_was_trained(ray_
     cfg = small_config(minibatch_size=250)
     # small parse blocks, so the first batches are read before the bad line is reached
     source = FileSource(str(path), schema, policy=STRICT, options={"block_size": 8192})
-    with small_pipeline(source, cfg, mem_rows=2000, batch_size=1000, read_queue=1) as p:
+    # preflight=False: the readers meet the bad line (fit()'s pre-flight plan, as hpsray train's, would first)
+    with small_pipeline(source, cfg, mem_rows=2000, batch_size=1000, read_queue=1, preflight=False) as p:
         with pytest.raises(TrainingStopped) as failure:
             p.fit(progress=False)
         assert isinstance(failure.value.cause.cause, DataError)

@@ -135,7 +135,8 @@ def test_a_full_checkpoint_disk_stops_clearly_and_the_last_checkpoint_resumes(ra
 
 
 def test_a_full_ssd_disk_stops_naming_the_directory(ray_local, small_fs):
-    with small_pipeline(SOURCE, CFG, mem_rows=1500, batch_size=BATCH, ssd_dir=small_fs / "ssd") as p:
+    # preflight=False: the run itself meets the full disk (the pre-flight plan would refuse it first)
+    with small_pipeline(SOURCE, CFG, mem_rows=1500, batch_size=BATCH, ssd_dir=small_fs / "ssd", preflight=False) as p:
         with pytest.raises(TrainingStopped) as stopped:
             p.fit(progress=False)
     assert caused_by(stopped.value, DiskFullError)
