@@ -219,3 +219,28 @@ def test_a_calibration_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch, ca
     monkeypatch.setattr(plan_probe, "measure", lambda: idle)
     assert plan_probe.stage_costs(recalibrate=True) == idle
     assert plan_probe.cached_costs() == idle  # an idle machine's costs are kept
+
+
+def test_a_headerless_file_narrower_than_the_schema_is_a_configuration_error(tmp_path):
+    """Every row would be ``wrong_column_count`` and the input ``too_much_bad_input``: the
+    schema's mistake, named with the file and the column."""
+    from hpsray.job.inputs import check_inputs
+
+    (tmp_path / "log.tsv").write_text("".join(f"{i % 2}\t0.5\tq{i}\td{i % 3}\n" for i in range(20)))
+    table = {
+        "data": {
+            "paths": ["log.tsv"],
+            "schema": {"format": "csv", "delimiter": "\t", "label": 0, "dense": [1], "categorical": [2, 5]},
+        }
+    }
+    job = JobConfig.from_dict(table, where="job.toml", base_dir=str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"data.schema.categorical: column index 5, but the lines of .*log.tsv have 4"
+    ):
+        check_inputs(job)
+    table["data"]["schema"]["categorical"] = [2, 3]
+    check_inputs(JobConfig.from_dict(table, where="job.toml", base_dir=str(tmp_path)))
+    (tmp_path / "short.tsv").write_text("0\t1\t2\n")
+    criteo = JobConfig.from_dict({"data": {"paths": ["short.tsv"], "format": "criteo"}}, "job.toml", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"short.tsv: its lines have 3 fields, the schema reads 40 columns"):
+        check_inputs(criteo)

@@ -56,6 +56,8 @@ def check_sources(paths: Sequence[str], schema: Schema, where: str, key: str = "
         names = _columns(f, schema)
         if names is not None:
             _check_columns(names, schema, f.uri, where)
+        else:
+            _check_width(f, schema, where)
 
 
 def _columns(split: object, schema: Schema) -> list[str] | None:
@@ -89,3 +91,44 @@ def _check_columns(names: list[str], schema: Schema, uri: str, where: str) -> No
             raise ConfigError(
                 where, f"data.schema.{field}", f"column {column!r} is not in {uri} (its columns: {shown}){hint}"
             )
+
+
+FIRST_LINES = 5  # lines of a headerless text file whose fields are counted
+
+
+def _check_width(split: object, schema: Schema, where: str) -> None:
+    """A headerless text file whose first lines all have fewer fields than the schema reads
+    (every row would be a bad row): the schema's mistake, naming the file and the column."""
+    import pyarrow as pa
+
+    from hpsray.data.formats import format_of
+    from hpsray.data.sources import compression_of
+    from hpsray.data.text import TextFormat
+
+    if schema.header or not isinstance(format_of(schema), TextFormat):
+        return
+    fs, path = split.filesystem, split.path  # type: ignore[attr-defined]
+    try:
+        with fs.open_input_stream(path, compression=compression_of(path, schema.compression)) as f:
+            head = f.read(1 << 16)
+    except (OSError, pa.ArrowException):
+        return  # the readers report an unreadable file under the bad-input policy
+    lines = [line for line in head.split(b"\n")[:-1] if line.strip()][:FIRST_LINES]
+    if not lines:
+        return
+    fields = max(len(line.split(schema.delimiter.encode())) for line in lines)
+    need = schema.expected_columns()
+    if fields >= need:
+        return
+    uri = split.uri  # type: ignore[attr-defined]
+    declared = [("label", schema.label)] + [("dense", c) for c in schema.dense]
+    declared += [("categorical", c) for c in schema.categorical]
+    beyond = [(k, c) for k, c in declared if isinstance(c, int) and c >= fields]
+    if schema.columns is None and schema.n_columns is None and beyond:
+        key, column = beyond[0]
+        raise ConfigError(
+            where, f"data.schema.{key}", f"column index {column}, but the lines of {uri} have {fields} fields"
+        )
+    raise ConfigError(
+        where, "data.schema", f"{uri}: its lines have {fields} fields, the schema reads {need} columns per line"
+    )
