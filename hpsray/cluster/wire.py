@@ -263,6 +263,8 @@ class AuthListener:
         self._hellos: queue.SimpleQueue[tuple[socket.socket, Frame, str]] = queue.SimpleQueue()
         self._closed = False
         self.sock.setblocking(False)
+        self._sel = selectors.DefaultSelector()  # registered before the thread starts: close() may come at once
+        self._sel.register(self.sock, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._accept, daemon=True, name=f"hpsray-listen-{purpose.decode()}")
         self._thread.start()
 
@@ -283,8 +285,7 @@ class AuthListener:
     def _accept(self) -> None:
         """The challenges of every connection not yet proven, driven by one selector (a
         junk connection costs no thread); a proven one reads its hello in a thread."""
-        sel = selectors.DefaultSelector()
-        sel.register(self.sock, selectors.EVENT_READ, None)
+        sel = self._sel
         pending: dict[socket.socket, _Challenge] = {}
         try:
             while not self._closed:
@@ -298,7 +299,7 @@ class AuthListener:
                     sel.unregister(c.conn)
                     del pending[c.conn]
                     self.refuse(c.conn, f"{c.peer}: no answer to the challenge within {self.handshake_timeout_s:g} s")
-        except OSError:
+        except (OSError, ValueError):
             pass  # closed
         finally:
             for c in pending.values():

@@ -171,8 +171,10 @@ def test_ten_thousand_junk_connections_are_refused_and_the_real_peer_still_gets_
         assert junk_connections(listener.address, 10_000, 1, good) == 10_000
         wait_refused(listener, 10_000)
         real = wire.connect(listener.address, listener.key, b"test", _hello(1), 5)
-        assert list(listener.admit(1, _ident, timeout_s=5)) == [1]
-        real.close()
+        admitted = listener.admit(1, _ident, timeout_s=5)
+        assert list(admitted) == [1]
+        for s in (real, *admitted.values()):
+            s.close()
     finally:
         listener.close()
 
