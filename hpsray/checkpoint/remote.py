@@ -272,6 +272,18 @@ class RemoteCheckpoints(Checkpoints):
             raise
         return Checkpoint.open(final)
 
+    def clear(self) -> list[str]:
+        """Delete every checkpoint under the URI (manifests first, then every object) and the
+        local cache's; returns the checkpoint names removed."""
+        names = [key[: -len(".json")] for _, key in self._manifests()]
+        for name in names:
+            self.fs.delete_file(self._key(f"{name}.json"))
+        for key in self._list("params/").keys() | self._list("data/").keys():
+            self.fs.delete_file(self._key(key))
+        for path in super().committed():
+            shutil.rmtree(path, ignore_errors=True)
+        return names
+
     # -- parts -------------------------------------------------------------------------------
 
     def _refuse_foreign_remote(self, fingerprint: str | None) -> None:

@@ -80,7 +80,12 @@ def clear_ssd(path: str | None) -> list[str]:
 
 
 def clear_checkpoints(directory: str) -> list[str]:
-    """Remove the checkpoints (``ckpt-N``, staging leftovers) from ``directory`` (nothing else)."""
+    """Remove the checkpoints (``ckpt-N``, staging leftovers) from ``directory`` (nothing else;
+    under a URI: every checkpoint's manifest and object, checkpoint/remote.py)."""
+    from hpsray.checkpoint.remote import RemoteCheckpoints, is_uri
+
+    if is_uri(directory):
+        return RemoteCheckpoints(directory).clear()
     if not os.path.isdir(directory):
         return []
     gone = sorted(e for e in os.listdir(directory) if _CHECKPOINT_ENTRY.match(e))

@@ -173,3 +173,21 @@ def test_a_node_whose_files_are_not_on_the_driver_host_stops_the_commit(s3_uri, 
     with pytest.raises(CheckpointError, match="node 1's files are not on the driver's host"):
         ckpts.commit(staging, 4, {"nodes": 2}, fingerprint=FP)
     assert ckpts.committed() == [] and not staging.exists()
+
+
+def test_clearing_removes_every_checkpoint_and_object(s3_uri, tmp_path, ssd_warm):
+    from hpsray.pipelines.preflight import clear_checkpoints
+
+    ckpts = _remote(s3_uri, tmp_path / "cache")
+    with SSDPS(tmp_path / "ssd", 2, rows_per_file=16, background=False) as s:
+        s.dump(np.arange(40, dtype=np.uint64), np.ones((40, 2), np.float32))
+        _checkpoint(ckpts, s, 1)
+        _checkpoint(ckpts, s, 2)
+    assert len(ckpts._list("")) > 2
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("HPSRAY_CHECKPOINT_CACHE", str(tmp_path / "cache2"))
+    try:
+        assert clear_checkpoints(s3_uri) == ["ckpt-000002", "ckpt-000001"]
+    finally:
+        monkey.undo()
+    assert ckpts._list("") == {} and ckpts.latest(FP) is None
