@@ -84,8 +84,9 @@ def _on_signals() -> None:
         signal.signal(sig, _raise_stop)
 
 
-def _shutdown() -> None:
-    """Stop Serve and the Ray this command joined or started; Ctrl-C meanwhile is ignored."""
+def _shutdown(local: bool, name: str) -> None:
+    """Stop what this command started, ignoring further signals meanwhile: a local Ray (Serve
+    with it) is shut down; on a cluster it joined, only its application is deleted."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -94,13 +95,15 @@ def _shutdown() -> None:
         connected = ray.is_initialized()
     except Exception:  # noqa: BLE001 - stopped while Ray was being imported: nothing of it runs yet
         return
-    if connected:
-        from hpsray.serving import stop
+    if not connected:
+        return
+    try:
+        if not local:
+            from ray import serve
 
-        try:
-            stop()
-        finally:
-            ray.shutdown()
+            serve.delete(name)
+    finally:
+        ray.shutdown()  # a local Ray's processes, Serve's among them, end with it
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,11 +122,11 @@ def run(args: argparse.Namespace) -> int:
     except (ServingError, ValueError) as e:
         print(f"hpsray serve: {e}", file=sys.stderr)
         return 2
-    serving = False
+    serving, local = False, args.address is None
     _on_signals()
     try:
         print(f"hpsray serve: deploying {args.model_dir} ...", file=sys.stderr, flush=True)
-        connect_ray(args.address)
+        local = connect_ray(args.address) and args.address is None
         _on_signals()  # again: starting Ray installed its own SIGTERM handler (a C++ stack dump)
         start(args.model_dir, options, address=args.address)
         serving = True
@@ -135,10 +138,10 @@ def run(args: argparse.Namespace) -> int:
         name = str(e) if isinstance(e, _Stop) else "SIGINT"
         signum = e.signum if isinstance(e, _Stop) else int(signal.SIGINT)
         print(f"hpsray serve: {name}: stopping{'' if serving else ' (while deploying)'}", file=sys.stderr, flush=True)
-        _shutdown()
+        _shutdown(local, options.name)
         print("hpsray serve: stopped", file=sys.stderr, flush=True)
         return 0 if serving else 128 + signum
     except (ServingError, ValueError) as e:
-        _shutdown()
+        _shutdown(local, options.name)
         print(f"hpsray serve: {e}", file=sys.stderr)
         return 2

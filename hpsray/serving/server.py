@@ -103,12 +103,15 @@ def build_app(
     )
 
 
-def connect_ray(address: str | None = None) -> None:
-    """Join Ray at ``address``, or start a local one, unless this process is connected already."""
+def connect_ray(address: str | None = None) -> bool:
+    """Join Ray at ``address``, or start a local one, unless this process is connected already;
+    whether this call started or joined it."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+    if ray.is_initialized():
+        return False
+    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+    return True
 
 
 def start(
