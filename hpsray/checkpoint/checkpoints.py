@@ -131,6 +131,11 @@ class Checkpoints:
     def committed(self) -> list[Path]:
         """The committed checkpoint directories (``ckpt-N``), newest (highest batch) first; their
         records are not read."""
+        return self._local_dirs()
+
+    def _local_dirs(self) -> list[Path]:
+        """:meth:`committed` of this directory (what pruning and the checks here use, also where
+        a subclass's :meth:`committed` lists another store)."""
         found = []
         for entry in os.scandir(self.directory):
             m = _COMMITTED.fullmatch(entry.name)
@@ -158,7 +163,7 @@ class Checkpoints:
         never skipped.
         """
         skipped: list[str] = []
-        for path in self.committed():
+        for path in self._local_dirs():
             try:
                 ckpt = Checkpoint.open(path)
             except CheckpointError as e:
@@ -288,11 +293,11 @@ class Checkpoints:
     # -- parts ------------------------------------------------------------------------------
 
     def _latest_name(self) -> str | None:
-        committed = self.committed()
+        committed = self._local_dirs()
         return committed[0].name if committed else None
 
     def _refuse_foreign(self, fingerprint: str | None) -> None:
-        for path in self.committed():
+        for path in self._local_dirs():
             try:
                 other = read_record(str(path)).get("fingerprint")
             except CheckpointError:
@@ -325,7 +330,7 @@ class Checkpoints:
     def _prune(self, batch: int) -> None:
         """After committing ``batch``: remove later and surplus checkpoints and old leftovers."""
         kept = 0
-        for path in self.committed():
+        for path in self._local_dirs():
             b = int(_COMMITTED.fullmatch(path.name).group(1))  # type: ignore[union-attr]
             if b <= batch and kept < self.keep:
                 kept += 1

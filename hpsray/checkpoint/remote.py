@@ -175,6 +175,10 @@ class RemoteCheckpoints(Checkpoints):
         """Seal ``staging`` locally (:meth:`Checkpoints.commit`), upload what the store lacks,
         write the manifest (the commit), then delete what no kept manifest references."""
         self._refuse_foreign_remote(fingerprint)
+        there = {key[: -len(".json")] for _, key in self._manifests()}
+        for path in self._local_dirs():  # the cache follows the store (its checkpoints removed there)
+            if path.name not in there:
+                shutil.rmtree(path, ignore_errors=True)
         nodes = int(dict(meta or {}).get("nodes", 0))
         absent = [i for i in range(nodes) if not node_dir(staging, i).is_dir()]
         if absent:
@@ -280,7 +284,7 @@ class RemoteCheckpoints(Checkpoints):
             self.fs.delete_file(self._key(f"{name}.json"))
         for key in self._list("params/").keys() | self._list("data/").keys():
             self.fs.delete_file(self._key(key))
-        for path in super().committed():
+        for path in self._local_dirs():
             shutil.rmtree(path, ignore_errors=True)
         return names
 

@@ -48,6 +48,7 @@ def test_parameter_files_upload_once_and_a_fresh_host_resumes(s3_uri, tmp_path, 
     assert first["reused"] == 0 and first["bytes"] == sum(f["size"] for f in c1.files)
     assert second["reused"] == first["files"] - 3 and second["bytes"] < 1000  # MANIFEST, SNAPSHOT.json, dense.pt
     assert third["reused"] == second["reused"] and third["files"] == 4
+    assert sorted(p.name for p in (tmp_path / "cache-a").iterdir()) == ["ckpt-000002", "ckpt-000003"]  # kept: 2
     listed = ckpts._list("")
     assert sorted(k for k in listed if "/" not in k) == ["ckpt-000002.json", "ckpt-000003.json"]
     assert not any(k.startswith("data/ckpt-000001/") for k in listed)  # collected with its manifest
@@ -191,3 +192,20 @@ def test_clearing_removes_every_checkpoint_and_object(s3_uri, tmp_path, ssd_warm
     finally:
         monkey.undo()
     assert ckpts._list("") == {} and ckpts.latest(FP) is None
+
+
+def test_the_cache_follows_the_store(s3_uri, tmp_path, ssd_warm):
+    """A checkpoint removed from the store (by hand, or another job's that was there) is dropped
+    from the cache at the next commit: it neither blocks the commit as another job's nor resumes."""
+    ckpts = _remote(s3_uri, tmp_path / "cache")
+    with SSDPS(tmp_path / "ssd", 2, rows_per_file=16, background=False) as s:
+        s.dump(np.arange(40, dtype=np.uint64), np.ones((40, 2), np.float32))
+        _checkpoint(ckpts, s, 1)
+        for key in ckpts._list(""):
+            ckpts.fs.delete_file(ckpts._key(key))  # the bucket emptied by hand
+        other = RemoteCheckpoints(s3_uri, 2, cache=tmp_path / "cache")
+        with other.staged(2) as staging:
+            s.snapshot(node_dir(staging, 0) / "ssd")
+            other.commit(staging, 2, fingerprint=job_fingerprint({"another": "job"}))
+    assert [p.name for p in other.committed()] == ["ckpt-000002"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["ckpt-000002"]
