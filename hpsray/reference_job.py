@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hpsray.evaluation import EvalPoint, EvalTrack
 from hpsray.report import Evaluation, RunReport
 
 if TYPE_CHECKING:
@@ -30,13 +31,6 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
     if n_nodes == 0:
         raise ValueError("cluster.nodes: --reference needs the node count (0 means 'whatever the cluster has')")
     one_share = n_nodes == 1 and job.pipeline.n_devices == 1
-    data_reader = source.reader(bs) if hasattr(source, "reader") and one_share else None
-    if data_reader is not None:
-        it = iter(data_reader)
-    elif one_share:
-        it = source.open(bs)
-    else:  # what N nodes of D devices train: per batch, the global mini-batches of every share
-        it = global_batches(source, bs, n_nodes, job.train_config().minibatch_size, job.pipeline.n_devices)
     trainer = ReferenceTrainer(
         source.n_slots,
         source.n_dense,
@@ -49,28 +43,67 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
 
         spec = build.init_from(job)["init_from"]
         trainer.store.preload(*read_table(spec.path, spec.dim, job.train_config().row_width, spec.state_value))
+    held_out = build.eval_source(job) if job.evaluation is not None else None
+    track = EvalTrack(job.evaluation) if job.evaluation is not None and held_out is not None else None
+    best_model: tuple | None = None
+
+    def evaluate(eval_source: Any) -> dict:
+        r = trainer.evaluate(eval_source.open(bs))
+        return {"auc": r.auc, "logloss": r.logloss, "examples": r.examples}
+
+    def score(batches: int, pass_index: int) -> bool:
+        """Evaluate after ``batches`` batches, as the pipeline does; returns whether to stop."""
+        nonlocal best_model
+        assert track is not None and held_out is not None
+        if track.points and track.points[-1].batches == batches:
+            return track.stop
+        t0 = time.perf_counter()
+        got = evaluate(held_out)
+        point = EvalPoint(batches, pass_index, got["auc"], got["logloss"], got["examples"], time.perf_counter() - t0)
+        if track.record(point) and track.settings.patience is not None:
+            best_model = trainer.export()
+        return track.stop
+
     per_read, per_train, losses = {}, {}, {}
     t0 = time.perf_counter()
     t = 0
-    bar = Progress(known_examples(source), not quiet, progress_seconds(job.pipeline.progress_seconds), desc="reference")
-    while True:
-        r0 = time.perf_counter()
-        batch = next(it, None)
-        per_read[str(t)] = time.perf_counter() - r0
-        if batch is None:
+    data_reader = None
+    stopped = False
+    for pass_index in range(job.pipeline.passes):
+        data_reader = source.reader(bs) if hasattr(source, "reader") and one_share else None
+        if data_reader is not None:
+            it = iter(data_reader)
+        elif one_share:
+            it = source.open(bs)
+        else:  # what N nodes of D devices train: per batch, the global mini-batches of every share
+            it = global_batches(source, bs, n_nodes, job.train_config().minibatch_size, job.pipeline.n_devices)
+        desc = "reference" if job.pipeline.passes == 1 else f"reference pass {pass_index + 1}/{job.pipeline.passes}"
+        bar = Progress(known_examples(source), not quiet, progress_seconds(job.pipeline.progress_seconds), desc=desc)
+        in_pass, before = 0, trainer.examples
+        while True:
+            r0 = time.perf_counter()
+            batch = next(it, None)
+            per_read[str(t)] = time.perf_counter() - r0
+            if batch is None:
+                break
+            s0 = time.perf_counter()
+            if isinstance(batch, list):
+                trainer.model.train()
+                losses[str(t)] = trainer.train_minibatches(batch)  # one batch, as admission counts it
+            else:
+                losses[str(t)] = trainer.train_batch(batch)
+            per_train[str(t)] = time.perf_counter() - s0
+            bar.update(trainer.examples - before - bar.n)
+            t += 1
+            in_pass += 1
+            if track is not None and track.due(in_pass) and score(t, pass_index):
+                stopped = True
+                break
+        bar.pass_end()
+        bar.close()
+        if stopped or (track is not None and score(t, pass_index)):
             break
-        s0 = time.perf_counter()
-        if isinstance(batch, list):
-            trainer.model.train()
-            losses[str(t)] = trainer.train_minibatches(batch)  # one batch, as admission counts it
-        else:
-            losses[str(t)] = trainer.train_batch(batch)
-        per_train[str(t)] = time.perf_counter() - s0
-        bar.update(trainer.examples - bar.n)
-        t += 1
     wall = time.perf_counter() - t0
-    bar.pass_end()
-    bar.close()
     if t == 0:
         raise ValueError("the source produced no examples")
     report = RunReport(
@@ -86,13 +119,15 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
         loss=losses,
         bad_input=data_reader.report.to_dict() if data_reader is not None else {},
     )
+    if track is not None:
+        report.evaluations = track.as_dict()
 
-    def evaluate(eval_source: Any) -> dict:
-        r = trainer.evaluate(eval_source.open(bs))
-        return {"auc": r.auc, "logloss": r.logloss, "examples": r.examples}
-
-    evaluate_into(report, job, evaluate)
-    model = trainer.export()
+    if best_model is not None and track is not None and track.best is not None:  # early stopping: the best
+        best = track.best
+        report.evaluation = Evaluation(auc=best.auc, logloss=best.logloss, eval_examples=best.examples)
+    else:
+        evaluate_into(report, job, evaluate)
+    model = best_model if best_model is not None else trainer.export()
     report.rows = int(model[0].size)
     return report, model
 

@@ -145,7 +145,7 @@ class RunReport:
     stage's share of wall time) are derived from the other fields at construction.
 
     Per-batch maps are keyed by the batch id as a string (as JSON has them); ``cache``,
-    ``working_set``, ``bad_input``, ``checkpoints``, ``recovery``, ``reshaped``, ``export``,
+    ``working_set``, ``bad_input``, ``checkpoints``, ``recovery``, ``reshaped``, ``evaluations``, ``export``,
     ``config`` and ``compare`` are the dicts their producers return.
     """
 
@@ -175,6 +175,7 @@ class RunReport:
     checkpoints: dict[str, Any] | None = _optional()
     recovery: list[dict[str, Any]] | None = _optional()
     reshaped: dict[str, Any] | None = _optional()
+    evaluations: dict[str, Any] | None = _optional()  # evaluation while training: EvalTrack.as_dict + seconds
     # added by the commands (hpsray train, hpsray demo)
     trainer: str | None = _optional()  # "hpsray" or "reference"
     evaluation: Evaluation | None = field(default=None, metadata={**OMIT, "flat": Evaluation})  # keys at top level

@@ -266,6 +266,7 @@ def train_pipeline(
     from hpsray.cli.start import connect_alongside
     from hpsray.cluster.runtime import dashboard_hint
     from hpsray.reference_job import evaluate_into
+    from hpsray.report import Evaluation
 
     if ray_started is None:
         ray_started = connect_alongside(address or job.cluster.address, quiet, lambda: None)
@@ -285,11 +286,18 @@ def train_pipeline(
             report = pipe.report
             assert report is not None
             report.trainer = "hpsray"
-            evaluate_into(report, job, pipe.evaluate)
+            evals = pipe.evaluations
+            best = evals.track.best if evals is not None and evals.best_model is not None else None
+            if best is not None:  # early stopping: the best model is the one reported and exported
+                report.evaluation = Evaluation(auc=best.auc, logloss=best.logloss, eval_examples=best.examples)
+            else:
+                evaluate_into(report, job, pipe.evaluate)
             if export_dir:
-                keys, rows = pipe.export_rows()
-                dense = pipe.dense_state()
-                model = (keys, rows, dense)
+                model = evals.best_model if best is not None and evals is not None else None
+                if model is None:
+                    keys, rows = pipe.export_rows()
+                    model = (keys, rows, pipe.dense_state())
+                keys = model[0]
                 source = pipe.source
                 report.export = export(
                     model,

@@ -130,5 +130,8 @@ def pipeline(
         checkpoint=checkpoint(job, resume),
         progress_seconds=job.pipeline.progress_seconds,
         preflight=preflight,
+        passes=job.pipeline.passes,
+        evaluation=job.evaluation,
+        eval_source=eval_source(job) if job.evaluation is not None else None,
         **kwargs,
     )

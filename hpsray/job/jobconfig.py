@@ -19,6 +19,7 @@ from hpsray.data import load_dataset
 from hpsray.data.formats import get_format
 from hpsray.data.generate import SCHEMA_FILE
 from hpsray.errors import ConfigError
+from hpsray.evaluation import EvalSettings
 from hpsray.job import validate as chk
 from hpsray.job.sections import (
     CheckpointSection,
@@ -27,13 +28,16 @@ from hpsray.job.sections import (
     ModelSection,
     OptimizerSection,
     PipelineSection,
+    ReportSection,
     TiersSection,
     parse_checkpoint,
     parse_cluster,
     parse_data,
+    parse_eval,
     parse_model,
     parse_optimizer,
     parse_pipeline,
+    parse_report,
     parse_tiers,
 )
 
@@ -55,6 +59,8 @@ class JobConfig:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     checkpoint: CheckpointSection | None = None  # no [checkpoint]: no checkpoints
+    evaluation: EvalSettings | None = None  # no [eval]: one evaluation at the end
+    report: ReportSection = field(default_factory=ReportSection)
     where: str = "<config>"
     base_dir: str = "."
 
@@ -89,6 +95,8 @@ class JobConfig:
             )
         pipeline = parse_pipeline(top.sub("pipeline") or chk.Table({}, "pipeline", where))
         checkpoint_t = top.sub("checkpoint")
+        eval_t = top.sub("eval")
+        report_t = top.sub("report")
         job = cls(
             data=parse_data(data_t, base_dir),
             model=parse_model(top.sub("model") or chk.Table({}, "model", where)),
@@ -97,6 +105,8 @@ class JobConfig:
             pipeline=pipeline,
             cluster=parse_cluster(top.sub("cluster") or chk.Table({}, "cluster", where)),
             checkpoint=parse_checkpoint(checkpoint_t, base_dir) if checkpoint_t is not None else None,
+            evaluation=parse_eval(eval_t) if eval_t is not None else None,
+            report=parse_report(report_t, base_dir) if report_t is not None else ReportSection(),
             where=where,
             base_dir=base_dir,
         )
@@ -107,6 +117,9 @@ class JobConfig:
                 "pipeline.minibatch_size",
                 f"must not exceed pipeline.batch_size ({job.pipeline.batch_size}), got {job.pipeline.minibatch_size}",
             )
+        syn = job.data.synthetic
+        if job.evaluation is not None and not (job.data.eval_paths or (syn is not None and syn.eval_rows)):
+            raise ConfigError(where, "eval", "needs held-out data: [data] eval_paths or [data.synthetic] eval_rows")
         if job.pipeline.n_devices > 1 and job.cluster.consistency != "bsp":
             raise ConfigError(
                 where,

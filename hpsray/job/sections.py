@@ -24,6 +24,7 @@ from hpsray.config import (
 from hpsray.data import LENIENT, BadInputPolicy, PlantedCTR, Schema
 from hpsray.data.formats import format_names
 from hpsray.errors import ConfigError
+from hpsray.evaluation import METRICS, EvalSettings
 from hpsray.job import validate as chk
 from hpsray.kernels.optim import make_optimizer
 
@@ -153,7 +154,8 @@ class TiersSection:
 class PipelineSection:
     """``[pipeline]``: batch and mini-batch sizes, the four edges' capacities (``read_queue``,
     ``pull_queue``, ``load_queue``, ``write_back_queue``), devices per node, and the seconds
-    between progress lines (``progress_seconds``; unset: ``$HPSRAY_PROGRESS_SECONDS``, else 30)."""
+    between progress lines (``progress_seconds``; unset: ``$HPSRAY_PROGRESS_SECONDS``, else 30),
+    and the passes over the data (``passes``)."""
 
     batch_size: int = 65536
     minibatch_size: int = 1024
@@ -166,6 +168,14 @@ class PipelineSection:
     threads: int | None = None
     hbm_rows: int | None = None
     progress_seconds: float | None = None
+    passes: int = 1
+
+
+@dataclass(frozen=True)
+class ReportSection:
+    """``[report]``: ``tensorboard``, a directory for TensorBoard scalars (``None``: none)."""
+
+    tensorboard: str | None = None
 
 
 @dataclass(frozen=True)
@@ -376,9 +386,32 @@ def parse_pipeline(t: chk.Table) -> PipelineSection:
         threads=t.take("threads", chk.integer(1)),
         hbm_rows=t.take("hbm_rows", chk.integer(1)),
         progress_seconds=t.take("progress_seconds", chk.number(0.0)),
+        passes=t.take("passes", chk.integer(1), 1),
     )
     t.done()
     return p
+
+
+def parse_eval(t: chk.Table) -> EvalSettings:
+    """``[eval]``: ``every_batches`` and ``early_stopping = { metric, patience }`` (docs/operations.md:
+    Passes and evaluation)."""
+    every = t.take("every_batches", chk.integer(0), 0)
+    stop = t.sub("early_stopping")
+    metric, patience = "auc", None
+    if stop is not None:
+        metric = stop.take("metric", chk.choice(tuple(METRICS)), "auc")
+        patience = stop.take("patience", chk.integer(1))
+        stop.done()  # a misspelled key first: "did you mean"
+        if patience is None:
+            stop.fail("patience", "missing (required): evaluations without improvement before stopping")
+    t.done()
+    return EvalSettings(every_batches=every, metric=metric, patience=patience)
+
+
+def parse_report(t: chk.Table, base: str) -> ReportSection:
+    board = t.take("tensorboard", chk.string)
+    t.done()
+    return ReportSection(tensorboard=chk.resolve_path(board, base) if board else None)
 
 
 def parse_cluster(t: chk.Table) -> ClusterSection:

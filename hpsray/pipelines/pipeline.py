@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,8 +25,19 @@ from hpsray.checkpoint.remote import open_checkpoints
 from hpsray.cluster.runtime import connect, training_nodes
 from hpsray.data.batch import Batch
 from hpsray.errors import CheckpointError, CorruptFileError, TrainingStopped, caused_by
-from hpsray.models.metrics import auc, logloss
-from hpsray.pipelines.placement import NodeActors, join_group, needs_group, open_reader, place_node, release_placements
+from hpsray.evaluation import EvalSettings
+from hpsray.pipelines.passes import EndPass, Evaluations, catch_interrupt, score
+from hpsray.pipelines.placement import (
+    NodeActors,
+    actor_handles,
+    join_group,
+    needs_group,
+    open_reader,
+    place_node,
+    release_placements,
+    stop_actors,
+    wait_ready,
+)
 from hpsray.pipelines.progress import Progress, known_examples
 from hpsray.pipelines.progress import progress_seconds as progress_seconds_of
 from hpsray.pipelines.recovery import (
@@ -71,6 +81,11 @@ class Pipeline:
             actor (``None``: no checkpoints; a dead actor stops ``fit()``).
         progress_seconds: seconds between progress lines when stderr is not a terminal
             (``None``: ``$HPSRAY_PROGRESS_SECONDS``, else 30; docs/operations.md: Progress).
+        passes: passes over the source that ``fit()`` trains (``[pipeline] passes``).
+        evaluation: evaluate on ``eval_source`` while training, every ``every_batches`` batches
+            and at each pass's end, with early stopping (:class:`~hpsray.evaluation.EvalSettings`;
+            ``None``: no evaluation while training).
+        eval_source: the held-out examples (required with ``evaluation``).
         preflight: before the first ``fit()`` starts any actor, run ``hpsray train``'s checks
             (:func:`~hpsray.pipelines.preflight.preflight`: files and columns, an earlier run's
             SSD-PS files or checkpoints, the plan's capacity check); ``hpsray train`` runs them
@@ -96,9 +111,16 @@ class Pipeline:
         checkpoint: CheckpointSettings | None = None,
         progress_seconds: float | None = None,
         preflight: bool = True,
+        passes: int = 1,
+        evaluation: EvalSettings | None = None,
+        eval_source: PipelineSource | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"passes must be an integer >= 1, got {passes!r}")
+        if evaluation is not None and eval_source is None:
+            raise ValueError("evaluation while training needs eval_source (the held-out examples)")
         for edge, capacity in (
             ("read_queue", read_queue),
             ("pull_queue", pull_queue),
@@ -149,6 +171,10 @@ class Pipeline:
         self.started_at: float | None = None
         self.start_s: dict[str, float] = {}  # the start's seconds: ray_init_s, actors_s
         self.preflight = preflight  # the first fit() checks what hpsray train checks
+        self.passes = passes
+        self._pass_index = 0  # passes completed (a resume's come from its checkpoint)
+        self._pass_goal = passes  # fit() trains until this many are complete
+        self.evaluations = Evaluations(evaluation, eval_source) if evaluation and eval_source is not None else None
 
     @property
     def fingerprint(self) -> str:
@@ -203,6 +229,7 @@ class Pipeline:
         if restore is not None:
             load_trainers(restore, self._nodes)
             self._next_batch, self._pass_first = restore.batch, int(restore.meta["pass_first"])
+            self._pass_index = int(restore.meta.get("pass_index", 0))
             self._checkpointed = restore.batch
 
     def _open_reader(self, node: NodeActors, source: PipelineSource, index: int, count: int, skip: int = 0) -> Any:
@@ -211,14 +238,17 @@ class Pipeline:
     # -- training ------------------------------------------------------------------------
 
     def fit(self, progress: bool = True) -> dict:
-        """Train one pass over the source; returns the run report's JSON form (``self.report``
-        is the :class:`~hpsray.report.RunReport`).
+        """Train ``passes`` passes over the source (those a resumed run has left); returns the run
+        report's JSON form (``self.report`` is the :class:`~hpsray.report.RunReport`).
 
         Each node's reader reads that node's share of the source; the batches run on the
         schedule of :class:`~hpsray.pipelines.schedule.PassSchedule`. With checkpoints, a dead
         actor (or node) restarts the stages from the newest checkpoint, up to
         ``max_failures`` times (the report's ``recovery`` lists each). Any other failure stops
         training with :class:`TrainingStopped` after every batch that trained is written back.
+        With ``evaluation``, the model is scored every ``every_batches`` batches and at each
+        pass's end; early stopping ends the run (:mod:`~hpsray.pipelines.passes`). A later
+        ``fit()`` trains ``passes`` more.
         """
         if self.preflight and not self._nodes:
             from hpsray.pipelines.preflight import preflight
@@ -226,14 +256,61 @@ class Pipeline:
             preflight(self)  # before any actor starts: ConfigError, CheckpointError, CapacityError
             self.preflight = False
         self._start()
-        if self._pass_first is None:
-            self._pass_first = self._next_batch
-        first, started_at = self._pass_first, self._next_batch  # a resumed pass started before this call
+        started_at = self._next_batch
         called_at = time.time()
         origin = self.started_at if self.started_at is not None else called_at
         self.started_at = None  # a later fit() counts from its own call
+        recovery: list[dict] = []
+        self.recovery = recovery  # grows while fit() runs: one entry per recovery
+        self._costs = CheckpointCosts()
+        acc: dict[str, Any] = {"startup": 0.0, "wall": 0.0, "examples": {}}
+        self._interrupted = False
+        previous = catch_interrupt(self)
+        stopped = False
+        if self._pass_index >= self._pass_goal:  # a later fit(): as many passes again
+            self._pass_goal = self._pass_index + self.passes
+        try:
+            while self._pass_index < self._pass_goal and not stopped:
+                schedule, stopped = self._fit_pass(progress, recovery, acc)
+                self._pass_first = None
+                self._pass_index += 1
+                evals = self.evaluations
+                if evals is not None and not stopped:
+                    evals.evaluate(self, self._nodes, self._next_batch, self._pass_index - 1)
+                    stopped = evals.track.stop
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        trained = range(started_at, self._next_batch)
+        checkpointed = self._checkpoints is not None
+        self.report = run_report(
+            self._nodes,
+            self.sync,
+            self.trainer_settings.n_devices,
+            acc["wall"],
+            trained,
+            sum(acc["examples"].get(b, 0) for b in trained),
+            schedule.edges,
+            started_at=origin,
+            startup_s=acc["startup"],
+            start_s=self.start_s,
+            checkpoints=self._costs.summary(acc["wall"]) if checkpointed else None,
+            recovery=recovery if checkpointed else None,
+            reshaped=self.reshaped if checkpointed else None,
+        )
+        if self.evaluations is not None:
+            self.report.evaluations = {**self.evaluations.track.as_dict(), "seconds": self.evaluations.seconds}
+        return self.report.as_dict()
+
+    def _fit_pass(self, progress: bool, recovery: list[dict], acc: dict[str, Any]) -> tuple[PassSchedule, bool]:
+        """One pass (or a resumed pass's rest), recovering from dead actors; adds its startup and
+        wall seconds and examples per batch to ``acc``. Returns its last schedule and whether early
+        stopping ended it."""
+        if self._pass_first is None:
+            self._pass_first = self._next_batch
+        first = self._pass_first
         total = known_examples(self.source)
-        done_batches = started_at - first  # a resumed pass: its batches trained before, full ones
+        done_batches = self._next_batch - first  # a resumed pass: its batches trained before, full ones
         done_examples = done_batches * self.batch_size * len(self._nodes)
         if total is not None and total.exact:
             done_examples = min(done_examples, total.rows)
@@ -245,13 +322,8 @@ class Pipeline:
             first_batch=self._next_batch,
             done_batches=done_batches,
             done_examples=done_examples,
+            desc="hpsray" if self.passes == 1 else f"pass {self._pass_index + 1}/{self.passes}",
         )
-        recovery: list[dict] = []
-        self.recovery = recovery  # grows while fit() runs: one entry per recovery
-        self._costs = CheckpointCosts()
-        startup, wall, examples = 0.0, 0.0, {}
-        self._interrupted = False
-        previous = _catch_interrupt(self)
         try:
             while True:
                 t_start = t0 = time.perf_counter()
@@ -266,52 +338,34 @@ class Pipeline:
                     **self.queues,
                     sync=self.sync,
                 )
+                stopped = False
                 try:
                     for node in nodes:  # a resumed pass skips the batches already trained
                         self._open_reader(node, self.source, node.index, len(nodes), self._next_batch - first)
                     # the actors' processes start (seconds, on the first pass) before the clock does
-                    ready = _wait_ready(nodes)
-                    if not startup:
+                    ready = wait_ready(nodes)
+                    if not acc["startup"]:
                         self.start_s.update(ready)
                     t0 = time.perf_counter()
-                    startup += t0 - t_start
+                    acc["startup"] += t0 - t_start
                     bar.begin()  # the first interval starts with the pass, not with the actors
                     if self._checkpoints is not None and self._checkpointed != self._next_batch:
                         self._checkpoint(self._next_batch)  # where a failure before the first interval returns
                     schedule.run(bar)
+                except EndPass:
+                    stopped = True
                 except Exception as e:
-                    wall += time.perf_counter() - t0
-                    examples.update(schedule.examples_by_batch)
+                    acc["wall"] += time.perf_counter() - t0
+                    acc["examples"].update(schedule.examples_by_batch)
                     self._recover_or_stop(e, schedule, recovery, self._next_batch + schedule.batches)
                     continue
-                wall += time.perf_counter() - t0
-                examples.update(schedule.examples_by_batch)
+                acc["wall"] += time.perf_counter() - t0
+                acc["examples"].update(schedule.examples_by_batch)
                 self._next_batch += schedule.batches
                 bar.pass_end()
-                break
+                return schedule, stopped
         finally:
             bar.close()
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-        self._pass_first = None
-        trained = range(started_at, self._next_batch)
-        checkpointed = self._checkpoints is not None
-        self.report = run_report(
-            self._nodes,
-            self.sync,
-            self.trainer_settings.n_devices,
-            wall,
-            trained,
-            sum(examples.get(b, 0) for b in trained),
-            schedule.edges,
-            started_at=origin,
-            startup_s=startup,
-            start_s=self.start_s,
-            checkpoints=self._costs.summary(wall) if checkpointed else None,
-            recovery=recovery if checkpointed else None,
-            reshaped=self.reshaped if checkpointed else None,
-        )
-        return self.report.as_dict()
 
     def _after_batch(self, batch_id: int, schedule: PassSchedule) -> None:
         """Checkpoint every ``every_batches`` batches of the pass (after the write-backs); after
@@ -328,15 +382,24 @@ class Pipeline:
                 ray.get([n.mem.flush.remote() for n in self._nodes])
             where = f"; resume from its checkpoint (ckpt-{done:06d})" if self._checkpoints is not None else ""
             raise KeyboardInterrupt(f"stopped after {done} batches trained, every trained row written back{where}")
-        if stage is None or (done - (self._pass_first or 0)) % stage.every_batches:
+        in_pass = done - (self._pass_first or 0)
+        checkpoint = stage is not None and in_pass % stage.every_batches == 0
+        evals = self.evaluations
+        evaluate = evals is not None and evals.due(in_pass)
+        if not (checkpoint or evaluate):
             return
         schedule.drain()
         schedule.flush_trainers()
-        self._checkpoint(done)
+        if checkpoint:
+            self._checkpoint(done)
+        if evals is not None and evaluate:
+            evals.evaluate(self, self._nodes, done, self._pass_index)
+            if evals.track.stop:
+                raise EndPass(done)
 
     def _checkpoint(self, batch: int) -> None:
         assert self._checkpoints is not None
-        meta = {"pass_first": self._pass_first, "name": self.name}
+        meta = {"pass_first": self._pass_first, "pass_index": self._pass_index, "name": self.name}
         ckpt, seconds, size = write_checkpoint(self._checkpoints, self._nodes, batch, meta, self.fingerprint)
         self._checkpoint_path = str(ckpt.path)
         self._costs.seconds.append(seconds)
@@ -385,22 +448,9 @@ class Pipeline:
 
     def evaluate(self, source: PipelineSource) -> dict:
         """AUC and log-loss of the trained model over ``source``'s examples (read on node 0,
-        each key's row looked up at its owner)."""
+        each key's row looked up at its owner): ``{"auc", "logloss", "examples"}``."""
         self._start()
-        nodes = self._nodes
-        reader = self._open_reader(nodes[0], source, 0, 1)
-        labels, probs = [], []
-        while True:
-            read = ray.get(reader.read.remote(None))  # no batch id: not a training batch
-            if read.examples == 0:
-                break
-            rows = [node.mem.lookup.remote(k) for node, k in zip(nodes, read.keys_by_owner)]
-            probs.append(ray.get(nodes[0].trainer.predict.remote(read.batch, read.keys_by_owner, rows)))
-            labels.append(ray.get(read.batch).labels)
-        if not labels:
-            raise ValueError("the evaluation source produced no examples")
-        y, p = np.concatenate(labels), np.concatenate(probs)
-        return {"auc": auc(y, p), "logloss": logloss(y, p), "examples": int(y.size)}
+        return score(self._nodes, self._open_reader(self._nodes[0], source, 0, 1))
 
     def export_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Every trained row ``(keys sorted, rows)``: MEM-PS is flushed, then SSD-PS scanned."""
@@ -423,30 +473,13 @@ class Pipeline:
 
     def actors(self) -> dict:
         """Actor handles by dashboard name."""
-        out = {}
-        for n in self._nodes:
-            out.update(
-                {
-                    f"SSDPS[node {n.index}]": n.ssd,
-                    f"MemPS[node {n.index}]": n.mem,
-                    f"Trainer[node {n.index}]": n.trainer,
-                }
-            )
-            if n.reader is not None:
-                out[f"Reader[node {n.index}]"] = n.reader
-        return out
+        return actor_handles(self._nodes)
 
     def shutdown(self) -> None:
         """Stop the actors (closing the SSD-PS stores) and remove a temporary SSD directory."""
-        for n in self._nodes:
-            try:
-                ray.get(n.ssd.close.remote())
-            except Exception:
-                pass
-            for a in [n.mem, n.trainer, n.ssd, *([n.reader] if n.reader is not None else [])]:
-                ray.kill(a)
-        for a in self._aggregators or []:
-            ray.kill(a)
+        stop_actors(self._nodes, self._aggregators or [])
+        if self.evaluations is not None:
+            self.evaluations.close()
         self._nodes, self._aggregators = [], None
         release_placements(f"{self.name}:")
         if self._tmp:
@@ -461,37 +494,3 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-_STAGES = ("read", "pull", "load", "train")
-
-
-def _wait_ready(nodes: list[NodeActors]) -> dict[str, float]:
-    """Wait until every stage actor's process is up; returns the seconds until each stage's
-    slowest actor was (read, pull, load, train), the start's breakdown in the report."""
-    t0 = time.perf_counter()
-    stage = {}
-    for node in nodes:
-        for name, actor in zip(_STAGES, (node.reader, node.mem, node.ssd, node.trainer)):
-            if actor is not None:
-                stage[actor.__ray_ready__.remote()] = name
-    ready: dict[str, float] = {}
-    pending = list(stage)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)  # raises an actor's failed start
-        ready[stage[done[0]]] = time.perf_counter() - t0
-    return ready
-
-
-def _catch_interrupt(pipeline: Pipeline) -> Any:
-    """In the main thread, make the first Ctrl-C ask ``pipeline`` to stop at the next batch
-    boundary (a second one interrupts at once); returns the handler it replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def ask_to_stop(signum, frame):
-        pipeline._interrupted = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    return signal.signal(signal.SIGINT, ask_to_stop)

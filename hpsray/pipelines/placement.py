@@ -180,17 +180,32 @@ def open_reader(
     """Node ``node``'s reader, reading share ``index`` of ``count`` of ``source`` from now on,
     past its first ``skip`` batches."""
     if node.reader is None:
-        opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
-        node.reader = _named(
-            lambda: (
-                ray.remote(Reader)
-                .options(name=f"{pipeline.name}:Reader[node {node.index}]", **opts)
-                .remote(source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip)
-            )
-        )
+        node.reader = start_reader(pipeline, node, source, index, count, n_nodes, skip)
     else:  # actor tasks from this driver run in order: the pass's reads come after this
         node.reader.open.remote(source, pipeline.batch_size, index, count, skip)
     return node.reader
+
+
+def start_reader(
+    pipeline: Placed,
+    node: NodeActors,
+    source: PipelineSource,
+    index: int,
+    count: int,
+    n_nodes: int,
+    skip: int = 0,
+    role: str = "Reader",
+) -> Any:
+    """A new reader actor on ``node`` named ``{pipeline.name}:{role}[node i]``, reading share
+    ``index`` of ``count`` of ``source``, past its first ``skip`` batches."""
+    opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
+    return _named(
+        lambda: (
+            ray.remote(Reader)
+            .options(name=f"{pipeline.name}:{role}[node {node.index}]", **opts)
+            .remote(source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip)
+        )
+    )
 
 
 def join_group(name: str, nodes: list[NodeActors], sync: SyncSettings, generation: int = 0, n_devices: int = 1) -> list:
@@ -279,3 +294,50 @@ def release_placements(prefix: str) -> None:
             remove_placement_group(_GROUPS.pop(name))
         except Exception:  # noqa: BLE001,S112 - Ray is gone with it
             continue
+
+
+_STAGES = ("read", "pull", "load", "train")
+
+
+def wait_ready(nodes: list[NodeActors]) -> dict[str, float]:
+    """Wait until every stage actor's process is up; returns the seconds until each stage's
+    slowest actor was (read, pull, load, train), the start's breakdown in the report."""
+    t0 = time.perf_counter()
+    stage = {}
+    for node in nodes:
+        for name, actor in zip(_STAGES, (node.reader, node.mem, node.ssd, node.trainer)):
+            if actor is not None:
+                stage[actor.__ray_ready__.remote()] = name
+    ready: dict[str, float] = {}
+    pending = list(stage)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)  # raises an actor's failed start
+        ready[stage[done[0]]] = time.perf_counter() - t0
+    return ready
+
+
+def actor_handles(nodes: list[NodeActors]) -> dict[str, Any]:
+    """The stage actors of ``nodes`` by dashboard name (``SSDPS[node 0]``, ...)."""
+    out: dict[str, Any] = {}
+    for n in nodes:
+        out.update(
+            {f"SSDPS[node {n.index}]": n.ssd, f"MemPS[node {n.index}]": n.mem, f"Trainer[node {n.index}]": n.trainer}
+        )
+        if n.reader is not None:
+            out[f"Reader[node {n.index}]"] = n.reader
+    return out
+
+
+def stop_actors(nodes: list[NodeActors], aggregators: list[Any]) -> None:
+    """Close each node's SSD-PS store (a dead one is skipped), then kill every stage actor and
+    ``aggregators``."""
+    for n in nodes:
+        try:
+            ray.get(n.ssd.close.remote())
+        except Exception:  # noqa: BLE001 - a dead store has nothing left to close
+            pass
+        for a in [n.mem, n.trainer, n.ssd, *([n.reader] if n.reader is not None else [])]:
+            ray.kill(a)
+    for a in aggregators:
+        ray.kill(a)
