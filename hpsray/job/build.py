@@ -133,5 +133,6 @@ def pipeline(
         passes=job.pipeline.passes,
         evaluation=job.evaluation,
         eval_source=eval_source(job) if job.evaluation is not None else None,
+        tensorboard=job.report.tensorboard,
         **kwargs,
     )

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from hpsray.pipelines.pipeline import Pipeline
     from hpsray.pipelines.placement import NodeActors
     from hpsray.pipelines.sources import PipelineSource
+    from hpsray.pipelines.tensorboard import TensorBoardLog
 
 BEST = "best"
 """The folder, under ``[checkpoint] dir``, that holds the best model as an export."""
@@ -50,6 +51,11 @@ class Evaluations:
         self.seconds = 0.0
         self.reader: Any = None  # its own reader actor on node 0: the training reader reads on
         self._node_id: str | None = None
+        self.board: TensorBoardLog | None = None  # each evaluation's figures as scalars
+
+    def latest(self) -> EvalPoint | None:
+        """The newest evaluation (``None`` before the first)."""
+        return self.track.points[-1] if self.track.points else None
 
     def _reader(self, pipe: Pipeline, nodes: list[NodeActors]) -> Any:
         """This evaluation's reader, opened on the held-out source (started on first use, and again
@@ -89,6 +95,8 @@ class Evaluations:
         point = EvalPoint(batches, pass_index, got["auc"], got["logloss"], got["examples"], time.perf_counter() - t0)
         if self.track.record(point) and self.keeps_best:
             self._keep(pipe)
+        if self.board is not None:
+            self.board.add(batches, {"eval/auc": point.auc, "eval/logloss": point.logloss})
         self.seconds += time.perf_counter() - t0
         return point
 

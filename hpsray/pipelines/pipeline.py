@@ -35,6 +35,7 @@ from hpsray.pipelines.placement import (
     open_reader,
     place_node,
     release_placements,
+    scan_rows,
     stop_actors,
     wait_ready,
 )
@@ -55,6 +56,7 @@ from hpsray.pipelines.schedule import PassSchedule
 from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import PipelineSource
 from hpsray.pipelines.summary import run_report
+from hpsray.pipelines.tensorboard import TensorBoardLog
 from hpsray.report import RunReport
 
 
@@ -86,6 +88,7 @@ class Pipeline:
             and at each pass's end, with early stopping (:class:`~hpsray.evaluation.EvalSettings`;
             ``None``: no evaluation while training).
         eval_source: the held-out examples (required with ``evaluation``).
+        tensorboard: a directory for TensorBoard scalars (:mod:`~hpsray.pipelines.tensorboard`).
         preflight: before the first ``fit()`` starts any actor, run ``hpsray train``'s checks
             (:func:`~hpsray.pipelines.preflight.preflight`: files and columns, an earlier run's
             SSD-PS files or checkpoints, the plan's capacity check); ``hpsray train`` runs them
@@ -114,6 +117,7 @@ class Pipeline:
         passes: int = 1,
         evaluation: EvalSettings | None = None,
         eval_source: PipelineSource | None = None,
+        tensorboard: str | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -175,6 +179,9 @@ class Pipeline:
         self._pass_index = 0  # passes completed (a resume's come from its checkpoint)
         self._pass_goal = passes  # fit() trains until this many are complete
         self.evaluations = Evaluations(evaluation, eval_source) if evaluation and eval_source is not None else None
+        self.board = TensorBoardLog(tensorboard) if tensorboard else None
+        if self.evaluations is not None:
+            self.evaluations.board = self.board
 
     @property
     def fingerprint(self) -> str:
@@ -323,6 +330,8 @@ class Pipeline:
             done_batches=done_batches,
             done_examples=done_examples,
             desc="hpsray" if self.passes == 1 else f"pass {self._pass_index + 1}/{self.passes}",
+            evaluation=self.evaluations.latest if self.evaluations is not None else None,
+            board=self.board,
         )
         try:
             while True:
@@ -455,17 +464,7 @@ class Pipeline:
     def export_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Every trained row ``(keys sorted, rows)``: MEM-PS is flushed, then SSD-PS scanned."""
         self._start()
-        keys, rows = [], []
-        for node in self._nodes:
-            ray.get(node.mem.flush.remote())
-            for k, r in ray.get(node.ssd.scan.remote()):
-                keys.append(k)
-                rows.append(r)
-        if not keys:
-            return np.empty(0, np.uint64), np.empty((0, self.config.row_width), np.float32)
-        k, r = np.concatenate(keys), np.concatenate(rows)
-        order = np.argsort(k)
-        return k[order], r[order]
+        return scan_rows(self._nodes, self.config.row_width)
 
     def dense_state(self) -> dict:
         """The trained dense model's ``state_dict``."""
@@ -480,6 +479,8 @@ class Pipeline:
         stop_actors(self._nodes, self._aggregators or [])
         if self.evaluations is not None:
             self.evaluations.close()
+        if self.board is not None:
+            self.board.flush()
         self._nodes, self._aggregators = [], None
         release_placements(f"{self.name}:")
         if self._tmp:

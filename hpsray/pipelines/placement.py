@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import ray
 
 from hpsray.actors.memps import MemPSShard
@@ -341,3 +342,19 @@ def stop_actors(nodes: list[NodeActors], aggregators: list[Any]) -> None:
             ray.kill(a)
     for a in aggregators:
         ray.kill(a)
+
+
+def scan_rows(nodes: list[NodeActors], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of ``nodes`` ``(keys sorted, float32[n, width])``: each MEM-PS flushed to its
+    SSD-PS, then each SSD-PS scanned."""
+    keys, rows = [], []
+    for node in nodes:
+        ray.get(node.mem.flush.remote())
+        for k, r in ray.get(node.ssd.scan.remote()):
+            keys.append(k)
+            rows.append(r)
+    if not keys:
+        return np.empty(0, np.uint64), np.empty((0, width), np.float32)
+    k, r = np.concatenate(keys), np.concatenate(rows)
+    order = np.argsort(k)
+    return k[order], r[order]

@@ -124,11 +124,14 @@ def format_line(
     end: bool = False,
     *,
     exact: bool = True,
+    evaluation: Any = None,
 ) -> str:
-    """One progress line; ``stages`` (``None`` when the actors did not answer) holds the busy
-    seconds of each stage over the interval (``busy``), the MEM-PS hit rate (``hit_rate``) and
-    SSD-PS bytes read and written since the start (``ssd_read``, ``ssd_written``); a ``total``
-    that is not ``exact`` (estimated from bytes) is shown as ``~N``."""
+    """One progress line; ``stages`` (``None`` when the actors did not answer) holds the training
+    loss over the interval's batches (``loss``), the busy seconds of each stage over the interval
+    (``busy``), the MEM-PS hit rate (``hit_rate``) and SSD-PS bytes read and written since the
+    start (``ssd_read``, ``ssd_written``); ``evaluation``: the latest
+    :class:`~hpsray.evaluation.EvalPoint` (or ``None``); a ``total`` that is not ``exact``
+    (estimated from bytes) is shown as ``~N``."""
     what = "pass end" if end else "progress"
     of = f"/{'' if exact else '~'}{total:,} ({100.0 * examples / total:.0f}%)" if total else ""
     parts = [
@@ -136,6 +139,10 @@ def format_line(
         f"examples {examples:,}{of}",
         f"{rate:,.0f} examples/s over {interval:.1f} s",
     ]
+    if stages is not None and stages.get("loss") is not None:
+        parts.append(f"loss {stages['loss']:.4f}")
+    if evaluation is not None:
+        parts.append(f"eval AUC {evaluation.auc:.4f} log-loss {evaluation.logloss:.4f} (batch {evaluation.batches:,})")
     if stages is not None:
         busy: dict[str, float] = stages.get("busy") or {}
         if busy:
@@ -179,6 +186,8 @@ class Progress:
         first_batch: int = 0,
         done_batches: int = 0,
         done_examples: int = 0,
+        evaluation: Callable[[], Any] | None = None,
+        board: Any = None,
     ) -> None:
         from hpsray.actors.livemetrics import LiveGauges
 
@@ -192,6 +201,9 @@ class Progress:
         self.logging = enabled and bool(self.bar.disable)  # lines only where no bar shows
         if self.logging:
             ensure_handler()
+        self.evaluation = evaluation or (lambda: None)
+        self.board = board  # a TensorBoardLog: each line's figures as scalars, lines logged or not
+        self._first_batch = first_batch - done_batches  # the pass's first batch id
         self.gauges = LiveGauges(stage="driver", node="0")
         self.examples, self.batches, self._done_examples = done_examples, done_batches, done_examples
         if done_examples:  # as tqdm's initial=: counted, not part of the rate
@@ -228,7 +240,7 @@ class Progress:
         self.rate = (self.examples - self._tick_examples) / interval if interval > 0 else 0.0
         self._tick_t, self._tick_examples = now, self.examples
         done = self.total_exact and self.total is not None and self.examples >= self.total  # the pass-end line says it
-        if self.logging and self._due is None and not done:
+        if (self.logging or self.board is not None) and self._due is None and not done:
             self._due = (self.batches, self.examples, self.rate, interval)
             self._asked = self._ask_actors()
             if not self._asked:
@@ -268,20 +280,48 @@ class Progress:
                 figures = None
         batches, examples, rate, interval = self._due
         self._due, self._asked = None, []
+        if self.board is not None:
+            self._scalars(batches, rate, interval, figures)
+        if not self.logging:
+            return
         line = format_line(
-            batches, examples, self.total, rate, interval, figures, self.checkpoint(), end, exact=self.total_exact
+            batches,
+            examples,
+            self.total,
+            rate,
+            interval,
+            figures,
+            self.checkpoint(),
+            end,
+            exact=self.total_exact,
+            evaluation=self.evaluation(),
         )
         log.info("%s", line)
         self.lines += 1
 
+    def _scalars(self, batches: int, rate: float, interval: float, figures: dict | None) -> None:
+        """The line's figures as TensorBoard scalars at the batches trained so far."""
+        scalars: dict[str, float | None] = {"throughput/examples_per_s": rate}
+        if figures is not None:
+            scalars["train/loss"] = figures.get("loss")
+            for stage, busy in (figures.get("busy") or {}).items():
+                scalars[f"stages/{stage}_busy_share"] = busy / interval if interval > 0 else None
+            scalars["mem_ps/hit_rate"] = figures.get("hit_rate")
+            scalars["ssd_ps/bytes_read"] = figures.get("ssd_read")
+            scalars["ssd_ps/bytes_written"] = figures.get("ssd_written")
+        self.board.add(self._first_batch + batches, scalars)
+
     def _stage_figures(self, stats: list) -> dict:
         """Busy seconds per stage over the batches since the last line (the busiest node's),
-        the mean MEM-PS hit rate over those batches, SSD-PS bytes since the stores opened."""
+        node 0's mean training loss and the mean MEM-PS hit rate over those batches, SSD-PS bytes
+        since the stores opened."""
         first = self._last_batch
         busy: dict[str, float] = {}
         rates: list[float] = []
         read = written = 0
         newest = first
+        trained = stats[3].get("losses", {}) if len(stats) >= 4 else {}
+        losses = [v for b, v in trained.items() if isinstance(b, int) and b >= first and v == v]  # not nan
 
         def since(per_batch: dict) -> float:
             return sum(v for b, v in per_batch.items() if isinstance(b, int) and b >= first)
@@ -298,6 +338,7 @@ class Progress:
             written += int(store.get("bytes_written", 0))
         self._last_batch = newest
         return {
+            "loss": sum(losses) / len(losses) if losses else None,
             "busy": busy,
             "hit_rate": sum(rates) / len(rates) if rates else None,
             "ssd_read": read,
@@ -306,7 +347,7 @@ class Progress:
 
     def pass_end(self) -> None:
         """Log the pass's last line, over the interval since the last one (waiting for the actors)."""
-        if not self.logging:
+        if not self.logging and self.board is None:
             return
         if self._due is not None:
             self._emit(wait=True)

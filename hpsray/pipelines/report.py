@@ -6,6 +6,8 @@
 - ``out.cache_hit_rate.png``: MEM-PS cache hit rate per batch (Fig. 4c),
 - ``out.ssd_io.png``: the ``load`` stage's busy seconds per batch, the stage that reads rows from
   SSD-PS and writes evicted ones to it (Fig. 5a), with the run's SSD-PS bytes read and written.
+- ``out.loss.png``: training loss per batch and, with evaluation while training, the held-out
+  AUC of each evaluation, against the batches trained.
 
 A report lacking a series (the reference trainer has no cache) still gets its plot, saying so.
 """

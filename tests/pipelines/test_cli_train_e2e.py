@@ -97,7 +97,7 @@ def test_train_writes_the_report_and_its_plots(trained, job_file):
     assert 0.5 < report["auc"] <= 1.0 and report["eval_examples"] == 1000
     assert report["config"]["pipeline"]["batch_size"] == 1000
     stem = job_file.parent / "out" / "run"
-    for name in ("stage_times", "cache_hit_rate", "ssd_io"):
+    for name in ("stage_times", "cache_hit_rate", "ssd_io", "loss"):
         png = stem.with_name(f"run.{name}.png")
         data = png.read_bytes()
         assert data[:8] == PNG_SIGNATURE, png
