@@ -25,6 +25,14 @@ def join_group(
     """One device per node: the collective group (with ``world > 1``), then the strategy of
     ``sync.consistency``: BSP, or a relaxed mode with its update exchange (push and pull start
     this trainer's mailbox and find the others'; relay uses ``board``)."""
+    steps = _join_group(trainer, world, name, sync, aggregators, board)
+    steps.sent = trainer.strategy.sent  # the payloads so far carry over a re-formed group
+    return steps
+
+
+def _join_group(
+    trainer: Trainer, world: int, name: str, sync: Any, aggregators: Sequence[Any] | None, board: Any
+) -> Strategy:
     from hpsray.cluster.collective import CollectiveGroup
 
     engine, timed = trainer.engine, trainer.clock.timed
@@ -83,7 +91,9 @@ def join_mesh(
                 total = reducer.reduce(total, engine.step)
             return mesh.node_broadcast(total)
 
-    return DeviceSteps(engine, trainer.n_devices, trainer.device_index, mesh, reduce, peers, trainer.clock.timed)
+    steps = DeviceSteps(engine, trainer.n_devices, trainer.device_index, mesh, reduce, peers, trainer.clock.timed)
+    steps.sent = trainer.strategy.sent  # the payloads so far carry over a re-formed mesh
+    return steps
 
 
 def _aggregator(aggregators: Sequence[Any] | None, world: int, node: int, sync: Any, timeout_s: float | None) -> Any:

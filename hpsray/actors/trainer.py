@@ -6,7 +6,7 @@ answers Ray; a batch is one call of the strategy."""
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +15,7 @@ import torch
 from hpsray.actors import joining
 from hpsray.actors.devices import a_worker_died, start_device_workers
 from hpsray.actors.livemetrics import LiveGauges
-from hpsray.actors.messages import DevicePart, Returned, TrainInputs, TrainOutcome, TrainReturns
+from hpsray.actors.messages import DevicePart, Returned, TrainData, TrainInputs, TrainOutcome, TrainReturns
 from hpsray.actors.timing import StageClock
 from hpsray.actors.working_set import fetch_keep_masks
 from hpsray.cluster import faults
@@ -163,7 +163,7 @@ class Trainer:
             raise RuntimeError(f"{self!r} trains before joining the device mesh (Pipeline forms it)")
         return steps.run_part(batch_id, self._resolver(batch_id, inputs), inputs.sizes, self._keep(inputs))
 
-    def _resolver(self, batch_id: Hashable, inputs: TrainInputs) -> Any:
+    def _resolver(self, batch_id: Hashable, inputs: TrainInputs) -> Callable[[], TrainData]:
         return lambda: inputs.resolve(lambda refs: faults.get(refs, f"batch {batch_id}'s inputs"))
 
     def _keep(self, inputs: TrainInputs) -> KeepMasks:
