@@ -3,8 +3,10 @@
     benchmarks/.torchrec-venv/bin/python benchmarks/torchrec_peer.py SPEC.json
 
 ``SPEC.json`` is a :class:`hpsray.bench.baselines.PeerSpec`; the examples are the ``.npy`` files
-that ``hpsray bench peers`` stored under its ``data_dir``. The model is hpsray's DNN over an
-``EmbeddingBagCollection`` with one table per slot (``keys_per_slot`` rows, sum pooling; a
+that ``hpsray bench peers`` stored under its ``data_dir``. The model is the spec's kind over an
+``EmbeddingBagCollection`` with one table per slot — for ``dlrm`` TorchRec's own
+``torchrec.models.dlrm.DLRM``, started from the weights of hpsray's DLRM (same layers, same
+order), for the other kinds hpsray's module — (``keys_per_slot`` rows, sum pooling; a
 multi-hot slot pools its keys), sharded table-wise by ``DistributedModelParallel`` (world size 1,
 gloo, CPU) with the fused FBGEMM kernel and its in-backward optimizer: ``EXACT_ADAGRAD`` (the
 other systems' per-element Adagrad) or ``EXACT_ROWWISE_ADAGRAD``. Rows start from hpsray's per-key
@@ -28,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peer_result, split, write_result
-from hpsray.models.dnn import DNN, make_dense_optimizer
+from hpsray.models.dnn import make_dense_optimizer
+from hpsray.models.kinds import ModelSpec, build_model
 
 
 def _free_port() -> int:
@@ -68,27 +71,70 @@ class MiniBatch:
         return int(self.labels.shape[0])
 
 
-class TorchRecCTR(torch.nn.Module):
-    """``EmbeddingBagCollection`` (one table per slot) under hpsray's DNN."""
+def _ebc(spec: PeerSpec, features: list[str], device: torch.device):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"table{s}",
+            embedding_dim=spec.dim,
+            num_embeddings=spec.keys_per_slot,
+            feature_names=[features[s]],
+            pooling=PoolingType.SUM,
+        )
+        for s in range(spec.n_slots)
+    ]
+    return EmbeddingBagCollection(tables=tables, device=device)
+
+
+class TorchRecDLRM(torch.nn.Module):
+    """TorchRec's ``DLRM`` (dense arch, interaction arch, over arch) over an
+    ``EmbeddingBagCollection``, its linear layers copied from hpsray's seeded DLRM."""
 
     def __init__(self, spec: PeerSpec, device: torch.device) -> None:
-        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+        from torchrec.models.dlrm import DLRM
 
+        super().__init__()
+        self.features = [f"slot{s}" for s in range(spec.n_slots)]
+        settings = ModelSpec.from_dict(spec.model).settings
+        self.dlrm = DLRM(
+            embedding_bag_collection=_ebc(spec, self.features, device),
+            dense_in_features=spec.n_dense,
+            dense_arch_layer_sizes=[*settings["bottom"], spec.dim],
+            over_arch_layer_sizes=[*settings["top"], 1],
+        )
+        ours = build_model(spec.train_config(), spec.n_slots, spec.n_dense)
+        mine = [m for m in ours.modules() if isinstance(m, torch.nn.Linear)]
+        theirs = [
+            m
+            for arch in (self.dlrm.dense_arch, self.dlrm.over_arch)
+            for m in arch.modules()
+            if isinstance(m, torch.nn.Linear)
+        ]
+        if [m.weight.shape for m in mine] != [m.weight.shape for m in theirs]:
+            raise RuntimeError("TorchRec's DLRM and hpsray's have different layers")
+        with torch.no_grad():
+            for a, b in zip(mine, theirs):
+                b.weight.copy_(a.weight)
+                b.bias.copy_(a.bias)
+
+    @property
+    def ebc(self):
+        return self.dlrm.sparse_arch.embedding_bag_collection
+
+    def forward(self, kjt, dense: torch.Tensor) -> torch.Tensor:
+        return self.dlrm(dense, kjt).squeeze(1)
+
+
+class TorchRecCTR(torch.nn.Module):
+    """``EmbeddingBagCollection`` (one table per slot) under hpsray's model of the spec's kind."""
+
+    def __init__(self, spec: PeerSpec, device: torch.device) -> None:
         super().__init__()
         self.n_slots, self.dim = spec.n_slots, spec.dim
         self.features = [f"slot{s}" for s in range(spec.n_slots)]
-        tables = [
-            EmbeddingBagConfig(
-                name=f"table{s}",
-                embedding_dim=spec.dim,
-                num_embeddings=spec.keys_per_slot,
-                feature_names=[self.features[s]],
-                pooling=PoolingType.SUM,
-            )
-            for s in range(spec.n_slots)
-        ]
-        self.ebc = EmbeddingBagCollection(tables=tables, device=device)
-        self.dnn = DNN(spec.n_slots, spec.dim, spec.n_dense, spec.hidden, seed=spec.seed)
+        self.ebc = _ebc(spec, self.features, device)
+        self.dnn = build_model(spec.train_config(), spec.n_slots, spec.n_dense)
 
     def forward(self, kjt, dense: torch.Tensor) -> torch.Tensor:
         pooled = self.ebc(kjt).values()  # [B, n_slots * dim], features in table order
@@ -108,7 +154,8 @@ def build(spec: PeerSpec, weights: np.ndarray):
     opt = cfg.optimizer()
     if cfg.sparse_optimizer != "adagrad":
         raise ValueError(f"the TorchRec peer runs Adagrad only, not {cfg.sparse_optimizer!r}")
-    model = TorchRecCTR(spec, torch.device("meta"))
+    kind = spec.model.get("kind", "mlp")
+    model = (TorchRecDLRM if kind == "dlrm" else TorchRecCTR)(spec, torch.device("meta"))
     optim_cls = torch.optim.Adagrad if spec.torchrec_optimizer == "exact_adagrad" else RowWiseAdagrad
     apply_optimizer_in_backward(optim_cls, model.ebc.parameters(), {"lr": opt.lr, "eps": opt.eps})
     constraints = {
@@ -123,17 +170,26 @@ def build(spec: PeerSpec, weights: np.ndarray):
     k = spec.keys_per_slot
     with torch.no_grad():
         for s in range(spec.n_slots):
-            t = state[f"ebc.embedding_bags.table{s}.weight"]
+            t = state[_table_key(state, s)]
             local = t.local_shards()[0].tensor if hasattr(t, "local_shards") else t
             local.copy_(torch.from_numpy(weights[s * k : (s + 1) * k]))
-    dense_params = [p for n, p in dmp.named_parameters() if "ebc" not in n]
+    dense_params = [p for n, p in dmp.named_parameters() if "embedding_bags" not in n]
     dense_opt = make_dense_optimizer(cfg.dense_optimizer, dense_params, cfg.dense_lr)
     return dmp, dense_opt, plan
 
 
+def _table_key(state: dict, s: int) -> str:
+    """The state key of table ``s``'s weights (``ebc.…``, or under TorchRec's DLRM ``….sparse_arch.…``)."""
+    keys = [k for k in state if k.endswith(f"embedding_bags.table{s}.weight")]
+    if len(keys) != 1:
+        raise RuntimeError(f"table{s}: expected one weight in the model's state, found {keys}")
+    return keys[0]
+
+
 def _check_initial_rows(dmp, spec: PeerSpec, weights: np.ndarray) -> None:
     """The copy above must have reached the fused kernel's weights."""
-    t = dmp.state_dict()["ebc.embedding_bags.table0.weight"]
+    state = dmp.state_dict()
+    t = state[_table_key(state, 0)]
     local = t.local_shards()[0].tensor if hasattr(t, "local_shards") else t
     if not np.allclose(local.detach().numpy()[:8], weights[:8]):
         raise RuntimeError("initial rows did not reach TorchRec's fused tables")
@@ -200,7 +256,7 @@ def run_peer(spec: PeerSpec) -> dict:
         state = dmp.state_dict()
         tables = []
         for s in range(spec.n_slots):
-            t = state[f"ebc.embedding_bags.table{s}.weight"]
+            t = state[_table_key(state, s)]
             tables.append((t.local_shards()[0].tensor if hasattr(t, "local_shards") else t).detach().numpy())
         np.save(os.environ["HPSRAY_TORCHREC_EXPORT"], np.concatenate(tables))
     dist.destroy_process_group()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hpsray.bench.baselines import PeerSpec
 from hpsray.bench.peer_process import CEILING
+from hpsray.models.kinds import MODEL_KINDS, ModelSpec
 
 HELP = "hpsray vs plain PyTorch, TorchRec and an in-memory sharded PS (same model, data, optimizers)"
 
@@ -61,7 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys", type=int, default=100_000, help="distinct keys per slot (table rows = slots × keys)")
     parser.add_argument("--dense", type=int, default=13)
     parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--hidden", default="512,256,128")
+    parser.add_argument("--hidden", default="512,256,128", help="MLP widths of --model mlp")
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        choices=MODEL_KINDS,
+        help="the dense model every system trains, with its kind's default settings (docs/models.md); "
+        "TorchRec runs its own torchrec.models.dlrm.DLRM for dlrm",
+    )
     parser.add_argument("--minibatch", type=int, default=4096, help="examples per gradient step (every system)")
     parser.add_argument("--batch", type=int, default=32_768, help="hpsray batch (unit of pull / write-back)")
     parser.add_argument("--ssd-batch", type=int, default=16_384, help="hpsray batch of the hpsray_ssd run")
@@ -142,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         device=args.device,
         shards=args.shards,
         torchrec_optimizer=args.torchrec_optimizer,
+        model=ModelSpec(args.model).to_dict() if args.model != "mlp" else {},
         extra={"ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness},
     )
     base.train_config()  # validates
@@ -205,6 +214,7 @@ def _config(base: PeerSpec, args: argparse.Namespace, systems: list[str]) -> dic
         "dense": base.n_dense,
         "dim": base.dim,
         "hidden": list(base.hidden),
+        "model": {"kind": "mlp", "hidden": list(base.hidden)} if not base.model else base.model,
         "minibatch": base.minibatch,
         "batch": base.batch,
         "ssd_batch": args.ssd_batch,

@@ -53,6 +53,22 @@ def reference_on(spec: PeerSpec) -> ReferenceTrainer:
     return ref
 
 
+@pytest.mark.parametrize("model", [{"kind": "dlrm", "bottom": [8], "top": [8]}, {"kind": "dcn", "low_rank": 2}])
+def test_plain_torch_trains_the_reference_parameters_with_each_model_kind(tmp_path, model):
+    spec = tiny_spec(tmp_path, model=model)
+    save_examples(spec)
+    ref = reference_on(spec)
+    vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
+    pt = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config())
+    pt.fit(minibatches(load_examples(spec, "train"), vocab, spec, 0, None))
+    table, dense = pt.export()
+    keys, rows, ref_dense = ref.export()
+    np.testing.assert_allclose(table[vocab.index(keys)], rows[:, : spec.dim], atol=2e-5)
+    assert dense.keys() == ref_dense.keys() and any("cross" in k or "bottom" in k for k in dense)
+    for name, value in ref_dense.items():
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), atol=2e-5, err_msg=name)
+
+
 def test_vocabulary_indexes_every_key_and_rejects_others():
     v = Vocabulary(4, 25)
     assert len(v) == 100
@@ -266,6 +282,30 @@ def test_torchrec_peer_trains_the_plain_torch_parameters(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(Path(spec.result_path).read_text())
     assert result["examples"] == spec.rows and result["peak_rss_bytes"] > 0
+    vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
+    pt = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config())
+    pt.fit(minibatches(load_examples(spec, "train"), vocab, spec, 0, None))
+    np.testing.assert_allclose(np.load(tmp_path / "table.npy"), pt.export()[0], atol=1e-4)
+    held_out = load_examples(spec, "eval")
+    p = np.concatenate([pt.predict(index_batch(mb, vocab)) for mb in held_out.minibatches(spec.minibatch)])
+    assert result["auc"] == pytest.approx(auc(held_out.labels, p), abs=1e-3)
+
+
+@pytest.mark.skipif(not TORCHREC_PYTHON.exists(), reason="no TorchRec environment (bash benchmarks/torchrec_env.sh)")
+def test_torchrecs_own_dlrm_trains_what_plain_torch_trains_with_hpsrays_dlrm(tmp_path):
+    spec = tiny_spec(tmp_path, system="torchrec", model={"kind": "dlrm", "bottom": [8], "top": [8]})
+    save_examples(spec)
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    env = {**os.environ, "HPSRAY_TORCHREC_EXPORT": str(tmp_path / "table.npy")}
+    out = subprocess.run(
+        [str(TORCHREC_PYTHON), str(REPO / "benchmarks" / "torchrec_peer.py"), str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(Path(spec.result_path).read_text())
     vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
     pt = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config())
     pt.fit(minibatches(load_examples(spec, "train"), vocab, spec, 0, None))

@@ -1,6 +1,6 @@
 """Peer systems that ``hpsray bench peers`` trains beside hpsray, and what they share.
 
-Every peer trains the same model (:class:`~hpsray.models.DNN` over sum-pooled slot embeddings)
+Every peer trains the same model (the kind ``PeerSpec.model`` names over sum-pooled slot embeddings)
 with the same optimizers on the same examples; this module holds the common parts:
 
 - :class:`PeerSpec`: one system's run, as a JSON-able record (it crosses process boundaries:
@@ -65,6 +65,7 @@ class PeerSpec:
     mem_capacity_rows: int | None = None  # hpsray MEM-PS budget; every row fits when None
     shards: int = 2  # sharded PS
     torchrec_optimizer: str = "exact_adagrad"
+    model: dict = field(default_factory=dict)  # a model kind and its settings (ModelSpec.to_dict); {}: mlp over hidden
     result_path: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -96,6 +97,8 @@ class PeerSpec:
             dense_lr=self.dense_lr,
             minibatch_size=self.minibatch,
             seed=self.seed,
+            model_kind=self.model.get("kind", "mlp"),
+            model_settings={k: v for k, v in self.model.items() if k != "kind"},
         )
 
     def generator(self):

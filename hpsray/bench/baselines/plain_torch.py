@@ -4,7 +4,7 @@ The table is indexed by the dense row of each key (:class:`~hpsray.bench.baselin
 computed once as preprocessing, like any integer-encoded CTR data set); sparse gradients go to
 ``torch.optim.Adagrad`` (or ``SparseAdam`` / ``SGD`` for hpsray's ``adam`` / ``sgd``), whose
 update is hpsray's row update (``a += g*g; w -= lr * g / (sqrt(a) + eps)``). Rows start from
-hpsray's per-key initial values and the MLP is the same seeded :class:`~hpsray.models.DNN`, so
+hpsray's per-key initial values and the dense model is the same seeded kind (``spec.model``), so
 with the same mini-batches it trains the same parameters as the reference trainer. With
 ``spec.device = "cuda"`` the table, the model and the prepared mini-batches live on the GPU.
 """
@@ -12,7 +12,7 @@ with the same mini-batches it trains the same parameters as the reference traine
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,8 @@ from hpsray.bench.baselines import PeerSpec, Vocabulary, load_examples, peak_rss
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.kernels.optim import Adagrad, Adam
-from hpsray.models.dnn import DNN, make_dense_optimizer
+from hpsray.models.dnn import make_dense_optimizer
+from hpsray.models.kinds import build_model
 
 
 @dataclass
@@ -64,14 +65,15 @@ def index_batch(batch: Batch, vocab: Vocabulary) -> IndexedBatch:
 
 
 class PlainTorchCTR(nn.Module):
-    """``nn.EmbeddingBag`` (sum, sparse gradients) under hpsray's :class:`DNN`."""
+    """``nn.EmbeddingBag`` (sum, sparse gradients) under the model ``config`` names
+    (:func:`~hpsray.models.kinds.build_model`: the same module and weights as hpsray's)."""
 
-    def __init__(self, weights: torch.Tensor, n_slots: int, n_dense: int, hidden: Sequence[int], seed: int = 0):
+    def __init__(self, weights: torch.Tensor, n_slots: int, n_dense: int, config: TrainConfig):
         super().__init__()
         n_rows, dim = weights.shape
         self.n_slots, self.dim = n_slots, dim
         self.embedding = nn.EmbeddingBag(n_rows, dim, mode="sum", sparse=True, _weight=weights)
-        self.dnn = DNN(n_slots, dim, n_dense, hidden, seed=seed)
+        self.dnn = build_model(config, n_slots, n_dense)
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         pooled = self.embedding(indices, offsets).view(-1, self.n_slots, self.dim)
@@ -112,8 +114,7 @@ class PlainTorchTrainer:
             torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)),
             n_slots,
             n_dense,
-            config.hidden,
-            seed=config.seed,
+            config,
         ).to(device)
         self.sparse = sparse_optimizer(config, [self.model.embedding.weight])
         self.dense = make_dense_optimizer(config.dense_optimizer, self.model.dnn.parameters(), config.dense_lr)
@@ -228,7 +229,7 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
     """The bound every system shares: the dense model alone on the same mini-batches.
 
     Each timed step is what every peer's step contains besides its sparse work: the
-    :class:`DNN`'s forward, the loss, the backward *including* the gradient of the pooled
+    dense model's forward, the loss, the backward *including* the gradient of the pooled
     embeddings (every system needs it for its rows), and the dense optimizer step. The pooled
     inputs are the initial table's sums, computed before the clock. No system can train faster
     than this; ``examples_per_s`` of a system over this one is the share of its time spent on
@@ -242,7 +243,7 @@ def run_mlp_alone(spec: PeerSpec) -> dict:
     ).to(spec.device)
     train = load_examples(spec, "train")
     config = spec.train_config()
-    dnn = DNN(spec.n_slots, spec.dim, spec.n_dense, config.hidden, seed=config.seed).to(spec.device)
+    dnn = build_model(config, spec.n_slots, spec.n_dense).to(spec.device)
     opt = make_dense_optimizer(config.dense_optimizer, dnn.parameters(), config.dense_lr)
 
     def fit(steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:

@@ -25,7 +25,7 @@ from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.kernels import make_table
 from hpsray.kernels.init import initial_rows
-from hpsray.models.dnn import DNN
+from hpsray.models.kinds import build_model
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
@@ -98,7 +98,7 @@ class PSTrainer:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         self.shards = list(shards)
         self.config = config
-        model = DNN(n_slots, config.dim, n_dense, config.hidden, seed=config.seed)
+        model = build_model(config, n_slots, n_dense)
         self.dense = DenseReplicas(model, 1, config.dense_optimizer, config.dense_lr)
         self.step = 0
         self.examples = 0
