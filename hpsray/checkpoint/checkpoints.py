@@ -143,6 +143,16 @@ class Checkpoints:
                 found.append((int(m.group(1)), Path(entry.path)))
         return [p for _, p in sorted(found, reverse=True)]
 
+    def durable_against(self, paths: list[str]) -> bool:
+        """Whether a checkpoint here is a copy of the SSD-PS directories ``paths`` (as this host
+        sees them): :attr:`durable`, or this directory is on another file system than every one
+        of them, so that a snapshot copies the parameter files instead of linking them."""
+        if self.durable:
+            return True
+        mine = os.stat(self.directory).st_dev
+        devices = [os.stat(p).st_dev for p in paths if os.path.exists(p)]
+        return bool(devices) and all(d != mine for d in devices)
+
     def fingerprint_of(self, path: Path) -> str | None:
         """The job fingerprint recorded by the committed checkpoint ``path`` (``None`` if damaged)."""
         try:

@@ -417,14 +417,19 @@ class Pipeline:
 
     def _recover_or_stop(self, error: Exception, schedule: PassSchedule, recovery: list, failed_at: int) -> None:
         """Restart the stages from the newest checkpoint when an actor died, or a parameter file
-        failed its checksum and the checkpoints are durable (object storage: the damaged file is
-        fetched again), and failures are left; otherwise salvage what trained and raise
-        :class:`TrainingStopped` (a damaged file: its message names the file and the rows at stake)."""
+        failed its checksum and the checkpoints hold a copy of it (object storage, or another file
+        system than SSD-PS's: the damaged file is restored from there), and failures are left;
+        otherwise salvage what trained and raise :class:`TrainingStopped` (a damaged file: its
+        message names the file and the rows at stake)."""
         stage = self.checkpoint_settings
         root = schedule.first_failure(error)
         actors = self.actors()
         dead = dead_actors(actors) if stage is not None else []
-        damaged = caused_by(root, CorruptFileError) and getattr(self._checkpoints, "durable", False)
+        damaged = (
+            caused_by(root, CorruptFileError)
+            and self._checkpoints is not None
+            and self._checkpoints.durable_against([self.ssd_settings.path or self._tmp or ""])
+        )
         if stage is None or not (dead or actor_lost(root) or damaged) or len(recovery) >= stage.max_failures:
             try:
                 saved = schedule.salvage()

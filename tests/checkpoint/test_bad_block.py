@@ -1,7 +1,8 @@
 """Rows that survive a bad disk (issue 45): a byte flipped in the live parameter files mid-run.
-With checkpoints in object storage (a moto S3 server here) the job fetches the damaged files
-again, replays from the checkpoint and ends equal to the reference; with local checkpoints
-(hard links to the same damaged files) it stops naming the file and the rows at stake."""
+With checkpoints in object storage (a moto S3 server here), or on another file system (copies),
+the job restores the damaged files from there, replays from the checkpoint and ends equal to the
+reference; with local checkpoints on the same file system (hard links to the same damaged files)
+it stops naming the file and the rows at stake."""
 
 from __future__ import annotations
 
@@ -85,6 +86,10 @@ def test_a_damaged_file_is_fetched_again_from_object_storage_and_the_job_ends_eq
     assert flipped and isinstance(result, dict), result
     recoveries = result["report"]["recovery"]
     assert len(recoveries) == 1 and "CorruptFileError" in recoveries[0]["error"] and recoveries[0]["dead"] == []
+    assert_equal_to_the_reference(result)
+
+
+def assert_equal_to_the_reference(result: dict) -> None:
     ref = ReferenceTrainer(SOURCE.n_slots, SOURCE.n_dense, CFG)
     ref.fit(SOURCE.open(BATCH))
     ref_keys, ref_rows, ref_dense = ref.export()
@@ -101,3 +106,14 @@ def test_without_a_durable_copy_the_job_stops_naming_the_file_and_the_rows(ray_l
     assert caused_by(result, CorruptFileError) or "CorruptFileError" in str(result)
     message = str(result)
     assert any(os.path.basename(f) in message for f in flipped) and "at stake" in message, message
+
+
+@pytest.mark.slow
+def test_checkpoints_on_another_file_system_are_copies_and_restore_the_damaged_file(ray_local, tmp_path, tmpfs):
+    """A local ``[checkpoint] dir`` on another disk (a tmpfs here) holds copies, not links: the
+    job restores from it and ends equal to the reference."""
+    _, flipped, result = _run_with_a_flip(tmp_path, str(tmpfs("256m") / "ckpt"))
+    assert flipped and isinstance(result, dict), result
+    recoveries = result["report"]["recovery"]
+    assert len(recoveries) == 1 and "CorruptFileError" in recoveries[0]["error"]
+    assert_equal_to_the_reference(result)
