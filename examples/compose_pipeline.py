@@ -16,6 +16,7 @@ import numpy as np
 
 from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
+from hpsray.export import export, load_export
 from hpsray.pipelines import (
     MemPSSettings,
     Pipeline,
@@ -23,7 +24,6 @@ from hpsray.pipelines import (
     SyntheticSource,
     TrainerSettings,
 )
-from hpsray.pipelines.export import export, load_export
 from hpsray.pipelines.report import format_stage_table
 
 

@@ -257,6 +257,7 @@ class Pipeline:
         pass's end; early stopping ends the run (:mod:`~hpsray.pipelines.passes`). A later
         ``fit()`` trains ``passes`` more.
         """
+        called_at = time.time()  # time_to_first_batch_s counts the start (Ray, the actors) too
         if self.preflight and not self._nodes:
             from hpsray.pipelines.preflight import preflight
 
@@ -264,7 +265,6 @@ class Pipeline:
             self.preflight = False
         self._start()
         started_at = self._next_batch
-        called_at = time.time()
         origin = self.started_at if self.started_at is not None else called_at
         self.started_at = None  # a later fit() counts from its own call
         recovery: list[dict] = []

@@ -134,6 +134,8 @@ def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
     check_fit_report(report)
     assert set(report) <= json_keys()
     assert report["batches"] == 2 and report["examples"] == 1000
+    start = report["start"]  # counted from the fit() call: the start's parts are inside it
+    assert report["time_to_first_batch_s"] >= start["ray_init_s"] + start["actors_s"]
     assert set(report["stage_busy_s"]) == set(report["per_batch_s"]) == {"read", "pull", "load", "train"}
     assert report["pipeline_efficiency"] == pytest.approx(max(report["stage_busy_s"].values()) / report["wall_s"])
     json.dumps(report)  # plain JSON
