@@ -15,13 +15,13 @@ from hpsray.pipelines.progress import ENV, format_line, progress_seconds
 # the fields of a line, in order (docs/operations.md: Progress)
 LINE = re.compile(
     r"hpsray\.progress: progress: batches (?P<batches>[\d,]+), examples (?P<examples>[\d,]+)/8,000 \(\d+%\), "
-    r"(?P<rate>[\d,]+) examples/s over [\d.]+ s, "
+    r"(?P<rate>[\d,]+) examples/s over [\d.]+ s, loss (?P<loss>[\d.]+), "
     r"slowest stage (?P<stage>read|pull|load|train) \(busy [\d.]+ s, \d+%\), "
     r"MEM-PS hit rate [\d.]+, SSD-PS read [\d.]+ \w+ written [\d.]+ \w+, ETA \d+:\d\d:\d\d, checkpoint (?P<ckpt>\S+)"
 )
 END = re.compile(
     r"hpsray\.progress: pass end: batches 16, examples 8,000/8,000 \(100%\), [\d,]+ examples/s over [\d.]+ s, "
-    r"slowest stage \w+ .*, MEM-PS hit rate [\d.]+, SSD-PS read .* written .*, checkpoint \S+ckpt-000016"
+    r"loss [\d.]+, slowest stage \w+ .*, MEM-PS hit rate [\d.]+, SSD-PS read .* written .*, checkpoint \S+ckpt-000016"
 )
 
 
@@ -53,6 +53,7 @@ def test_train_logs_progress_lines_when_stderr_is_a_file(tmp_path):
     done = [int(m["examples"].replace(",", "")) for m in lines]
     assert done == sorted(done) and all(0 < n < 8000 for n in done)
     assert all(int(m["rate"].replace(",", "")) > 0 for m in lines)
+    assert all(0 < float(m["loss"]) < 1 for m in lines)  # the training loss over each interval
     assert any(m["ckpt"].endswith("ckpt-000004") or m["ckpt"].endswith("ckpt-000008") for m in lines)
     assert END.search(log), log[-3000:]
     assert "\r" not in log  # no bar written into the file
