@@ -194,7 +194,7 @@ def test_plan_reports_a_missing_column_and_starts_no_ray(tmp_path):
     plan_json, ray_line = out.rsplit("RAY", 1)
     assert ray_line.strip() == "False"  # no Ray without --calibrate
     plan = json.loads(plan_json)
-    assert any("engines alone" in n for n in plan["notes"])  # no cached costs: said so
+    assert any("engines alone" in n and "--calibrate" in n for n in plan["notes"])  # no cached costs: said so
     assert not (tmp_path / "cache").exists()
 
 

@@ -210,7 +210,10 @@ def make_plan(
 
 def _costs_note(costs: StageCosts | None) -> str:
     if costs is None:
-        return "rate: the stages' engines alone (no stage costs of this machine): an upper bound"
+        return (
+            "rate: the stages' engines alone (no stage costs of this machine: hpsray plan --calibrate "
+            "measures them): an upper bound"
+        )
     ms = "/".join(f"{costs.fixed_s.get(s, 0.0) * 1000:.0f}" for s in ("read", "pull", "load", "train"))
     busy = " (a busy machine's: hpsray plan --calibrate on an idle one)" if costs.load > node_cores() else ""
     return (
