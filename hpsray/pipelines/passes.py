@@ -3,9 +3,9 @@
 
 :class:`Evaluations` is what :class:`~hpsray.pipelines.Pipeline` consults after each batch and
 each pass: an :class:`~hpsray.evaluation.EvalTrack` over the held-out source, the best model so
-far, and :class:`EndPass` to stop where early stopping says. An evaluation waits for the batch's
-write-backs and the trainers' kept rows (as a checkpoint does), then scores the owners' rows; the
-stages stay idle for that long and no longer.
+far, and whether early stopping says to stop (the pipeline ends the pass there). An evaluation
+waits for the batch's write-backs and the trainers' kept rows (as a checkpoint does), then scores
+the owners' rows; the stages stay idle for that long and no longer.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 
-from hpsray.errors import PrivateControlFlow
 from hpsray.evaluation import EvalPoint, EvalSettings, EvalTrack
 from hpsray.models.metrics import auc, logloss
 
@@ -34,9 +33,12 @@ BEST = "best"
 """The folder, under ``[checkpoint] dir``, that holds the best model as an export."""
 
 
-class EndPass(PrivateControlFlow):
-    """Raised after a batch's end by :meth:`Evaluations.after_batch` when early stopping says to
-    stop; caught by ``Pipeline.fit``, which ends the pass there as if the source had ended."""
+def check_passes(passes: int, evaluation: EvalSettings | None, eval_source: PipelineSource | None) -> None:
+    """Raise ``ValueError`` for a pass count below 1 or an evaluation without held-out data."""
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be an integer >= 1, got {passes!r}")
+    if evaluation is not None and eval_source is None:
+        raise ValueError("evaluation while training needs eval_source (the held-out examples)")
 
 
 class Evaluations:

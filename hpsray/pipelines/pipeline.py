@@ -24,9 +24,9 @@ from hpsray.checkpoint import Checkpoint, job_fingerprint
 from hpsray.checkpoint.remote import open_checkpoints
 from hpsray.cluster.runtime import connect, training_nodes
 from hpsray.data.batch import Batch
-from hpsray.errors import CheckpointError, CorruptFileError, TrainingStopped, caused_by
+from hpsray.errors import CheckpointError, CorruptFileError, PrivateControlFlow, TrainingStopped, caused_by
 from hpsray.evaluation import EvalSettings
-from hpsray.pipelines.passes import EndPass, Evaluations, catch_interrupt, score
+from hpsray.pipelines.passes import Evaluations, catch_interrupt, check_passes, score
 from hpsray.pipelines.placement import (
     NodeActors,
     actor_handles,
@@ -47,6 +47,7 @@ from hpsray.pipelines.recovery import (
     admission_of,
     dead_actors,
     load_trainers,
+    recovery_entry,
     reshape,
     restart_from,
     snapshot_of,
@@ -58,6 +59,11 @@ from hpsray.pipelines.sources import PipelineSource
 from hpsray.pipelines.summary import run_report
 from hpsray.pipelines.tensorboard import TensorBoardLog
 from hpsray.report import RunReport
+
+
+class _EndPass(PrivateControlFlow):
+    """Raised by ``Pipeline._after_batch`` when early stopping says to stop; caught by
+    ``Pipeline._fit_pass``, which ends the pass there as if the source had ended."""
 
 
 class Pipeline:
@@ -121,10 +127,7 @@ class Pipeline:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"passes must be an integer >= 1, got {passes!r}")
-        if evaluation is not None and eval_source is None:
-            raise ValueError("evaluation while training needs eval_source (the held-out examples)")
+        check_passes(passes, evaluation, eval_source)
         for edge, capacity in (
             ("read_queue", read_queue),
             ("pull_queue", pull_queue),
@@ -361,7 +364,7 @@ class Pipeline:
                     if self._checkpoints is not None and self._checkpointed != self._next_batch:
                         self._checkpoint(self._next_batch)  # where a failure before the first interval returns
                     schedule.run(bar)
-                except EndPass:
+                except _EndPass:
                     stopped = True
                 except Exception as e:
                     acc["wall"] += time.perf_counter() - t0
@@ -404,7 +407,7 @@ class Pipeline:
         if evals is not None and evaluate:
             evals.evaluate(self, self._nodes, done, self._pass_index)
             if evals.track.stop:
-                raise EndPass(done)
+                raise _EndPass(done)
 
     def _checkpoint(self, batch: int) -> None:
         assert self._checkpoints is not None
@@ -446,17 +449,7 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001 - no way back: say why, keep the checkpoint
             raise TrainingStopped(e, 0) from error
         self._next_batch, self._checkpointed = restore.batch, restore.batch
-        recovery.append(
-            {
-                "error": f"{type(root).__name__}: {root}".splitlines()[0][:300],
-                "dead": dead,
-                "failed_at_batch": failed_at,
-                "resumed_from_batch": restore.batch,
-                "replayed_batches": max(failed_at - restore.batch, 0),
-                "restart_s": time.perf_counter() - t0,
-                **done,
-            }
-        )
+        recovery.append(recovery_entry(root, dead, failed_at, restore.batch, time.perf_counter() - t0, done))
 
     # -- using the trained model ---------------------------------------------------------
 

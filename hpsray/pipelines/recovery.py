@@ -337,3 +337,20 @@ def stop_actors(actors: list, timeout: float = 30.0) -> None:
             ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
         except Exception:  # noqa: BLE001,S112 - dead, as asked
             continue
+
+
+def recovery_entry(
+    root: BaseException, dead: list, failed_at: int, resumed_from: int, seconds: float, done: dict
+) -> dict:
+    """The run report's record of one recovery: the error (its first line), the dead actors, the
+    batch it failed at and the one it resumed from, the batches replayed, the restart's seconds
+    and what :func:`restart_from` returned."""
+    return {
+        "error": f"{type(root).__name__}: {root}".splitlines()[0][:300],
+        "dead": dead,
+        "failed_at_batch": failed_at,
+        "resumed_from_batch": resumed_from,
+        "replayed_batches": max(failed_at - resumed_from, 0),
+        "restart_s": seconds,
+        **done,
+    }
