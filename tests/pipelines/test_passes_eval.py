@@ -75,3 +75,47 @@ def test_eval_without_held_out_data_or_with_a_bad_key_is_refused_naming_it(tmp_p
     table["eval"] = {"early_stopping": {"metric": "auc", "patiense": 2}}
     with pytest.raises(ConfigError, match="eval.early_stopping.patiense: unknown key \\(did you mean 'patience'"):
         JobConfig.from_dict(table, where="job.toml")
+
+
+def test_hpsray_train_with_a_model_kind_passes_and_early_stopping_exports_what_the_reference_exports(tmp_path):
+    """The user's path: ``hpsray train`` of a job file (DeepFM, 3 passes, early stopping), then
+    ``--reference --compare --tolerance 0`` against its export of the best model."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from hpsray.data.generate import to_toml
+
+    job = {
+        "data.synthetic": {"rows": 2000, "eval_rows": 500, "slots": 4, "keys": 3000, "dense": 3, "seed": 1},
+        "model": {"kind": "deepfm", "dim": 5, "hidden": [8]},
+        "optimizer": {"sparse": "adagrad", "sparse_lr": 0.5, "dense_lr": 0.01},
+        "tiers": {"mem_rows": 1500, "ssd_path": str(tmp_path / "ssd")},
+        "pipeline": {"batch_size": 250, "minibatch_size": 125, "passes": 3},
+        "eval": {"every_batches": 2},
+        "eval.early_stopping": {"metric": "logloss", "patience": 2},
+    }
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(job))
+
+    def hpsray(*args: str) -> subprocess.CompletedProcess:
+        out = subprocess.run(
+            [sys.executable, "-m", "hpsray", "train", str(path), "--quiet", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            check=False,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        return out
+
+    hpsray("--export", str(tmp_path / "export"), "--report", str(tmp_path / "run.json"))
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["evaluations"]["stopped_early"] and report["batches"] < 24
+    best = report["evaluations"]["best"]
+    assert (report["auc"], report["logloss"]) == (best["auc"], best["logloss"])  # the exported model's
+    assert json.loads((tmp_path / "export" / "manifest.json").read_text())["model"]["kind"] == "deepfm"
+    out = hpsray("--reference", "--compare", str(tmp_path / "export"), "--tolerance", "0")
+    assert "EQUAL within 0" in out.stdout, out.stdout
