@@ -103,6 +103,13 @@ class SSDPSShard:
         """Reference the store's current state in ``dest`` (a checkpoint's node directory)."""
         return self.store.snapshot(dest)
 
+    def upload_checkpoint(self, location: str, staging: str, token: str | None = None) -> dict:
+        """Upload this node's files of a staged checkpoint to object storage, from this host
+        (:func:`~hpsray.checkpoint.remote.upload_node`)."""
+        from hpsray.checkpoint.remote import upload_node
+
+        return upload_node(location, staging, self.node, token)
+
     def restore(self, snapshot: str) -> dict:
         """Replace the store with a snapshot's state (a recovery that keeps this process)."""
         self.store.close()

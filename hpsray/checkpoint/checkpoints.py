@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,6 +241,7 @@ class Checkpoints:
         meta: Mapping[str, Any] | None = None,
         *,
         fingerprint: str | None = None,
+        elsewhere: Sequence[Mapping[str, Any]] = (),
     ) -> Checkpoint:
         """Seal the staging directory as the checkpoint of ``batch`` and make it the latest.
 
@@ -258,6 +259,11 @@ class Checkpoints:
         prune that one's); :class:`~hpsray.errors.CheckpointFullError` when the disk refuses a
         write. On any failure but the first ``staging`` is removed; the earlier checkpoints stay
         as they were.
+
+        ``elsewhere``: record entries (as :func:`~hpsray.checkpoint.record.describe_files` makes)
+        of files the record lists but that are not under ``staging`` (another host's, already in
+        object storage: :mod:`~hpsray.checkpoint.remote`); this directory's copy then does not
+        verify on its own.
         """
         staging = Path(staging)
         if staging.parent.resolve() != self.directory.resolve() or not staging.name.startswith(f".{_name(batch)}.tmp-"):
@@ -278,7 +284,10 @@ class Checkpoints:
                 sealed = seal({**body, "files": []})  # refuse a meta that is not JSON-able early
             except (TypeError, ValueError) as e:
                 raise CheckpointError(str(staging), f"meta is not JSON-able: {e}") from None
-            body["files"] = files = describe_files(str(staging))
+            files = describe_files(str(staging))
+            here = {e["path"] for e in files}
+            files += [dict(e) for e in elsewhere if e["path"] not in here]
+            body["files"] = files
             sealed = seal(body)
             fd = os.open(staging / NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:

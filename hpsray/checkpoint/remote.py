@@ -19,6 +19,7 @@ into the cache, so a host whose disks are empty resumes. One writer per URI.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,15 +27,16 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hpsray.checkpoint.checkpoints import Checkpoint, Checkpoints, node_dir
-from hpsray.checkpoint.record import NAME, read_record
+from hpsray.checkpoint.record import NAME, describe_files, read_record
 from hpsray.errors import CheckpointError
 from hpsray.tiers.ssd.paramfile import HEADER_BYTES
 
-__all__ = ["RemoteCheckpoints", "is_uri", "open_checkpoints"]
+__all__ = ["ObjectStore", "RemoteCheckpoints", "fetch_node", "is_uri", "open_checkpoints", "upload_node"]
 
 log = logging.getLogger("hpsray.checkpoint")
 
@@ -68,35 +70,12 @@ def _param_key(path: Path, size: int) -> str:
     return f"params/{hashlib.sha256(head).hexdigest()[:40]}-{size}.hps"
 
 
-class RemoteCheckpoints(Checkpoints):
-    """The checkpoints under ``uri`` (see the module docstring), staged in ``cache`` (default
-    :func:`default_cache`); the :class:`Checkpoints` interface. ``filesystem``: a
-    ``pyarrow.fs.FileSystem`` to use instead of the URI's (then ``uri`` is its path).
+class _StoreIO:
+    """Reading and writing objects under ``root`` of the ``pyarrow.fs`` file system ``fs``."""
 
-    ``last_upload`` says what the newest commit sent: ``{"bytes", "files", "reused",
-    "reused_bytes"}``.
-    """
-
-    durable = True  # a copy away from the job's disks
-
-    def __init__(self, uri: str, keep: int = 2, cache: str | os.PathLike | None = None, filesystem: Any = None) -> None:
-        import pyarrow.fs as pafs
-
-        if filesystem is None:
-            try:
-                filesystem, root = pafs.FileSystem.from_uri(uri)
-            except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
-                raise CheckpointError(uri.split("?")[0], f"cannot open the checkpoint store: {e}") from e
-        else:
-            root = uri
-        self.uri, self.fs, self.root = uri.split("?")[0], filesystem, root.rstrip("/")
-        super().__init__(cache or default_cache(uri), keep)
-        self.last_upload: dict = {}
-
-    def __repr__(self) -> str:
-        return f"RemoteCheckpoints({self.uri!r}, keep={self.keep}, cache={str(self.directory)!r})"
-
-    # -- the store ---------------------------------------------------------------------------
+    uri: str
+    fs: Any
+    root: str
 
     def _key(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -156,6 +135,134 @@ class RemoteCheckpoints(Checkpoints):
             raise CheckpointError(f"{self.uri}/{key}", "not an hpsray checkpoint manifest")
         return manifest
 
+
+class ObjectStore(_StoreIO):
+    """The objects under a URI (``filesystem``: as :class:`RemoteCheckpoints`'s)."""
+
+    def __init__(self, uri: str, filesystem: Any = None) -> None:
+        self.fs, self.root = _open(uri, filesystem)
+        self.uri = uri.split("?")[0]
+
+
+def _open(uri: str, filesystem: Any) -> tuple[Any, str]:
+    import pyarrow.fs as pafs
+
+    if filesystem is not None:
+        return filesystem, uri.rstrip("/")
+    try:
+        fs, root = pafs.FileSystem.from_uri(uri)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
+        raise CheckpointError(uri.split("?")[0], f"cannot open the checkpoint store: {e}") from e
+    return fs, root.rstrip("/")
+
+
+def _upload(
+    store: _StoreIO, root: Path, entries: Sequence[Mapping[str, Any]], name: str, have: dict[str, int]
+) -> tuple[dict[str, str], dict[str, int]]:
+    """Upload the recorded files ``entries`` (paths under ``root``) of checkpoint ``name``: a
+    parameter file unless ``have`` (the store's ``params/``) holds its key, every other file
+    under ``data/<name>/``. Returns ``({path: key}, {"bytes", "files", "reused", "reused_bytes"})``."""
+    objects: dict[str, str] = {}
+    stats = {"bytes": 0, "files": 0, "reused": 0, "reused_bytes": 0}
+    for entry in entries:
+        rel, size = str(entry["path"]), int(entry["size"])
+        local = root / rel
+        if entry.get("check") == "param":
+            key = _param_key(local, size)
+            if have.get(key) == size:
+                stats["reused"] += 1
+                stats["reused_bytes"] += size
+            else:
+                stats["bytes"] += store._put(local, key)
+                stats["files"] += 1
+                have[key] = size
+        else:
+            key = f"data/{name}/{rel}"
+            stats["bytes"] += store._put(local, key)
+            stats["files"] += 1
+        objects[rel] = key
+    return objects, stats
+
+
+HOST_MARK = ".driver-host"  # in a staging directory: the driver's token, seen by nodes on its host
+
+
+def upload_node(location: str, staging: str | os.PathLike, node: int, token: str | None = None) -> dict:
+    """Upload node ``node``'s files of a staged checkpoint (``node_dir(staging, node)`` on the
+    calling host; the staging directory's name gives the checkpoint's) to the store at
+    ``location`` (the URI with its options): each parameter file the store lacks, named by its
+    digest, and the node's other files under ``data/<checkpoint>/``. Returns what
+    :meth:`RemoteCheckpoints.commit` takes in ``uploaded``: ``{"node", "entries"`` (the record's
+    entries of these files), ``"objects"``, ``"sent"`` (bytes, files, reused, reused_bytes)}.
+
+    When the staging directory's :data:`HOST_MARK` does not hold ``token`` (it is the driver's
+    directory on another host), the node's copy is removed after the upload: this host keeps
+    nothing of the checkpoint."""
+    m = re.fullmatch(r"\.(ckpt-\d{6,})\.tmp-[0-9a-f]+", Path(staging).name)
+    if m is None:
+        raise CheckpointError(str(staging), "not a checkpoint staging directory")
+    mine = node_dir(staging, node)
+    store = ObjectStore(location)
+    prefix = f"{mine.name}/"
+    entries = [{**e, "path": prefix + e["path"]} for e in describe_files(str(mine))]
+    objects, sent = _upload(store, Path(staging), entries, m.group(1), store._list("params/"))
+    try:
+        here = (Path(staging) / HOST_MARK).read_text() == token
+    except OSError:
+        here = False
+    if token is not None and not here:
+        shutil.rmtree(mine, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(staging)  # when no other node of this host is still in it
+    return {"node": int(node), "entries": entries, "objects": objects, "sent": sent}
+
+
+def fetch_node(plan: Mapping[str, Any], node: int) -> dict[str, int]:
+    """Bring node ``node``'s files of a checkpoint (:meth:`RemoteCheckpoints.shard_plan`) onto the
+    calling host, at the plan's path: each one not there with its recorded size is downloaded
+    (to a temporary name, then renamed). Returns ``{"bytes", "files"}`` downloaded."""
+    store = ObjectStore(str(plan["location"]))
+    root, prefix = Path(plan["path"]), f"{node_dir('', node).name}/"
+    got = {"bytes": 0, "files": 0}
+    for rel, key in sorted(plan["objects"].items()):
+        if not rel.startswith(prefix):
+            continue
+        local, size = root / rel, int(plan["sizes"][rel])
+        if local.is_file() and local.stat().st_size == size:
+            continue
+        part = local.with_name(f".{local.name}.part-{uuid.uuid4().hex}")
+        try:
+            store._get(key, part)
+            if part.stat().st_size != size:
+                raise CheckpointError(f"{store.uri}/{key}", f"{part.stat().st_size} bytes, {rel} recorded {size}")
+            os.replace(part, local)
+        finally:
+            part.unlink(missing_ok=True)
+        got["bytes"] += size
+        got["files"] += 1
+    return got
+
+
+class RemoteCheckpoints(Checkpoints, _StoreIO):
+    """The checkpoints under ``uri`` (see the module docstring), staged in ``cache`` (default
+    :func:`default_cache`); the :class:`Checkpoints` interface. ``filesystem``: a
+    ``pyarrow.fs.FileSystem`` to use instead of the URI's (then ``uri`` is its path).
+
+    ``last_upload`` says what the newest commit sent: ``{"bytes", "files", "reused",
+    "reused_bytes"}``.
+    """
+
+    durable = True  # a copy away from the job's disks
+
+    def __init__(self, uri: str, keep: int = 2, cache: str | os.PathLike | None = None, filesystem: Any = None) -> None:
+        self.fs, self.root = _open(uri, filesystem)
+        self.uri, self.location = uri.split("?")[0], uri
+        super().__init__(cache or default_cache(uri), keep)
+        self.last_upload: dict = {}
+
+    def __repr__(self) -> str:
+        return f"RemoteCheckpoints({self.uri!r}, keep={self.keep}, cache={str(self.directory)!r})"
+
     # -- Checkpoints' interface --------------------------------------------------------------
 
     def committed(self) -> list[Path]:
@@ -170,50 +277,60 @@ class RemoteCheckpoints(Checkpoints):
             return None
 
     def commit(
-        self, staging: str | os.PathLike, batch: int, meta: Any = None, *, fingerprint: str | None = None
+        self,
+        staging: str | os.PathLike,
+        batch: int,
+        meta: Any = None,
+        *,
+        fingerprint: str | None = None,
+        elsewhere: Sequence[Mapping[str, Any]] = (),
+        uploaded: Sequence[Mapping[str, Any]] = (),
     ) -> Checkpoint:
         """Seal ``staging`` locally (:meth:`Checkpoints.commit`), upload what the store lacks,
-        write the manifest (the commit), then delete what no kept manifest references."""
+        write the manifest (the commit), then delete what no kept manifest references.
+
+        ``uploaded``: what each node's :func:`upload_node` returned; those nodes' files are in
+        the store already, and the record lists them also where their directory is not under
+        ``staging`` (on another host). Every other node's directory must be under ``staging``."""
         self._refuse_foreign_remote(fingerprint)
         there = {key[: -len(".json")] for _, key in self._manifests()}
         for path in self._local_dirs():  # the cache follows the store (its checkpoints removed there)
             if path.name not in there:
                 shutil.rmtree(path, ignore_errors=True)
+        done = {int(u["node"]): u for u in uploaded}
         nodes = int(dict(meta or {}).get("nodes", 0))
-        absent = [i for i in range(nodes) if not node_dir(staging, i).is_dir()]
+        absent = [i for i in range(nodes) if i not in done and not node_dir(staging, i).is_dir()]
         if absent:
             self.abort(staging)
             raise CheckpointError(
                 f"{staging}",
-                f"node {absent[0]}'s files are not on the driver's host: a checkpoint to {self.uri} is uploaded "
-                "by the driver, so every node's staging must be on its host (or on a shared path)",
+                f"node {absent[0]}'s files are neither uploaded by that node nor on the driver's host: a "
+                f"checkpoint to {self.uri} takes each node's files from upload_node() on its host, or from "
+                "the staging directory",
             )
-        ckpt = super().commit(staging, batch, meta, fingerprint=fingerprint)
+        away = [e for i, u in done.items() if not node_dir(staging, i).is_dir() for e in u["entries"]]
+        ckpt = super().commit(staging, batch, meta, fingerprint=fingerprint, elsewhere=[*elsewhere, *away])
         name = ckpt.path.name
-        have = self._list("params/")
-        objects, sent, reused, reused_bytes, files = {}, 0, 0, 0, 0
-        for entry in ckpt.files:
-            rel, size = entry["path"], int(entry["size"])
-            local = ckpt.path / rel
-            if entry.get("check") == "param":
-                key = _param_key(local, size)
-                if have.get(key) == size:
-                    reused, reused_bytes = reused + 1, reused_bytes + size
-                else:
-                    sent += self._put(local, key)
-                    files += 1
-            else:
-                key = f"data/{name}/{rel}"
-                sent += self._put(local, key)
-                files += 1
-            objects[rel] = key
+        objects = {rel: key for u in done.values() for rel, key in u["objects"].items()}
+        mine = [e for e in ckpt.files if e["path"] not in objects]
+        sent, driver = _upload(self, ckpt.path, mine, name, self._list("params/"))
+        objects.update(sent)
         record = (ckpt.path / NAME).read_text()
         manifest = {"format": MANIFEST_FORMAT, "version": 1, "batch": int(batch), "record": record, "objects": objects}
         self._put_bytes(json.dumps(manifest, sort_keys=True).encode(), f"{name}.json")  # the commit
-        self.last_upload = {"bytes": sent, "files": files, "reused": reused, "reused_bytes": reused_bytes}
+        parts = [driver, *(u["sent"] for u in done.values())]
+        self.last_upload = {k: sum(int(p[k]) for p in parts) for k in driver}
+        self.last_upload.update(driver=driver, nodes={i: dict(u["sent"]) for i, u in sorted(done.items())})
         log.info("checkpoint %s uploaded to %s: %s", name, self.uri, self.last_upload)
         self._collect(batch)
         return ckpt
+
+    def shard_plan(self, checkpoint: Checkpoint) -> dict:
+        """What :func:`fetch_node` needs to bring a node's files of ``checkpoint`` (one of this
+        store's, in the cache) onto its host: ``{"location", "objects", "sizes", "path"}``."""
+        manifest = self._manifest(f"{checkpoint.path.name}.json")
+        sizes = {e["path"]: int(e["size"]) for e in checkpoint.files}
+        return {"location": self.location, "objects": manifest["objects"], "sizes": sizes, "path": str(checkpoint.path)}
 
     def latest(self, fingerprint: str | None = None, *, deep: bool = False) -> Checkpoint | None:
         """The newest checkpoint under the URI that downloads and verifies, in the local cache

@@ -46,6 +46,7 @@ from hpsray.pipelines.recovery import (
     actor_lost,
     admission_of,
     dead_actors,
+    fetch_shards,
     load_trainers,
     recovery_entry,
     reshape,
@@ -223,6 +224,8 @@ class Pipeline:
             )
         if restore is not None and self._checkpoints is not None:
             restore, self.reshaped = reshape(self._checkpoints, restore, n_nodes, self.ssd_settings.options)
+        if restore is not None:  # each node's files onto its host (object storage: a host's disk may be empty)
+            fetch_shards(self._checkpoints, restore, [(i, node["NodeID"]) for i, node in enumerate(alive[:n_nodes])])
         ssd_path = self.ssd_settings.path
         if ssd_path is None:
             self._tmp = ssd_path = self._tmp or tempfile.mkdtemp(prefix="hpsray-ssd-")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from ray.exceptions import (
 )
 
 from hpsray.checkpoint import Checkpoint, Checkpoints, node_dir
+from hpsray.checkpoint.remote import HOST_MARK, RemoteCheckpoints, fetch_node
 from hpsray.checkpoint.reshard import ADMISSION, SSD_SNAPSHOT, TRAINER_STATE, checkpoint_nodes, reshard
 from hpsray.cluster.runtime import training_nodes
 from hpsray.errors import FaultTimeout, NoSpareNode, caused_by
@@ -83,8 +85,36 @@ def write_checkpoint(
         states = [n.trainer.save_state.remote(str(node_dir(staging, n.index) / TRAINER_STATE)) for n in nodes]
         snapped, saved = ray.get(snaps), ray.get(states)
         saved += ray.get([n.mem.save_admission.remote(str(node_dir(staging, n.index) / ADMISSION)) for n in nodes])
-        ckpt = checkpoints.commit(staging, batch, {**meta, "nodes": len(nodes)}, fingerprint=fingerprint)
+        record = {**meta, "nodes": len(nodes)}
+        if isinstance(checkpoints, RemoteCheckpoints):  # each node uploads its files from its host
+            token = uuid.uuid4().hex
+            (staging / HOST_MARK).write_text(token)
+            uploads = [n.ssd.upload_checkpoint.remote(checkpoints.location, str(staging), token) for n in nodes]
+            uploaded = ray.get(uploads)
+            (staging / HOST_MARK).unlink()
+            ckpt = checkpoints.commit(staging, batch, record, fingerprint=fingerprint, uploaded=uploaded)
+        else:
+            ckpt = checkpoints.commit(staging, batch, record, fingerprint=fingerprint)
     return ckpt, time.perf_counter() - t0, sum(s["bytes"] for s in snapped) + sum(saved)
+
+
+def fetch_shards(checkpoints: Checkpoints | None, checkpoint: Checkpoint, placed: list[tuple[int, str]]) -> list[dict]:
+    """Bring each node's files of ``checkpoint`` onto its host before its actors restore from
+    them: for checkpoints in object storage, a task on each ``(node index, Ray node id)`` of
+    ``placed`` downloads what that host lacks (:func:`~hpsray.checkpoint.remote.fetch_node`);
+    returns what each downloaded (nothing for a local checkpoint directory)."""
+    if not isinstance(checkpoints, RemoteCheckpoints):
+        return []
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    plan = checkpoints.shard_plan(checkpoint)
+    task = ray.remote(num_cpus=0)(fetch_node)
+    return ray.get(
+        [
+            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(plan, i)
+            for i, node_id in placed
+        ]
+    )
 
 
 def snapshot_of(checkpoint: Checkpoint, node: int) -> str:
@@ -154,6 +184,7 @@ def shrink(pipeline: Any, checkpoint: Checkpoint, lost: dict[int, str]) -> dict:
     n = len(survivors)
     new, reshaped = reshape(pipeline._checkpoints, checkpoint, n, pipeline.ssd_settings.options)
     alive = {node["NodeID"]: node for node in training_nodes()}
+    fetch_shards(pipeline._checkpoints, new, [(i, nd.node_id) for i, nd in enumerate(survivors) if nd.node_id in alive])
     root = os.path.dirname(nodes[0].ssd_dir)
     placed = []
     for i, nd in enumerate(survivors):
@@ -224,6 +255,8 @@ def restart_from(pipeline: Any, checkpoint: Checkpoint, dead: list[str], timeout
     if trainers_together:
         restart |= {("Trainer", node.index) for node in nodes}
     restart |= {("MemPS", i) for kind, i in list(restart) if kind == "SSDPS"}
+
+    fetch_shards(pipeline._checkpoints, checkpoint, [(nd.index, nd.node_id) for nd in nodes])
 
     def handle(kind: str, node: NodeActors) -> Any:
         return {"SSDPS": node.ssd, "MemPS": node.mem, "Trainer": node.trainer, "Reader": node.reader}[kind]

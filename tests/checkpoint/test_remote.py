@@ -171,7 +171,7 @@ def test_a_node_whose_files_are_not_on_the_driver_host_stops_the_commit(s3_uri, 
     staging = ckpts.stage(4)
     node_dir(staging, 0).mkdir()
     (node_dir(staging, 0) / "state.bin").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="node 1's files are not on the driver's host"):
+    with pytest.raises(CheckpointError, match="node 1's files are neither uploaded by that node nor on"):
         ckpts.commit(staging, 4, {"nodes": 2}, fingerprint=FP)
     assert ckpts.committed() == [] and not staging.exists()
 
@@ -209,3 +209,54 @@ def test_the_cache_follows_the_store(s3_uri, tmp_path, ssd_warm):
             other.commit(staging, 2, fingerprint=job_fingerprint({"another": "job"}))
     assert [p.name for p in other.committed()] == ["ckpt-000002"]
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["ckpt-000002"]
+
+
+# -- several hosts: each node uploads its own files, a host fetches only its shard ----------------
+
+
+def test_each_node_uploads_its_files_and_a_host_with_empty_disks_fetches_its_shard(s3_uri, tmp_path, ssd_warm):
+    """Node 0 stages on the driver's host, node 1 on another (the same staging path there is
+    another directory): each uploads its own files, the driver commits with the manifest; a
+    fresh driver downloads and verifies the whole checkpoint, a fresh host fetches node 1's only."""
+    from hpsray.checkpoint.remote import HOST_MARK, fetch_node, upload_node
+
+    ckpts = _remote(s3_uri, tmp_path / "driver")
+    staging = ckpts.stage(5)
+    (staging / "dense.pt").write_bytes(b"dense")
+    other_host = tmp_path / "host-b" / staging.name  # node 1's view of the staging path
+    k = np.arange(300, dtype=np.uint64)
+    rows = np.repeat(k[:, None].astype(np.float32), 2, axis=1)
+    for node, root in ((0, staging), (1, other_host)):
+        with SSDPS(tmp_path / f"ssd-{node}", 2, rows_per_file=64, background=False) as s:
+            mine = k[k % 2 == node]
+            s.dump(mine, rows[mine.astype(np.int64)])
+            s.snapshot(node_dir(root, node) / "ssd")
+        (node_dir(root, node) / "trainer.pt").write_bytes(b"state %d" % node)
+    (staging / HOST_MARK).write_text("token")
+    up0 = upload_node(ckpts.location, staging, 0, "token")
+    up1 = upload_node(ckpts.location, other_host, 1, "token")
+    assert node_dir(staging, 0).is_dir() and not other_host.exists()  # the other host keeps nothing
+    (staging / HOST_MARK).unlink()
+    ckpts.commit(staging, 5, {"nodes": 2}, fingerprint=FP, uploaded=[up0, up1])
+    sent = ckpts.last_upload
+    assert sent["driver"] == {"bytes": 5, "files": 1, "reused": 0, "reused_bytes": 0}  # dense.pt only
+    node1_bytes = sum(e["size"] for e in up1["entries"])
+    assert sent["nodes"][1]["bytes"] == node1_bytes and sent["bytes"] == 5 + up0["sent"]["bytes"] + node1_bytes
+    # the driver's cache lacks node 1's files: its latest() fetches them and verifies the whole
+    got = ckpts.latest(FP, deep=True)
+    assert got is not None and (got.node(1) / "trainer.pt").read_bytes() == b"state 1"
+    fresh = _remote(s3_uri, tmp_path / "fresh-driver")
+    latest = fresh.latest(FP, deep=True)
+    assert latest is not None and latest.batch == 5
+    plan = {**fresh.shard_plan(latest), "path": str(tmp_path / "host-c" / "ckpt-000005")}
+    assert fetch_node(plan, 1) == {"bytes": node1_bytes, "files": len(up1["entries"])}
+    assert sorted(p.name for p in (tmp_path / "host-c" / "ckpt-000005").iterdir()) == ["node-1"]
+    assert fetch_node(plan, 1) == {"bytes": 0, "files": 0}  # present: nothing downloaded again
+    restore_snapshot(tmp_path / "host-c" / "ckpt-000005" / "node-1" / "ssd", tmp_path / "restored")
+    with SSDPS(tmp_path / "restored") as r:
+        back, found = r.load(k[k % 2 == 1])
+    assert found.all() and np.array_equal(back, rows[1::2])
+    # a node neither uploaded nor on the driver's host stops the commit
+    staging = ckpts.stage(6)
+    with pytest.raises(CheckpointError, match="node 1's files are neither uploaded"):
+        ckpts.commit(staging, 6, {"nodes": 2}, fingerprint=FP, uploaded=[up0])
