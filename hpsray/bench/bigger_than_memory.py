@@ -5,7 +5,9 @@ a table ``--ratio`` times the limit is imported into SSD-PS, trained on, its wri
 store reopened and read back; the same job then runs with every row in memory. Returns the report
 (``model_bytes_on_disk``, ``memory_limit_bytes``, ``peak_memory_bytes``, ``examples_per_s``,
 ``in_memory_examples_per_s``, ``lossless.equal``, ``disk_high_water_vs_live``,
-``key_map_bytes_per_key``, ``reopen_seconds_per_100m_keys``, ...). The phases and the lossless
+``key_map_bytes_per_key``, ``reopen_seconds_per_100m_keys``, the disk's random-read bound measured
+on the store's files after training (``disk_bound``), the timed pass's load stage beside it
+(``load_stage``, ``load_reads_vs_disk_bound`` at the store's I/O threads), ...). The phases and the lossless
 check: docs/benchmarks.md, section "Bigger than memory". The children's side is
 :mod:`~hpsray.bench.bigger_than_memory_phases`; the cgroup, :mod:`~hpsray.bench.memory_cgroup`.
 """
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hpsray.bench.bigger_than_memory_phases import Job, table_rows
+from hpsray.bench.disk_bound import load_vs_bound, store_bound
 from hpsray.bench.memory_cgroup import Cgroup, Monitor, dir_bytes
 
 if TYPE_CHECKING:
@@ -48,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minibatch", type=int, default=2048)
     parser.add_argument("--mem-rows", type=int, default=600_000, help="MEM-PS capacity of the bigger-than-memory run")
     parser.add_argument("--io-threads", type=int, default=4, help="SSD-PS I/O threads ([tiers.ssd] io_threads)")
+    parser.add_argument(
+        "--disk-probe-seconds", type=float, default=2.0, help="seconds of random reads per queue depth (the disk bound)"
+    )
     parser.add_argument("--object-store", default="512MiB", help="Ray object store memory of each run")
     parser.add_argument("--sample", type=int, default=200_000, help="untouched rows compared with the table")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one under /var/tmp)")
@@ -190,6 +196,14 @@ def run(args: argparse.Namespace) -> dict:
                 "train", limited, {"job": job.__dict__, "ssd": ssd, "mem_rows": job.mem_rows, "dense": dense_path}
             )
         train_peak, train_resident, disk_high = limited.peak(), mon.peak_resident, mon.peak_disk
+        bound = store_bound(store, width, job.io_threads, args.disk_probe_seconds)  # the store's own files
+        load_stage = {
+            **load_vs_bound(trained["load_counts"], bound, job.io_threads),
+            "load_stage_busy_s_per_batch": trained["load_stage_busy_s"] / max(trained["batches"], 1),
+            "device": trained["device"],
+            "machine_cpu_busy": trained["machine_cpu_busy"],
+            "load_average": os.getloadavg()[0],
+        }
 
         crash = _start("crash", limited, {"store": store, "touched": files["touched"]})
         assert crash.stdout is not None
@@ -259,6 +273,9 @@ def run(args: argparse.Namespace) -> dict:
             disk_high_water_vs_live=disk_high / live,
             key_map_bytes_per_key=checked["key_map_bytes"] / max(checked["keys"], 1),
             disk_bytes_per_key=model_bytes / imported["rows"],
+            disk_bound=bound.to_dict(),
+            load_stage=load_stage,
+            load_reads_vs_disk_bound=load_stage["load_reads_vs_disk_bound"],
             reopen_seconds=checked["reopen_s"],
             reopen_fixed_seconds=checked["reopen_fixed_s"],
             reopen_keys=checked["keys"],

@@ -104,13 +104,20 @@ def _phase_train(p: dict) -> dict:
     import ray
     import torch
 
+    from hpsray.bench.disk_bound import delta
+    from hpsray.tiers.ssd.probe import DiskCounters
+
     job = Job(**p["job"])
     warm, timed = job.sources()
     with _pipeline(job, p["ssd"], p["mem_rows"], (warm, timed)) as pipe:
         pipe.fit(progress=False)
         pipe.source = timed
-        report = pipe.fit(progress=False)
         actors = pipe.actors()
+        before = ray.get(actors["SSDPS[node 0]"].stats.remote())
+        disk0, cpu0 = DiskCounters.of(p["ssd"]), _cpu_seconds()
+        report = pipe.fit(progress=False)
+        disk1, cpu1 = DiskCounters.of(p["ssd"]), _cpu_seconds()
+        after = ray.get(actors["SSDPS[node 0]"].stats.remote())
         ray.get(actors["MemPS[node 0]"].flush.remote())  # every trained row on SSD-PS
         store = ray.get(actors["SSDPS[node 0]"].stats.remote())["store"]
         if p.get("dense"):
@@ -123,8 +130,23 @@ def _phase_train(p: dict) -> dict:
         "pipeline_efficiency": report.get("pipeline_efficiency"),
         "stage_busy_s": report.get("stage_busy_s"),
         "cache_hit_rate_mean": float(np.mean(list(report["cache_hit_rate"].values()))),
+        "load_counts": delta(after["store"], before["store"]),  # the timed pass's loads
+        "load_stage_busy_s": after.get("busy_s", 0.0) - before.get("busy_s", 0.0),
+        "device": disk1.since(disk0) if disk0 is not None and disk1 is not None else None,
+        "machine_cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1e-9),  # every core's, every process's
         "ssd": {k: store[k] for k in ("live_rows", "live_bytes", "disk_bytes", "space_ratio", "bytes_read", "files")},
     }
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """Busy and total CPU seconds of the machine so far (``/proc/stat``; zeros where absent)."""
+    try:
+        with open("/proc/stat") as f:
+            t = [float(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0, 0.0
+    idle = t[3] + (t[4] if len(t) > 4 else 0.0)
+    return (sum(t) - idle) / 100.0, sum(t) / 100.0
 
 
 def _phase_crash(p: dict) -> None:

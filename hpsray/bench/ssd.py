@@ -1,6 +1,8 @@
 """``hpsray bench ssd``: SSD-PS dump / cold load throughput and space after compaction.
 
-One run on one file system: dump ``--size`` MiB of rows, then ``--repeat`` rounds of cold reads
+One run on one file system: dump ``--size`` MiB of rows, measure the disk's random-read bound on
+its files (:mod:`hpsray.bench.disk_bound`: ``disk_bound``; the sparse load's reads/s over it at
+``--io-threads`` in flight, ``load_reads_vs_disk_bound``), then ``--repeat`` rounds of cold reads
 (sequential bandwidth, raw whole-file reads, full and sparse :meth:`SSDPS.load`), then random
 overwrites under background compaction for ``space_ratio``; ``--sweep`` repeats the cold loads
 per file size. What each figure counts: docs/benchmarks.md, section "What each bench measures"
@@ -17,6 +19,7 @@ import time
 
 import numpy as np
 
+from hpsray.bench.disk_bound import delta, load_vs_bound, store_bound
 from hpsray.tiers.ssd import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
 from hpsray.tiers.ssd.paramfile import SUFFIX, file_bytes, record_bytes
 
@@ -46,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=None, help="directory to work in (default: a temporary one)")
     parser.add_argument("--sweep", action="store_true", help="cold load for several file sizes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--disk-probe-seconds", type=float, default=2.0, help="seconds of random reads per queue depth (the disk bound)"
+    )
 
 
 def drop_cache(paths: list[str]) -> None:
@@ -117,6 +123,7 @@ def cold_load(store: SSDPS, keys: np.ndarray) -> dict:
         "files": after["files_read"] - before["files_read"],
         "bytes_per_s": nbytes / dt,
         "rows_per_s": keys.size / dt,
+        "counts": delta(after, before),
     }
 
 
@@ -185,6 +192,8 @@ def run(args: argparse.Namespace) -> dict:
         report["dump_bytes_per_s"] = st["bytes_written"] / dump_s
         report["dump_rows_per_s"] = n_rows / dump_s
         disk = st["disk_bytes"]
+        bound = store_bound(d, width, args.io_threads, args.disk_probe_seconds)  # random reads of the store's files
+        report["disk_bound"] = bound.to_dict()
 
         runs = []
         for _ in range(max(1, args.repeat)):  # back to back, so each ratio sees the same machine state
@@ -192,8 +201,10 @@ def run(args: argparse.Namespace) -> dict:
             raw = raw_file_read(_param_files(d), args.io_threads)
             full = cold_load(store, rng.permutation(keys))
             sparse = cold_load(store, rng.choice(keys, max(1, keys.size // 20), replace=False))
+            stage = load_vs_bound(sparse["counts"], bound, args.io_threads)
             runs.append(
                 {
+                    "load_reads_vs_disk_bound": stage["load_reads_vs_disk_bound"],
                     "seq_read_bytes_per_s": seq,
                     "raw_file_read_bytes_per_s": raw,
                     "load_bytes_per_s": full["bytes_per_s"],
@@ -209,10 +220,12 @@ def run(args: argparse.Namespace) -> dict:
         report["raw_file_read_vs_seq_read"] = float(
             np.median([r["raw_file_read_bytes_per_s"] / r["seq_read_bytes_per_s"] for r in runs])
         )
+        report["load_reads_vs_disk_bound"] = float(np.median([r["load_reads_vs_disk_bound"] for r in runs]))
         report["load_vs_raw_file_read"] = float(
             np.median([r["load_bytes_per_s"] / r["raw_file_read_bytes_per_s"] for r in runs])
         )
         report["load"] = full
+        report["sparse_load_stage"] = stage  # the last run's
         report["runs"] = runs
 
         ratios = []

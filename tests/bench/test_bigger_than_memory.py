@@ -48,4 +48,13 @@ def test_bench_runs_in_a_cgroup_and_is_lossless(tmp_path):
     assert report["oom_kills"] == 0 and report["peak_within_limit"]
     assert report["phases"]["check"]["touched_found"] == report["lossless"]["touched_rows"]  # all imported
     assert report["key_map_bytes_per_key"] <= 30  # the compact map: 16 bytes a slot, at least 53 % full
+    # the disk's random-read bound on the store's files, and the timed pass's load stage beside it
+    assert set(report["disk_bound"]["by_depth"]) == {"1", "4", "8", "32"}  # 4: the store's I/O threads
+    assert all(d["reads_per_s"] > 0 for d in report["disk_bound"]["by_depth"].values())
+    stage = report["load_stage"]
+    assert stage["loads"] > 0 and stage["reads_per_load"] > 0 and stage["bytes_per_row"] > 0
+    assert (
+        stage["queue_depth"] == 4 and stage["disk_reads_per_s"] == report["disk_bound"]["by_depth"]["4"]["reads_per_s"]
+    )
+    assert report["load_reads_vs_disk_bound"] == stage["load_reads_vs_disk_bound"] > 0
     assert not os.path.exists(tmp_path / "w")  # big files removed

@@ -36,6 +36,8 @@ def test_ssd_bench_reports_its_keys(tmp_path):
                 "3",
                 "--repeat",
                 "1",
+                "--disk-probe-seconds",
+                "0.2",
                 "--dir",
                 str(tmp_path),
             ],
@@ -45,12 +47,18 @@ def test_ssd_bench_reports_its_keys(tmp_path):
         assert report[key] > 0, key
     assert report["space_ratio"] <= 2.0
     assert report["load"]["files"] > 0 and report["checks"]["space_ratio_le_2"]
+    # the disk's random-read bound on the store's files, per depth, and the sparse load beside it
+    assert set(report["disk_bound"]["by_depth"]) == {"1", "4", "8", "32"}  # 4: the store's I/O threads
+    stage = report["sparse_load_stage"]
+    assert stage["reads_per_load"] > 0 and stage["queue_depth"] == 4 and stage["bytes_per_row"] > 0
+    assert report["load_reads_vs_disk_bound"] == stage["load_reads_vs_disk_bound"] > 0
     json.dumps(report)
     assert list(tmp_path.iterdir()) == []  # cleans up after itself
 
 
 def test_ssd_bench_runs_without_overwrites(tmp_path):
     argv = ["--size", "1", "--rows-per-file", "1024", "--overwrites", "0", "--repeat", "1", "--dir", str(tmp_path)]
+    argv += ["--disk-probe-seconds", "0.1"]
     report = ssd_bench.run(_args(ssd_bench, argv))
     assert report["space_ratio_max_after_dump"] == report["space_ratio"] > 0
 

@@ -69,7 +69,7 @@ class Reads:
         opened: list[tuple[list, list, list]] = []
         prefetch: list = []
         gone: list[np.ndarray] = []  # keys deleted between the lookup and their round
-        n_files = n_bytes = 0
+        n_files = n_bytes = n_reads = 0
         n_partial = 0
         try:
             with st.lock:
@@ -113,9 +113,12 @@ class Reads:
                     ]
                     wait(futures)
                     n_bytes += sum(fut.result()[0] for fut in futures)
+                    n_reads += sum(self._whole_reads(m) for m in metas if m[1] is None)
                 if blocky:
                     picked = ([tasks[t] for t in blocky], [fds[t] for t in blocky], [metas[t] for t in blocky])
-                    n_bytes += self._read_blocks(keys, out, *picked)
+                    got, ranges = self._read_blocks(keys, out, *picked)
+                    n_bytes += got
+                    n_reads += ranges
                     n_partial += len(blocky)
                 n_files += len(tasks)
             # Whole files: rounds of a few files (ROUND_BYTES), opened under the lock: an open
@@ -125,7 +128,8 @@ class Reads:
             # sees a deep queue) and queued on the I/O threads as soon as round r is queued; round
             # r + 2 waits until round r is done (two rounds in flight, no idle threads between).
             for r in range(len(rounds)):
-                tasks, fds, _ = whole_rounds[r]
+                tasks, fds, metas = whole_rounds[r]
+                n_reads += sum(self._whole_reads(m) for m in metas)
                 pending.append(
                     [
                         pool.submit(self._read_rows, keys, out, i, p, st.path(no), fd)
@@ -161,8 +165,14 @@ class Reads:
             "files_read": n_files,
             "files_read_partially": n_partial,
             "bytes_read": n_bytes,
+            "reads_issued": n_reads,
         }
         return out, found, counts
+
+    def _whole_reads(self, meta: tuple[int, np.ndarray | None]) -> int:
+        """The positioned reads of a whole-file read of a file of ``meta[0]`` rows: header,
+        index, its chunks of rows, and its block table (``meta[1]``) where it has one."""
+        return 2 + -(-meta[0] // self.chunk_rows) + (meta[1] is not None)
 
     def close_all(self, fds: list[int]) -> None:
         """Close the descriptors of a round."""
@@ -273,11 +283,13 @@ class Reads:
             at = end
         return rounds
 
-    def _read_blocks(self, keys: np.ndarray, out: np.ndarray, tasks: list, fds: list[int], metas: list) -> int:
+    def _read_blocks(
+        self, keys: np.ndarray, out: np.ndarray, tasks: list, fds: list[int], metas: list
+    ) -> tuple[int, int]:
         """Read the touched blocks of the files ``tasks`` (open as ``fds``; ``metas``: rows and
         block table of each) in merged ranges, all hinted then read on the I/O threads into one
         staging buffer; verify each block's checksum and the key at each position, and place the
-        rows. Returns the bytes read."""
+        rows. Returns the bytes read and the reads (merged ranges) issued."""
         st = self.state
         sizes = np.fromiter((t[0].size for t in tasks), np.int64, len(tasks))
         tstart = np.zeros(len(tasks) + 1, np.int64)
@@ -330,4 +342,4 @@ class Reads:
             raise CorruptFileError(
                 f"{st.path(tasks[t][2])}: row {int(pos[j])} does not hold key {int(keys[idx[j]])} as the mapping says"
             )
-        return int(r_len.sum())
+        return int(r_len.sum()), int(r_len.size)

@@ -43,6 +43,8 @@ STAT_NAMES = (
     "files_read",
     "load_seconds",
     "files_read_partially",
+    "reads_issued",
+    "load_cpu_seconds",
     "compactions",
     "files_compacted",
     "compaction_bytes_read",
@@ -55,7 +57,9 @@ STAT_NAMES = (
     "tombstone_files_written",
     "tombstone_files_retired",
 )
-"""The store's counters (``SSDPS.stats``); all start at 0."""
+"""The store's counters (``SSDPS.stats``); all start at 0. ``reads_issued``: the positioned reads
+loads made (a partial load's merged ranges, a whole file's header, index, chunks and table);
+``load_cpu_seconds``: this process's CPU seconds (all its threads) while loads ran."""
 
 
 def _no_hook(point: str) -> None:
@@ -102,6 +106,7 @@ class StoreState:
         self.closed = False
         self.stats: dict[str, float] = dict.fromkeys(STAT_NAMES, 0)
         self.stats["dump_seconds"] = self.stats["load_seconds"] = self.stats["compaction_seconds"] = 0.0
+        self.stats["load_cpu_seconds"] = 0.0
 
         self.manifest = Manifest.open(directory, width, write)
         self.width = self.manifest.width

@@ -141,7 +141,7 @@ class SSDPS:
         """
         keys = as_keys(keys)
         self.state.check_open()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out, found, counts = self._reads.load(keys)
         with self.state.lock:
             st = self.state.stats
@@ -149,6 +149,7 @@ class SSDPS:
             for k, v in counts.items():
                 st[k] += v
             st["load_seconds"] += time.perf_counter() - t0
+            st["load_cpu_seconds"] += time.process_time() - c0
         return out, found
 
     def dump(self, keys: ArrayLike, rows: ArrayLike) -> None:
