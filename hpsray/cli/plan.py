@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         job = JobConfig.load(args.config)
         check_inputs(job)  # a missing path or column: the job's mistake, in every bad-input mode
-        costs = None
+        costs = disk = None
         if args.calibrate and args.no_calibrate:
             print("hpsray plan: error: --calibrate and --no-calibrate contradict each other", file=sys.stderr)
             return EXIT_CONFIG
@@ -67,7 +67,13 @@ def run(args: argparse.Namespace) -> int:
             from hpsray.job.probe import cached_costs, stage_costs
 
             costs = stage_costs(recalibrate=True) if args.calibrate else cached_costs()
-        plan = make_plan(job, args.sample_rows, calibrate_stages=not args.no_calibrate, costs=costs)
+            if args.calibrate:  # the SSD-PS disk's random-read bound (hpsray.plan.disk)
+                from hpsray.plan.disk import measure_bound
+
+                threads = int(dict(job.tiers.ssd).get("io_threads", 4))
+                disk, why = measure_bound(job.tiers.ssd_path, job.train_config().row_width, threads)
+                print(f"hpsray plan: disk bound {'NOT cached: ' + why if why else 'cached'}", file=sys.stderr)
+        plan = make_plan(job, args.sample_rows, calibrate_stages=not args.no_calibrate, costs=costs, disk_bound=disk)
     except (ConfigError, DataError) as e:
         print(f"hpsray plan: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -322,18 +322,20 @@ def predict_rate(
     batch_bytes: float = 0.0,
     costs: StageCosts | None = None,
     batches: int = 0,
+    disk_s_per_row: float = 0.0,
 ) -> tuple[float, dict]:
     """Predicted examples/s of one node, and the seconds per batch of each stage: ``examples``
     per batch (``batch_bytes`` in the object store) with ``distinct`` rows, of which ``ssd_rows``
     are loaded from (and as many dumped to) SSD-PS. With ``costs``, each stage's seconds in the
     pipeline and the batch's by :func:`~hpsray.plan.pipeline_cost.apply_costs` (a pass of
-    ``batches``; 0: endless)."""
+    ``batches``; 0: endless). ``disk_s_per_row``: the disk's seconds per row loaded, beyond the
+    engine's (:func:`hpsray.plan.disk.disk_s_per_row`: a store bigger than the page cache)."""
     row_bytes = 4.0 * distinct * cal.row_width
     copy = cal.copy_s_per_byte
     stages = {
         "read": examples * cal.read_s_per_example + batch_bytes * copy,
         "pull": distinct * cal.pull_s_per_row + row_bytes * copy,
-        "load": ssd_rows * (cal.ssd_load_s_per_row + cal.ssd_dump_s_per_row) + row_bytes * copy,
+        "load": ssd_rows * (cal.ssd_load_s_per_row + cal.ssd_dump_s_per_row + disk_s_per_row) + row_bytes * copy,
         "train": examples * cal.train_s_per_example + row_bytes * copy,
     }
     if costs is not None:

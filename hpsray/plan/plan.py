@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING
 from hpsray.env import omp_threads_sleep
 from hpsray.errors import CapacityError
 from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, predict_rate
+from hpsray.plan.disk import cold_share, disk_s_per_row, load_bound
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
 from hpsray.plan.pipeline_cost import StageCosts
 from hpsray.plan.sample import InputSize, read_sample
 from hpsray.tiers.mem import rows_for_bytes
+from hpsray.tiers.ssd.probe import DiskBound
 
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
@@ -97,11 +99,15 @@ def make_plan(
     sample_rows: int = DEFAULT_SAMPLE_ROWS,
     calibrate_stages: bool = True,
     costs: StageCosts | None = None,
+    disk_bound: DiskBound | None = None,
 ) -> Plan:
     """Plan ``job`` (a :class:`~hpsray.job.JobConfig`) from its first ``sample_rows`` examples
     (at least three global batches). ``calibrate_stages=False`` skips timing (no rate predicted);
     ``costs``: what the stage actors add on this machine (:mod:`~hpsray.plan.pipeline_cost`;
-    without them the rate is the engines' alone, an upper bound)."""
+    without them the rate is the engines' alone, an upper bound); ``disk_bound``: the random-read
+    bound of the SSD-PS disk (:mod:`~hpsray.plan.disk`; default: the cached one, if any), which
+    the load stage pays for the missed rows the page cache cannot hold."""
+    bound = disk_bound if disk_bound is not None else load_bound(job.tiers.ssd_path)
     nodes = job.cluster.nodes or 1
     notes = [] if job.cluster.nodes else ["cluster.nodes = 0 (every node of the cluster): planned for 1 node"]
     bs, p, cfg = job.pipeline.batch_size, job.pipeline, job.train_config()
@@ -138,6 +144,13 @@ def make_plan(
 
     cal = rate = stages = slowest = None
     dense_bytes = 0
+    io_threads = int(dict(job.tiers.ssd).get("io_threads", 4))
+    limit, limit_from = memory_limit()
+    # the page cache gets what the node's other memory leaves (the trainer's dense bytes aside)
+    held = RUNTIME_BYTES + ssd_mem["key_map_bytes"] + ssd_mem["block_table_bytes"]
+    held += mem_bytes_for_rows(capacity, width, history) + int(in_flight)
+    cold = cold_share(disk["expected_bytes"], limit - held)
+    disk_row_s = disk_s_per_row(bound, io_threads, cold) if bound is not None else 0.0
     if calibrate_stages:
         cal = calibrate(job, sample)
         if not omp_threads_sleep():
@@ -149,10 +162,11 @@ def make_plan(
             ssd_rows_per_batch = lent * (1.0 - cal.memps_hit_rate)
         batches = -(-keys.total_examples // (bs * nodes))  # of a pass, per node
         rate, stages = predict_rate(
-            cal, examples_per_node_batch, lent, ssd_rows_per_batch, batch_obj, costs, max(batches, 1)
+            cal, examples_per_node_batch, lent, ssd_rows_per_batch, batch_obj, costs, max(batches, 1), disk_row_s
         )
         slowest = bottleneck(cal, stages, costs)
         notes.append(_costs_note(costs))
+        notes.append(_disk_note(bound, io_threads, cold, ssd_rows_per_batch * disk_row_s))
         rate *= nodes
         dense_state = {"adam": 2, "adagrad": 1}.get(cfg.dense_optimizer, 0)
         dense_bytes = cal.dense_params * 4 * (2 + dense_state)  # weights, gradient, optimizer state
@@ -187,6 +201,9 @@ def make_plan(
             "path": ssd_dir,
             "free_bytes": free,
             "rows_per_batch": ssd_rows_per_batch,
+            "cold_share": cold,
+            "disk_reads_per_s": bound.at(io_threads) if bound is not None else None,
+            "disk_s_per_batch": ssd_rows_per_batch * disk_row_s,
         },
         "object_store_bytes": int(in_flight),
     }
@@ -197,7 +214,6 @@ def make_plan(
         "object_store_bytes": int(in_flight),
         "trainer_bytes": hbm_bytes + dense_bytes if p.device == "cpu" else 0,
     }
-    limit, limit_from = memory_limit()
     total = sum(memory.values())
     per_node["memory"] = {**memory, "total_bytes": total, "limit_bytes": limit, "limit_from": limit_from}
     per_node["host_bytes"] = total
@@ -220,6 +236,19 @@ def _costs_note(costs: StageCosts | None) -> str:
         f"rate: stage costs of this machine (reference runs {costs.measured_at}, load {costs.load:.1f}{busy}): "
         f"fixed {ms} ms per batch (read/pull/load/train), stretch x{max(costs.stretch.values(), default=1.0):.1f}, "
         f"driver and Ray {costs.other_s * 1000:.0f} ms"
+    )
+
+
+def _disk_note(disk: DiskBound | None, io_threads: int, cold: float, seconds: float) -> str:
+    if disk is None:
+        return (
+            "rate: no random-read bound of the SSD-PS disk (hpsray plan --calibrate measures it): "
+            "rows missed by MEM-PS and the page cache cost the engine's seconds only"
+        )
+    return (
+        f"rate: SSD-PS disk {disk.at(io_threads):,.0f} random reads/s of {disk.read_bytes} bytes at depth "
+        f"{io_threads} (measured {disk.measured_at}, load {disk.load_average:.1f}); {cold:.0%} of missed rows "
+        f"beyond the page cache: +{seconds * 1000:.0f} ms per batch in the load stage"
     )
 
 

@@ -1,0 +1,125 @@
+"""The disk under SSD-PS in the plan: its measured random-read bound, cached per disk, and what it
+adds to the load stage of a job bigger than memory.
+
+A missed row the page cache does not hold costs the load stage :data:`READS_PER_MISSED_ROW`
+random reads of the disk (a partial load reads the touched block's keys and its rows,
+:mod:`~hpsray.tiers.ssd.reads`), issued by the store's ``io_threads``: ``reads / bound(io_threads)``
+seconds, on top of the engine's own seconds (the calibration's store is small and cached). The share
+of missed rows read from the disk (:func:`cold_share`) is what the page cache cannot hold: the
+store's bytes beyond the memory the plan leaves to the cache.
+
+The bound is measured with ``hpsray plan --calibrate`` (:func:`measure_bound`: a scratch file in the
+SSD-PS directory's file system, random reads of one checksummed block at depths 1, 8, 32 and the
+store's I/O threads, a second each) and cached beside the stage costs (:func:`cache_file`), keyed by
+this host and the disk's device; like the stage costs, a bound measured while the load average is
+above the cores serves that plan only and is not cached (other processes' reads share the disk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict
+
+from hpsray.fileio import write_json
+from hpsray.plan.pipeline_cost import cache_file as costs_cache_file
+from hpsray.tiers.ssd.paramfile import block_rows_for
+from hpsray.tiers.ssd.probe import DEPTHS, DiskBound, probe
+
+__all__ = [
+    "CACHE_NAME",
+    "READS_PER_MISSED_ROW",
+    "cache_file",
+    "cold_share",
+    "disk_key",
+    "disk_s_per_row",
+    "load_bound",
+    "measure_bound",
+    "save_bound",
+]
+
+CACHE_NAME = "plan-disk-bound.json"
+READS_PER_MISSED_ROW = 2.0  # a touched block's keys and its rows: two ranges of a partial load
+SCRATCH_BYTES = 512 << 20  # the probe's file: beyond what a disk's own cache serves hot
+
+
+def cache_file() -> str:
+    """The cache's path, beside the stage costs' (it need not exist)."""
+    return os.path.join(os.path.dirname(costs_cache_file()), CACHE_NAME)
+
+
+def _existing(path: str | None) -> str:
+    """The existing directory nearest ``path`` (the temporary directory for none)."""
+    path = path or tempfile.gettempdir()
+    while not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return "."
+        path = parent
+    return path
+
+
+def disk_key(path: str | None) -> str:
+    """What a bound belongs to: this host and the device of the file system holding ``path``."""
+    st = os.stat(_existing(path))
+    return f"{socket.gethostname()}|{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def load_bound(path: str | None) -> DiskBound | None:
+    """The cached bound of the disk holding ``path``, or ``None`` (none, another disk, unreadable)."""
+    try:
+        with open(cache_file()) as f:
+            d = json.load(f)
+        if d.pop("key") != disk_key(path):
+            return None
+        for name in ("reads_per_s", "bytes_per_s", "reads", "seconds"):
+            d[name] = {int(k): v for k, v in d[name].items()}
+        return DiskBound(**d)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def save_bound(bound: DiskBound, path: str | None) -> str:
+    """Cache ``bound`` as the bound of the disk holding ``path``; returns the cache's path."""
+    out = cache_file()
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    write_json(out, {**asdict(bound), "key": disk_key(path)})
+    return out
+
+
+def measure_bound(
+    path: str | None, width: int, io_threads: int, seconds: float = 1.0, nbytes: int = SCRATCH_BYTES
+) -> tuple[DiskBound, str | None]:
+    """Measure the bound of the disk holding ``path`` (a scratch file there, removed after) at
+    reads of one block of rows of ``width`` floats; cache it unless the machine was busy.
+    Returns the bound and why it was not cached (``None``: cached)."""
+    where = _existing(path)
+    with tempfile.TemporaryDirectory(prefix="hpsray-disk-", dir=where) as d:
+        from hpsray.tiers.ssd.probe import scratch_file
+
+        f = scratch_file(d, nbytes)
+        bound = probe([f], block_rows_for(width) * 4 * width, tuple(sorted({*DEPTHS, max(1, io_threads)})), seconds)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if bound.load_average > cores:
+        return bound, f"load average {bound.load_average:.1f} above the {cores} cores"
+    if not bound.direct:
+        return bound, bound.note
+    save_bound(bound, path)
+    return bound, None
+
+
+def cold_share(store_bytes: float, cache_bytes: float) -> float:
+    """The share of missed rows read from the disk: the store's bytes the page cache
+    (``cache_bytes``, at least 0) cannot hold, over the store's bytes."""
+    if store_bytes <= 0:
+        return 0.0
+    return max(0.0, 1.0 - max(cache_bytes, 0.0) / store_bytes)
+
+
+def disk_s_per_row(bound: DiskBound, io_threads: int, share: float) -> float:
+    """Disk seconds per missed row: ``share`` of the rows read from the disk, each
+    :data:`READS_PER_MISSED_ROW` random reads at ``io_threads`` in flight."""
+    rate = bound.at(max(1, io_threads))
+    return share * READS_PER_MISSED_ROW / rate if rate > 0 else 0.0
