@@ -57,6 +57,11 @@ def open_checkpoints(directory: str | os.PathLike, keep: int = 2) -> Checkpoints
     return RemoteCheckpoints(str(directory), keep) if is_uri(directory) else Checkpoints(directory, keep)
 
 
+def shown(uri: str) -> str:
+    """``uri`` as messages name it: without its options (``?...``) and credentials (``key:secret@``)."""
+    return re.sub(r"^([A-Za-z][\w+.-]*://)[^/@]*@", r"\1", uri.split("?")[0])
+
+
 def default_cache(uri: str) -> Path:
     """The local cache of ``uri``'s checkpoints: ``$HPSRAY_CHECKPOINT_CACHE`` or
     ``~/.cache/hpsray/checkpoints``, then a digest of the URI."""
@@ -141,7 +146,7 @@ class ObjectStore(_StoreIO):
 
     def __init__(self, uri: str, filesystem: Any = None) -> None:
         self.fs, self.root = _open(uri, filesystem)
-        self.uri = uri.split("?")[0]
+        self.uri = shown(uri)
 
 
 def _open(uri: str, filesystem: Any) -> tuple[Any, str]:
@@ -152,7 +157,7 @@ def _open(uri: str, filesystem: Any) -> tuple[Any, str]:
     try:
         fs, root = pafs.FileSystem.from_uri(uri)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds
-        raise CheckpointError(uri.split("?")[0], f"cannot open the checkpoint store: {e}") from e
+        raise CheckpointError(shown(uri), f"cannot open the checkpoint store: {e}") from e
     return fs, root.rstrip("/")
 
 
@@ -256,7 +261,7 @@ class RemoteCheckpoints(Checkpoints, _StoreIO):
 
     def __init__(self, uri: str, keep: int = 2, cache: str | os.PathLike | None = None, filesystem: Any = None) -> None:
         self.fs, self.root = _open(uri, filesystem)
-        self.uri, self.location = uri.split("?")[0], uri
+        self.uri, self.location = shown(uri), uri
         super().__init__(cache or default_cache(uri), keep)
         self.last_upload: dict = {}
 
