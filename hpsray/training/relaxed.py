@@ -143,6 +143,12 @@ class RelaxedSteps(Strategy):
                 self._replay(carry)
         arena = engine.arena
         steps = list(engine.global_minibatches(index, sizes))
+        with host_step("keys"):  # the keys each mini-batch publishes, on the host once per batch
+            host_keys = [
+                to_host(engine.device.from_tensor(mb.keys)).view(np.uint64)
+                for mb in index.minibatches
+                if mb.keys is not None
+            ]
         losses = []
         out_keys, out_grads, out_dense = [], [], None  # own updates of the clock not published yet
         for i, (mb, total) in enumerate(steps):
@@ -185,7 +191,7 @@ class RelaxedSteps(Strategy):
                     arena.update(mb.rows, gathered, grads, engine.step)
                     assert mb.keys is not None  # the batch's index is made with its keys
                     with host_step("publish"):
-                        out_keys.append(to_host(engine.device.from_tensor(mb.keys)).view(np.uint64))
+                        out_keys.append(host_keys[i])
                         out_grads.append(to_host(engine.device.from_tensor(grads)))
                 if dense_bound is None:
                     out_dense = own["dense"] if out_dense is None else out_dense + own["dense"]

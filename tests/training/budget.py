@@ -35,8 +35,8 @@ from hpsray.training.marks import HOST_STEP, MINIBATCH
 # launching ops per mini-batch of each path (tests/training/paths.py: dim 16, a 32-16 MLP, dense
 # Adam; measured in docs/architecture.md's budget table)
 LAUNCHES = {"local": 60, "bsp": 80, "ssp": 80, "asp": 80, "absp": 80, "devices": 80}
-# reads in a relaxed mode's host step (its publish: the dense gradient; keys and gradients are
-# StepDevice.from_tensor views on the CPU, CuPy copies on CUDA; the apply of others' updates)
+# reads in a relaxed mode's host step (its publish: the dense gradient; the row gradients are a
+# StepDevice.from_tensor view on the CPU, a CuPy copy on CUDA; the apply of others' updates)
 HOST_READS = {"ssp": 8, "asp": 8, "absp": 8}
 
 # ops that launch no kernel: views, allocations, metadata
