@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hpsray.kernels import DEVICES
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer, make_optimizer
@@ -21,6 +23,7 @@ __all__ = [
     "PROPAGATIONS",
     "SPARSE_OPTIMIZERS",
     "TrainConfig",
+    "check_admission",
 ]
 
 SPARSE_OPTIMIZERS = ("sgd", "adagrad", "adagrad_row", "adam")
@@ -91,3 +94,16 @@ class TrainConfig:
     def row_init(self) -> RowInit:
         """How new rows are initialised."""
         return RowInit.for_optimizer(self.dim, self.optimizer(), scale=self.init_scale, seed=self.seed)
+
+
+def check_admission(admit_after: int, expire_after_batches: int | None) -> None:
+    """Raise ``ValueError`` for feature-admission settings that neither the pipeline's
+    :class:`~hpsray.tiers.admission.Admission` nor the reference trainer accepts."""
+    if isinstance(admit_after, bool) or not isinstance(admit_after, (int, np.integer)) or admit_after < 0:
+        raise ValueError(f"admit_after must be an integer >= 0, got {admit_after!r}")
+    if expire_after_batches is not None and (
+        isinstance(expire_after_batches, bool)
+        or not isinstance(expire_after_batches, (int, np.integer))
+        or expire_after_batches < 1
+    ):
+        raise ValueError(f"expire_after_batches must be an integer >= 1 or None, got {expire_after_batches!r}")

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hpsray.config import TrainConfig
+from hpsray.config import TrainConfig, check_admission
 from hpsray.data.batch import Batch
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.kernels.optim import apply_to_rows
@@ -35,7 +35,6 @@ from hpsray.models.kinds import build_model
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
-from hpsray.tiers.admission import check_admission
 
 _NEVER = np.iinfo(np.int64).min  # "last seen" of a key not seen yet
 

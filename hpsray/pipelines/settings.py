@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hpsray.cluster.faults import DEFAULT_FAULT_TIMEOUT_S
-from hpsray.config import CONSISTENCY_MODES, DENSE_SYNC, DEVICES, PROPAGATIONS, TrainConfig
-from hpsray.tiers.admission import check_admission
+from hpsray.config import CONSISTENCY_MODES, DENSE_SYNC, DEVICES, PROPAGATIONS, TrainConfig, check_admission
 
 
 @dataclass

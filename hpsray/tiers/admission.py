@@ -22,30 +22,19 @@ import os
 import numpy as np
 import numpy.typing as npt
 
+from hpsray.config import check_admission
 from hpsray.kernels.cpu import CpuHashTable
 from hpsray.kernels.distinct import is_sorted_distinct
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.table import as_keys
 
-__all__ = ["Admission", "check_admission"]
+__all__ = ["Admission"]
 
 _NEVER = np.iinfo(np.int64).min  # "last seen" of a key inserted by the current call
 _EMPTY_KEYS = np.empty(0, dtype=np.uint64)
 # bytes per tracked key: hash buckets (2 × 16 at load 0.5) + the index's own key, free stack and
 # chain arrays (24) + our key, count and last-seen arrays (20)
 BYTES_PER_KEY = 76
-
-
-def check_admission(admit_after: int, expire_after_batches: int | None) -> None:
-    """Raise ``ValueError`` for settings :class:`Admission` refuses."""
-    if isinstance(admit_after, bool) or not isinstance(admit_after, (int, np.integer)) or admit_after < 0:
-        raise ValueError(f"admit_after must be an integer >= 0, got {admit_after!r}")
-    if expire_after_batches is not None and (
-        isinstance(expire_after_batches, bool)
-        or not isinstance(expire_after_batches, (int, np.integer))
-        or expire_after_batches < 1
-    ):
-        raise ValueError(f"expire_after_batches must be an integer >= 1 or None, got {expire_after_batches!r}")
 
 
 class Admission:
