@@ -15,6 +15,10 @@ Keeping: after a commit, manifests beyond the ``keep`` newest (and of later batc
 abandoned run's) are deleted, then every object no kept manifest references (reference count
 zero). Resuming (:meth:`RemoteCheckpoints.latest`) downloads the newest manifest that verifies
 into the cache, so a host whose disks are empty resumes. One writer per URI.
+
+Several hosts: each node uploads its own files from its host (:func:`upload_node`), the driver
+commits with what they sent (``commit(uploaded=...)``), and a resume brings each node's files
+onto its host (:func:`fetch_node`, from :meth:`RemoteCheckpoints.shard_plan`). No Ray inside.
 """
 
 from __future__ import annotations
@@ -375,13 +379,27 @@ class RemoteCheckpoints(Checkpoints, _StoreIO):
         return None
 
     def materialize(self, manifest: dict, fresh: bool = False) -> Checkpoint:
-        """The manifest's checkpoint as a local directory in the cache (downloaded unless the
-        cache holds it with the same record, or ``fresh``: downloaded again, replacing the
-        cached names, never writing through them into a file they link)."""
+        """The manifest's checkpoint as a local directory in the cache: downloaded, unless the
+        cache holds it with the same record (then only the files it lacks: another host's), or
+        ``fresh``: downloaded again, replacing the cached names, never writing through them into
+        a file they link."""
         batch, record = int(manifest["batch"]), manifest["record"]
+        name = f"ckpt-{batch:06d}"
         final = self.directory / f"ckpt-{batch:06d}"
         if not fresh and (final / NAME).is_file() and (final / NAME).read_text() == record:
-            return Checkpoint.open(final)
+            cached = Checkpoint.open(final)
+            for entry in cached.files:  # what other hosts uploaded (a multi-host commit) is not here
+                local = final / entry["path"]
+                if not local.exists():
+                    if entry["path"] not in manifest["objects"]:
+                        raise CheckpointError(f"{self.uri}/{name}", f"{entry['path']}: in the record, not the manifest")
+                    part = local.with_name(f".{local.name}.part-{uuid.uuid4().hex}")
+                    try:
+                        self._get(manifest["objects"][entry["path"]], part)
+                        os.replace(part, local)
+                    finally:
+                        part.unlink(missing_ok=True)
+            return cached
         staging = self.directory / f".ckpt-{batch:06d}.tmp-{uuid.uuid4().hex}"
         try:
             for rel, key in sorted(manifest["objects"].items()):

@@ -4,8 +4,11 @@ Checkpoints and recovery).
 A checkpoint is taken at a batch boundary where every trained batch is written back: MEM-PS
 flushes its changed rows to SSD-PS, each node's SSD-PS references its (immutable) parameter
 files in the checkpoint, each trainer saves its dense state, and the driver commits the
-checkpoint atomically (:mod:`hpsray.checkpoint`). Everything else is derived: HBM-PS and the
-MEM-PS cache refill from SSD-PS, and the readers skip the batches already trained.
+checkpoint atomically (:mod:`hpsray.checkpoint`). In object storage each node's SSD-PS actor
+uploads that node's files from its host before the driver writes the manifest, and a restore
+first brings each node's files onto its host (:func:`fetch_shards`). Everything else is
+derived: HBM-PS and the MEM-PS cache refill from SSD-PS, and the readers skip the batches
+already trained.
 """
 
 from __future__ import annotations
