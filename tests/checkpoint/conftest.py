@@ -30,21 +30,10 @@ def small_fs(tmpfs):
 @pytest.fixture(scope="module")
 def s3_server():
     """``(host, port)`` of a moto S3 server in this process, with dummy credentials."""
-    moto_server = pytest.importorskip("moto.server")
-    mp = pytest.MonkeyPatch()
-    for k, v in {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        mp.setenv(k, v)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        yield server.get_host_and_port()
-    finally:
-        server.stop()
-        mp.undo()
+    from s3_server import moto_s3  # tests/s3_server.py
+
+    with moto_s3() as server:
+        yield server
 
 
 @pytest.fixture
