@@ -6,7 +6,7 @@ answers Ray; a batch is one call of the strategy."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from hpsray.data.batch import Batch
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.warmup import warm_trainer_step
 from hpsray.training import state
-from hpsray.training.devices import DeviceSteps
+from hpsray.training.devices import DeviceSteps, join_kept
 from hpsray.training.engine import TrainerEngine
 from hpsray.training.strategies import KeepMasks, LocalSteps, Strategy
 
@@ -42,8 +42,8 @@ class Trainer:
     batches may hold; ``n_devices``: ``D`` processes per node (docs/architecture.md: Devices),
     this actor device 0 (it starts the others, ``device_index`` 1 .. D-1, in ``placement`` on
     CUDA, named after ``name``); ``device``: ``"cpu"`` or ``"cuda"`` (the table and the whole
-    step); ``model``: ``(pooled [B, n_slots, dim], dense) -> logits``, the DNN when ``None``;
-    ``threads``: torch intra-op threads (default: all cores).
+    step); ``model``: ``(pooled [B, n_slots, dim], dense) -> logits`` (``None``: the kind
+    ``config`` names); ``threads``: torch intra-op threads (default: all cores).
     """
 
     def __init__(
@@ -141,10 +141,9 @@ class Trainer:
         Trainers of several nodes step through the same number of global mini-batches
         (``inputs.sizes``); if one lacks its inputs, all fail the batch together."""
         self._pending = [w.train_part.remote(batch_id, inputs) for w in self.workers]
+        got, keep = self._resolve(batch_id, inputs), self._keep(inputs)
         try:
-            result = self.strategy.run_batch(
-                batch_id, self._resolver(batch_id, inputs), inputs.sizes, self._keep(inputs)
-            )
+            result = self.strategy.run_batch(batch_id, got, inputs.sizes, keep)
         except Exception:
             if a_worker_died(self._pending):  # restart this node's trainer: its device processes die with it
                 os._exit(1)
@@ -161,10 +160,14 @@ class Trainer:
         steps = self.strategy
         if not isinstance(steps, DeviceSteps):
             raise RuntimeError(f"{self!r} trains before joining the device mesh (Pipeline forms it)")
-        return steps.run_part(batch_id, self._resolver(batch_id, inputs), inputs.sizes, self._keep(inputs))
+        return steps.run_part(batch_id, self._resolve(batch_id, inputs), inputs.sizes, self._keep(inputs))
 
-    def _resolver(self, batch_id: Hashable, inputs: TrainInputs) -> Callable[[], TrainData]:
-        return lambda: inputs.resolve(lambda refs: faults.get(refs, f"batch {batch_id}'s inputs"))
+    def _resolve(self, batch_id: Hashable, inputs: TrainInputs) -> TrainData | Exception:
+        """The batch's inputs, or the error getting them (the strategy tells the peers, raises it)."""
+        try:
+            return inputs.resolve(lambda refs: faults.get(refs, f"batch {batch_id}'s inputs"))
+        except Exception as e:  # noqa: BLE001 - raised by the strategy, after telling the peers
+            return e
 
     def _keep(self, inputs: TrainInputs) -> KeepMasks:
         """Per owner, which keys of this batch stay here at its end (``None``: none)."""
@@ -184,14 +187,8 @@ class Trainer:
         """The rows this node kept at the last batch's end, one :class:`Returned` per owner (empty
         when none), for ``MemPSShard.store_kept``: before a checkpoint, at a stop, after a
         failure. They stay resident."""
-        theirs = _get([w.flush.remote() for w in self.workers])
-        out = []
-        for o, (keys, rows) in enumerate(self.engine.flush()):
-            parts = [(keys, rows), *((t[o].keys, t[o].rows) for t in theirs)]
-            self.engine.traffic.flushed += sum(p[0].size for p in parts[1:])
-            ks, rs = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-            out.append(Returned(self.node, ks, rs))
-        return out
+        theirs = [[(r.keys, r.rows) for r in part] for part in _get([w.flush.remote() for w in self.workers])]
+        return [Returned(self.node, ks, rs) for ks, rs in join_kept(self.engine, theirs)]
 
     def predict(self, batch: Batch, keys: list, rows: list) -> np.ndarray:
         """Click probabilities of ``batch`` given, per owner, refs of its keys and their rows."""

@@ -79,10 +79,10 @@ class DeviceSteps(Strategy):
         return error is None and float(failed[0]) > 0
 
     def run_batch(
-        self, batch_id: Hashable, resolve: Callable[[], BatchData], sizes: list[int], keep: KeepMasks
+        self, batch_id: Hashable, got: BatchData | BaseException, sizes: list[int], keep: KeepMasks
     ) -> BatchResult:
         """Device 0: this device's part of the batch, the others' (``peers``), put together."""
-        data, devices, mine = self._part(batch_id, resolve, sizes, keep)
+        data, devices, mine = self._part(batch_id, got, sizes, keep)
         theirs = self.peers()
         with self.timed(batch_id):
             returned, loss = assemble(data.keys, devices, [mine, *theirs], self.engine.config.row_width)
@@ -93,18 +93,18 @@ class DeviceSteps(Strategy):
         return BatchResult(returned, loss, examples)
 
     def run_part(
-        self, batch_id: Hashable, resolve: Callable[[], BatchData], sizes: list[int], keep: KeepMasks
+        self, batch_id: Hashable, got: BatchData | BaseException, sizes: list[int], keep: KeepMasks
     ) -> DevicePart:
         """Devices 1 .. D-1: this device's part of the batch."""
-        return self._part(batch_id, resolve, sizes, keep)[2]
+        return self._part(batch_id, got, sizes, keep)[2]
 
     def _part(
-        self, batch_id: Hashable, resolve: Callable[[], BatchData], sizes: list[int], keep: KeepMasks
+        self, batch_id: Hashable, got: BatchData | BaseException, sizes: list[int], keep: KeepMasks
     ) -> tuple[BatchData, list[np.ndarray], DevicePart]:
         """Borrow this device's rows of the node's loan, step through the batch's global
         mini-batches on this device's slice of each, and give back this device's rows of each
         owner's keys: the inputs, each owner's keys' devices, and this device's part."""
-        data = self.resolved(batch_id, resolve)
+        data = self.resolved(batch_id, got)
         with self.timed(batch_id):
             with host_step("batch start"):
                 devices = self.borrow(batch_id, data.keys, data.loans, data.refreshed)
@@ -241,3 +241,17 @@ def assemble(
     shares = np.sum([p.losses for p in parts], axis=0) if mine.losses else np.empty(0)
     losses = [float(x) * scale for x, scale in zip(shares, mine.scales, strict=True) if scale]
     return out, float(np.mean(losses)) if losses else float("nan")
+
+
+def join_kept(
+    engine: TrainerEngine, theirs: list[list[tuple[np.ndarray, np.ndarray]]]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per owner, the rows kept at the last batch's end by this device (``engine.flush()``) and by
+    the node's other devices (``theirs[d][o]``: ``(keys, rows)``), put together; counts the
+    others' in the engine's traffic."""
+    out = []
+    for o, (keys, rows) in enumerate(engine.flush()):
+        parts = [(keys, rows), *(t[o] for t in theirs)]
+        engine.traffic.flushed += sum(p[0].size for p in parts[1:])
+        out.append((np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
+    return out

@@ -7,8 +7,8 @@ trainers' group is joined (docs/architecture.md: One training step), behind one 
 - :class:`~hpsray.training.relaxed.RelaxedSteps`: SSP, A-BSP and ASP;
 - :class:`~hpsray.training.devices.DeviceSteps`: ``D`` device processes per node.
 
-A strategy resolves the batch's inputs through the ``resolve`` it is given, agrees with its
-peers that every one has them, makes the loans the working set (``borrow``), finds every key
+A strategy takes the batch's inputs as the actor resolved them (or the error resolving them),
+agrees with its peers that every one has them, makes the loans the working set (``borrow``), finds every key
 once (``index``), runs the mini-batch steps, reads the loss once, and ends the batch (the rows
 that leave, per owner). Collectives come in as typed collaborators; no strategy imports Ray.
 """
@@ -94,10 +94,11 @@ class Strategy:
         self.sent: list[int] = []  # per global mini-batch, this node's payload
 
     def run_batch(
-        self, batch_id: Hashable, resolve: Callable[[], BatchData], sizes: list[int], keep: KeepMasks
+        self, batch_id: Hashable, got: BatchData | BaseException, sizes: list[int], keep: KeepMasks
     ) -> BatchResult:
-        """Train the batch that ``resolve()`` gives (``sizes``: every node's examples) and end it."""
-        data = self.resolved(batch_id, resolve)
+        """Train the batch ``got`` (its inputs, or the error resolving them; ``sizes``: every
+        node's examples) and end it."""
+        data = self.resolved(batch_id, got)
         engine = self.engine
         with self.timed(batch_id):
             with host_step("batch start"):
@@ -113,18 +114,15 @@ class Strategy:
         engine.losses[batch_id] = loss
         return BatchResult(back, loss, index.n_examples, stamp)
 
-    def resolved(self, batch_id: Hashable, resolve: Callable[[], BatchData]) -> BatchData:
-        """The inputs, once every peer has its own (a peer's failure raises :class:`PeerFailedError`)."""
-        error = None
-        try:
-            data = resolve()
-        except Exception as e:  # noqa: BLE001 - re-raised below, after telling the peers
-            error = e
+    def resolved(self, batch_id: Hashable, got: BatchData | BaseException) -> BatchData:
+        """The inputs, once every peer has its own: ``got``'s error is raised after telling the
+        peers; a peer's failure raises :class:`PeerFailedError`."""
+        error = got if isinstance(got, BaseException) else None
         if self.peer_failed(batch_id, error):
             raise PeerFailedError(batch_id)
-        if error is not None:
-            raise error
-        return data
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
     def peer_failed(self, batch_id: Hashable, error: BaseException | None) -> bool:
         """Whether another trainer failed ``batch_id`` (told of this one's ``error``)."""

@@ -97,12 +97,12 @@ def path(name: str, optimizer: str, device: str = "cpu") -> tuple[Callable[[], N
         keys = np.unique(batch.keys)
         loan = Loan(initial_rows(keys, cfg.row_width, cfg.row_init()))
         steps = strategies[rank]
-        resolve = lambda: Inputs(batch, [keys], [loan])  # noqa: E731
+        got = Inputs(batch, [keys], [loan])
         sizes = [len(s[t[0]]) for s in shares]
         if isinstance(steps, DeviceSteps) and rank > 0:
-            parts.put(steps.run_part(t[0], resolve, sizes, lambda k: None))
+            parts.put(steps.run_part(t[0], got, sizes, lambda k: None))
         else:
-            steps.run_batch(t[0], resolve, sizes, lambda k: None)
+            steps.run_batch(t[0], got, sizes, lambda k: None)
 
     def go() -> None:
         run_ranks(len(strategies), one)
