@@ -30,6 +30,7 @@ import numpy as np
 from hpsray.bench.bigger_than_memory_phases import Job, table_rows
 from hpsray.bench.disk_bound import load_vs_bound, store_bound
 from hpsray.bench.memory_cgroup import Cgroup, Monitor, dir_bytes
+from hpsray.plan.disk import cold_share, disk_s_per_row
 
 if TYPE_CHECKING:
     from hpsray.reference import ReferenceTrainer
@@ -248,6 +249,18 @@ def run(args: argparse.Namespace) -> dict:
             )
         in_memory_peak = unlimited.peak()
 
+        planned = _planned(job, imported["rows"], int(touched.size), limit)
+        # the planner's disk term (hpsray/plan/disk.py) for this run's loads, beside what they took
+        cold = cold_share(model_bytes, limit - planned["memory_bytes"])
+        load_stage["planned_cold_share"] = cold
+        load_stage["planned_disk_s_per_load"] = load_stage["rows_per_load"] * disk_s_per_row(
+            bound, job.io_threads, cold
+        )
+        device = trained["device"]
+        if device is not None:
+            rows = max(trained["load_counts"]["rows_loaded"], 1)
+            load_stage["device_bytes_per_row"] = device["bytes"] / rows  # every process's reads of the disk
+            load_stage["device_reads_per_row"] = device["reads"] / rows
         out.update(
             model_bytes_on_disk=model_bytes,
             model_rows=imported["rows"],
@@ -281,7 +294,7 @@ def run(args: argparse.Namespace) -> dict:
             reopen_keys=checked["keys"],
             reopen_seconds_per_100m_keys=checked["reopen_s"] * 1e8 / max(checked["keys"], 1),
             crash={"dumps_acknowledged_before_kill": dumps},
-            planned=_planned(job, imported["rows"], int(touched.size), limit),
+            planned=planned,
             phases={
                 "table": written,
                 "import": {

@@ -57,4 +57,7 @@ def test_bench_runs_in_a_cgroup_and_is_lossless(tmp_path):
         stage["queue_depth"] == 4 and stage["disk_reads_per_s"] == report["disk_bound"]["by_depth"]["4"]["reads_per_s"]
     )
     assert report["load_reads_vs_disk_bound"] == stage["load_reads_vs_disk_bound"] > 0
+    assert stage["planned_cold_share"] == 0.0  # a 60 MB store under a 3 GiB limit: the page cache holds it
+    assert stage["planned_disk_s_per_load"] == 0.0
+    assert (stage["device"] is None) == ("device_bytes_per_row" not in stage)  # no block device: no counters
     assert not os.path.exists(tmp_path / "w")  # big files removed
