@@ -23,38 +23,11 @@ def _split(pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pooled[..., :-1], pooled[..., -1].sum(dim=1)
 
 
-class DeepFM(nn.Module):
-    """``forward(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]``: the FM's first-order
-    term (the keys' weights and a linear map of the dense features) plus its second-order term
-    ``sum_{i<j} <v_i, v_j>`` over the slots' embeddings, plus a deep MLP over the flattened
-    embeddings and the dense features: ``y = y_FM + y_DNN`` (the paper's eq. 1).
-
-    Args:
-        hidden: widths of the deep MLP.
-    """
-
-    def __init__(self, n_slots: int, dim: int, n_dense: int, hidden: Sequence[int]) -> None:
-        super().__init__()
-        self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
-        if dim < 2:
-            raise ValueError(f"DeepFM: dim must be >= 2 (dim - 1 factors and one first-order weight), got {dim}")
-        self.linear = nn.Linear(n_dense, 1)  # the dense features' first-order weights and the bias
-        self.deep = mlp(n_slots * (dim - 1) + n_dense, hidden, out=1)
-
-    def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        v, first = _split(pooled)
-        square_of_sum = v.sum(dim=1).pow(2)
-        sum_of_squares = v.pow(2).sum(dim=1)
-        second = 0.5 * (square_of_sum - sum_of_squares).sum(dim=1)
-        deep = self.deep(torch.cat([v.reshape(v.shape[0], -1), dense], dim=1)).squeeze(1)
-        return self.linear(dense).squeeze(1) + first + second + deep
-
-
 class WideDeep(nn.Module):
     """``forward(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]``: a wide linear part
-    (the keys' first-order weights and a linear map of the dense features) plus a deep MLP over the
-    flattened embeddings and the dense features, summed into one logit (the paper's eq. 3, without
-    hand-made cross-product features).
+    (the keys' first-order weights and a linear map of the dense features, ``linear``) plus a deep
+    MLP over the flattened embeddings and the dense features (``deep``), summed into one logit (the
+    paper's eq. 3, without hand-made cross-product features).
 
     Args:
         hidden: widths of the deep MLP.
@@ -65,12 +38,32 @@ class WideDeep(nn.Module):
         self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
         if dim < 2:
             raise ValueError(
-                f"WideDeep: dim must be >= 2 (dim - 1 embedding floats and one first-order weight), got {dim}"
+                f"{type(self).__name__}: dim must be >= 2 (dim - 1 embedding floats and one first-order weight), "
+                f"got {dim}"
             )
-        self.wide = nn.Linear(n_dense, 1)
+        self.linear = nn.Linear(n_dense, 1)  # the dense features' first-order weights and the bias
         self.deep = mlp(n_slots * (dim - 1) + n_dense, hidden, out=1)
+
+    def interaction(self, v: torch.Tensor) -> torch.Tensor | float:
+        """A term over the slots' embeddings ``v [B, S, dim-1]`` (none here)."""
+        return 0.0
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         v, first = _split(pooled)
         deep = self.deep(torch.cat([v.reshape(v.shape[0], -1), dense], dim=1)).squeeze(1)
-        return self.wide(dense).squeeze(1) + first + deep
+        return self.linear(dense).squeeze(1) + first + self.interaction(v) + deep
+
+
+class DeepFM(WideDeep):
+    """``forward(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]``: the FM's first-order
+    term (the keys' weights and a linear map of the dense features) plus its second-order term
+    ``sum_{i<j} <v_i, v_j>`` over the slots' embeddings, plus a deep MLP over the flattened
+    embeddings and the dense features: ``y = y_FM + y_DNN`` (the paper's eq. 1).
+
+    Args:
+        hidden: widths of the deep MLP.
+    """
+
+    def interaction(self, v: torch.Tensor) -> torch.Tensor:
+        """The FM's second-order term, ``((sum_i v_i)^2 - sum_i v_i^2) / 2`` summed over the factors."""
+        return 0.5 * (v.sum(dim=1).pow(2) - v.pow(2).sum(dim=1)).sum(dim=1)

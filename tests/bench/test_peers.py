@@ -266,9 +266,9 @@ def test_torchrec_is_skipped_with_a_reason_without_its_environment(tmp_path):
     assert "skipped" in r and "torchrec_env.sh" in r["skipped"]
 
 
-@pytest.mark.skipif(not TORCHREC_PYTHON.exists(), reason="no TorchRec environment (bash benchmarks/torchrec_env.sh)")
-def test_torchrec_peer_trains_the_plain_torch_parameters(tmp_path):
-    spec = tiny_spec(tmp_path, system="torchrec")
+def check_torchrec_peer_trains_what_plain_torch_trains(tmp_path, spec: PeerSpec) -> dict:
+    """Run the TorchRec peer on ``spec``; its table must equal plain PyTorch's after the same
+    mini-batches, and its held-out AUC plain PyTorch's. Returns the peer's figures."""
     save_examples(spec)
     (tmp_path / "spec.json").write_text(spec.to_json())
     env = {**os.environ, "HPSRAY_TORCHREC_EXPORT": str(tmp_path / "table.npy")}
@@ -281,7 +281,6 @@ def test_torchrec_peer_trains_the_plain_torch_parameters(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(Path(spec.result_path).read_text())
-    assert result["examples"] == spec.rows and result["peak_rss_bytes"] > 0
     vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
     pt = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config())
     pt.fit(minibatches(load_examples(spec, "train"), vocab, spec, 0, None))
@@ -289,27 +288,17 @@ def test_torchrec_peer_trains_the_plain_torch_parameters(tmp_path):
     held_out = load_examples(spec, "eval")
     p = np.concatenate([pt.predict(index_batch(mb, vocab)) for mb in held_out.minibatches(spec.minibatch)])
     assert result["auc"] == pytest.approx(auc(held_out.labels, p), abs=1e-3)
+    return result
+
+
+@pytest.mark.skipif(not TORCHREC_PYTHON.exists(), reason="no TorchRec environment (bash benchmarks/torchrec_env.sh)")
+def test_torchrec_peer_trains_the_plain_torch_parameters(tmp_path):
+    spec = tiny_spec(tmp_path, system="torchrec")
+    result = check_torchrec_peer_trains_what_plain_torch_trains(tmp_path, spec)
+    assert result["examples"] == spec.rows and result["peak_rss_bytes"] > 0
 
 
 @pytest.mark.skipif(not TORCHREC_PYTHON.exists(), reason="no TorchRec environment (bash benchmarks/torchrec_env.sh)")
 def test_torchrecs_own_dlrm_trains_what_plain_torch_trains_with_hpsrays_dlrm(tmp_path):
     spec = tiny_spec(tmp_path, system="torchrec", model={"kind": "dlrm", "bottom": [8], "top": [8]})
-    save_examples(spec)
-    (tmp_path / "spec.json").write_text(spec.to_json())
-    env = {**os.environ, "HPSRAY_TORCHREC_EXPORT": str(tmp_path / "table.npy")}
-    out = subprocess.run(
-        [str(TORCHREC_PYTHON), str(REPO / "benchmarks" / "torchrec_peer.py"), str(tmp_path / "spec.json")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(Path(spec.result_path).read_text())
-    vocab = Vocabulary(spec.n_slots, spec.keys_per_slot)
-    pt = PlainTorchTrainer(vocab.initial_weights(spec), spec.n_slots, spec.n_dense, spec.train_config())
-    pt.fit(minibatches(load_examples(spec, "train"), vocab, spec, 0, None))
-    np.testing.assert_allclose(np.load(tmp_path / "table.npy"), pt.export()[0], atol=1e-4)
-    held_out = load_examples(spec, "eval")
-    p = np.concatenate([pt.predict(index_batch(mb, vocab)) for mb in held_out.minibatches(spec.minibatch)])
-    assert result["auc"] == pytest.approx(auc(held_out.labels, p), abs=1e-3)
+    check_torchrec_peer_trains_what_plain_torch_trains(tmp_path, spec)

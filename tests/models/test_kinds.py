@@ -70,8 +70,7 @@ def test_deepfm_and_wide_deep_read_the_first_order_weight_from_the_rows_last_flo
     pooled, dense = _inputs()
     m = ModelSpec(kind, {"hidden": [5]}).build(S, DIM, DENSE, seed=0)
     v, w = pooled[..., :-1], pooled[..., -1]
-    linear = m.linear if kind == "deepfm" else m.wide
-    expected = linear(dense).squeeze(1) + w.sum(1) + m.deep(torch.cat([v.reshape(B, -1), dense], 1)).squeeze(1)
+    expected = m.linear(dense).squeeze(1) + w.sum(1) + m.deep(torch.cat([v.reshape(B, -1), dense], 1)).squeeze(1)
     if kind == "deepfm":
         pairs = itertools.combinations(range(S), 2)
         expected = expected + sum((v[:, i] * v[:, j]).sum(1) for i, j in pairs)
