@@ -31,6 +31,7 @@ FIT_KEYS = {
 }
 SEVERAL_NODES = {"sync", "per_node"}
 CHECKPOINTED = {"checkpoints", "recovery", "reshaped"}
+EVALUATING = {"evaluations"}  # with [eval]: every evaluation while training, the best, stopped_early
 # what hpsray train and hpsray demo add
 COMMANDS = {
     "trainer",

@@ -26,6 +26,7 @@ from report_keys import (  # tests/report_keys.py
     COMMANDS,
     DEMO_KEYS,
     EDGE_KEYS,
+    EVALUATING,
     FIT_KEYS,
     OVERLAP_KEYS,
     PER_NODE_KEYS,
@@ -82,6 +83,7 @@ def full_report() -> RunReport:
         checkpoints={"count": 1},
         recovery=[],
         reshaped={"from_nodes": 1, "to_nodes": 2, "seconds": 0.1},
+        evaluations={"points": [], "best": None, "stopped_early": False, "metric": "auc", "seconds": 0.0},
         trainer="hpsray",
         evaluation=Evaluation(auc=None, logloss=None, eval_examples=0),
         export={"rows": 3},
@@ -97,7 +99,7 @@ def full_report() -> RunReport:
 
 def test_every_section_serialises_to_todays_keys():
     data = full_report().as_dict()
-    every = FIT_KEYS | SEVERAL_NODES | CHECKPOINTED | COMMANDS
+    every = FIT_KEYS | SEVERAL_NODES | CHECKPOINTED | EVALUATING | COMMANDS
     assert set(data) == every == json_keys(), set(data) ^ every
     assert set(data["ssd"]) == SSD_KEYS and data["ssd"]["space_ratio"] == 2.0
     assert set(data["queues"]["read→pull"]) == EDGE_KEYS

@@ -3,7 +3,7 @@
 Layering: the loan's four (``Pulled``, ``Loan``, ``Refresh``, ``Returned``) are defined in the
 Ray-free :mod:`hpsray.tiers.loans` and re-exported here, since two engines (the owner's and the
 trainer's) build and read them and engines never import this package; so is a device process's
-``DevicePart`` (:mod:`hpsray.training.devices`, built by the device strategy). The three that
+``DevicePart`` (:mod:`hpsray.training.part`, built by the device strategy). The three that
 carry refs are defined here, Ray-free too (refs are typed for mypy only).
 
 Refs travel inside these messages unresolved (Ray resolves only top-level arguments), so each
@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hpsray.tiers.loans import Loan, Pulled, Refresh, Returned
-from hpsray.training.devices import DevicePart
+from hpsray.training.part import DevicePart
 
 if TYPE_CHECKING:
     from ray import ObjectRef

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 STAGES = ("read", "pull", "load", "train")
-PLOTS = ("stage_times", "cache_hit_rate", "ssd_io")
+PLOTS = ("stage_times", "cache_hit_rate", "ssd_io", "loss")
 
 
 def _series(per_batch: Mapping[str, float] | None, batches: int | None = None) -> tuple[list[int], list[float]]:
@@ -51,7 +51,7 @@ def _json_default(v: Any) -> Any:
 
 
 def write_report(report: Mapping[str, Any], path: str | os.PathLike) -> list[str]:
-    """Write ``report`` as JSON to ``path`` and the three PNG plots beside it; returns all paths."""
+    """Write ``report`` as JSON to ``path`` and the PNG plots beside it (:data:`PLOTS`); returns all paths."""
     path = os.fspath(path)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -64,6 +64,7 @@ def write_report(report: Mapping[str, Any], path: str | os.PathLike) -> list[str
     _plot_stage_times(report, pngs["stage_times"])
     _plot_cache_hit_rate(report, pngs["cache_hit_rate"])
     _plot_ssd_io(report, pngs["ssd_io"])
+    _plot_loss(report, pngs["loss"])
     return [path, *pngs.values()]
 
 
@@ -112,6 +113,23 @@ def _plot_cache_hit_rate(report: Mapping[str, Any], path: str) -> None:
         ax.set_ylim(0, 1.02)
     ax.set_ylabel("hit rate")
     _save(plt, fig, ax, path, not x, "no MEM-PS cache in this run")
+
+
+def _plot_loss(report: Mapping[str, Any], path: str) -> None:
+    plt, fig, ax = _figure("training loss and held-out AUC")
+    x, y = _series(report.get("loss"))
+    if x:
+        ax.plot([b + 1 for b in x], y, color="tab:blue", label="training loss (batch mean)")
+    ax.set_ylabel("loss")
+    points = ((report.get("evaluations") or {}).get("points")) or []
+    if points:
+        right = ax.twinx()
+        right.plot([p["batches"] for p in points], [p["auc"] for p in points], "o-", color="tab:red", label="eval AUC")
+        right.set_ylabel("AUC")
+        lines = ax.get_lines() + right.get_lines()
+        ax.legend(lines, [line.get_label() for line in lines], loc="center right", fontsize=8)
+    ax.set_xlabel("batches trained")
+    _save(plt, fig, ax, path, not x and not points, "no losses in this report")
 
 
 def ssd_io_labels(report: Mapping[str, Any]) -> tuple[str, str, str]:

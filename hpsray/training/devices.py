@@ -10,7 +10,6 @@ collaborator.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,21 +22,10 @@ from hpsray.training.engine import TrainerEngine, loaned_rows
 from hpsray.training.exchange_plan import ExchangePlan
 from hpsray.training.layout import MiniBatchIndex, index_batch, keys_as_tensor
 from hpsray.training.marks import host_step, minibatch
+from hpsray.training.part import DevicePart
 from hpsray.training.strategies import BatchData, BatchResult, DenseReduce, KeepMasks, Strategy, Timed, no_clock
 
 __all__ = ["DevicePart", "DeviceSteps", "Mesh", "assemble"]
-
-
-@dataclass(frozen=True)
-class DevicePart:
-    """One device process's result of a batch: its rows of each owner's keys going back (in the
-    keys' order, only those it holds) and its loss share of each global mini-batch, with the
-    factor that turns the node's summed shares into its mean loss (0: the node's part was empty)."""
-
-    rows: list[np.ndarray]
-    losses: list[float]
-    scales: list[float]
-    returned: list[np.ndarray | None]  # per owner, which of its keys go back (None: all)
 
 
 class Mesh(Protocol):
