@@ -20,6 +20,7 @@ from pathlib import Path
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/small_pipeline.py, which test_multinode imports
 
 ROWS, BATCH = 2400, 100
 

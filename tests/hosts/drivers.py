@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/small_pipeline.py, which test_multinode imports
 
 
 def _placement(pipeline) -> list[dict]:
