@@ -73,8 +73,19 @@ class _Stop(PrivateControlFlow):
         self.signum = signum
 
 
+_RECEIVED: list[int] = []  # the signals that arrived: a _Stop raised where Ray catches it is not lost
+
+
 def _raise_stop(signum: int, frame: object) -> None:
+    _RECEIVED.append(signum)
     raise _Stop(signum)
+
+
+def _stop_if_signalled() -> None:
+    """Raise the :class:`_Stop` of a signal whose exception code it interrupted swallowed (Ray's
+    start catches what is raised while it starts its processes)."""
+    if _RECEIVED:
+        raise _Stop(_RECEIVED[0])
 
 
 def _on_signals() -> None:
@@ -128,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"hpsray serve: deploying {args.model_dir} ...", file=sys.stderr, flush=True)
         local = connect_ray(args.address) and args.address is None
         _on_signals()  # again: starting Ray installed its own SIGTERM handler (a C++ stack dump)
+        _stop_if_signalled()
         start(args.model_dir, options, address=args.address)
+        _stop_if_signalled()
         serving = True
         url = f"http://{args.host}:{args.port}"
         print(f"serving {args.model_dir} at {url}/predict, metrics at {url}/metrics (Ctrl-C stops)", flush=True)
