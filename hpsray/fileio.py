@@ -3,6 +3,7 @@
 Contracts: :func:`fsync_path` / :func:`fsync_dir` make a file's data or a directory's renames
 durable; :func:`write_all` writes every byte or raises (``ENOSPC`` for a file that cannot grow);
 :func:`write_json` replaces a JSON file atomically (the caller fsyncs the directory);
+:func:`replacing` fills a staging directory that then replaces a final one whole;
 :func:`free_bytes` is what an unprivileged writer may still use; :func:`full_error` turns a write
 refused for want of space (:data:`FULL_ERRNOS`) into an :class:`~hpsray.errors.SSDFullError`
 naming the directory, the bytes needed and the bytes free.
@@ -13,7 +14,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-from collections.abc import Callable, Iterable
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +31,7 @@ __all__ = [
     "fsync_dir",
     "fsync_path",
     "full_error",
+    "replacing",
     "unlink_quiet",
     "write_all",
     "write_json",
@@ -109,3 +114,18 @@ def write_json(path: str, obj: Any, indent: int = 2) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextmanager
+def replacing(final: str | os.PathLike, staging: str | os.PathLike) -> Iterator[Path]:
+    """Yield ``staging`` to fill; when the block ends, ``staging`` replaces ``final`` (an earlier
+    ``final`` removed first); when it raises, ``staging`` is removed and ``final`` left as it was."""
+    final, staging = Path(final), Path(staging)
+    try:
+        yield staging
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -38,6 +38,7 @@ from typing import Any
 from hpsray.checkpoint.checkpoints import Checkpoint, Checkpoints, node_dir
 from hpsray.checkpoint.record import NAME, describe_files, read_record
 from hpsray.errors import CheckpointError
+from hpsray.fileio import replacing
 from hpsray.tiers.ssd.paramfile import HEADER_BYTES
 
 __all__ = ["ObjectStore", "RemoteCheckpoints", "fetch_node", "is_uri", "open_checkpoints", "upload_node"]
@@ -400,20 +401,13 @@ class RemoteCheckpoints(Checkpoints, _StoreIO):
                     finally:
                         part.unlink(missing_ok=True)
             return cached
-        staging = self.directory / f".ckpt-{batch:06d}.tmp-{uuid.uuid4().hex}"
-        try:
+        with replacing(final, self.directory / f".ckpt-{batch:06d}.tmp-{uuid.uuid4().hex}") as staging:
             for rel, key in sorted(manifest["objects"].items()):
                 if self._exists(key) is None:
                     raise CheckpointError(f"{self.uri}/{key}", f"missing (referenced as {rel})")
                 self._get(key, staging / rel)
             (staging / NAME).write_text(record)
             read_record(str(staging))  # its own checksum
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(staging, final)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         return Checkpoint.open(final)
 
     def clear(self) -> list[str]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 from hpsray.errors import ExportError
+from hpsray.fileio import replacing
 
 __all__ = ["CACHE_ENV", "fetch_export", "is_uri", "local_files", "upload_export"]
 
@@ -111,8 +111,8 @@ def fetch_export(uri: str, cache: str | os.PathLike | None = None) -> str:
     if marker.is_file() and marker.read_text() == version.hexdigest():
         return str(final)  # unchanged since the last download (a serving watcher looks every few seconds)
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{uuid.uuid4().hex[:8]}", dir=final.parent))
-    try:
+    tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-{uuid.uuid4().hex[:8]}", dir=final.parent)
+    with replacing(final, tmp) as staging:
         for rel in _manifests_last(list(listed)):
             dest = staging / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -120,10 +120,4 @@ def fetch_export(uri: str, cache: str | os.PathLike | None = None) -> str:
                 while chunk := src.read(_CHUNK):
                     out.write(chunk)
         (staging / _VERSION).write_text(version.hexdigest())
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return str(final)

@@ -21,6 +21,7 @@ import numpy as np
 import ray
 
 from hpsray.evaluation import EvalPoint, EvalSettings, EvalTrack
+from hpsray.fileio import replacing
 from hpsray.models.metrics import auc, logloss
 
 if TYPE_CHECKING:
@@ -110,23 +111,19 @@ class Evaluations:
             return
         from hpsray.export import export, schema_of_source
 
-        target, staging = os.path.join(directory, BEST), os.path.join(directory, f".{BEST}.tmp")
-        shutil.rmtree(staging, ignore_errors=True)
         best = self.track.best.as_dict() if self.track.best is not None else None
-        source = pipe.source
-        extra = {"trainer": "hpsray", "best": best}
-        schema = schema_of_source(source)
-        export(
-            self.best_model,
-            staging,
-            pipe.config,
-            n_slots=source.n_slots,
-            n_dense=source.n_dense,
-            schema=schema,
-            extra=extra,
-        )
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
+        source, extra = pipe.source, {"trainer": "hpsray", "best": best}
+        with replacing(os.path.join(directory, BEST), os.path.join(directory, f".{BEST}.tmp")) as staging:
+            shutil.rmtree(staging, ignore_errors=True)  # a crash's leftover
+            export(
+                self.best_model,
+                str(staging),
+                pipe.config,
+                n_slots=source.n_slots,
+                n_dense=source.n_dense,
+                schema=schema_of_source(source),
+                extra=extra,
+            )
 
 
 def score(nodes: list[NodeActors], reader: Any) -> dict:
