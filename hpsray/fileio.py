@@ -4,6 +4,7 @@ Contracts: :func:`fsync_path` / :func:`fsync_dir` make a file's data or a direct
 durable; :func:`write_all` writes every byte or raises (``ENOSPC`` for a file that cannot grow);
 :func:`write_json` replaces a JSON file atomically (the caller fsyncs the directory);
 :func:`replacing` fills a staging directory that then replaces a final one whole;
+:func:`put_file` uploads a file to a ``pyarrow.fs`` store and checks the size stored;
 :func:`free_bytes` is what an unprivileged writer may still use; :func:`full_error` turns a write
 refused for want of space (:data:`FULL_ERRNOS`) into an :class:`~hpsray.errors.SSDFullError`
 naming the directory, the bytes needed and the bytes free.
@@ -28,6 +29,7 @@ __all__ = [
     "FULL_ERRNOS",
     "Writer",
     "free_bytes",
+    "put_file",
     "fsync_dir",
     "fsync_path",
     "full_error",
@@ -129,3 +131,27 @@ def replacing(final: str | os.PathLike, staging: str | os.PathLike) -> Iterator[
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+PUT_CHUNK = 8 << 20
+
+
+def put_file(fs: Any, local: str | os.PathLike, path: str) -> int:
+    """Upload ``local`` to ``path`` of the ``pyarrow.fs`` file system ``fs``; returns the bytes
+    sent. The store must then hold exactly that many bytes at ``path``: otherwise the object is
+    deleted and ``OSError`` raised (an S3 server that kept an ``aws-chunked`` body as it came,
+    as moto does for an unsigned upload from a host without credentials, would hand back
+    another file than the one written)."""
+    sent = 0
+    with open(local, "rb") as src, fs.open_output_stream(path) as out:
+        while chunk := src.read(PUT_CHUNK):
+            out.write(chunk)
+            sent += len(chunk)
+    stored = fs.get_file_info(path).size
+    if stored != sent:
+        fs.delete_file(path)
+        raise OSError(
+            f"{path}: the store holds {stored} bytes after an upload of {sent} (deleted): the store "
+            "did not keep the bytes sent (an unsigned upload, e.g. credentials missing on this host?)"
+        )
+    return sent

@@ -18,6 +18,11 @@ _MISSING = re.compile(r"No module named '([\w.]+)'")
 
 # Ray shows repeated log lines of its workers once, with a count; the tests want every line.
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# The test S3 server's dummy credentials, set before any Ray starts, so that the workers of a
+# session's Ray (which upload checkpoints from their nodes) sign their uploads as a real node does.
+_S3_TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+for _name, _value in _S3_TEST_CREDENTIALS.items():
+    os.environ.setdefault(_name, _value)
 
 
 def pytest_configure(config):

@@ -38,7 +38,7 @@ from typing import Any
 from hpsray.checkpoint.checkpoints import Checkpoint, Checkpoints, node_dir
 from hpsray.checkpoint.record import NAME, describe_files, read_record
 from hpsray.errors import CheckpointError
-from hpsray.fileio import replacing
+from hpsray.fileio import put_file, replacing
 from hpsray.tiers.ssd.paramfile import HEADER_BYTES
 
 __all__ = ["ObjectStore", "RemoteCheckpoints", "fetch_node", "is_uri", "open_checkpoints", "upload_node"]
@@ -107,12 +107,10 @@ class _StoreIO:
         return {i.path[len(self.root) + 1 :]: int(i.size) for i in infos if i.type == pafs.FileType.File}
 
     def _put(self, local: Path, key: str) -> int:
-        size = 0
-        with open(local, "rb") as src, self.fs.open_output_stream(self._key(key)) as out:
-            while chunk := src.read(_CHUNK):
-                out.write(chunk)
-                size += len(chunk)
-        return size
+        try:
+            return put_file(self.fs, local, self._key(key))
+        except OSError as e:
+            raise CheckpointError(f"{self.uri}/{key}", f"upload of {local} failed: {e}") from e
 
     def _put_bytes(self, data: bytes, key: str) -> None:
         with self.fs.open_output_stream(self._key(key)) as out:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsray.errors import ExportError
-from hpsray.fileio import replacing
+from hpsray.fileio import put_file, replacing
 
 __all__ = ["CACHE_ENV", "fetch_export", "is_uri", "local_files", "upload_export"]
 
@@ -81,10 +81,10 @@ def upload_export(local: str | os.PathLike, uri: str, unchanged: dict[str, tuple
     for rel in _manifests_last(list(mine)):
         if unchanged is not None and unchanged.get(rel) == mine[rel] and rel in have:
             continue
-        with open(Path(local) / rel, "rb") as src, fs.open_output_stream(f"{root}/{rel}") as out:
-            while chunk := src.read(_CHUNK):
-                out.write(chunk)
-        sent += mine[rel][0]
+        try:
+            sent += put_file(fs, Path(local) / rel, f"{root}/{rel}")
+        except OSError as e:
+            raise ExportError(f"{uri.split('?')[0]}/{rel}: upload failed: {e}") from e
     for rel in set(have) - set(mine):
         fs.delete_file(f"{root}/{rel}")
     return sent

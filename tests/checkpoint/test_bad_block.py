@@ -77,11 +77,6 @@ def _run_with_a_flip(tmp_path, checkpoint_dir: str) -> tuple[Pipeline, list[str]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="open bug (issue 45): since each node uploads its own files, the object fetched again for a damaged "
-    "file has another size than the checkpoint's record (18696 vs 18644 bytes), so no checkpoint verifies",
-    strict=False,
-)
 def test_a_damaged_file_is_fetched_again_from_object_storage_and_the_job_ends_equal(
     ray_local, s3_uri, tmp_path, monkeypatch
 ):

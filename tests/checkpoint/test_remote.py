@@ -6,6 +6,9 @@ empty local disk."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -260,3 +263,27 @@ def test_each_node_uploads_its_files_and_a_host_with_empty_disks_fetches_its_sha
     staging = ckpts.stage(6)
     with pytest.raises(CheckpointError, match="node 1's files are neither uploaded"):
         ckpts.commit(staging, 6, {"nodes": 2}, fingerprint=FP, uploaded=[up0])
+
+
+def test_an_upload_the_store_does_not_keep_as_sent_fails_the_checkpoint(s3_uri, tmp_path, ssd_warm):
+    """A host without credentials uploads unsigned; moto keeps such a body aws-chunked, 52 bytes
+    longer than the file (found as a checkpoint that never verified again). The commit checks
+    the size the store holds and fails naming the object, instead of committing a checkpoint
+    that cannot be restored."""
+    ckpts = _remote(s3_uri, tmp_path / "cache")
+    with SSDPS(tmp_path / "ssd", 4, rows_per_file=32, background=False) as s:
+        s.dump(np.arange(100, dtype=np.uint64), np.ones((100, 4), np.float32))
+        with ckpts.staged(1) as staging:
+            s.snapshot(node_dir(staging, 0) / "ssd")
+            code = (
+                "import sys; from hpsray.checkpoint.remote import upload_node; upload_node(sys.argv[1], sys.argv[2], 0)"
+            )
+            env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+            done = subprocess.run(
+                [sys.executable, "-c", code, s3_uri, str(staging)], env=env, capture_output=True, text=True
+            )
+            ckpts.abort(staging)
+    assert done.returncode != 0
+    assert "CheckpointError" in done.stderr and "params/" in done.stderr and "the store holds" in done.stderr
+    assert not ckpts._list("params/")  # the bad object was deleted
+    assert ckpts.latest(FP) is None  # nothing committed
