@@ -11,7 +11,7 @@ process should one outlive twice the timeout.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -60,6 +60,7 @@ class CollectiveGroup:
         _set_timeout(col, name, self.timeout_s)
         self.bytes_sent = 0
         self.exchanges = 0
+        self.size_exchanges = 0  # all-gathers of sizes: none where the caller knows them
 
     @contextmanager
     def _guard(self, what: str) -> Iterator[None]:
@@ -98,18 +99,31 @@ class CollectiveGroup:
         self.bytes_sent += out.numel() * out.element_size()
         return out.to(flat.device)
 
-    def allgather_varlen(self, payload: Any) -> list[Any]:
+    def allgather_varlen(self, payload: Any, lengths: Sequence[int] | None = None) -> list[Any]:
         """Every rank's float32 ``payload`` (lengths may differ), in rank order, as arrays of the
         payload's kind: numpy for numpy, CuPy for device arrays (which NCCL gathers in place on
-        the device, with no host staging)."""
+        the device, with no host staging). ``lengths``: every rank's payload length when the
+        caller knows them (one collective, nothing read back); otherwise they are gathered
+        first (``size_exchanges`` counts those) and read back. A ``lengths[rank]`` other than
+        the payload's raises ``ValueError`` before anything is sent."""
         on_device = is_device_array(payload)
         xp = array_module("cuda" if on_device else "cpu")
         payload = xp.ascontiguousarray(payload, dtype=xp.float32).reshape(-1)
         dev = self.device
-        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world)]
-        with self._guard("the all-gather of the sparse updates' sizes"):
-            self.col.allgather(sizes, torch.tensor([payload.size], dtype=torch.int64, device=dev), group_name=self.name)
-        lengths = [int(s.item()) for s in sizes]
+        if lengths is None:
+            sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world)]
+            with self._guard("the all-gather of the sparse updates' sizes"):
+                mine = torch.tensor([payload.size], dtype=torch.int64, device=dev)
+                self.col.allgather(sizes, mine, group_name=self.name)
+            lengths = [int(s.item()) for s in sizes]
+            self.size_exchanges += 1
+            self.bytes_sent += 8
+        elif len(lengths) != self.world or int(lengths[self.rank]) != payload.size:
+            raise ValueError(
+                f"collective {self.name} rank {self.rank}: lengths {list(lengths)} do not give this rank's "
+                f"payload of {payload.size} floats"
+            )
+        lengths = [int(n) for n in lengths]
         longest = max(lengths)
         if longest == 0:
             return [payload[:0] for _ in lengths]
@@ -119,21 +133,23 @@ class CollectiveGroup:
         parts = [torch.empty(longest, dtype=torch.float32, device=dev) for _ in range(self.world)]
         with self._guard("the all-gather of the sparse updates"):
             self.col.allgather(parts, padded, group_name=self.name)
-        self.bytes_sent += 8 + longest * 4
+        self.bytes_sent += longest * 4
         self.exchanges += 1
         if on_device:
             return [xp.asarray(p[:n]) for p, n in zip(parts, lengths)]
         return [p[:n].cpu().numpy() for p, n in zip(parts, lengths)]
 
-    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]:
+    def allgather_sparse(self, keys: Any, grads: Any, counts: Sequence[int] | None = None) -> tuple[Any, Any]:
         """Every rank's ``(keys, grads)`` concatenated in rank order (duplicates kept); numpy
-        in, numpy out; device arrays in, CuPy out."""
+        in, numpy out; device arrays in, CuPy out. ``counts``: every rank's number of keys,
+        when known (then no sizes are exchanged or read back)."""
         xp = array_module("cuda" if is_device_array(keys) else "cpu")
         dim = grads.shape[1]
         keys = xp.ascontiguousarray(keys, dtype=xp.uint64)
         payload = xp.concatenate([keys.view(xp.float32), xp.ascontiguousarray(grads, dtype=xp.float32).reshape(-1)])
+        lengths = None if counts is None else [int(n) * (_WORDS_PER_KEY + dim) for n in counts]
         all_keys, all_grads = [], []
-        for part in self.allgather_varlen(payload):
+        for part in self.allgather_varlen(payload, lengths):
             n = part.size // (_WORDS_PER_KEY + dim)
             all_keys.append(part[: n * _WORDS_PER_KEY].view(xp.uint64))
             all_grads.append(part[n * _WORDS_PER_KEY :].reshape(n, dim))

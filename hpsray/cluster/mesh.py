@@ -25,7 +25,7 @@ import hmac
 import random
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -276,19 +276,27 @@ class DeviceMesh:
 
     # -- across nodes: the peers of one device index -------------------------------------
 
-    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]:
+    def allgather_sparse(self, keys: Any, grads: Any, counts: Sequence[int] | None = None) -> tuple[Any, Any]:
         """Every node's ``(keys, grads)`` for this device index, concatenated in node order, in
-        the keys' array module (gathered in device memory on a GPU)."""
+        the keys' array module (gathered in device memory on a GPU). ``counts``: every node's
+        number of keys, when the caller knows them (then no sizes are exchanged or read back;
+        ``ValueError`` when this node's is not ``keys``'s)."""
         self.exchanges += 1
         if self.n_nodes == 1:
             return keys, grads
         xp = _xp(keys)
         dist, group = self.dist, self.peer_group
         dim = grads.shape[1]
-        n = torch.tensor([keys.size], dtype=torch.int64, device=self.device)
-        sizes = [torch.empty_like(n) for _ in range(self.n_nodes)]
-        dist.all_gather(sizes, n, group=group)
-        lengths = [int(s.item()) for s in sizes]
+        if counts is None:
+            n = torch.tensor([keys.size], dtype=torch.int64, device=self.device)
+            sizes = [torch.empty_like(n) for _ in range(self.n_nodes)]
+            dist.all_gather(sizes, n, group=group)
+            lengths = [int(s.item()) for s in sizes]
+            self.bytes_sent += 8
+        elif len(counts) != self.n_nodes or int(counts[self.node]) != keys.size:
+            raise ValueError(f"device mesh node {self.node}: counts {list(counts)} do not give its {keys.size} keys")
+        else:
+            lengths = [int(c) for c in counts]
         longest = max(lengths)
         if longest == 0:
             return keys, grads
@@ -299,7 +307,7 @@ class DeviceMesh:
             payload[: keys.size, 2:] = torch.as_tensor(xp.ascontiguousarray(grads, dtype=xp.float32)).to(self.device)
         parts = [torch.empty_like(payload) for _ in range(self.n_nodes)]
         dist.all_gather(parts, payload, group=group)
-        self.bytes_sent += 8 + payload.numel() * 4
+        self.bytes_sent += payload.numel() * 4
         out = xp.asarray(torch.cat([p[:m] for p, m in zip(parts, lengths, strict=True)]))
         return xp.ascontiguousarray(out[:, :2]).view(xp.uint64).reshape(-1), xp.ascontiguousarray(out[:, 2:])
 

@@ -9,7 +9,7 @@ collaborator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,7 +39,7 @@ class Mesh(Protocol):
 
     def route(self, keys: Any, grads: Any) -> tuple[Any, Any]: ...
 
-    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]: ...
+    def allgather_sparse(self, keys: Any, grads: Any, counts: Sequence[int] | None = None) -> tuple[Any, Any]: ...
 
 
 class DeviceSteps(Strategy):
@@ -175,7 +175,7 @@ class DeviceSteps(Strategy):
                     grads = dev.xp.zeros((0, dim), dtype=dev.xp.float32)
                 engine.dense.step_optimizers(reduce)
                 got_keys, got_grads = mesh.route(keys, grads)  # the node's update of this device's rows
-                _, got_grads = mesh.allgather_sparse(got_keys, got_grads)  # and every other node's
+                _, got_grads = mesh.allgather_sparse(got_keys, got_grads, plan.counts(k))  # and every other node's
                 engine.step += 1
                 plan.apply(k, dev.tensor(got_grads), engine.step)
                 sent.append(mesh.bytes_sent - self._sent)

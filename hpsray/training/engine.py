@@ -39,10 +39,11 @@ __all__ = ["SparseExchange", "TrainerEngine", "loaned_rows"]
 
 
 class SparseExchange(Protocol):
-    """Every node's sparse update of a global mini-batch (a collective group)."""
+    """Every node's sparse update of a global mini-batch (a collective group, one rank per node)."""
 
-    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]:
-        """Every rank's ``(uint64 keys, float32 grads)``, concatenated in rank order."""
+    def allgather_sparse(self, keys: Any, grads: Any, counts: Sequence[int] | None = None) -> tuple[Any, Any]:
+        """Every rank's ``(uint64 keys, float32 grads)``, concatenated in rank order; ``counts``
+        (every rank's number of keys, when the caller knows them) spares exchanging sizes."""
         ...
 
 

@@ -35,31 +35,35 @@ class _Part:
 class ExchangePlan:
     """Per global mini-batch ``k``, what :meth:`apply` takes of the gathered gradients."""
 
-    def __init__(self, engine: TrainerEngine, parts: list[_Part | None]) -> None:
-        self.engine, self.parts = engine, parts
+    def __init__(self, engine: TrainerEngine, parts: list[_Part | None], per_rank: np.ndarray) -> None:
+        self.engine, self.parts, self.per_rank = engine, parts, per_rank
         self.no_keys = torch.empty(0, dtype=torch.int64, device=engine.device.torch)
+
+    def counts(self, k: int) -> list[int]:
+        """Every node's number of gradient rows in global mini-batch ``k``, in rank order: the
+        lengths of its all-gather, known here, so it exchanges no sizes."""
+        return [int(n) for n in self.per_rank[:, k]]
 
     @classmethod
     def of(cls, engine: TrainerEngine, own: list[torch.Tensor], n_mb: int, group: SparseExchange) -> ExchangePlan:
         """The plan of a batch of ``n_mb`` global mini-batches whose gradient rows this node
         sends in the order of ``own[k]`` (``int64`` key bits on the device; mini-batches past
-        ``len(own)`` send none): two all-gathers (every node's keys and their counts per global
-        mini-batch) and one read of the per-mini-batch bounds."""
+        ``len(own)`` send none): two all-gathers of known lengths (every node's counts per global
+        mini-batch, then its keys), the counts read once and one read of the per-mini-batch bounds."""
         dev = engine.device
         keys = torch.cat(own) if own else torch.empty(0, dtype=torch.int64, device=dev.torch)
         counts = np.zeros(n_mb, np.uint64)
         counts[: len(own)] = [k.numel() for k in own]
         xp = dev.xp
-        all_counts, _ = group.allgather_sparse(xp.asarray(counts), xp.empty((n_mb, 0), xp.float32))
+        world = engine.n_nodes
+        all_counts, _ = group.allgather_sparse(xp.asarray(counts), xp.empty((n_mb, 0), xp.float32), [n_mb] * world)
+        per_rank = np.asarray(_host(all_counts), dtype=np.int64).reshape(world, n_mb)
         all_keys, _ = group.allgather_sparse(
-            engine.exchange_array(keys, keys=True), xp.empty((keys.numel(), 0), xp.float32)
-        )
-        per_rank = (
-            np.asarray(_host(all_counts), dtype=np.int64).reshape(-1, n_mb) if n_mb else np.zeros((0, 0), np.int64)
+            engine.exchange_array(keys, keys=True), xp.empty((keys.numel(), 0), xp.float32), per_rank.sum(1).tolist()
         )
         resident = engine.resident
         if resident is None or resident[0].numel() == 0 or n_mb == 0:
-            return cls(engine, [None] * n_mb)
+            return cls(engine, [None] * n_mb, per_rank)
         # the gathered rows, mini-batch by mini-batch (each in rank order, as a step gathers them)
         starts = np.concatenate([[0], np.cumsum(per_rank.sum(1))])[:-1]
         within = np.cumsum(per_rank, 1) - per_rank
@@ -98,7 +102,7 @@ class ExchangePlan:
             d0, d1 = d_first[k], bounds[1][k]
             parts.append(_Part(take[lo:hi], inverse[lo:hi] - d0, distinct[d0:d1] - k * span))
             lo = hi
-        return cls(engine, parts)
+        return cls(engine, parts, per_rank)
 
     def apply(self, k: int, grads: torch.Tensor, step: int) -> None:
         """Apply global mini-batch ``k``'s gathered ``grads`` (every node's rows, rank order) to

@@ -206,7 +206,9 @@ class BspSteps(Strategy):
                     keys = plan.no_keys
                     grads = torch.empty((0, engine.config.dim), dtype=torch.float32, device=dev.torch)
                 engine.dense.step_optimizers(self.reduce)
-                _, all_grads = group.allgather_sparse(engine.exchange_array(keys, keys=True), dev.from_tensor(grads))
+                _, all_grads = group.allgather_sparse(
+                    engine.exchange_array(keys, keys=True), dev.from_tensor(grads), plan.counts(k)
+                )
                 engine.step += 1
                 plan.apply(k, dev.tensor(all_grads), engine.step)
                 if mb is not None:

@@ -6,7 +6,7 @@ no Ray and no network, so the same strategies run here on a GPU machine without 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -44,11 +44,18 @@ class ThreadGroup(_Meeting):
 
 class ThreadMember:
     def __init__(self, group: ThreadGroup, rank: int) -> None:
-        self.group, self.rank, self.bytes_sent = group, rank, 0
+        self.group, self.rank, self.bytes_sent, self.uncounted = group, rank, 0, 0
 
-    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]:
+    def allgather_sparse(self, keys: Any, grads: Any, counts: Sequence[int] | None = None) -> tuple[Any, Any]:
+        """As the collective group's; ``counts``, when given, must be every rank's key count (a
+        real group would cut the payloads at them): checked here. ``uncounted`` counts the
+        calls without them (each an exchange of sizes and a read-back in a real group)."""
         xp = _xp(keys)
         got = self.group.gather(self.rank, (keys, grads))
+        if counts is None:
+            self.uncounted += 1
+        else:
+            assert [int(c) for c in counts] == [len(k) for k, _ in got], (list(counts), [len(k) for k, _ in got])
         self.bytes_sent += int(keys.nbytes + grads.nbytes)
         return xp.concatenate([k for k, _ in got]), xp.concatenate([g for _, g in got])
 
@@ -141,7 +148,8 @@ class ThreadMeshMember:
         got = self._send(keys, grads)
         return xp.concatenate([k for k, _ in got]), xp.concatenate([g for _, g in got])
 
-    def allgather_sparse(self, keys: Any, grads: Any) -> tuple[Any, Any]:
+    def allgather_sparse(self, keys: Any, grads: Any, counts: Sequence[int] | None = None) -> tuple[Any, Any]:
+        assert counts is None or [int(c) for c in counts] == [len(keys)], (counts, len(keys))
         return keys, grads  # one node
 
     def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor:

@@ -54,3 +54,17 @@ def test_the_exchange_plan_applies_what_apply_updates_applies():
         engines[1].apply_updates(keys, grads)
     np.testing.assert_array_equal(engines[0].rows(held), engines[1].rows(held))
     assert not np.array_equal(engines[0].rows(held), initial_rows(held, cfg.row_width, cfg.row_init()))
+
+
+def test_a_bsp_minibatch_exchanges_no_sizes():
+    """Every all-gather of a BSP batch (the plan's two, each mini-batch's one) is told every
+    node's count, which the plan knows: no exchange of sizes and no read-back of them per
+    mini-batch (a real group would otherwise gather the sizes first and read them back). The
+    in-process group checks each count given against what the ranks sent."""
+    from paths import path  # tests/training/paths.py
+
+    go, strategies = path("bsp", "adagrad")  # trains the first batch
+    go()
+    groups = [s.group for s in strategies]  # type: ignore[attr-defined]
+    assert [g.uncounted for g in groups] == [0, 0]
+    assert all(g.bytes_sent > 0 for g in groups)
