@@ -157,6 +157,8 @@ class RunReport:
     wall_s: float
     examples_per_s: float = field(init=False)
     stage_busy_s: dict[str, float]
+    # CPU seconds each stage's process used (every thread) while busy; the node's largest
+    stage_cpu_s: dict[str, float] | None = _optional()
     pipeline_efficiency: float = field(init=False)
     per_batch_s: dict[str, dict[str, float]]
     cache_hit_rate: dict[str, float]

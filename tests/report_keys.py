@@ -15,6 +15,7 @@ FIT_KEYS = {
     "wall_s",
     "examples_per_s",
     "stage_busy_s",
+    "stage_cpu_s",
     "pipeline_efficiency",
     "per_batch_s",
     "cache_hit_rate",

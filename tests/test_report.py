@@ -48,6 +48,7 @@ def full_report() -> RunReport:
         examples=200,
         wall_s=4.0,
         stage_busy_s=busy,
+        stage_cpu_s={k: v / 2 for k, v in busy.items()},
         per_batch_s={k: {"0": v / 2, "1": v / 2} for k, v in busy.items()},
         cache_hit_rate={"0": 0.0, "1": 0.5},
         ssd=SsdTotals(

@@ -19,6 +19,7 @@ class StageClock:
         self.stage, self.node = stage, node
         self.busy_s = 0.0
         self.per_batch: dict = {}
+        self.cpu_per_batch: dict = {}  # CPU seconds of this process (every thread) while busy
         self.events: list[tuple[float, float, object]] = []  # (start, end, batch) wall-clock
         self._metrics = None
         try:
@@ -49,7 +50,7 @@ class StageClock:
     @contextmanager
     def timed(self, batch=None):
         t0 = time.time()
-        p0 = time.perf_counter()
+        p0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
@@ -57,6 +58,7 @@ class StageClock:
             self.busy_s += dt
             if batch is not None:
                 self.per_batch[batch] = self.per_batch.get(batch, 0.0) + dt
+                self.cpu_per_batch[batch] = self.cpu_per_batch.get(batch, 0.0) + time.process_time() - c0
             self.events.append((t0, t0 + dt, batch))
             if self._metrics is not None:
                 self._metrics[0].inc()
@@ -64,13 +66,16 @@ class StageClock:
                 self._metrics[2].inc(dt)
 
     def snapshot(self) -> dict:
-        """The clock's figures, and ``process_cpu_s``: CPU seconds of this actor's process so far
-        (every thread of it), for a caller to difference over a run."""
+        """The clock's figures: ``per_batch`` busy seconds, ``cpu_per_batch`` the CPU seconds its
+        process (every thread of it: torch's, numba's, I/O threads) used while busy with each
+        batch, and ``process_cpu_s``: CPU seconds of this actor's process so far, for a caller
+        to difference over a run."""
         return {
             "process_cpu_s": time.process_time(),
             "stage": self.stage,
             "node": self.node,
             "busy_s": self.busy_s,
             "per_batch": dict(self.per_batch),
+            "cpu_per_batch": dict(self.cpu_per_batch),
             "events": list(self.events),
         }

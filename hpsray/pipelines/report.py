@@ -167,19 +167,25 @@ def _bytes(n: float) -> str:
 
 
 def format_stage_table(report: Mapping[str, Any]) -> str:
-    """A plain-text summary: per-stage busy time, pipeline efficiency, cache hit rate, SSD bytes,
+    """A plain-text summary: per-stage busy time (and CPU seconds while busy), pipeline efficiency, cache hit rate, SSD bytes,
     the edges between the stages and how often the stages overlapped."""
     wall = float(report.get("wall_s") or 0.0)
     busy = report.get("stage_busy_s") or {}
+    cpu = report.get("stage_cpu_s") or {}
     per = report.get("per_batch_s") or {}
-    lines = [f"{'stage':<8}{'busy s':>10}{'% of wall':>11}{'mean/batch s':>14}{'max/batch s':>13}"]
+    head = f"{'stage':<8}{'busy s':>10}{'% of wall':>11}{'mean/batch s':>14}{'max/batch s':>13}"
+    lines = [head + (f"{'CPU s':>9}{'CPU/busy':>10}" if cpu else "")]
     names = [s for s in STAGES if s in busy] + [s for s in busy if s not in STAGES]
     for name in names:
         _, ys = _series(per.get(name), report.get("batches"))
         mean = sum(ys) / len(ys) if ys else math.nan
         peak = max(ys) if ys else math.nan
         share = 100.0 * busy[name] / wall if wall else math.nan
-        lines.append(f"{name:<8}{busy[name]:>10.2f}{share:>10.1f}%{mean:>14.3f}{peak:>13.3f}")
+        line = f"{name:<8}{busy[name]:>10.2f}{share:>10.1f}%{mean:>14.3f}{peak:>13.3f}"
+        if name in cpu:
+            ratio = cpu[name] / busy[name] if busy[name] else math.nan
+            line += f"{cpu[name]:>9.2f}{ratio:>10.2f}"
+        lines.append(line)
     ex = report.get("examples", 0)
     startup = float(report.get("startup_s") or 0.0)
     lines.append(

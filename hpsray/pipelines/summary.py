@@ -121,7 +121,7 @@ def run_report(
     )
     per_node = [stats[5 * i : 5 * i + 5] for i in range(len(nodes))]
     mine = set(batches)
-    node_busy, node_per_batch = [], []
+    node_busy, node_per_batch, node_cpu = [], [], []
     for reader, mem, ssd, trainer, _ in per_node:
         stages = {s["stage"]: s for s in (reader, mem, ssd, trainer)}
         pb = {name: {b: v for b, v in s["per_batch"].items() if b in mine} for name, s in stages.items()}
@@ -130,7 +130,11 @@ def run_report(
                 pb["load"][b] = pb["load"].get(b, 0.0) + v
         node_per_batch.append(pb)
         node_busy.append({name: float(sum(v.values())) for name, v in pb.items()})
+        cpu = {name: _cpu_in(s, mine) for name, s in stages.items()}
+        cpu["load"] += _cpu_in(ssd["dump"], mine)
+        node_cpu.append(cpu)
     busy = {name: max(nb[name] for nb in node_busy) for name in node_busy[0]}
+    cpu_s = {name: max(nc[name] for nc in node_cpu) for name in node_cpu[0]}
     per_batch = {
         name: {b: max(pb[name].get(b, 0.0) for pb in node_per_batch) for b in sorted(mine)}
         for name in node_per_batch[0]
@@ -163,6 +167,7 @@ def run_report(
         examples=examples,
         wall_s=wall,
         stage_busy_s=busy,
+        stage_cpu_s=cpu_s,
         per_batch_s={name: {str(k): v for k, v in pb.items()} for name, pb in per_batch.items()},
         cache_hit_rate={str(k): v for k, v in hit_rate.items()},
         ssd=SsdTotals(**{k: sum(st[k] for st in stores) for k in SSD_TOTALS}),
@@ -186,6 +191,11 @@ def run_report(
         recovery=recovery,
         reshaped=reshaped,
     )
+
+
+def _cpu_in(clock: dict, batches: set) -> float:
+    """The CPU seconds a stage's process used while busy with ``batches`` (its clock's snapshot)."""
+    return float(sum(v for b, v in clock.get("cpu_per_batch", {}).items() if b in batches))
 
 
 def _sync(trainers: list[dict], mems: list[dict], sync: SyncSettings) -> Sync:

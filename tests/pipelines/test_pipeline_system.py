@@ -1,6 +1,7 @@
 """The single-node system on real Ray actors: lossless against the reference, bounded, named."""
 
 import json
+import os
 import sys
 import time
 
@@ -15,6 +16,7 @@ from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
 from hpsray.errors import TrainingStopped
 from hpsray.pipelines import SyntheticSource
+from hpsray.pipelines.report import format_stage_table
 from hpsray.reference import ReferenceTrainer
 from hpsray.report import json_keys
 
@@ -138,6 +140,11 @@ def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
     assert report["time_to_first_batch_s"] >= start["ray_init_s"] + start["actors_s"]
     assert set(report["stage_busy_s"]) == set(report["per_batch_s"]) == {"read", "pull", "load", "train"}
     assert report["pipeline_efficiency"] == pytest.approx(max(report["stage_busy_s"].values()) / report["wall_s"])
+    busy, cpu = report["stage_busy_s"], report["stage_cpu_s"]
+    assert set(cpu) == set(busy) and cpu["train"] > 0
+    for stage, seconds in cpu.items():  # a process's threads use at most every core while it is busy
+        assert 0 <= seconds <= busy[stage] * (os.cpu_count() or 1) + 0.05, (stage, seconds, busy[stage])
+    assert "CPU/busy" in format_stage_table(report)
     json.dumps(report)  # plain JSON
 
 
