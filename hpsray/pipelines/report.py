@@ -167,8 +167,9 @@ def _bytes(n: float) -> str:
 
 
 def format_stage_table(report: Mapping[str, Any]) -> str:
-    """A plain-text summary: per-stage busy time (and CPU seconds while busy), pipeline efficiency, cache hit rate, SSD bytes,
-    the edges between the stages and how often the stages overlapped."""
+    """A plain-text summary: per-stage busy time (and CPU seconds while busy), pipeline
+    efficiency, cache hit rate, SSD bytes, the edges between the stages and how often the stages
+    overlapped."""
     wall = float(report.get("wall_s") or 0.0)
     busy = report.get("stage_busy_s") or {}
     cpu = report.get("stage_cpu_s") or {}
