@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ray import ObjectRef
 
     from hpsray.data.batch import Batch
+    from hpsray.training.layout import BatchIndex
 
 __all__ = [
     "DevicePart",
@@ -59,11 +60,14 @@ Keys = npt.NDArray[np.uint64]
 @dataclass(frozen=True)
 class ReadBatch:
     """A reader's next batch: ``examples == 0`` (and ``batch`` a ref to ``None``) at the end.
-    ``keys_by_owner[o]``: the batch's distinct sorted keys owned by node ``o``."""
+    ``keys_by_owner[o]``: the batch's distinct sorted keys owned by node ``o``; ``layout``
+    (when the reader was given the mini-batch size): the batch's index over those keys'
+    positions (``hpsray.training.layout.index_positions``), which the trainer maps to its slots."""
 
     examples: int
     batch: ObjectRef[Batch | None]
     keys_by_owner: list[ObjectRef[Keys]]
+    layout: ObjectRef[BatchIndex] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class TrainData:
     keys: list[Keys]
     loans: list[Loan]
     refreshed: list[Refresh]
+    layout: BatchIndex | None = None
 
 
 @dataclass(frozen=True)
@@ -96,16 +101,18 @@ class TrainInputs:
     sizes: list[int] = field(default_factory=list)
     next_batch: ObjectRef[ReadBatch] | None = None
     must_return: list[ObjectRef[Keys]] = field(default_factory=list)
+    layout: ObjectRef[BatchIndex] | None = None
 
     def resolve(self, get: Callable[[list[ObjectRef[Any]]], list[Any]]) -> TrainData:
         """The values of ``batch``, ``keys``, ``loans`` and ``refreshed``, fetched in one call of
         ``get`` (``ray.get``, or a bounded one such as ``hpsray.cluster.faults.get``)."""
-        values = iter(get([self.batch, *self.keys, *self.loans, *self.refreshed]))
+        layout = [self.layout] if self.layout is not None else []
+        values = iter(get([self.batch, *self.keys, *self.loans, *self.refreshed, *layout]))
         batch = next(values)
         keys = [next(values) for _ in self.keys]
         loans = [next(values) for _ in self.loans]
         refreshed = [next(values) for _ in self.refreshed]
-        return TrainData(batch=batch, keys=keys, loans=loans, refreshed=refreshed)
+        return TrainData(batch=batch, keys=keys, loans=loans, refreshed=refreshed, layout=next(values, None))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from hpsray.actors.timing import StageClock
 from hpsray.data.batch import Batch
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.tiers.partition import owner_of
+from hpsray.training.layout import index_positions, positions_of
 
 if TYPE_CHECKING:
     from hpsray.reference import ShardedSource
@@ -27,7 +28,9 @@ class Reader:
     ``transforms`` (e.g. feature engineering) run here, on the reader's CPU, in order. With
     ``n_nodes`` > 1 the batch's distinct keys come split by owner node (docs/architecture.md: Keys and
     partitioning), so each
-    owner's MEM-PS gets exactly the keys it serves. :meth:`open` starts another pass (the next
+    owner's MEM-PS gets exactly the keys it serves. With ``minibatch_size`` a training batch
+    also comes with its layout over those keys' positions (``ReadBatch.layout``): the trainer's
+    index, made here, off the train stage's time. :meth:`open` starts another pass (the next
     epoch, an evaluation) in the same actor: a new actor costs seconds of process start.
     """
 
@@ -41,8 +44,9 @@ class Reader:
         transforms: Sequence[Transform] = (),
         n_nodes: int = 1,
         skip: int = 0,
+        minibatch_size: int | None = None,
     ) -> None:
-        self.node, self.n_nodes = node, n_nodes
+        self.node, self.n_nodes, self.minibatch_size = node, n_nodes, minibatch_size
         self.transforms = list(transforms)
         self.clock = StageClock("read", node)
         self.open(source, batch_size, index, count, skip)
@@ -95,13 +99,18 @@ class Reader:
                 if not isinstance(batch, Batch):
                     raise TypeError(f"transform {transform!r} returned {type(batch).__name__}, not a Batch")
             self.examples += len(batch)
-            keys = distinct_sorted(batch.keys)
-            if self.n_nodes == 1:
-                parts = [keys]
+            layout = None
+            if self.minibatch_size is not None and batch_id is not None:  # the trainer's index but its slots
+                parts, positions = positions_of(batch.keys, self.n_nodes)
+                layout = ray.put(index_positions(batch, self.minibatch_size, positions, sum(map(len, parts))))
             else:
-                owners = owner_of(keys, self.n_nodes)
-                parts = [keys[owners == o] for o in range(self.n_nodes)]
-            return ReadBatch(len(batch), ray.put(batch), [ray.put(p) for p in parts])
+                keys = distinct_sorted(batch.keys)
+                if self.n_nodes == 1:
+                    parts = [keys]
+                else:
+                    owners = owner_of(keys, self.n_nodes)
+                    parts = [keys[owners == o] for o in range(self.n_nodes)]
+            return ReadBatch(len(batch), ray.put(batch), [ray.put(p) for p in parts], layout)
 
     def bad_input(self) -> dict:
         """Bad-row counts of file sources (empty for generated data)."""

@@ -200,13 +200,23 @@ def start_reader(
     """A new reader actor on ``node`` named ``{pipeline.name}:{role}[node i]``, reading share
     ``index`` of ``count`` of ``source``, past its first ``skip`` batches."""
     opts = dict(num_cpus=0, scheduling_strategy=on_node(node.node_id))
+    trainer = pipeline.trainer_settings
+    index_here = role == "Reader" and trainer.index_in_read(_cpus_of(node.node_id))
+    minibatch = trainer.config.minibatch_size if index_here else None
     return _named(
         lambda: (
             ray.remote(Reader)
             .options(name=f"{pipeline.name}:{role}[node {node.index}]", **opts)
-            .remote(source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip)
+            .remote(
+                source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip, minibatch
+            )
         )
     )
+
+
+def _cpus_of(node_id: str) -> float:
+    """The CPUs Ray counts on node ``node_id`` (0 when it is gone)."""
+    return next((float(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["NodeID"] == node_id), 0.0)
 
 
 def join_group(name: str, nodes: list[NodeActors], sync: SyncSettings, generation: int = 0, n_devices: int = 1) -> list:

@@ -178,6 +178,7 @@ class PassSchedule:
                 sizes,
                 upcoming[b],
                 must[b],
+                read[b].layout,
             )
             refs = node.trainer.train.options(num_returns=n + 1).remote(self.first + t, inputs)
             results.append(refs)

@@ -52,9 +52,19 @@ class SSDPSSettings:
     options: dict = field(default_factory=dict)  # rows_per_file, compact_trigger, ...
 
 
+INDEX_STAGES = ("auto", "read", "train")
+INDEX_IN_READ_CPUS = 4
+"""``index_stage = "auto"`` makes the batch's layout in the read stage on nodes of at least this
+many CPUs (Ray's count): on 2 cores the read stage's sort costs more than the trainer's
+probe saves (docs/benchmarks.md: The batch's index in the read stage)."""
+
+
 @dataclass
 class TrainerSettings:
-    """What each node's trainer runs: config, model, devices."""
+    """What each node's trainer runs: config, model, devices. ``index_stage``: where a batch's
+    layout (the trainer's index) is made: ``"read"`` (the reader, off the train stage's time;
+    one device per node), ``"train"`` (the trainer), ``"auto"`` (read on nodes of
+    :data:`INDEX_IN_READ_CPUS` CPUs or more)."""
 
     config: TrainConfig = field(default_factory=TrainConfig)
     model: torch.nn.Module | None = None
@@ -62,12 +72,21 @@ class TrainerSettings:
     device: str = "cpu"
     threads: int | None = None
     hbm_capacity: int | None = None  # rows; estimated from the batch when None
+    index_stage: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"TrainerSettings.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.n_devices < 1:
             raise ValueError(f"TrainerSettings.n_devices must be >= 1, got {self.n_devices}")
+        if self.index_stage not in INDEX_STAGES:
+            raise ValueError(f"TrainerSettings.index_stage must be one of {INDEX_STAGES}, got {self.index_stage!r}")
+
+    def index_in_read(self, node_cpus: float) -> bool:
+        """Whether a node of ``node_cpus`` CPUs makes its batches' layouts in the read stage."""
+        if self.n_devices > 1 or self.index_stage == "train":
+            return False
+        return self.index_stage == "read" or node_cpus >= INDEX_IN_READ_CPUS
 
 
 @dataclass

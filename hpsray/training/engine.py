@@ -173,13 +173,21 @@ class TrainerEngine:
         order = torch.argsort(on)
         return on.index_select(0, order), slots.index_select(0, order)
 
-    def index(self, batch: Batch) -> BatchIndex:
-        """``batch`` resolved against the working set: find once per batch."""
+    def index(self, batch: Batch, layout: BatchIndex | None = None) -> BatchIndex:
+        """``batch`` resolved against the working set: find once per batch. ``layout``: the
+        batch's layout over the positions of the keys just borrowed (:func:`index_positions`,
+        made by the read stage); then only the distinct keys are found, and the layout gathers
+        their slots (no probe of every occurrence, no sort here)."""
         if batch.n_slots != self.n_slots or batch.n_dense != self.n_dense:
             raise ValueError(
                 f"batch has {batch.n_slots} slots and {batch.n_dense} dense features; "
                 f"the trainer was built for {self.n_slots} and {self.n_dense}"
             )
+        if layout is not None and self._parts is not None:
+            parts = self._parts
+            keys = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.uint64)
+            on = keys_as_tensor(keys, self.device.torch)
+            return layout.at_slots(self._find(keys, on), on if self.n_nodes > 1 else None, self.device.torch)
         table = self.hbm.tables[0]
         return index_batch(
             batch, self.config.minibatch_size, self._find, table.capacity, self.device.torch, self.n_nodes > 1

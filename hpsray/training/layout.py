@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from hpsray.data.batch import Batch
+from hpsray.tiers.partition import owner_of
 
-__all__ = ["BatchIndex", "MiniBatchIndex", "index_batch", "keys_as_tensor"]
+__all__ = ["BatchIndex", "MiniBatchIndex", "index_batch", "index_positions", "keys_as_tensor", "positions_of"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,85 @@ class MiniBatchIndex:
 @dataclass(frozen=True)
 class BatchIndex:
     """A batch resolved against the working set (see the module docstring); ``minibatches``
-    in order, each of ``minibatch_size`` examples but the last."""
+    in order, each of ``minibatch_size`` examples but the last; ``bounds[k]:bounds[k + 1]``
+    are mini-batch ``k``'s rows in ``rows``."""
 
     minibatches: list[MiniBatchIndex]
     rows: torch.Tensor  # int64[R]: every mini-batch's distinct rows, one after the other
     n_examples: int
+    bounds: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.minibatches)
+
+    def at_slots(self, slots: torch.Tensor, keys: torch.Tensor | None, device: torch.device) -> BatchIndex:
+        """This index, made over positions (:func:`index_positions`), with each position's row
+        at ``slots[position]`` (``int64`` on ``device``), on ``device``; ``keys`` (the positions'
+        ``int64`` key bits, on ``device``): each mini-batch's rows' keys too. One gather per
+        batch; the layout's orders are kept (a row's place within a mini-batch changes nothing
+        the step sums: each bag and each row sums its own occurrences in bag order)."""
+        pos = self.rows.to(device)
+        rows = slots.index_select(0, pos)
+        row_keys = keys.index_select(0, pos) if keys is not None else None
+        b = self.bounds
+        out = [
+            MiniBatchIndex(
+                rows=rows[b[k] : b[k + 1]],
+                keys=row_keys[b[k] : b[k + 1]] if row_keys is not None else None,
+                inverse=mb.inverse.to(device),
+                bag_offsets=mb.bag_offsets.to(device),
+                grad_bags=mb.grad_bags.to(device),
+                grad_offsets=mb.grad_offsets.to(device),
+                dense=mb.dense.to(device),
+                labels=mb.labels.to(device),
+                n_examples=mb.n_examples,
+                n_slots=mb.n_slots,
+            )
+            for k, mb in enumerate(self.minibatches)
+        ]
+        return BatchIndex(out, rows, self.n_examples, b)
+
+
+def index_positions(batch: Batch, minibatch_size: int, positions: np.ndarray, n_positions: int) -> BatchIndex:
+    """The layout of ``batch`` over positions instead of slots, on the CPU, where the keys are
+    (the read stage): ``positions[i]`` (``< n_positions``) names key occurrence ``i``'s row,
+    the key's position in the batch's distinct keys as the trainer borrows them (split by
+    owner, in owner order: :func:`positions_of`). :meth:`BatchIndex.at_slots` then gives the
+    trainer's index with one probe of the distinct keys and one gather, instead of a probe of
+    every occurrence and the sort."""
+    order = _bag_order(batch)
+    pos = torch.from_numpy(np.ascontiguousarray(positions if order is None else positions[order], dtype=np.int64))
+    return index_batch(batch, minibatch_size, lambda keys, on: pos, n_positions, torch.device("cpu"), False)
+
+
+def positions_of(keys: np.ndarray, n_owners: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """``(parts, positions)`` of a batch's ``keys``: ``parts[o]`` the distinct keys node ``o``
+    owns (:func:`~hpsray.tiers.partition.owner_of`), sorted, and each occurrence's position in
+    those parts put together: one sort of the occurrences gives both."""
+    order = np.argsort(keys)
+    ordered = keys[order]
+    new = np.empty(ordered.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    distinct = ordered[new]
+    rank = np.empty(keys.size, dtype=np.int64)
+    rank[order] = np.cumsum(new) - 1  # each occurrence's rank among the distinct keys
+    if n_owners == 1:
+        return [distinct], rank
+    owners = owner_of(distinct, n_owners)
+    by_owner = np.argsort(owners, kind="stable")
+    place = np.empty(distinct.size, dtype=np.int64)
+    place[by_owner] = np.arange(distinct.size)
+    parts = np.split(distinct[by_owner], np.cumsum(np.bincount(owners, minlength=n_owners))[:-1])
+    return parts, place[rank]
+
+
+def _bag_order(batch: Batch) -> np.ndarray | None:
+    """The stable order that puts ``batch``'s keys in bag order (``None``: they are already)."""
+    bag = batch.example_of_key() * batch.n_slots + batch.slots
+    if batch.nnz > 1 and np.any(bag[1:] < bag[:-1]):
+        return np.argsort(bag, kind="stable")
+    return None
 
 
 def keys_as_tensor(keys: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -97,7 +169,7 @@ def index_batch(
     example = np.repeat(np.arange(n, dtype=np.int64), counts)
     bag = example * n_slots + batch.slots
     keys = batch.keys
-    if nnz > 1 and np.any(bag[1:] < bag[:-1]):  # keys of an example not in slot order
+    if nnz > 1 and np.any(bag[1:] < bag[:-1]):  # keys of an example not in slot order (as _bag_order)
         order = np.argsort(bag, kind="stable")
         bag, keys, example = bag[order], keys[order], example[order]
     on = keys_as_tensor(keys, device) if with_keys or device.type != "cpu" else None
@@ -155,7 +227,7 @@ def index_batch(
                 n_slots=n_slots,
             )
         )
-    return BatchIndex(out, rows, n)
+    return BatchIndex(out, rows, n, tuple(g))
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -59,6 +59,8 @@ class BatchData(Protocol):
     def loans(self) -> list[Loan]: ...
     @property
     def refreshed(self) -> list[Refresh]: ...
+    @property
+    def layout(self) -> BatchIndex | None: ...
 
 
 class Collective(SparseExchange, Protocol):
@@ -103,7 +105,10 @@ class Strategy:
         with self.timed(batch_id):
             with host_step("batch start"):
                 engine.borrow(batch_id, data.keys, data.loans, data.refreshed)
-                index = engine.index(data.batch if data.batch is not None else engine.empty)
+                if data.batch is None:
+                    index = engine.index(engine.empty)
+                else:
+                    index = engine.index(data.batch, data.layout)
             losses = self.steps(index, sizes)
             with host_step("loss"):
                 loss = engine.close_batch(losses)  # the one read of the losses

@@ -225,6 +225,7 @@ def check_bit_for_bit(
     n_devices: int = 1,
     sparse_optimizer: str = "adagrad",
     dense_optimizer: str = "adam",
+    index_stage: str = "auto",
 ) -> None:
     """Invariant 1 to the bit (docs/architecture.md): ``batches`` global batches of 4
     mini-batches whose shares share keys, rows through SSD-PS, with the optimizers that amplify
@@ -238,7 +239,7 @@ def check_bit_for_bit(
     source = SyntheticSource(gen, rows=nodes * batch * batches)
     with Pipeline(
         source,
-        TrainerSettings(cfg, n_devices=n_devices),
+        TrainerSettings(cfg, n_devices=n_devices, index_stage=index_stage),
         MemPSSettings(capacity_rows={2: 160, 3: 135}[nodes]),  # below each owner's share of the 450 rows
         batch_size=batch,
         nodes=nodes,
@@ -270,8 +271,16 @@ def test_bsp_two_nodes_equal_the_reference_bit_for_bit_with_adagrad_rows_and_ada
 def test_bsp_two_nodes_equal_the_reference_bit_for_bit_with_every_optimizer(
     two_nodes_cluster, sparse_optimizer, dense_optimizer
 ):
-    """Every row optimizer and every dense one, on two nodes (with adagrad rows and adam above)."""
-    check_bit_for_bit(2, "allreduce", batches=12, sparse_optimizer=sparse_optimizer, dense_optimizer=dense_optimizer)
+    """Every row optimizer and every dense one, on two nodes (with adagrad rows and adam above),
+    each batch's index made by the read stage (above: by the trainer)."""
+    check_bit_for_bit(
+        2,
+        "allreduce",
+        batches=12,
+        sparse_optimizer=sparse_optimizer,
+        dense_optimizer=dense_optimizer,
+        index_stage="read",
+    )
 
 
 def test_two_nodes_of_two_device_processes_equal_the_reference_bit_for_bit(two_nodes_cluster):

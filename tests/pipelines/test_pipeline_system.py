@@ -133,6 +133,9 @@ def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
     with small_pipeline() as p:
         report = p.fit(progress=False)
         assert p.report is not None and report == p.report.as_dict()
+        # index_stage "auto" on a node of 2 CPUs: the trainer makes the batch's index itself
+        made = ray.get(p.actors()["Reader[node 0]"].__ray_call__.remote(lambda r: r.minibatch_size))
+        assert made is None
     check_fit_report(report)
     assert set(report) <= json_keys()
     assert report["batches"] == 2 and report["examples"] == 1000

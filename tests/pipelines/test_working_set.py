@@ -37,8 +37,9 @@ def reference(batches: int | None = None, source=SOURCE) -> tuple:
     return ref.export()
 
 
+@pytest.mark.parametrize("index_stage", ["train", "read"])  # who makes the batch's index: the same result
 def test_rows_shipped_are_the_new_ones_rows_returned_the_leaving_ones_and_the_result_is_the_references(
-    ray_local, tmp_path
+    ray_local, tmp_path, index_stage
 ):
     sets = key_sets()
     # the data makes rows leave the working set and come back later
@@ -51,9 +52,12 @@ def test_rows_shipped_are_the_new_ones_rows_returned_the_leaving_ones_and_the_re
         batch_size=BATCH,
         ssd_dir=tmp_path / "ssd",
         ssd_options=dict(rows_per_file=128),
+        trainer=dict(index_stage=index_stage),
     ) as p:
         report = p.fit(progress=False)
         keys, rows = p.export_rows()
+        made = ray.get(p.actors()["Reader[node 0]"].__ray_call__.remote(lambda r: r.minibatch_size))
+    assert (made == CFG.minibatch_size) == (index_stage == "read")
     assert report["ssd"]["bytes_read"] > 0
     moved = report["working_set"]["per_batch"]
     for t, k in enumerate(sets):

@@ -20,6 +20,7 @@ from hpsray.kernels.init import initial_rows
 from hpsray.tiers.loans import Loan, Refresh
 from hpsray.training.devices import DevicePart, DeviceSteps
 from hpsray.training.engine import TrainerEngine
+from hpsray.training.layout import BatchIndex, index_positions, positions_of
 from hpsray.training.relaxed import RelaxedSteps
 from hpsray.training.strategies import BspSteps, LocalSteps, Strategy
 
@@ -36,6 +37,7 @@ class Inputs:
     keys: list[np.ndarray]
     loans: list[Loan]
     refreshed: list[Refresh] = field(default_factory=list)
+    layout: BatchIndex | None = None
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,12 @@ def _strategies(name: str, cfg: TrainConfig, device: str) -> list[Strategy]:
     ]
 
 
-def path(name: str, optimizer: str, device: str = "cpu") -> tuple[Callable[[], None], list[Strategy]]:
-    """``(train the next batch, the strategies)`` of path ``name`` (one per node or device)."""
+def path(
+    name: str, optimizer: str, device: str = "cpu", layouts: bool = False, returned: list | None = None
+) -> tuple[Callable[[], None], list[Strategy]]:
+    """``(train the next batch, the strategies)`` of path ``name`` (one per node or device).
+    ``layouts``: each batch comes with its layout over key positions, as the read stage makes
+    it; ``returned``: gets each rank's ``BatchResult`` of each batch, in rank order."""
     cfg = config(optimizer)
     strategies = _strategies(name, cfg, device)
     parts: queue.Queue[DevicePart] = queue.Queue()
@@ -97,12 +103,15 @@ def path(name: str, optimizer: str, device: str = "cpu") -> tuple[Callable[[], N
         keys = np.unique(batch.keys)
         loan = Loan(initial_rows(keys, cfg.row_width, cfg.row_init()))
         steps = strategies[rank]
-        got = Inputs(batch, [keys], [loan])
+        layout = index_positions(batch, MINIBATCH, positions_of(batch.keys, 1)[1], keys.size) if layouts else None
+        got = Inputs(batch, [keys], [loan], layout=layout)
         sizes = [len(s[t[0]]) for s in shares]
         if isinstance(steps, DeviceSteps) and rank > 0:
             parts.put(steps.run_part(t[0], got, sizes, lambda k: None))
         else:
-            steps.run_batch(t[0], got, sizes, lambda k: None)
+            result = steps.run_batch(t[0], got, sizes, lambda k: None)
+            if returned is not None:
+                returned.append((t[0], rank, result))
 
     def go() -> None:
         run_ranks(len(strategies), one)
