@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import ray
 
+from hpsray.actors.cpu import yield_cores
 from hpsray.actors.memps import MemPSShard
 from hpsray.actors.reader import Reader
 from hpsray.actors.ssdps import SSDPSShard
@@ -72,6 +73,15 @@ def _options(node_id: str) -> dict:
     return dict(num_cpus=0, scheduling_strategy=on_node(node_id), max_concurrency=1)
 
 
+def _yielding(pipeline: Placed, actor: Any) -> Any:
+    """``actor`` (a read, pull or load stage), made ``stage_niceness`` steps nicer than the
+    trainer once it is up (its first call after construction; not waited for)."""
+    steps = pipeline.trainer_settings.stage_niceness
+    if steps:
+        actor.__ray_call__.remote(yield_cores, steps)
+    return actor
+
+
 def _named(make: Callable[[], Any], wait_s: float = 30.0) -> Any:
     """``make()``, which starts a named actor, tried again while the name still belongs to the
     actor a recovery just stopped: Ray frees a killed actor's name only once the cluster has
@@ -90,12 +100,15 @@ def _named(make: Callable[[], Any], wait_s: float = 30.0) -> Any:
 def start_ssd(pipeline: Placed, index: int, node_id: str, directory: str, restore_from: str | None = None) -> Any:
     """Node ``index``'s SSD-PS actor over ``directory`` (rebuilt from a snapshot first when
     ``restore_from`` names one)."""
-    return _named(
-        lambda: (
-            ray.remote(SSDPSShard)
-            .options(name=f"{pipeline.name}:SSDPS[node {index}]", **_options(node_id))
-            .remote(index, directory, pipeline.config.row_width, restore_from, **pipeline.ssd_settings.options)
-        )
+    return _yielding(
+        pipeline,
+        _named(
+            lambda: (
+                ray.remote(SSDPSShard)
+                .options(name=f"{pipeline.name}:SSDPS[node {index}]", **_options(node_id))
+                .remote(index, directory, pipeline.config.row_width, restore_from, **pipeline.ssd_settings.options)
+            )
+        ),
     )
 
 
@@ -103,24 +116,27 @@ def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_fr
     """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd`` (its admission counts
     from ``admission_from``, a checkpoint's, when given)."""
     config, stage = pipeline.config, pipeline.mem_settings
-    return _named(
-        lambda: (
-            ray.remote(MemPSShard)
-            .options(name=f"{pipeline.name}:MemPS[node {index}]", **_options(node_id))
-            .remote(
-                index,
-                ssd,
-                config.row_width,
-                config.row_init(),
-                stage.capacity_rows,
-                stage.capacity_bytes,
-                admit_after=stage.admit_after,
-                expire_after_batches=stage.expire_after_batches,
-                admission_from=admission_from,
-                dumps_in_flight=stage.dumps_in_flight,
-                **stage.options,
+    return _yielding(
+        pipeline,
+        _named(
+            lambda: (
+                ray.remote(MemPSShard)
+                .options(name=f"{pipeline.name}:MemPS[node {index}]", **_options(node_id))
+                .remote(
+                    index,
+                    ssd,
+                    config.row_width,
+                    config.row_init(),
+                    stage.capacity_rows,
+                    stage.capacity_bytes,
+                    admit_after=stage.admit_after,
+                    expire_after_batches=stage.expire_after_batches,
+                    admission_from=admission_from,
+                    dumps_in_flight=stage.dumps_in_flight,
+                    **stage.options,
+                )
             )
-        )
+        ),
     )
 
 
@@ -203,14 +219,17 @@ def start_reader(
     trainer = pipeline.trainer_settings
     index_here = role == "Reader" and trainer.index_in_read(_cpus_of(node.node_id))
     minibatch = trainer.config.minibatch_size if index_here else None
-    return _named(
-        lambda: (
-            ray.remote(Reader)
-            .options(name=f"{pipeline.name}:{role}[node {node.index}]", **opts)
-            .remote(
-                source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip, minibatch
+    return _yielding(
+        pipeline,
+        _named(
+            lambda: (
+                ray.remote(Reader)
+                .options(name=f"{pipeline.name}:{role}[node {node.index}]", **opts)
+                .remote(
+                    source, pipeline.batch_size, node.index, index, count, pipeline.transforms, n_nodes, skip, minibatch
+                )
             )
-        )
+        ),
     )
 
 

@@ -64,7 +64,9 @@ class TrainerSettings:
     """What each node's trainer runs: config, model, devices. ``index_stage``: where a batch's
     layout (the trainer's index) is made: ``"read"`` (the reader, off the train stage's time;
     one device per node), ``"train"`` (the trainer), ``"auto"`` (read on nodes of
-    :data:`INDEX_IN_READ_CPUS` CPUs or more)."""
+    :data:`INDEX_IN_READ_CPUS` CPUs or more). ``stage_niceness``: how many steps nicer than the
+    trainer the node's read, pull and load actors run, so that the train stage gets the cores
+    when every stage wants them (:mod:`hpsray.actors.cpu`; 0: equal shares)."""
 
     config: TrainConfig = field(default_factory=TrainConfig)
     model: torch.nn.Module | None = None
@@ -73,12 +75,15 @@ class TrainerSettings:
     threads: int | None = None
     hbm_capacity: int | None = None  # rows; estimated from the batch when None
     index_stage: str = "auto"
+    stage_niceness: int = 4
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"TrainerSettings.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.n_devices < 1:
             raise ValueError(f"TrainerSettings.n_devices must be >= 1, got {self.n_devices}")
+        if not 0 <= self.stage_niceness <= 19:
+            raise ValueError(f"TrainerSettings.stage_niceness must be in [0, 19], got {self.stage_niceness}")
         if self.index_stage not in INDEX_STAGES:
             raise ValueError(f"TrainerSettings.index_stage must be one of {INDEX_STAGES}, got {self.index_stage!r}")
 

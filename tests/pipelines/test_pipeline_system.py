@@ -11,6 +11,7 @@ import ray
 import torch
 from ray import cloudpickle
 
+from hpsray.actors.cpu import thread_niceness
 from hpsray.actors.trainer import Trainer
 from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
@@ -133,6 +134,14 @@ def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
     with small_pipeline() as p:
         report = p.fit(progress=False)
         assert p.report is not None and report == p.report.as_dict()
+        # the read, pull and load stages yield the cores to the trainer: every thread of theirs is nicer
+        actors = p.actors()
+        trainer = ray.get(actors["Trainer[node 0]"].__ray_call__.remote(lambda t: thread_niceness()))
+        steps = p.trainer_settings.stage_niceness
+        assert steps > 0
+        for name in ("Reader[node 0]", "MemPS[node 0]", "SSDPS[node 0]"):  # Ray's threads too: each +steps
+            niceness = ray.get(actors[name].__ray_call__.remote(lambda a: thread_niceness()))
+            assert set(niceness) == {min(19, n + steps) for n in trainer}, (name, niceness, trainer)
         # index_stage "auto" on a node of 2 CPUs: the trainer makes the batch's index itself
         made = ray.get(p.actors()["Reader[node 0]"].__ray_call__.remote(lambda r: r.minibatch_size))
         assert made is None
