@@ -36,7 +36,7 @@ from hpsray.cluster import faults
 from hpsray.cluster.netaddr import bind_collectives, node_address
 from hpsray.errors import AuthenticationError
 from hpsray.kernels.arrays import array_module, is_device_array, to_host
-from hpsray.tiers.partition import device_of, group_by
+from hpsray.tiers.partition import Routing, device_of, group_by
 
 __all__ = ["DeviceMesh", "rendezvous_address"]
 
@@ -173,6 +173,7 @@ class DeviceMesh:
         self.node_group, self.peer_group = nodes[node], peers[device]
         self.bytes_sent = 0
         self.exchanges = 0
+        self.count_exchanges = 0  # all-to-alls of counts (none where the caller routes)
 
     # -- whole mesh ----------------------------------------------------------------------
 
@@ -219,15 +220,20 @@ class DeviceMesh:
 
     # -- within the node: all-to-all -----------------------------------------------------
 
-    def _alltoall(self, send: torch.Tensor, counts: list[int], width: int) -> tuple[torch.Tensor, list[int]]:
+    def _alltoall(
+        self, send: torch.Tensor, counts: list[int], width: int, got: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """Rows ``send[sum(counts[:d]) : ...]`` (``width`` items each) go to device ``d``;
-        returns what every device sent here, in device order, and how many rows each sent.
-        Only the counts (``D`` integers) are read on the host."""
+        returns what every device sent here, in device order, and how many rows each sent
+        (``got``, when the caller knows it; else the counts, ``D`` integers, are exchanged and
+        read on the host: ``count_exchanges`` counts those)."""
         dist, group = self.dist, self.node_group
-        mine = torch.tensor(counts, dtype=torch.int64, device=self.device)
-        theirs = torch.empty_like(mine)
-        dist.all_to_all_single(theirs, mine, group=group)
-        got = [int(c) for c in theirs.tolist()]
+        if got is None:
+            mine = torch.tensor(counts, dtype=torch.int64, device=self.device)
+            theirs = torch.empty_like(mine)
+            dist.all_to_all_single(theirs, mine, group=group)
+            got = [int(c) for c in theirs.tolist()]
+            self.count_exchanges += 1
         out = torch.empty((sum(got), width), dtype=send.dtype, device=self.device)
         dist.all_to_all_single(
             out.view(-1),
@@ -244,34 +250,44 @@ class DeviceMesh:
         order, offsets = group_by(device_of(keys, self.n_nodes, self.n_devices), self.n_devices)
         return order, [int(c) for c in to_host(offsets[1:] - offsets[:-1])]
 
-    def lookup(self, keys: Any, serve: Callable[[Any], Any]) -> Any:
+    def _routed(self, keys: Any, routing: Routing | None) -> tuple[Any, list[int], list[int] | None]:
+        if routing is None:
+            order, counts = self._by_device(keys)
+            return order, counts, None
+        if len(routing.counts) != self.n_devices or sum(routing.counts) != keys.size:
+            raise ValueError(f"device mesh: a routing of {routing.counts} for {keys.size} keys")
+        return routing.order, list(routing.counts), list(routing.got)
+
+    def lookup(self, keys: Any, serve: Callable[[Any], Any], routing: Routing | None = None) -> Any:
         """Rows of ``keys`` (this device's distinct keys of its slice; numpy, or CuPy on a GPU),
         each from the device that holds it: the keys go to their devices, each device answers
         the keys it received with ``serve(keys) -> float32[n, width]`` (its own table, in the
         keys' array module), the rows come back. Every device of the node calls this once per
-        mini-batch step (with no keys when its slice is empty). On a GPU nothing but the
-        per-device counts leaves the device."""
+        mini-batch step (with no keys when its slice is empty). ``routing``: where the keys go
+        and how many come from each device, when the caller knows (then nothing is read back;
+        else the counts are exchanged and read once)."""
         xp = _xp(keys)
         keys = xp.ascontiguousarray(keys, dtype=xp.uint64)
-        order, counts = self._by_device(keys)
-        asked, got = self._alltoall(torch.as_tensor(keys[order].view(xp.int64)), counts, 1)
+        order, counts, known = self._routed(keys, routing)
+        asked, got = self._alltoall(torch.as_tensor(keys[order].view(xp.int64)), counts, 1, known)
         asked_keys = xp.asarray(asked).reshape(-1).view(xp.uint64)
         rows = xp.ascontiguousarray(xp.asarray(serve(asked_keys)), dtype=xp.float32)
-        back, _ = self._alltoall(torch.as_tensor(rows), got, rows.shape[1])
+        back, _ = self._alltoall(torch.as_tensor(rows), got, rows.shape[1], counts)  # what was asked comes back
         out = xp.empty((keys.size, rows.shape[1]), dtype=xp.float32)
         out[order] = xp.asarray(back)
         return out
 
-    def route(self, keys: Any, grads: Any) -> tuple[Any, Any]:
+    def route(self, keys: Any, grads: Any, routing: Routing | None = None) -> tuple[Any, Any]:
         """Send each gradient row to the device that holds its key; returns this device's
         ``(keys, grads)`` from every device of the node, in device order (duplicates kept: the
-        table sums them into one optimizer step per row), in the keys' array module."""
+        table sums them into one optimizer step per row), in the keys' array module;
+        ``routing`` as :meth:`lookup`'s."""
         xp = _xp(keys)
         keys = xp.ascontiguousarray(keys, dtype=xp.uint64)
         grads = xp.ascontiguousarray(grads, dtype=xp.float32)
-        order, counts = self._by_device(keys)
-        got_keys, _ = self._alltoall(torch.as_tensor(keys[order].view(xp.int64)), counts, 1)
-        got_grads, _ = self._alltoall(torch.as_tensor(grads[order]), counts, grads.shape[1])
+        order, counts, known = self._routed(keys, routing)
+        got_keys, got = self._alltoall(torch.as_tensor(keys[order].view(xp.int64)), counts, 1, known)
+        got_grads, _ = self._alltoall(torch.as_tensor(grads[order]), counts, grads.shape[1], got)
         return xp.asarray(got_keys).reshape(-1).view(xp.uint64), xp.asarray(got_grads)
 
     # -- across nodes: the peers of one device index -------------------------------------

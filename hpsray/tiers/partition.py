@@ -8,6 +8,7 @@ see even keys and all of them would land on its device 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -41,6 +42,25 @@ def device_of(keys: ArrayLike, n_nodes: int, n_devices: int) -> np.ndarray:
     d = np.uint64(_check(n_devices, "n_devices"))
     h = mix64_array(keys) if is_device_array(keys) else key_hash(keys)  # type: ignore[arg-type]
     return ((h // n) % d).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One mini-batch's exchange among a node's devices, known on the host before it runs:
+    ``keys[order]`` groups a device's keys by the device that holds them (``counts[e]`` go to
+    device ``e``), and ``got[e]`` keys come to it from device ``e``. ``order`` is in the keys'
+    array module."""
+
+    order: Any
+    counts: list[int]
+    got: list[int]
+
+
+def routing(keys: np.ndarray, to_me: list[int], n_nodes: int, n_devices: int) -> Routing:
+    """The :class:`Routing` of host ``keys`` (a device's, distinct) given ``to_me[e]``: how many
+    keys device ``e`` sends this one (known wherever every device's keys are)."""
+    order, offsets = group_by(device_of(keys, n_nodes, n_devices), n_devices)
+    return Routing(order, [int(c) for c in np.diff(offsets)], [int(c) for c in to_me])
 
 
 def place(keys: ArrayLike, n_nodes: int, n_devices: int = 1) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ import torch
 
 from hpsray.data.batch import Batch
 from hpsray.tiers.loans import Loan, Refresh
-from hpsray.tiers.partition import device_of
+from hpsray.tiers.partition import Routing, device_of, routing
 from hpsray.training.engine import TrainerEngine, loaned_rows
 from hpsray.training.exchange_plan import ExchangePlan
 from hpsray.training.layout import MiniBatchIndex, index_batch, keys_as_tensor
@@ -35,9 +35,9 @@ class Mesh(Protocol):
 
     def allreduce_sum(self, flat: torch.Tensor) -> torch.Tensor: ...
 
-    def lookup(self, keys: Any, rows_of: Callable[[Any], Any]) -> Any: ...
+    def lookup(self, keys: Any, rows_of: Callable[[Any], Any], routing: Routing | None = None) -> Any: ...
 
-    def route(self, keys: Any, grads: Any) -> tuple[Any, Any]: ...
+    def route(self, keys: Any, grads: Any, routing: Routing | None = None) -> tuple[Any, Any]: ...
 
     def allgather_sparse(self, keys: Any, grads: Any, counts: Sequence[int] | None = None) -> tuple[Any, Any]: ...
 
@@ -157,15 +157,19 @@ class DeviceSteps(Strategy):
                     for a, b in zip(bounds[:-1], bounds[1:])
                 ]
                 index, keys = self._index(slices[d])
-                parts.append((index, dev.array(keys), total, size))  # the keys go to the device once per batch
-                here = [np.unique(p.keys) for p in slices if p is not None]  # every device's slice, in device order
+                # every device's slice (in device order) and which of its keys live here: where this
+                # device's keys go and how many come here are known now, for the whole batch
+                here = [np.unique(p.keys) if p is not None else np.empty(0, np.uint64) for p in slices]
                 here = [u[device_of(u, engine.n_nodes, n_dev) == d] for u in here]
-                routed.append(keys_as_tensor(np.concatenate(here) if here else np.empty(0, np.uint64), dev.torch))
+                way = routing(keys, [u.size for u in here], engine.n_nodes, n_dev)
+                way = Routing(dev.array(way.order), way.counts, way.got)
+                parts.append((index, dev.array(keys), total, size, way))  # to the device once per batch
+                routed.append(keys_as_tensor(np.concatenate(here), dev.torch))
             plan = ExchangePlan.of(engine, routed, n_mb, mesh)
         shares, scales = [], []
-        for k, (index, keys, total, size) in enumerate(parts):
+        for k, (index, keys, total, size, way) in enumerate(parts):
             with minibatch():
-                rows = dev.tensor(mesh.lookup(keys, lambda k: engine.resident_rows(k, dim)))
+                rows = dev.tensor(mesh.lookup(keys, lambda k: engine.resident_rows(k, dim), way))
                 if index is not None:
                     loss, row_grads = engine.backward_from(rows, index, total)
                     grads = dev.from_tensor(row_grads)
@@ -174,7 +178,7 @@ class DeviceSteps(Strategy):
                     loss = torch.zeros((), device=dev.torch)
                     grads = dev.xp.zeros((0, dim), dtype=dev.xp.float32)
                 engine.dense.step_optimizers(reduce)
-                got_keys, got_grads = mesh.route(keys, grads)  # the node's update of this device's rows
+                got_keys, got_grads = mesh.route(keys, grads, way)  # the node's update of this device's rows
                 _, got_grads = mesh.allgather_sparse(got_keys, got_grads, plan.counts(k))  # and every other node's
                 engine.step += 1
                 plan.apply(k, dev.tensor(got_grads), engine.step)

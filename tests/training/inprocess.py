@@ -14,7 +14,7 @@ import torch
 from hpsray.cluster.updates import Payload, Versions, payload_bytes
 from hpsray.errors import PeerFailedError
 from hpsray.kernels.arrays import array_module, is_device_array
-from hpsray.tiers.partition import device_of
+from hpsray.tiers.partition import Routing, device_of
 
 
 def _xp(a: Any) -> Any:
@@ -123,7 +123,7 @@ class ThreadMesh(_Meeting):
 
 class ThreadMeshMember:
     def __init__(self, mesh: ThreadMesh, index: int) -> None:
-        self.mesh, self.index, self.bytes_sent = mesh, index, 0
+        self.mesh, self.index, self.bytes_sent, self.unrouted = mesh, index, 0, 0
 
     def _send(self, keys: Any, *rows: Any) -> list[tuple[Any, ...]]:
         """Each device's part of ``keys`` (and ``rows``), those it holds; what every device sent here."""
@@ -132,9 +132,21 @@ class ThreadMeshMember:
         got = self.mesh.gather(self.index, parts)
         return [got[d][self.index] for d in range(self.mesh.n)]
 
-    def lookup(self, keys: Any, serve: Callable[[Any], Any]) -> Any:
+    def _check(self, keys: Any, routing: Routing | None, asked: list[tuple[Any, ...]]) -> None:
+        """A routing given must say what the real mesh would find: where each key goes and how
+        many keys come from each device (it reads nothing back when given one)."""
+        if routing is None:
+            self.unrouted += 1
+            return
+        where = device_of(keys, 1, self.mesh.n)
+        assert routing.counts == [int((where == d).sum()) for d in range(self.mesh.n)], routing
+        assert routing.got == [len(a[0]) for a in asked], (routing.got, [len(a[0]) for a in asked])
+        assert (where[routing.order][1:] >= where[routing.order][:-1]).all()
+
+    def lookup(self, keys: Any, serve: Callable[[Any], Any], routing: Routing | None = None) -> Any:
         xp = _xp(keys)
         asked = self._send(keys)
+        self._check(keys, routing, asked)
         answers = [serve(k) for (k,) in asked]
         back = self.mesh.gather(self.index, answers)  # back[d][e]: device d's rows for device e's keys
         where = device_of(keys, 1, self.mesh.n)
@@ -143,9 +155,10 @@ class ThreadMeshMember:
             out[where == d] = back[d][self.index]
         return out
 
-    def route(self, keys: Any, grads: Any) -> tuple[Any, Any]:
+    def route(self, keys: Any, grads: Any, routing: Routing | None = None) -> tuple[Any, Any]:
         xp = _xp(keys)
         got = self._send(keys, grads)
+        self._check(keys, routing, got)
         return xp.concatenate([k for k, _ in got]), xp.concatenate([g for _, g in got])
 
     def allgather_sparse(self, keys: Any, grads: Any, counts: Sequence[int] | None = None) -> tuple[Any, Any]:

@@ -68,3 +68,16 @@ def test_a_bsp_minibatch_exchanges_no_sizes():
     groups = [s.group for s in strategies]  # type: ignore[attr-defined]
     assert [g.uncounted for g in groups] == [0, 0]
     assert all(g.bytes_sent > 0 for g in groups)
+
+
+def test_a_device_minibatch_is_routed_without_exchanging_counts():
+    """Every device process sees the node's whole part, so where each device's keys go and how
+    many come to it are known at the batch's start: each mini-batch's lookup and route are told
+    (no all-to-all of counts, nothing read back on a GPU); the in-process mesh checks each
+    routing against the keys and counts the calls without one."""
+    from paths import path  # tests/training/paths.py
+
+    go, strategies = path("devices", "adam")  # trains the first batch
+    go()
+    meshes = [s.mesh for s in strategies]  # type: ignore[attr-defined]
+    assert [m.unrouted for m in meshes] == [0, 0]
