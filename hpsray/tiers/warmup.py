@@ -151,9 +151,12 @@ def tiny_batch(n_slots: int, n_dense: int, examples: int = 24, seed: int = 0) ->
 
 def warm_trainer_step(hbm_like: Any, init: RowInit, width: int, n_slots: int, n_dense: int) -> None:
     """What a batch's boundary asks of a trainer's table, with writable and read-only arrays,
-    on a throwaway working set: insert, retain, erase, find, get and assign. The trainer
-    engine's mini-batch step is torch ops, which compile nothing. ``hbm_like`` is a fresh,
-    empty HBM-PS of the same shape as the trainer's."""
+    on a throwaway working set: insert, retain, erase, find, get and assign; and the step's
+    fused sparse update (its other ops are torch's, which compile nothing). ``hbm_like`` is a
+    fresh, empty HBM-PS of the same shape as the trainer's."""
+    from hpsray.training.fused_update import warm_fused_update
+
+    warm_fused_update()
     batch = tiny_batch(n_slots, n_dense)
     keys = np.unique(batch.keys)
     half = keys.size // 2

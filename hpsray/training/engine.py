@@ -199,10 +199,11 @@ class TrainerEngine:
         arena, losses = self.arena, []
         for mb in index.minibatches:
             with minibatch():  # a profiler range: tests count what runs inside it
-                gathered, loss, grads = self.forward_backward(arena, mb, mb.n_examples)
+                gathered = arena.gather(mb.rows)
+                loss, pooled = self.backward_pooled(gathered, mb, mb.n_examples)
                 self.dense.step_optimizers()
                 self.step += 1
-                arena.update(mb.rows, gathered, grads, self.step)
+                arena.apply(mb, gathered, pooled, self.step)  # fused on the CPU: ArenaStep
                 losses.append(loss)
         self.examples += index.n_examples
         return losses
@@ -278,12 +279,17 @@ class TrainerEngine:
         """Forward and backward of one mini-batch over ``rows`` (its distinct rows in the
         index's order, ``[U, >= dim]``): ``(loss, row gradients)``, the loss this part's share of
         the mean over ``total`` examples."""
+        loss, pooled = self.backward_pooled(rows, mb, total)
+        return loss, ArenaStep.row_grads(mb, pooled)
+
+    def backward_pooled(self, rows: torch.Tensor, mb: MiniBatchIndex, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`backward_from` up to the pooled leaf: ``(loss, pooled)``, its gradient filled."""
         self.dense.zero_grad()
         pooled = ArenaStep.pool_rows(rows, mb, self.config.dim)
         logits = self.dense.models[0](pooled, mb.dense)
         loss = F.binary_cross_entropy_with_logits(logits, mb.labels, reduction="sum") / total
         loss.backward()
-        return loss.detach(), ArenaStep.row_grads(mb, pooled)
+        return loss.detach(), pooled
 
     def global_minibatches(self, index: BatchIndex, sizes: list[int]) -> Iterator[tuple[MiniBatchIndex | None, int]]:
         """This node's part of each global mini-batch of the batch (``None`` once its examples

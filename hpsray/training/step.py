@@ -12,6 +12,12 @@ tensor without a copy. Per mini-batch of a :class:`~hpsray.training.layout.Batch
 4. :meth:`ArenaStep.update`: the sparse optimizer on the gathered rows
    (:func:`~hpsray.training.sparse_update.update_rows`) and one ``index_copy_`` back.
 
+Fused (``ArenaStep(..., fused=True)``, the default on the CPU), :meth:`ArenaStep.apply` does 3
+and 4 as one op, ``hpsray::fused_sparse_update`` (:mod:`hpsray.training.fused_update`): each
+distinct row's gradient summed from the pooled gradient and the optimizer applied where the row
+lies in the arena, in one pass and the same bits. The unfused ops stay as its check (and for the
+paths that exchange row gradients before updating).
+
 Every op runs on the arena's device and none reads a result back, so on CUDA a mini-batch is a
 stream of kernel launches. The same lines run on the CPU, where they are bit-equal to the
 reference trainer.
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hpsray.kernels.optim import SparseOptimizer
+from hpsray.training.fused_update import fused_sparse_update
 from hpsray.training.layout import MiniBatchIndex
 from hpsray.training.sparse_update import update_rows
 
@@ -31,14 +38,17 @@ __all__ = ["ArenaStep"]
 
 class ArenaStep:
     """The sparse half of a mini-batch step over ``arena`` (``float32[capacity, width]``, the
-    first ``dim`` columns the weights), with reusable scratch for the gathered rows."""
+    first ``dim`` columns the weights), with reusable scratch for the gathered rows. ``fused``:
+    whether :meth:`apply` runs the fused op (``None``: on the CPU, where it was measured faster,
+    docs/benchmarks.md; the unfused ops on CUDA until measured there)."""
 
-    def __init__(self, arena: torch.Tensor, dim: int, optimizer: SparseOptimizer) -> None:
+    def __init__(self, arena: torch.Tensor, dim: int, optimizer: SparseOptimizer, fused: bool | None = None) -> None:
         if arena.dim() != 2 or arena.dtype != torch.float32 or not arena.is_contiguous():
             raise ValueError(
                 f"arena must be a contiguous float32 [capacity, width] tensor, got {arena.dtype}{tuple(arena.shape)}"
             )
         self.arena, self.dim, self.optimizer = arena, dim, optimizer
+        self.fused = (not arena.is_cuda) if fused is None else fused
         self._scratch = torch.empty((0, arena.shape[1]), dtype=torch.float32, device=arena.device)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
@@ -78,3 +88,17 @@ class ArenaStep:
         distinct ``slots``, for ``grads``, and write them back to the arena."""
         update_rows(gathered, grads, self.optimizer, step)
         self.arena.index_copy_(0, slots, gathered)
+
+    def apply(self, mb: MiniBatchIndex, gathered: torch.Tensor, pooled: torch.Tensor, step: int) -> None:
+        """After the backward pass of ``mb`` (``pooled``: the leaf :meth:`pool` gave, its
+        gradient filled; ``gathered``: the rows it was pooled from), apply the sparse optimizer
+        (global step ``step``) to the mini-batch's rows in the arena: fused, one
+        ``hpsray::fused_sparse_update``; else :meth:`row_grads` and :meth:`update`."""
+        if not self.fused:
+            self.update(mb.rows, gathered, self.row_grads(mb, pooled), step)
+            return
+        if pooled.grad is None:
+            raise RuntimeError("apply before the backward pass: the pooled leaf has no gradient")
+        grad = pooled.grad.view(-1, pooled.shape[2])
+        hp = [float(x) for x in self.optimizer.hyperparams(step)]
+        fused_sparse_update(self.arena, mb.rows, mb.grad_bags, mb.grad_offsets, grad, self.optimizer.kind, hp)

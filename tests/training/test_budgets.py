@@ -12,6 +12,7 @@ import torch
 from budget import HOST_READS, LAUNCHES, tally  # tests/training/budget.py
 from paths import OPTIMIZERS, PATHS, path  # tests/training/paths.py
 
+import hpsray.training.engine as engine_module
 from hpsray.training.step import ArenaStep
 
 
@@ -23,14 +24,21 @@ def test_every_path_stays_within_its_budget(name, optimizer):
 
 
 def _inject(monkeypatch, fault) -> None:
-    """``fault(grads)`` runs inside every mini-batch's sparse update."""
-    update = ArenaStep.update
+    """``fault(arena, grads)`` runs inside every mini-batch's sparse update, beside the fused op
+    (``ArenaStep.apply``, one node; ``grads`` the pooled gradient there) or the unfused update."""
+    update, apply = ArenaStep.update, ArenaStep.apply
 
     def faulty(self, slots, gathered, grads, step):
         fault(self, grads)
         return update(self, slots, gathered, grads, step)
 
+    def faulty_apply(self, mb, gathered, pooled, step):
+        if self.fused:
+            fault(self, pooled.grad)
+        return apply(self, mb, gathered, pooled, step)
+
     monkeypatch.setattr(ArenaStep, "update", faulty)
+    monkeypatch.setattr(ArenaStep, "apply", faulty_apply)
 
 
 FAULTS = {
@@ -83,3 +91,34 @@ def test_the_host_step_budget_fails_when_exceeded():
     go, _ = path("ssp", "sgd")
     with pytest.raises(AssertionError, match="host reads in a mini-batch's host step"):
         tally(go).check(LAUNCHES["ssp"], host_reads=0)
+
+
+def test_the_fused_sparse_update_is_one_launch_of_a_one_node_minibatch():
+    """One node steps with the fused op on the CPU: one ``hpsray::fused_sparse_update`` a
+    mini-batch, counted as a launch, in place of the row gradients' bag sum, the optimizer's
+    element-wise ops and the copy back (its numba kernel inside it is not a numba call)."""
+    go, _ = path("local", "adam")
+    counts = tally(go)
+    counts.check(LAUNCHES["local"])
+    for m in counts.minibatches:
+        assert m.launches.count("hpsray::fused_sparse_update") == 1, m.launches
+        assert "aten::index_copy_" not in m.launches and "aten::embedding_bag" in m.launches, m.launches
+
+
+class _Unfused(ArenaStep):
+    def __init__(self, arena, dim, optimizer, fused=None):
+        super().__init__(arena, dim, optimizer, fused=False)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_one_node_without_the_fused_op_stays_within_its_budget(monkeypatch, optimizer):
+    """The unfused sparse update (the CUDA default), on the CPU twin: its own budget, no
+    read-back, numba call or sort; over the fused path's budget (the check tells them apart)."""
+    monkeypatch.setattr(engine_module, "ArenaStep", _Unfused)
+    go, _ = path("local", optimizer)
+    counts = tally(go)
+    counts.check(LAUNCHES["local_unfused"])
+    assert "aten::index_copy_" in counts.worst("launches")
+    if optimizer != "sgd":
+        with pytest.raises(AssertionError, match="launching ops in a mini-batch, budget"):
+            counts.check(LAUNCHES["local"])
