@@ -34,6 +34,21 @@ def test_no_minibatch_of_any_path_syncs_with_the_device(name, device):
         assert all(math.isfinite(v) for v in steps.engine.losses.values())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["local", "bsp"])
+def test_no_minibatch_syncs_when_the_read_stage_made_the_index(name, device):
+    """``index_stage = "read"`` (the default on a GPU node's cores): the batch's layout comes
+    made over positions and the trainer maps it to its slots; its mini-batches are the same."""
+    go, strategies = path(name, "adam", device, layouts=True)
+    if device == "cuda":
+        with syncs_are_errors():
+            go()
+        torch.cuda.synchronize()
+    else:
+        tally(go).check(LAUNCHES[name], HOST_READS.get(name, 0))
+    assert all(steps.engine.step > 0 for steps in strategies)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_a_read_back_in_a_minibatch_raises_on_the_gpu(monkeypatch):
