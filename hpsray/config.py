@@ -14,6 +14,7 @@ import numpy as np
 from hpsray.kernels import DEVICES
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer, make_optimizer
+from hpsray.tables import Tables, TableSpec
 
 __all__ = [
     "CONSISTENCY_MODES",
@@ -57,6 +58,10 @@ class TrainConfig:
         model_kind: the dense model, one of :data:`hpsray.models.kinds.MODEL_KINDS`
             (:func:`hpsray.models.kinds.build_model`); ``"mlp"`` is the paper's DNN over ``hidden``.
         model_settings: that kind's settings (``[model]`` keys of a job file; checked when built).
+        tables: the embedding tables (:class:`~hpsray.tables.TableSpec`); empty: one table of
+            every slot at ``dim`` with this optimizer and sum pooling. ``dim``, ``row_width``,
+            ``optimizer()`` and ``row_init()`` are that default table's; :meth:`tables_for` gives
+            the resolved set.
     """
 
     dim: int = 16
@@ -71,6 +76,7 @@ class TrainConfig:
     sparse_params: dict = field(default_factory=dict)
     model_kind: str = "mlp"
     model_settings: dict = field(default_factory=dict)
+    tables: tuple[TableSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dim < 1:
@@ -80,6 +86,10 @@ class TrainConfig:
         if self.init_scale < 0:
             raise ValueError(f"TrainConfig.init_scale must be >= 0, got {self.init_scale}")
         object.__setattr__(self, "hidden", tuple(self.hidden))
+        object.__setattr__(self, "tables", tuple(self.tables))
+        for i, spec in enumerate(self.tables):
+            if not isinstance(spec, TableSpec):
+                raise TypeError(f"TrainConfig.tables[{i}] must be a TableSpec, got {type(spec).__name__}")
         self.optimizer()  # validates name and parameters
 
     def optimizer(self) -> SparseOptimizer:
@@ -94,6 +104,11 @@ class TrainConfig:
     def row_init(self) -> RowInit:
         """How new rows are initialised."""
         return RowInit.for_optimizer(self.dim, self.optimizer(), scale=self.init_scale, seed=self.seed)
+
+    def tables_for(self, n_slots: int) -> Tables:
+        """The resolved :class:`~hpsray.tables.Tables` of ``n_slots`` slots (raises
+        :class:`~hpsray.errors.ConfigError` naming the table and field of a bad one)."""
+        return Tables.of(self, n_slots)
 
 
 def check_admission(admit_after: int, expire_after_batches: int | None) -> None:

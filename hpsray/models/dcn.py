@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from hpsray.models.dnn import input_width
 from hpsray.models.mlp import mlp, out_width
 
 STRUCTURES = ("stacked", "parallel")
@@ -39,6 +40,8 @@ class DCN(nn.Module):
         structure: ``"stacked"`` (the deep MLP over the cross network's output) or ``"parallel"``
             (cross network and deep MLP side by side over ``x0``, their outputs concatenated).
         hidden: widths of the deep MLP.
+        slot_dims: each slot's width when the tables' widths differ (:mod:`hpsray.tables`);
+            ``pooled`` is then ``[B, sum(slot_dims)]``, the slots concatenated in slot order.
     """
 
     def __init__(
@@ -50,10 +53,11 @@ class DCN(nn.Module):
         low_rank: int | None,
         structure: str,
         hidden: Sequence[int],
+        slot_dims: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
-        width = n_slots * dim + n_dense
+        width = input_width(n_slots, dim, n_dense, slot_dims)
         self.structure = structure
         self.cross = nn.ModuleList(CrossLayer(width, low_rank) for _ in range(cross_layers))
         self.deep = mlp(width, hidden)

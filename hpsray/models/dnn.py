@@ -15,10 +15,20 @@ class DNN(nn.Module):
 
     ``forward(pooled [B, n_slots, dim], dense [B, n_dense]) -> logits [B]``. Any module with
     that signature can stand in for it. Weights are drawn from ``seed`` alone (not from the
-    global torch RNG), so every replica of the model starts identical.
+    global torch RNG), so every replica of the model starts identical. With ``slot_dims``
+    (tables of several widths, :mod:`hpsray.tables`) ``pooled`` is ``[B, sum(slot_dims)]``: the
+    slots' pooled embeddings concatenated in slot order.
     """
 
-    def __init__(self, n_slots: int, dim: int, n_dense: int, hidden: Sequence[int] = (512, 256, 128), seed: int = 0):
+    def __init__(
+        self,
+        n_slots: int,
+        dim: int,
+        n_dense: int,
+        hidden: Sequence[int] = (512, 256, 128),
+        seed: int = 0,
+        slot_dims: Sequence[int] | None = None,
+    ):
         super().__init__()
         if n_slots < 1 or dim < 1 or n_dense < 0 or any(h < 1 for h in hidden):
             raise ValueError(
@@ -27,7 +37,7 @@ class DNN(nn.Module):
             )
         self.n_slots, self.dim, self.n_dense = n_slots, dim, n_dense
         layers: list[nn.Module] = []
-        width = n_slots * dim + n_dense
+        width = input_width(n_slots, dim, n_dense, slot_dims)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for h in hidden:
@@ -39,6 +49,16 @@ class DNN(nn.Module):
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         x = torch.cat([pooled.reshape(pooled.shape[0], -1), dense], dim=1)
         return self.mlp(x).squeeze(1)
+
+
+def input_width(n_slots: int, dim: int, n_dense: int, slot_dims: Sequence[int] | None) -> int:
+    """Width of ``[flattened pooled embeddings, dense]``: ``n_slots * dim`` embedding floats, or
+    ``sum(slot_dims)`` when the slots' widths are given."""
+    if slot_dims is None:
+        return n_slots * dim + n_dense
+    if len(slot_dims) != n_slots or any(d < 1 for d in slot_dims):
+        raise ValueError(f"slot_dims: need {n_slots} widths >= 1, got {tuple(slot_dims)}")
+    return sum(slot_dims) + n_dense
 
 
 def make_dense_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float) -> DenseOptimizer:

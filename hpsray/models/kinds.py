@@ -23,6 +23,7 @@ from hpsray.models.dcn import DCN, STRUCTURES
 from hpsray.models.deepfm import DeepFM, WideDeep
 from hpsray.models.dlrm import DLRM
 from hpsray.models.dnn import DNN
+from hpsray.tables import Tables
 
 _WIDTHS = "a list of integers >= 1"
 
@@ -57,7 +58,7 @@ KINDS: dict[str, _Kind] = {
     "mlp": _Kind(
         {"hidden": (512, 256, 128)},
         {"hidden": (_widths, _WIDTHS)},
-        lambda s, d, n, seed, hidden: DNN(s, d, n, hidden, seed=seed),
+        lambda s, d, n, seed, hidden, slot_dims=None: DNN(s, d, n, hidden, seed=seed, slot_dims=slot_dims),
     ),
     "dlrm": _Kind(
         {"bottom": (512, 256), "top": (512, 256)},
@@ -79,6 +80,10 @@ KINDS: dict[str, _Kind] = {
 }
 MODEL_KINDS = tuple(KINDS)
 """The kinds ``[model] kind`` takes."""
+MIXED_DIMS = ("mlp", "dcn")
+"""The kinds that take slots of several widths (tables of their own dims, :mod:`hpsray.tables`):
+those that flatten the slots. DLRM's dot interaction and DeepFM's / Wide & Deep's per-slot
+factors need one width for every slot (TorchRec's rule for DLRM too)."""
 
 
 @dataclass(frozen=True)
@@ -115,11 +120,19 @@ class ModelSpec:
         merged = {**kind.defaults, **self.settings}
         object.__setattr__(self, "settings", {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()})
 
-    def build(self, n_slots: int, dim: int, n_dense: int, seed: int) -> nn.Module:
-        """The module, its weights drawn from ``seed`` alone."""
+    def build(
+        self, n_slots: int, dim: int, n_dense: int, seed: int, slot_dims: tuple[int, ...] | None = None
+    ) -> nn.Module:
+        """The module, its weights drawn from ``seed`` alone; ``slot_dims`` (each slot's width,
+        for the kinds of :data:`MIXED_DIMS` only) when the slots' widths differ."""
+        extra: dict[str, Any] = {}
+        if slot_dims is not None:
+            if self.kind not in MIXED_DIMS:
+                raise ConfigError("ModelSpec", "model.kind", f"{self.kind!r} needs one dim for every slot")
+            extra["slot_dims"] = tuple(slot_dims)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return KINDS[self.kind].build(n_slots, dim, n_dense, seed, **self.settings)
+            return KINDS[self.kind].build(n_slots, dim, n_dense, seed, **self.settings, **extra)
 
     def to_dict(self) -> dict[str, Any]:
         """``{"kind": ..., **settings}`` with lists: what an export records."""
@@ -144,8 +157,34 @@ def model_spec(config: TrainConfig) -> ModelSpec:
 def build_model(config: TrainConfig, n_slots: int, n_dense: int) -> nn.Module:
     """The dense model ``config`` names, for ``n_slots`` slots of width ``config.dim`` and
     ``n_dense`` dense features, its weights drawn from ``config.seed``: what the trainers, the
-    reference and serving build alike."""
-    return model_spec(config).build(n_slots, config.dim, n_dense, config.seed)
+    reference and serving build alike.
+
+    With ``config.tables`` each slot has its table's width: one width for every slot builds the
+    model at that width (input ``[B, n_slots, dim]``); several widths build the kinds of
+    :data:`MIXED_DIMS` over ``[B, sum of the slots' widths]`` and refuse the others with a
+    :class:`~hpsray.errors.ConfigError` naming the tables and their dims."""
+    spec = model_spec(config)
+    if not config.tables:
+        return spec.build(n_slots, config.dim, n_dense, config.seed)
+    tables = config.tables_for(n_slots)
+    if tables.uniform_dim is not None:
+        return spec.build(n_slots, tables.uniform_dim, n_dense, config.seed)
+    refusal = mixed_dims_refusal(spec.kind, tables)
+    if refusal:
+        raise ConfigError("ModelSpec", "model.kind", refusal)
+    return spec.build(n_slots, max(tables.dims), n_dense, config.seed, slot_dims=tables.slot_dims)
+
+
+def mixed_dims_refusal(kind: str, tables: Tables) -> str | None:
+    """Why ``kind`` cannot take ``tables`` (``None`` when it can): the kinds outside
+    :data:`MIXED_DIMS` need one dim for every slot."""
+    if tables.uniform_dim is not None or kind in MIXED_DIMS:
+        return None
+    why = "its dot interaction pairs" if kind == "dlrm" else "its per-slot factors pair"
+    return (
+        f"{kind!r} needs one dim for every slot ({why} the slots' embeddings); the tables have "
+        f"{tables.describe()}: give them one dim, or use kind {' or '.join(repr(k) for k in MIXED_DIMS)}"
+    )
 
 
 def _near(name: str, known: Any) -> str:

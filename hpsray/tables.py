@@ -1,0 +1,277 @@
+"""Embedding tables of their own (issue 43): each a set of slots with its own width, pooling and
+sparse optimizer.
+
+:class:`TableSpec` names one table; :class:`Tables` is a model's set of them, resolved for a
+number of slots (each slot in exactly one table) against a :class:`~hpsray.config.TrainConfig`,
+which gives every setting a table leaves out. No tables given means ONE table of every slot with
+the config's ``dim``, optimizer and learning rate and sum pooling: the jobs before tables.
+
+**The key contract** (docs/architecture.md, "Keys and partitioning"): a key stays the 64-bit mix
+of (slot, value) (:mod:`hpsray.data.keys`). With more than one table, :meth:`Tables.tag` puts the
+table's index in the key's top 8 bits (the low 56 bits are the mix's), so keys of two tables never
+collide, even for equal raw values, and :meth:`Tables.table_of` reads a key's table (hence its row
+width) from the key alone. One table tags nothing: its keys are the mix's, unchanged. At most
+255 tables, so a tagged key's top byte is at most ``0xFE`` and never the reserved all-ones
+``EMPTY_KEY``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hpsray.errors import ConfigError
+from hpsray.kernels.hashing import EMPTY_KEY
+from hpsray.kernels.init import RowInit
+from hpsray.kernels.optim import SparseOptimizer, make_optimizer
+
+if TYPE_CHECKING:
+    from hpsray.config import TrainConfig
+
+__all__ = ["MAX_TABLES", "POOLINGS", "TAG_SHIFT", "TableSpec", "Tables", "pipeline_refusal", "refuse_for_pipeline"]
+
+POOLINGS = ("sum", "mean")
+"""How a slot's keys of one example pool: summed, or summed and divided by their count."""
+MAX_TABLES = 255
+"""At most this many tables: a tagged key's top byte stays below ``0xFF`` (never ``EMPTY_KEY``)."""
+TAG_SHIFT = np.uint64(56)
+_LOW = np.uint64((1 << 56) - 1)
+
+
+def _fail(field: str, name: object, reason: str) -> ConfigError:
+    return ConfigError("TableSpec", field, f"table {name!r}: {reason}")
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table: its ``name``, the ``slots`` it holds, its ``dim`` and ``pooling``; and, when
+    given, its own sparse ``optimizer`` (a :data:`~hpsray.config.SPARSE_OPTIMIZERS` name), ``lr``,
+    ``sparse_params`` and admission/expiry (``None``: the config's or the job's).
+
+    Raises :class:`~hpsray.errors.ConfigError` naming the field and the table.
+    """
+
+    name: str
+    slots: tuple[int, ...]
+    dim: int
+    pooling: str = "sum"
+    optimizer: str | None = None
+    lr: float | None = None
+    sparse_params: Mapping[str, float] | None = None
+    admit_after: int | None = None
+    expire_after_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        from hpsray.config import SPARSE_OPTIMIZERS, check_admission
+
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise _fail("name", self.name, "must be a non-empty string")
+        if not isinstance(self.slots, (list, tuple)) or not self.slots or not all(_int(s) for s in self.slots):
+            raise _fail("slots", self.name, f"must be a non-empty list of slot numbers, got {self.slots!r}")
+        slots = tuple(int(s) for s in self.slots)
+        if len(set(slots)) != len(slots):
+            raise _fail("slots", self.name, f"names a slot twice: {list(slots)}")
+        if min(slots) < 0:
+            raise _fail("slots", self.name, f"slot numbers must be >= 0, got {min(slots)}")
+        object.__setattr__(self, "slots", slots)
+        if not _int(self.dim) or self.dim < 1:
+            raise _fail("dim", self.name, f"must be an integer >= 1, got {self.dim!r}")
+        if self.pooling not in POOLINGS:
+            raise _fail("pooling", self.name, f"must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.optimizer is not None and self.optimizer not in SPARSE_OPTIMIZERS:
+            raise _fail(
+                "optimizer", self.name, f"must be one of {', '.join(SPARSE_OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if self.lr is not None and (
+            isinstance(self.lr, bool)
+            or not isinstance(self.lr, (int, float))
+            or not math.isfinite(self.lr)
+            or self.lr <= 0
+        ):
+            raise _fail("lr", self.name, f"must be a number > 0, got {self.lr!r}")
+        if self.sparse_params is not None:
+            object.__setattr__(self, "sparse_params", dict(self.sparse_params))
+        try:
+            check_admission(
+                0 if self.admit_after is None else self.admit_after,
+                self.expire_after_batches,
+            )
+        except ValueError as e:
+            field = "expire_after_batches" if "expire" in str(e) else "admit_after"
+            raise _fail(field, self.name, str(e)) from None
+
+
+class Tables:
+    """A model's tables, resolved for ``n_slots`` slots against ``config`` (see the module
+    docstring); build with :meth:`of` (``TrainConfig.tables_for``).
+
+    Per table ``t``: ``specs[t]`` (every setting filled in), ``dims[t]``, ``widths[t]`` (floats
+    per stored row: weights then the optimizer's state, as ``TrainConfig.row_width``),
+    ``row_bytes[t]``, ``optimizers[t]`` and ``row_inits[t]``. ``slot_table[s]`` is slot ``s``'s
+    table and ``slot_dims[s]`` its width.
+    """
+
+    def __init__(self, specs: Sequence[TableSpec], n_slots: int, config: TrainConfig) -> None:
+        if not _int(n_slots) or n_slots < 1:
+            raise ConfigError("Tables", "n_slots", f"must be an integer >= 1, got {n_slots!r}")
+        if len(specs) > MAX_TABLES:
+            raise ConfigError("Tables", "tables", f"at most {MAX_TABLES} tables, got {len(specs)}")
+        owner: dict[int, int] = {}
+        names: dict[str, int] = {}
+        resolved = []
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, TableSpec):
+                raise ConfigError("Tables", f"tables[{i}]", f"must be a TableSpec, got {type(spec).__name__}")
+            if spec.name in names:
+                raise ConfigError(
+                    "Tables", f"tables[{i}].name", f"{spec.name!r} names tables[{names[spec.name]}] already"
+                )
+            names[spec.name] = i
+            for s in spec.slots:
+                if s >= n_slots:
+                    raise ConfigError(
+                        "Tables", f"tables[{i}].slots", f"table {spec.name!r}: slot {s} is out of range [0, {n_slots})"
+                    )
+                if s in owner:
+                    other = specs[owner[s]].name
+                    raise ConfigError(
+                        "Tables", f"tables[{i}].slots", f"table {spec.name!r}: slot {s} is in table {other!r} already"
+                    )
+                owner[s] = i
+            resolved.append(_resolve(spec, i, config))
+        missing = sorted(set(range(n_slots)) - set(owner))
+        if missing:
+            raise ConfigError(
+                "Tables", "tables", f"every slot must be in one table; slots {missing} are in none (of {n_slots})"
+            )
+        self.specs: tuple[TableSpec, ...] = tuple(resolved)
+        self.n_slots = int(n_slots)
+        self.slot_table = np.array([owner[s] for s in range(n_slots)], dtype=np.int64)
+        self.optimizers: tuple[SparseOptimizer, ...] = tuple(_optimizer(spec, i) for i, spec in enumerate(self.specs))
+        self.dims = tuple(spec.dim for spec in self.specs)
+        self.widths = tuple(d + opt.state_width(d) for d, opt in zip(self.dims, self.optimizers, strict=True))
+        self.row_bytes = tuple(4 * w for w in self.widths)
+        self.row_inits = tuple(
+            RowInit.for_optimizer(d, opt, scale=config.init_scale, seed=config.seed)
+            for d, opt in zip(self.dims, self.optimizers, strict=True)
+        )
+        self.slot_dims = tuple(self.dims[t] for t in self.slot_table)
+
+    @classmethod
+    def of(cls, config: TrainConfig, n_slots: int) -> Tables:
+        """``config``'s tables for ``n_slots`` slots (its one default table when it gives none)."""
+        specs = config.tables or (TableSpec("default", tuple(range(n_slots)), config.dim),)
+        return cls(specs, n_slots, config)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    @property
+    def tagged(self) -> bool:
+        """Whether keys carry their table in the top 8 bits (more than one table)."""
+        return len(self.specs) > 1
+
+    @property
+    def uniform_dim(self) -> int | None:
+        """The one width of every slot, or ``None`` when the tables' widths differ."""
+        return self.dims[0] if len(set(self.dims)) == 1 else None
+
+    @property
+    def plain(self) -> bool:
+        """One table, sum pooling: what the pipeline runs today."""
+        return len(self.specs) == 1 and self.specs[0].pooling == "sum"
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.specs)
+
+    def tag(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """``keys`` (``uint64``, the (slot, value) mix) of ``slots`` with their table's index in
+        the top 8 bits; unchanged (the same array) with one table."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if not self.tagged:
+            return keys
+        table = self.slot_table[np.asarray(slots, dtype=np.int64)].astype(np.uint64)
+        out = (keys & _LOW) | (table << TAG_SHIFT)
+        assert not np.any(out == EMPTY_KEY)  # the top byte is at most MAX_TABLES - 1 = 0xFE
+        return out
+
+    def table_of(self, keys: np.ndarray) -> np.ndarray:
+        """``int64``: the table of each (tagged) key; zeros with one table."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        if not self.tagged:
+            return np.zeros(keys.shape, dtype=np.int64)
+        return (keys >> TAG_SHIFT).astype(np.int64)
+
+    def describe(self) -> str:
+        """``name (dim D, pooling P)`` of every table, for error messages."""
+        return ", ".join(f"{s.name} (dim {s.dim}, {s.pooling})" for s in self.specs)
+
+
+def _resolve(spec: TableSpec, i: int, config: TrainConfig) -> TableSpec:
+    """``spec`` with the settings it leaves out taken from ``config``."""
+    own = spec.optimizer is not None and spec.optimizer != config.sparse_optimizer
+    params = spec.sparse_params if spec.sparse_params is not None else ({} if own else dict(config.sparse_params))
+    return TableSpec(
+        spec.name,
+        spec.slots,
+        spec.dim,
+        spec.pooling,
+        spec.optimizer or config.sparse_optimizer,
+        spec.lr if spec.lr is not None else config.sparse_lr,
+        params,
+        spec.admit_after,
+        spec.expire_after_batches,
+    )
+
+
+def _optimizer(spec: TableSpec, i: int) -> SparseOptimizer:
+    assert spec.optimizer is not None and spec.lr is not None and spec.sparse_params is not None
+    try:
+        return make_optimizer(spec.optimizer, lr=spec.lr, **spec.sparse_params)
+    except (TypeError, ValueError) as e:
+        raise ConfigError("Tables", f"tables[{i}].sparse_params", f"table {spec.name!r}: {e}") from None
+
+
+def pipeline_refusal(config: TrainConfig, n_slots: int) -> str | None:
+    """Why the distributed pipeline cannot run ``config``'s tables yet (``None`` when it can):
+    it runs one table of every slot at ``config.dim`` with ``config``'s optimizer and sum
+    pooling; the reference trainer (``hpsray train --reference``) runs any tables."""
+    if not config.tables:
+        return None
+    tables = Tables.of(config, n_slots)
+    spec = tables.specs[0]
+    own = (
+        spec.dim,
+        spec.optimizer,
+        spec.lr,
+        dict(spec.sparse_params or {}),
+        spec.admit_after,
+        spec.expire_after_batches,
+    )
+    if (
+        len(tables) == 1
+        and spec.pooling == "sum"
+        and own == (config.dim, config.sparse_optimizer, config.sparse_lr, dict(config.sparse_params), None, None)
+    ):
+        return None
+    return (
+        f"the distributed pipeline does not yet run tables of their own (several tables, mean pooling, "
+        f"or a table's own dim, optimizer or admission); this job has {tables.describe()}. "
+        "`hpsray train --reference` runs it"
+    )
+
+
+def refuse_for_pipeline(config: TrainConfig, n_slots: int, where: str) -> None:
+    """Raise :class:`~hpsray.errors.ConfigError` (``where``, key ``tables``) with
+    :func:`pipeline_refusal`'s reason, if any."""
+    refusal = pipeline_refusal(config, n_slots)
+    if refusal:
+        raise ConfigError(where, "tables", refusal)
