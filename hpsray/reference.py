@@ -12,6 +12,9 @@ rules (docs/architecture.md: Admission and expiry), stated here again on their o
 batch, its distinct keys are counted; a key not admitted trains the batch from its initial row
 and its row is dropped at the batch's end; then the rows expiring at that end are dropped.
 
+With ``TrainConfig.tables`` it holds one row store per table, ``stores[t]`` (``store`` is
+``stores[0]``): :mod:`hpsray.reference_tables`.
+
 The oracle stands apart from the system under test: it imports nothing from ``hpsray.tiers``,
 ``hpsray.actors`` or ``hpsray.pipelines`` (tests/test_reference.py checks it, transitively).
 """
@@ -35,6 +38,7 @@ from hpsray.models.kinds import build_model
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
+from hpsray.reference_tables import TableSplit, admission_of, predict_input, train_tables
 
 _NEVER = np.iinfo(np.int64).min  # "last seen" of a key not seen yet
 
@@ -220,7 +224,7 @@ class ReferenceTrainer:
         admit_after: a key gets a row from the batch in which it is seen for the
             ``admit_after``-th time on (counting batches; ``0``: every key).
         expire_after_batches: rows of keys not seen for this many batches are dropped
-            (``None``: never).
+            (``None``: never). A table's own (``config.tables``) replace either for its rows.
     """
 
     def __init__(
@@ -236,30 +240,51 @@ class ReferenceTrainer:
         self.config = config or TrainConfig()
         self.n_slots, self.n_dense = n_slots, n_dense
         self.optimizer = self.config.optimizer()
-        self.store = SortedRowStore(self.config.row_width, self.config.row_init())
+        self.tables = self.config.tables_for(n_slots) if self.config.tables else None
+        if self.tables is None:
+            self.store = SortedRowStore(self.config.row_width, self.config.row_init())
+            self.stores = [self.store]
+        else:
+            self.split = TableSplit(self.tables)
+            self.stores = [SortedRowStore(w, i) for w, i in zip(self.tables.widths, self.tables.row_inits, strict=True)]
+            self.store = self.stores[0]
         self.model = model or build_model(self.config, n_slots, n_dense)
         self.dense = DenseReplicas(self.model, 1, self.config.dense_optimizer, self.config.dense_lr)
         self.step = 0  # mini-batches trained; the sparse optimizer's global step
         self.batches = 0  # batches trained: the next batch's id, as the pipeline numbers them
         self.examples = 0
         self.train_seconds = 0.0
-        admission = SeenCounts(admit_after, expire_after_batches)
-        self.admission = admission if admission.enabled else None
+        self.admissions: list[SeenCounts | None] = []
+        for admit, expire in admission_of(self.tables, admit_after, expire_after_batches):
+            admission = SeenCounts(admit, expire)
+            self.admissions.append(admission if admission.enabled else None)
+        self.admission = self.admissions[0]  # the (first) table's
 
-    def _begin_batch(self, minibatches: list[Batch]) -> np.ndarray:
-        """Count the batch's distinct keys; returns those not admitted (trained, then dropped)."""
-        if self.admission is None:
-            return np.empty(0, np.uint64)
-        keys = np.unique(np.concatenate([mb.keys for mb in minibatches])) if minibatches else np.empty(0, np.uint64)
-        self.store.drop(self.admission.expire(self.batches - 1))  # done at the last batch's end already
-        admitted = self.admission.see(self.batches, keys)
-        return keys[~admitted]
+    def _begin_batch(self, minibatches: list[Batch]) -> list[np.ndarray]:
+        """Count the batch's distinct keys; returns, per table, those not admitted (trained,
+        then dropped)."""
+        none = np.empty(0, np.uint64)
+        if all(a is None for a in self.admissions):
+            return [none] * len(self.stores)
+        tagged = [mb.keys if self.tables is None else self.split.tagged(mb) for mb in minibatches]
+        keys = np.unique(np.concatenate(tagged)) if minibatches else none
+        rejected = []
+        for t, (admission, store) in enumerate(zip(self.admissions, self.stores, strict=True)):
+            if admission is None:
+                rejected.append(none)
+                continue
+            own = keys if self.tables is None else keys[self.tables.table_of(keys) == t]
+            store.drop(admission.expire(self.batches - 1))  # done at the last batch's end already
+            admitted = admission.see(self.batches, own)
+            rejected.append(own[~admitted])
+        return rejected
 
-    def _end_batch(self, rejected: np.ndarray) -> None:
+    def _end_batch(self, rejected: list[np.ndarray]) -> None:
         """Drop the rows of keys not admitted and of keys expiring now; the batch is done."""
-        if self.admission is not None:
-            self.store.drop(rejected)
-            self.store.drop(self.admission.expire(self.batches))
+        for admission, store, gone in zip(self.admissions, self.stores, rejected, strict=True):
+            if admission is not None:
+                store.drop(gone)
+                store.drop(admission.expire(self.batches))
         self.batches += 1
 
     def _check(self, batch: Batch) -> None:
@@ -271,6 +296,8 @@ class ReferenceTrainer:
 
     def train_minibatch(self, mb: Batch) -> float:
         """One gradient step on ``mb``; returns its mean log-loss before the step."""
+        if self.tables is not None:
+            return train_tables(self, [[mb]])
         fetched = {}
 
         def weights_of(unique_keys: np.ndarray) -> np.ndarray:
@@ -307,6 +334,8 @@ class ReferenceTrainer:
         summed per node over its devices in device order, then over the node sums in node
         order, each sum starting from its first term. The optimizers then step once."""
         nodes = [share if isinstance(share, list) else [share] for share in shares]
+        if self.tables is not None:
+            return train_tables(self, nodes)
         slices = [s for node in nodes for s in node]
         total = sum(len(s) for s in slices)
         dim = self.config.dim
@@ -382,9 +411,12 @@ class ReferenceTrainer:
         self.model.eval()
         out = []
         for mb in batch.minibatches(self.config.minibatch_size):
-            layout = BagLayout.of(mb)
-            emb = torch.from_numpy(self.store.peek(layout.unique_keys)[:, : self.config.dim])
-            out.append(torch.sigmoid(self.model(pool_sum(emb, layout), torch.from_numpy(mb.dense))).numpy())
+            if self.tables is not None:
+                x = predict_input(self, mb)
+            else:
+                layout = BagLayout.of(mb)
+                x = pool_sum(torch.from_numpy(self.store.peek(layout.unique_keys)[:, : self.config.dim]), layout)
+            out.append(torch.sigmoid(self.model(x, torch.from_numpy(mb.dense))).numpy())
         return np.concatenate(out) if out else np.empty(0, dtype=np.float32)
 
     def evaluate(self, batches: Iterable[Batch]) -> EvalResult:
@@ -397,9 +429,23 @@ class ReferenceTrainer:
         return EvalResult(auc=auc(y, p), logloss=logloss(y, p), examples=int(y.size))
 
     def export(self) -> tuple[np.ndarray, np.ndarray, dict]:
-        """``(keys sorted, rows, dense state_dict)``: everything the model learnt."""
+        """``(keys sorted, rows, dense state_dict)``: everything the model learnt (with
+        ``config.tables``: ``ValueError``, see :meth:`export_tables`)."""
+        if self.tables is not None:
+            raise ValueError("a model of several tables exports per table: ReferenceTrainer.export_tables()")
         keys, rows = self.store.export()
-        return keys, rows, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return keys, rows, self.dense_state()
+
+    def dense_state(self) -> dict:
+        """A copy of the dense model's ``state_dict``."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def export_tables(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per table name, its ``(keys sorted, rows)``, each row at its table's width
+        (``{"default": ...}`` without ``config.tables``)."""
+        if self.tables is None:
+            return {"default": self.store.export()}
+        return {spec.name: store.export() for spec, store in zip(self.tables.specs, self.stores, strict=True)}
 
 
 def global_batches(

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hpsray.errors import ConfigError
 from hpsray.evaluation import EvalPoint, EvalTrack
 from hpsray.report import Evaluation, RunReport
 
@@ -38,6 +39,8 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
         admit_after=job.tiers.admit_after,
         expire_after_batches=job.tiers.expire_after_batches,
     )
+    if job.tiers.init_from and job.tables:
+        raise ConfigError(job.where, "tiers.init_from", "does not yet load tables of their own ([[tables]])")
     if job.tiers.init_from:  # the same start as the pipeline's: the imported rows
         from hpsray.tiers.ssd.bulkload import read_table
 
@@ -61,7 +64,7 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
         got = evaluate(held_out)
         point = EvalPoint(batches, pass_index, got["auc"], got["logloss"], got["examples"], time.perf_counter() - t0)
         if track.record(point) and track.settings.patience is not None:
-            best_model = trainer.export()
+            best_model = export(trainer)
         return track.stop
 
     per_read, per_train, losses = {}, {}, {}
@@ -127,9 +130,17 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
         report.evaluation = Evaluation(auc=best.auc, logloss=best.logloss, eval_examples=best.examples)
     else:
         evaluate_into(report, job, evaluate)
-    model = best_model if best_model is not None else trainer.export()
-    report.rows = int(model[0].size)
+    model = best_model if best_model is not None else export(trainer)
+    report.rows = int(model[0].size) if not job.tables else sum(int(k.size) for k, _ in model[0].values())
     return report, model
+
+
+def export(trainer: Any) -> tuple:
+    """What ``trainer`` learnt: ``(keys, rows, dense state)``, or with tables of their own
+    ``({table name: (keys, rows)}, dense state)`` (:meth:`~hpsray.reference.ReferenceTrainer.export_tables`)."""
+    if trainer.tables is None:
+        return trainer.export()
+    return trainer.export_tables(), trainer.dense_state()
 
 
 def evaluate_into(report: RunReport, job: JobConfig, evaluate: Callable[[Any], dict]) -> None:

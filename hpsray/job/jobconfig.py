@@ -40,6 +40,8 @@ from hpsray.job.sections import (
     parse_report,
     parse_tiers,
 )
+from hpsray.job.tables import parse_tables, resolve_tables
+from hpsray.tables import Tables, TableSpec
 
 __all__ = ["JobConfig"]
 
@@ -61,6 +63,7 @@ class JobConfig:
     checkpoint: CheckpointSection | None = None  # no [checkpoint]: no checkpoints
     evaluation: EvalSettings | None = None  # no [eval]: one evaluation at the end
     report: ReportSection = field(default_factory=ReportSection)
+    tables: tuple[TableSpec, ...] = ()  # [[tables]], columns resolved to slots; none: one table
     where: str = "<config>"
     base_dir: str = "."
 
@@ -97,6 +100,7 @@ class JobConfig:
         checkpoint_t = top.sub("checkpoint")
         eval_t = top.sub("eval")
         report_t = top.sub("report")
+        tables_v = top.take("tables", None)
         job = cls(
             data=parse_data(data_t, base_dir),
             model=parse_model(top.sub("model") or chk.Table({}, "model", where)),
@@ -111,6 +115,8 @@ class JobConfig:
             base_dir=base_dir,
         )
         top.done()
+        if tables_v is not None:
+            job = _with_tables(job, parse_tables(tables_v, where, job.optimizer.sparse))
         if job.pipeline.minibatch_size > job.pipeline.batch_size:
             raise ConfigError(
                 where,
@@ -150,6 +156,7 @@ class JobConfig:
             sparse_params=dict(self.optimizer.sparse_params),
             model_kind=self.model.kind,
             model_settings=dict(self.model.settings),
+            tables=self.tables,
         )
 
     def schema(self):
@@ -202,7 +209,31 @@ class JobConfig:
         out["data"] = data
         out["model"]["hidden"] = list(self.model.hidden)
         out["checkpoint"] = asdict(self.checkpoint) if self.checkpoint is not None else None
+        if self.tables:
+            out["tables"] = [asdict(spec) for spec in self.tables]
         return out
+
+
+def _with_tables(job: JobConfig, entries: tuple) -> JobConfig:
+    """``job`` with its ``[[tables]]`` resolved (columns by its schema) and checked against its
+    slots and its model kind; a :class:`ConfigError` names the entry and its key."""
+    from dataclasses import replace
+
+    from hpsray.models.kinds import mixed_dims_refusal
+
+    syn = job.data.synthetic
+    schema = None if syn is not None else job.schema()
+    specs = resolve_tables(entries, job.where, job.model.dim, schema)
+    job = replace(job, tables=specs)
+    n_slots = syn.slots if syn is not None else schema.n_slots  # type: ignore[union-attr]  # files have one
+    try:
+        tables = Tables(specs, n_slots, job.train_config())
+    except ConfigError as e:
+        raise ConfigError(job.where, e.key, e.reason) from None
+    refusal = mixed_dims_refusal(job.model.kind, tables)
+    if refusal:
+        raise ConfigError(job.where, "model.kind", refusal)
+    return job
 
 
 def _data_directory(path: str) -> str:

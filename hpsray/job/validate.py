@@ -27,7 +27,9 @@ __all__ = [
     "paths",
     "resolve_path",
     "size",
+    "slot_list",
     "string",
+    "string_list",
     "type_name",
 ]
 
@@ -189,6 +191,18 @@ def hidden(v: Any) -> tuple[int, ...]:
         or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in v)
     ):
         raise _Rejected(f"must be an array of positive integers (MLP widths), got {v!r}")
+    return tuple(v)
+
+
+def slot_list(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not v or not all(isinstance(s, int) and not isinstance(s, bool) for s in v):
+        raise _Rejected(f"must be a non-empty array of slot numbers, got {v!r}")
+    return tuple(v)
+
+
+def string_list(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not v or not all(isinstance(s, str) and s for s in v):
+        raise _Rejected(f"must be a non-empty array of names, got {v!r}")
     return tuple(v)
 
 

@@ -60,6 +60,7 @@ from hpsray.pipelines.sources import PipelineSource
 from hpsray.pipelines.summary import run_report
 from hpsray.pipelines.tensorboard import TensorBoardLog
 from hpsray.report import RunReport
+from hpsray.tables import refuse_for_pipeline
 
 
 class _EndPass(PrivateControlFlow):
@@ -158,6 +159,7 @@ class Pipeline:
             )
         self._aggregators: list | None = None
         self.config = self.trainer_settings.config
+        refuse_for_pipeline(self.config, source.n_slots, "Pipeline")  # not yet: several tables, mean pooling
         self._nodes: list[NodeActors] = []
         self._tmp: str | None = None
         self._started_ray = False

@@ -1,0 +1,175 @@
+"""``[[tables]]`` in a job file: each entry checked and named, column names resolved through the
+schema, a three-table job trained by ``hpsray train --reference``, and refused by the pipeline
+until it runs tables of their own."""
+
+import json
+
+import pytest
+
+from hpsray.__main__ import main
+from hpsray.data import PlantedCTR, write_synthetic
+from hpsray.errors import ConfigError
+from hpsray.job import JobConfig, build
+
+SYNTHETIC = {"rows": 600, "eval_rows": 200, "slots": 4, "nnz": 7, "keys": 100, "dense": 3}
+THREE = [
+    {"name": "small", "slots": [0, 2], "dim": 4},
+    {"name": "lists", "slots": [1], "dim": 16, "pooling": "mean"},
+    {"name": "ids", "slots": [3], "dim": 8, "optimizer": "adam", "lr": 0.002},
+]
+
+
+def job_dict(tables=THREE, **extra):
+    return {
+        "data": {"synthetic": SYNTHETIC},
+        "model": {"dim": 4, "hidden": [8]},
+        "pipeline": {"batch_size": 200, "minibatch_size": 50},
+        "cluster": {"nodes": 1},
+        "tables": tables,
+        **extra,
+    }
+
+
+def error_of(d):
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_dict(d, where="job.toml")
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"dim": 0}, "job.toml: tables[1].dim: must be a positive integer, got 0"),
+        ({"pooling": "max"}, "job.toml: tables[1].pooling: must be one of sum, mean, got 'max'"),
+        ({"optimizer": "rmsprop"}, "job.toml: tables[1].optimizer: must be one of"),
+        ({"lr": 0}, "job.toml: tables[1].lr: must be"),
+        ({"pooling_mode": "mean"}, "job.toml: tables[1].pooling_mode: unknown key (did you mean 'pooling'?"),
+        ({"slots": [1, 1]}, "job.toml: tables[1].slots: table 'lists': names a slot twice"),
+        ({"slots": [1, 2]}, "job.toml: tables[1].slots: table 'lists': slot 2 is in table 'small' already"),
+        ({"slots": [1, 9]}, "job.toml: tables[1].slots: table 'lists': slot 9 is out of range [0, 4)"),
+        ({"columns": ["C2"]}, "job.toml: tables[1].slots: give slots = [...] or columns = [...], one of them"),
+        ({"sparse_params": {"beta9": 0.9}}, "job.toml: tables[1].sparse_params.beta9: not a parameter of the adagrad"),
+        ({"admit_after": -2}, "job.toml: tables[1].admit_after: must be a non-negative integer"),
+        ({"expire_after_batches": 0}, "job.toml: tables[1].expire_after_batches: must be a positive integer"),
+    ],
+)
+def test_a_bad_entry_is_named_with_its_key(entry, message):
+    tables = [THREE[0], {**THREE[1], **entry}, THREE[2]]
+    assert error_of(job_dict(tables)).startswith(message)
+
+
+def test_the_set_and_the_model_are_checked_too():
+    assert error_of(job_dict(THREE[:2])).startswith("job.toml: tables: every slot must be in one table; slots [3]")
+    assert error_of(job_dict([THREE[0], {**THREE[1], "name": "small"}, THREE[2]])).startswith(
+        "job.toml: tables[1].name: 'small' names tables[0] already"
+    )
+    got = error_of(job_dict(model={"dim": 4, "kind": "dlrm"}))
+    assert got.startswith("job.toml: model.kind: 'dlrm' needs one dim for every slot") and "lists (dim 16" in got
+    assert error_of(job_dict([{**THREE[0], "slots": None, "columns": ["C1"]}] + THREE[1:])).startswith(
+        "job.toml: tables[0].slots: must be"
+    )
+    assert error_of(job_dict(tables={"name": "x"})).startswith("job.toml: tables: must be [[tables]] entries")
+
+
+def test_a_job_without_tables_keeps_its_one_default_table():
+    d = job_dict()
+    del d["tables"]
+    job = JobConfig.from_dict(d, where="job.toml")
+    assert job.tables == () and job.train_config().tables == ()
+    assert job.train_config().tables_for(4).names() == ("default",)
+
+
+def test_columns_name_slots_through_the_schema(tmp_path):
+    gen = PlantedCTR(n_slots=4, keys_per_slot=50, nnz_per_slot=PlantedCTR.spread_nnz(4, 7), n_dense=2, seed=1)
+    write_synthetic(str(tmp_path / "data"), gen, 100, "parquet")
+    tables = [
+        {"name": "small", "columns": ["C1", "C3"], "dim": 4},
+        {"name": "lists", "columns": ["C2"], "dim": 16, "pooling": "mean"},
+        {"name": "ids", "columns": ["C4"], "dim": 8, "optimizer": "adam", "lr": 0.002},
+    ]
+    d = {**job_dict(tables), "data": {"paths": [str(tmp_path / "data")]}}
+    job = JobConfig.from_dict(d, where="job.toml")
+    assert [s.slots for s in job.tables] == [(0, 2), (1,), (3,)]
+    assert job.to_dict()["tables"][1]["pooling"] == "mean"
+    d["tables"] = [{**tables[0], "columns": ["C1", "user"]}, *tables[1:]]
+    assert error_of(d).startswith("job.toml: tables[0].columns: ['user'] are not categorical columns")
+
+
+def test_hpsray_train_reference_runs_a_three_table_job(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        """
+[data.synthetic]
+rows = 600
+eval_rows = 200
+slots = 4
+nnz = 7
+keys = 100
+dense = 3
+
+[model]
+dim = 4
+hidden = [8]
+
+[pipeline]
+batch_size = 200
+minibatch_size = 50
+
+[cluster]
+nodes = 1
+
+[[tables]]
+name = "small"
+slots = [0, 2]
+dim = 4
+
+[[tables]]
+name = "lists"
+slots = [1]
+dim = 16
+pooling = "mean"
+
+[[tables]]
+name = "ids"
+slots = [3]
+dim = 8
+optimizer = "adam"
+lr = 0.002
+"""
+    )
+    assert main(["train", "--reference", str(path), "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["examples"] == 600 and report["batches"] == 3 and report["rows"] > 0
+    assert report["eval_examples"] == 200 and report["config"]["tables"][1]["pooling"] == "mean"
+    assert main(["train", "--reference", str(path), "--quiet", "--export", str(tmp_path / "out")]) != 0
+    assert "--export does not yet write tables of their own" in capsys.readouterr().err
+
+
+def test_the_pipeline_refuses_tables_of_their_own_up_front(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text(
+        "[data.synthetic]\nrows = 100\nslots = 2\n\n[cluster]\nnodes = 1\n\n"
+        '[[tables]]\nname = "a"\nslots = [0]\ndim = 4\n\n'
+        '[[tables]]\nname = "b"\nslots = [1]\ndim = 4\npooling = "mean"\n'
+    )
+    assert main(["train", str(path), "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "tables: the distributed pipeline does not yet run tables of their own" in err
+    assert "`hpsray train --reference` runs it" in err
+    job = JobConfig.load(path)
+    with pytest.raises(ConfigError, match="--reference"):
+        build.pipeline(job)
+
+
+def test_pipeline_refuses_a_config_of_several_tables():
+    from hpsray.config import TrainConfig
+    from hpsray.pipelines import Pipeline, SyntheticSource
+    from hpsray.pipelines.settings import TrainerSettings
+    from hpsray.tables import TableSpec
+
+    gen = PlantedCTR(n_slots=2, keys_per_slot=10, n_dense=1, seed=0)
+    config = TrainConfig(dim=4, tables=(TableSpec("a", (0,), 4), TableSpec("b", (1,), 8)))
+    with pytest.raises(ConfigError) as e:
+        Pipeline(SyntheticSource(gen, 10), trainer=TrainerSettings(config=config))
+    assert str(e.value).startswith("Pipeline: tables: the distributed pipeline does not yet run")
+    assert "a (dim 4, sum), b (dim 8, sum)" in str(e.value)
