@@ -21,6 +21,9 @@ from hpsray.kernels.optim import apply_row_update
 
 __all__ = ["fused_rows_update"]
 
+# apply_row_update is inlined into this file's cached kernel: numba's cache keys on this file only,
+# so a change of its math comes with a change here (docs/architecture.md: One definition of the math)
+
 
 @njit(cache=True, parallel=True, nogil=True)
 def fused_rows_update(arena, rows, grad_bags, grad_offsets, grad_pooled, kind, hp, blocks):
