@@ -1,8 +1,6 @@
 """The fused sparse backward + optimizer op (``hpsray::fused_sparse_update``) against the
-unfused torch ops and the kernels' own math, bit for bit, for every optimizer; its CUDA kernel
-under numba's simulator; its warm-up. (The one-node step with it on equals the reference
-trainer: test_engine.py's ``test_engine_equals_the_reference_to_the_bit`` runs it, the CPU
-default.)"""
+unfused torch ops, the kernels' own math and the reference trainer, bit for bit, for every
+optimizer; its CUDA kernel under numba's simulator; its warm-up."""
 
 from __future__ import annotations
 
@@ -16,10 +14,14 @@ import numpy as np
 import pytest
 import torch
 from paths import OPTIMIZERS, path  # tests/training/paths.py
+from test_engine import N_DENSE, N_SLOTS, Owner, _batches, _train  # tests/training/test_engine.py
 
 import hpsray.kernels.fused_update as cpu_kernels
 import hpsray.training.engine as engine_module
+from hpsray.config import TrainConfig
 from hpsray.kernels.optim import apply_to_rows, make_optimizer
+from hpsray.reference import ReferenceTrainer
+from hpsray.training.engine import TrainerEngine
 from hpsray.training.fused_update import fused_sparse_update, warm_fused_update
 from hpsray.training.step import ArenaStep
 
@@ -95,6 +97,25 @@ def test_one_node_training_with_and_without_the_fused_op_gives_the_same_bits(mon
     np.testing.assert_array_equal(rows, rows_u)
     for name, value in model.items():
         assert torch.equal(value, model_u[name]), name
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_one_node_with_the_fused_op_equals_the_reference_to_the_bit(optimizer):
+    """Three batches through the owners (rows go back and come again): every row and the dense
+    model as the reference trainer has them."""
+    config = TrainConfig(dim=8, hidden=(16, 8), minibatch_size=64, sparse_optimizer=optimizer)
+    batches = _batches(3, 200)
+    reference = ReferenceTrainer(N_SLOTS, N_DENSE, config)
+    for b in batches:
+        reference.train_batch(b)
+    engine, owner = TrainerEngine(config, N_SLOTS, N_DENSE, capacity=4000), Owner(config)
+    _train(engine, owner, batches)
+    assert engine.arena.fused
+    keys, rows, state = reference.export()
+    np.testing.assert_array_equal(np.stack([owner.rows[k] for k in keys.tolist()]), rows)
+    model = engine.dense.models[0].state_dict()
+    for name, value in state.items():
+        assert torch.equal(model[name], value), name
 
 
 def test_bad_arguments_are_a_clear_error():
