@@ -25,6 +25,8 @@ from hpsray.training.engine import TrainerEngine
 from hpsray.training.fused_update import fused_sparse_update, warm_fused_update
 from hpsray.training.step import ArenaStep
 
+from gpus import DEVICES  # tests/gpus.py
+
 DIM = 5
 
 
@@ -116,6 +118,33 @@ def test_one_node_with_the_fused_op_equals_the_reference_to_the_bit(optimizer):
     model = engine.dense.models[0].state_dict()
     for name, value in state.items():
         assert torch.equal(model[name], value), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_the_op_on_a_device_equals_the_unfused_ops_there(optimizer, device):
+    """The op as registered for the arena's device (on CUDA: the numba.cuda kernel on torch's
+    stream) against the unfused ops on the same device: the same bits on the CPU; on a GPU the
+    optimizer's FMA contraction may differ in the last bits."""
+    opt, arena, rows, bags, offsets, grad = _case(optimizer, seed=30)
+    dev = torch.device(device)
+    fused, unfused = torch.from_numpy(arena.copy()).to(dev), torch.from_numpy(arena.copy()).to(dev)
+    t = [torch.from_numpy(a).to(dev) for a in (rows, bags, offsets, grad)]
+    step = ArenaStep(fused, DIM, opt, fused=True)
+    leaf = t[3].view(-1, 1, DIM).clone().requires_grad_(True)
+    leaf.grad = t[3].view(-1, 1, DIM).clone()
+
+    class Mb:  # the fields of a MiniBatchIndex the update reads
+        rows, grad_bags, grad_offsets = t[0], t[1], t[2]
+
+    step.apply(Mb, step.gather(t[0]), leaf, 4)  # type: ignore[arg-type]
+    plain = ArenaStep(unfused, DIM, opt, fused=False)
+    plain.update(t[0], plain.gather(t[0]), torch.nn.functional.embedding_bag(t[1], t[3], t[2], mode="sum"), 4)
+    if device == "cpu":
+        assert torch.equal(fused, unfused)
+    else:
+        torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(fused, torch.from_numpy(arena).to(dev))
 
 
 def test_bad_arguments_are_a_clear_error():
