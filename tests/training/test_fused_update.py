@@ -206,3 +206,20 @@ def test_the_cuda_kernel_equals_the_cpu_kernel_under_the_simulator():
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"simulator": True, **{str(k): True for k in range(4)}}, report
+
+
+def test_the_fused_step_bench_runs_and_both_steps_end_with_the_same_rows(capsys):
+    """``benchmarks/fused_step.py`` on tiny settings (its figures: docs/benchmarks.md)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fused_step.py"
+    spec = importlib.util.spec_from_file_location("_fused_step_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--minibatch", "64", "--minibatches-per-batch", "2", "--batches", "1", "--keys-per-slot", "300"]
+    args += ["--keys-per-example", "26", "--repeat", "1", "--json"]
+    assert bench.main(args) == 0
+    (figures,) = json.loads(capsys.readouterr().out)
+    assert figures["same_rows"] and figures["minibatches"] == 2
+    assert figures["fused_ms_per_minibatch"] > 0 and figures["update_unfused_ms"] > 0
