@@ -14,7 +14,6 @@ from hpsray.actors.timing import StageClock
 from hpsray.data.batch import Batch
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.tiers.partition import owner_of
-from hpsray.training.layout import index_positions, positions_of
 
 if TYPE_CHECKING:
     from hpsray.reference import ShardedSource
@@ -101,6 +100,9 @@ class Reader:
             self.examples += len(batch)
             layout = None
             if self.minibatch_size is not None and batch_id is not None:  # the trainer's index but its slots
+                # imported here: a reader that makes no layout never loads torch (seconds of import)
+                from hpsray.training.layout import index_positions, positions_of
+
                 parts, positions = positions_of(batch.keys, self.n_nodes)
                 layout = ray.put(index_positions(batch, self.minibatch_size, positions, sum(map(len, parts))))
             else:
