@@ -1,7 +1,7 @@
 """How a node's stages share its cores (docs/architecture.md: The trainer's cores).
 
 The train stage is the one the others feed, so on a node where every stage wants the CPU at
-once the read, pull and load actors run ``TrainerSettings.stage_niceness`` steps nicer than the
+once the read, pull and load actors can run ``TrainerSettings.stage_niceness`` steps nicer than the
 trainer: the scheduler then gives the trainer's threads the larger share (at 4 steps about
 2.4 : 1) while any stage may use a core the others leave idle. Raising one's niceness needs
 no privilege.

@@ -66,7 +66,8 @@ class TrainerSettings:
     one device per node), ``"train"`` (the trainer), ``"auto"`` (read on nodes of
     :data:`INDEX_IN_READ_CPUS` CPUs or more). ``stage_niceness``: how many steps nicer than the
     trainer the node's read, pull and load actors run, so that the train stage gets the cores
-    when every stage wants them (:mod:`hpsray.actors.cpu`; 0: equal shares)."""
+    when every stage wants them (:mod:`hpsray.actors.cpu`; 0, the default: equal shares; the
+    measurements so far disagree, docs/benchmarks.md: The trainer's cores)."""
 
     config: TrainConfig = field(default_factory=TrainConfig)
     model: torch.nn.Module | None = None
@@ -75,7 +76,7 @@ class TrainerSettings:
     threads: int | None = None
     hbm_capacity: int | None = None  # rows; estimated from the batch when None
     index_stage: str = "auto"
-    stage_niceness: int = 4
+    stage_niceness: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

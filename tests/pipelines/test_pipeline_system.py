@@ -131,7 +131,7 @@ def test_slow_trainer_stalls_the_reader(ray_local):
 def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
     """The JSON keys its readers use (``tests/report_keys.py``), from a real one-node ``fit()``:
     a key the typed report lost, or one it gained, fails here."""
-    with small_pipeline() as p:
+    with small_pipeline(trainer=dict(stage_niceness=4)) as p:
         report = p.fit(progress=False)
         assert p.report is not None and report == p.report.as_dict()
         # the read, pull and load stages yield the cores to the trainer: every thread of theirs is nicer
