@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,10 +29,28 @@ from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer, make_optimizer
 
-if TYPE_CHECKING:
-    from hpsray.config import TrainConfig
-
 __all__ = ["MAX_TABLES", "POOLINGS", "TAG_SHIFT", "TableSpec", "Tables", "pipeline_refusal", "refuse_for_pipeline"]
+
+
+class RowDefaults(Protocol):
+    """What a table leaves out comes from here (a :class:`~hpsray.config.TrainConfig`; typed
+    apart so that this module does not import the config, which imports it)."""
+
+    @property
+    def dim(self) -> int: ...
+    @property
+    def sparse_optimizer(self) -> str: ...
+    @property
+    def sparse_lr(self) -> float: ...
+    @property
+    def sparse_params(self) -> dict: ...
+    @property
+    def init_scale(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def tables(self) -> tuple[TableSpec, ...]: ...
+
 
 POOLINGS = ("sum", "mean")
 """How a slot's keys of one example pool: summed, or summed and divided by their count."""
@@ -119,7 +137,7 @@ class Tables:
     table and ``slot_dims[s]`` its width.
     """
 
-    def __init__(self, specs: Sequence[TableSpec], n_slots: int, config: TrainConfig) -> None:
+    def __init__(self, specs: Sequence[TableSpec], n_slots: int, config: RowDefaults) -> None:
         if not _int(n_slots) or n_slots < 1:
             raise ConfigError("Tables", "n_slots", f"must be an integer >= 1, got {n_slots!r}")
         if len(specs) > MAX_TABLES:
@@ -166,7 +184,7 @@ class Tables:
         self.slot_dims = tuple(self.dims[t] for t in self.slot_table)
 
     @classmethod
-    def of(cls, config: TrainConfig, n_slots: int) -> Tables:
+    def of(cls, config: RowDefaults, n_slots: int) -> Tables:
         """``config``'s tables for ``n_slots`` slots (its one default table when it gives none)."""
         specs = config.tables or (TableSpec("default", tuple(range(n_slots)), config.dim),)
         return cls(specs, n_slots, config)
@@ -215,7 +233,7 @@ class Tables:
         return ", ".join(f"{s.name} (dim {s.dim}, {s.pooling})" for s in self.specs)
 
 
-def _resolve(spec: TableSpec, i: int, config: TrainConfig) -> TableSpec:
+def _resolve(spec: TableSpec, i: int, config: RowDefaults) -> TableSpec:
     """``spec`` with the settings it leaves out taken from ``config``."""
     own = spec.optimizer is not None and spec.optimizer != config.sparse_optimizer
     params = spec.sparse_params if spec.sparse_params is not None else ({} if own else dict(config.sparse_params))
@@ -240,7 +258,7 @@ def _optimizer(spec: TableSpec, i: int) -> SparseOptimizer:
         raise ConfigError("Tables", f"tables[{i}].sparse_params", f"table {spec.name!r}: {e}") from None
 
 
-def pipeline_refusal(config: TrainConfig, n_slots: int) -> str | None:
+def pipeline_refusal(config: RowDefaults, n_slots: int) -> str | None:
     """Why the distributed pipeline cannot run ``config``'s tables yet (``None`` when it can):
     it runs one table of every slot at ``config.dim`` with ``config``'s optimizer and sum
     pooling; the reference trainer (``hpsray train --reference``) runs any tables."""
@@ -269,7 +287,7 @@ def pipeline_refusal(config: TrainConfig, n_slots: int) -> str | None:
     )
 
 
-def refuse_for_pipeline(config: TrainConfig, n_slots: int, where: str) -> None:
+def refuse_for_pipeline(config: RowDefaults, n_slots: int, where: str) -> None:
     """Raise :class:`~hpsray.errors.ConfigError` (``where``, key ``tables``) with
     :func:`pipeline_refusal`'s reason, if any."""
     refusal = pipeline_refusal(config, n_slots)
