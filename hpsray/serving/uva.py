@@ -19,7 +19,9 @@ gather): the simulator tests (``NUMBA_ENABLE_CUDASIM=1``) check the kernel again
 
 from __future__ import annotations
 
+import gc
 import mmap
+import weakref
 from typing import Any
 
 import numpy as np
@@ -78,6 +80,9 @@ def host_arena(n: int, dim: int) -> np.ndarray:
     return np.frombuffer(buf, np.float32, count=max(1, n) * dim).reshape(max(1, n), dim)
 
 
+_REGISTERED: dict[int, weakref.finalize] = {}  # device address of a device_view -> its unregistering
+
+
 def device_view(arena: np.ndarray) -> Any:
     """``arena`` registered with the current CUDA device (pinned, mapped) and seen from it: a CuPy
     array over the device pointer of the same memory (numba's mapped device array without CuPy);
@@ -95,23 +100,43 @@ def device_view(arena: np.ndarray) -> Any:
         pinned = cuda.current_context().mempin(arena, arena.ctypes.data, arena.nbytes, mapped=True)
         return devicearray.DeviceNDArray(arena.shape, arena.strides, arena.dtype, gpu_data=pinned)
     ptr = arena.ctypes.data
-    cupy.cuda.runtime.hostRegister(ptr, arena.nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
-    get = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
-    dptr = get(ptr, 0) if get is not None else ptr  # under UVA a registered page's device address is its own
-    mem = cupy.cuda.UnownedMemory(dptr, arena.nbytes, arena)
-    view = cupy.ndarray(arena.shape, cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
-    view._hpsray_host_ptr = ptr  # what release_view unregisters
+    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+    try:
+        cupy.cuda.runtime.hostRegister(ptr, arena.nbytes, flags)
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        if "AlreadyRegistered" not in str(e):
+            raise
+        gc.collect()  # an arena unreachable but not yet collected still holds its registration
+        cupy.cuda.runtime.hostRegister(ptr, arena.nbytes, flags)
+    try:
+        get = getattr(cupy.cuda.runtime, "hostGetDevicePointer", None)
+        dptr = get(ptr, 0) if get is not None else ptr  # under UVA a registered page's device address is its own
+        mem = cupy.cuda.UnownedMemory(dptr, arena.nbytes, arena)
+        view = cupy.ndarray(arena.shape, cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+    except BaseException:
+        cupy.cuda.runtime.hostUnregister(ptr)
+        raise
+    # unregistered by release_view, or else when the arena goes (its pages may be mapped again);
+    # cupy arrays take no attributes, so release_view finds the finaliser by the view's address
+    _REGISTERED[int(view.data.ptr)] = weakref.finalize(arena, _unregister, ptr)
     return view
+
+
+def _unregister(ptr: int) -> None:
+    import cupy
+
+    try:
+        cupy.cuda.runtime.hostUnregister(ptr)
+    except cupy.cuda.runtime.CUDARuntimeError:  # the context is gone (interpreter exit): nothing to free
+        pass
 
 
 def release_view(view: Any) -> None:
     """Unregister the host memory behind a :func:`device_view` (no-op for the others)."""
-    ptr = getattr(view, "_hpsray_host_ptr", None)
-    if ptr is not None:
-        import cupy
-
-        cupy.cuda.runtime.hostUnregister(ptr)
-        view._hpsray_host_ptr = None
+    address = getattr(getattr(view, "data", None), "ptr", None)
+    finaliser = _REGISTERED.pop(int(address), None) if address is not None else None
+    if finaliser is not None:
+        finaliser()  # runs once: the arena's own end then does nothing
 
 
 @cuda.jit

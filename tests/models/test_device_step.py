@@ -197,6 +197,8 @@ def test_the_nccl_group_gathers_sparse_updates_on_the_device(ray_local):
 @pytest.mark.gpu
 @needs_cuda
 def test_hpsray_train_with_device_cuda(tmp_path):
+    import ray  # noqa: F401  (the command runs the job on Ray: skipped, naming it, where Ray is absent)
+
     from hpsray.data.generate import to_toml
 
     job = {

@@ -187,7 +187,8 @@ def test_a_step_reads_nothing_back_from_the_device(device):
         engine.close_batch(losses)
         owner.write_back(keys, engine.rows(keys))
     keys, rows, _ = reference.export()
-    np.testing.assert_allclose(np.stack([owner.rows[k] for k in keys.tolist()]), rows, rtol=1e-4, atol=1e-6)
+    atol = 1e-5 if device == "cuda" else 1e-6  # CUDA's atomic sums add in another order (seen: 3.4e-6 on an H200)
+    np.testing.assert_allclose(np.stack([owner.rows[k] for k in keys.tolist()]), rows, rtol=1e-4, atol=atol)
 
 
 def test_two_engines_under_bsp_apply_every_nodes_update_and_match_the_reference():
