@@ -18,9 +18,9 @@ width) from the key alone. One table tags nothing: its keys are the mix's, uncha
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -29,7 +29,20 @@ from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SparseOptimizer, make_optimizer
 
-__all__ = ["MAX_TABLES", "POOLINGS", "TAG_SHIFT", "TableSpec", "Tables", "pipeline_refusal", "refuse_for_pipeline"]
+if TYPE_CHECKING:
+    from hpsray.data.batch import Batch
+
+__all__ = [
+    "MAX_TABLES",
+    "POOLINGS",
+    "TAG_SHIFT",
+    "TableSpec",
+    "Tables",
+    "TagKeys",
+    "key_tagging",
+    "pipeline_refusal",
+    "refuse_for_pipeline",
+]
 
 
 class RowDefaults(Protocol):
@@ -134,7 +147,7 @@ class Tables:
     Per table ``t``: ``specs[t]`` (every setting filled in), ``dims[t]``, ``widths[t]`` (floats
     per stored row: weights then the optimizer's state, as ``TrainConfig.row_width``),
     ``row_bytes[t]``, ``optimizers[t]`` and ``row_inits[t]``. ``slot_table[s]`` is slot ``s``'s
-    table and ``slot_dims[s]`` its width.
+    table, ``slot_dims[s]`` its width and ``mean_slots[s]`` whether it pools by the mean.
     """
 
     def __init__(self, specs: Sequence[TableSpec], n_slots: int, config: RowDefaults) -> None:
@@ -182,6 +195,7 @@ class Tables:
             for d, opt in zip(self.dims, self.optimizers, strict=True)
         )
         self.slot_dims = tuple(self.dims[t] for t in self.slot_table)
+        self.mean_slots = np.array([self.specs[t].pooling == "mean" for t in self.slot_table], dtype=bool)
 
     @classmethod
     def of(cls, config: RowDefaults, n_slots: int) -> Tables:
@@ -260,31 +274,55 @@ def _optimizer(spec: TableSpec, i: int) -> SparseOptimizer:
 
 def pipeline_refusal(config: RowDefaults, n_slots: int) -> str | None:
     """Why the distributed pipeline cannot run ``config``'s tables yet (``None`` when it can):
-    it runs one table of every slot at ``config.dim`` with ``config``'s optimizer and sum
-    pooling; the reference trainer (``hpsray train --reference``) runs any tables."""
+    its tiers hold rows of one width with one optimizer, so it runs any number of tables, each
+    with sum or mean pooling, as long as every table keeps the config's ``dim``, sparse optimizer,
+    learning rate and admission; the reference trainer (``hpsray train --reference``) runs any."""
     if not config.tables:
         return None
     tables = Tables.of(config, n_slots)
-    spec = tables.specs[0]
-    own = (
-        spec.dim,
-        spec.optimizer,
-        spec.lr,
-        dict(spec.sparse_params or {}),
-        spec.admit_after,
-        spec.expire_after_batches,
-    )
-    if (
-        len(tables) == 1
-        and spec.pooling == "sum"
-        and own == (config.dim, config.sparse_optimizer, config.sparse_lr, dict(config.sparse_params), None, None)
-    ):
+    default = (config.dim, config.sparse_optimizer, config.sparse_lr, dict(config.sparse_params), None, None)
+    own = [
+        spec.name
+        for spec in tables.specs
+        if (
+            spec.dim,
+            spec.optimizer,
+            spec.lr,
+            dict(spec.sparse_params or {}),
+            spec.admit_after,
+            spec.expire_after_batches,
+        )
+        != default
+    ]
+    if not own:
         return None
     return (
-        f"the distributed pipeline does not yet run tables of their own (several tables, mean pooling, "
-        f"or a table's own dim, optimizer or admission); this job has {tables.describe()}. "
-        "`hpsray train --reference` runs it"
+        f"the distributed pipeline does not yet run a table of its own width, optimizer, learning rate or "
+        f"admission (its tiers hold rows of one width: [model] dim = {config.dim}); "
+        f"{', '.join(repr(n) for n in own)} of {tables.describe()} set one. `hpsray train --reference` runs it"
     )
+
+
+class TagKeys:
+    """A reader transform (``Batch -> Batch``): the batch's keys tagged with their tables
+    (:meth:`Tables.tag`), as the pipeline's tiers, trainers and reports then hold them."""
+
+    def __init__(self, tables: Tables) -> None:
+        self.tables = tables
+
+    def __call__(self, batch: Batch) -> Batch:
+        return replace(batch, keys=self.tables.tag(batch.keys, batch.slots))
+
+    def __repr__(self) -> str:
+        return f"TagKeys({self.tables.describe()})"
+
+
+def key_tagging(config: RowDefaults, n_slots: int) -> list[Callable[[Batch], Batch]]:
+    """The transform the pipeline's readers run last: ``[TagKeys]`` with several tables, else none."""
+    if not config.tables:
+        return []
+    tables = Tables.of(config, n_slots)
+    return [TagKeys(tables)] if tables.tagged else []
 
 
 def refuse_for_pipeline(config: RowDefaults, n_slots: int, where: str) -> None:

@@ -70,6 +70,10 @@ def init_from(job: JobConfig) -> dict:
         raise ConfigError(
             job.where, "tiers.init_from", f"loads one node's SSD-PS; set cluster.nodes = 1 (got {job.cluster.nodes})"
         )
+    if len(job.tables) > 1:
+        raise ConfigError(
+            job.where, "tiers.init_from", "imports rows by untagged keys; a job of several [[tables]] cannot use it yet"
+        )
     config = job.train_config()
     spec = TableImport(job.tiers.init_from, config.dim, float(config.row_init().state_value))
     return {"init_from": spec}

@@ -1,4 +1,5 @@
-"""Sum-pooling of embedding rows per (example, slot) bag, in PyTorch, on the rows' device."""
+"""Sum-pooling of embedding rows per (example, slot) bag, in PyTorch, on the rows' device; a
+slot's mean pooling is that sum over :func:`bag_divisor`."""
 
 from __future__ import annotations
 
@@ -95,3 +96,14 @@ def _bag_grad(inverse, offsets, grad_pooled, out):
             u = inverse[i]
             for j in range(dim):
                 out[u, j] += grad_pooled[b, j]
+
+
+def bag_divisor(bag_offsets: torch.Tensor, n_keys: int, n_examples: int, mean: torch.Tensor) -> torch.Tensor:
+    """``float32[B, n_slots, 1]`` that turns sum-pooled bags into the pooling each slot asks for:
+    a bag of a ``mean`` slot (``bool[n_slots]``) its key count (at least 1: an empty bag stays
+    zeros), every other bag 1.0 (so dividing leaves its sum exactly as it was). ``bag_offsets``:
+    the ``B * n_slots`` bag starts into ``n_keys`` keys, on ``mean``'s device; torch ops only,
+    no read of the device."""
+    ends = torch.cat([bag_offsets[1:], torch.full((1,), n_keys, dtype=bag_offsets.dtype, device=bag_offsets.device)])
+    counts = (ends - bag_offsets).clamp_(min=1).to(torch.float32).view(n_examples, -1)
+    return torch.where(mean, counts, torch.ones_like(counts)).unsqueeze(2)

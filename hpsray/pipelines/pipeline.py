@@ -60,7 +60,7 @@ from hpsray.pipelines.sources import PipelineSource
 from hpsray.pipelines.summary import run_report
 from hpsray.pipelines.tensorboard import TensorBoardLog
 from hpsray.report import RunReport
-from hpsray.tables import refuse_for_pipeline
+from hpsray.tables import key_tagging, refuse_for_pipeline
 
 
 class _EndPass(PrivateControlFlow):
@@ -142,7 +142,7 @@ class Pipeline:
         self.trainer_settings = trainer or TrainerSettings()
         self.mem_settings = mem or MemPSSettings(capacity_rows=4 * batch_size * max(source.n_slots, 1))
         self.ssd_settings = ssd or SSDPSSettings()
-        self.transforms = list(transforms)
+        self.transforms = list(transforms) + key_tagging(self.trainer_settings.config, source.n_slots)  # tags last
         self.batch_size = batch_size
         self.read_queue = read_queue
         self.queues = {"pull_queue": pull_queue, "load_queue": load_queue, "write_back_queue": write_back_queue}
@@ -159,7 +159,7 @@ class Pipeline:
             )
         self._aggregators: list | None = None
         self.config = self.trainer_settings.config
-        refuse_for_pipeline(self.config, source.n_slots, "Pipeline")  # not yet: several tables, mean pooling
+        refuse_for_pipeline(self.config, source.n_slots, "Pipeline")  # not yet: a table's own width or optimizer
         self._nodes: list[NodeActors] = []
         self._tmp: str | None = None
         self._started_ray = False

@@ -26,7 +26,7 @@ from hpsray.kernels.arrays import to_host
 from hpsray.kernels.distinct import in_sorted
 from hpsray.models.device import StepDevice
 from hpsray.models.kinds import build_model
-from hpsray.models.pooling import BagLayout, pool_sum
+from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum
 from hpsray.models.step import DenseReplicas
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.loans import Loan, Refresh
@@ -94,6 +94,9 @@ class TrainerEngine:
         self.traffic = Traffic(config.row_width * 4)
         self.losses: dict[Hashable, float] = {}  # per batch, its mean loss
         self.empty = Batch.empty(n_slots, n_dense)  # an exhausted node's part of a batch
+        means = config.tables_for(n_slots).mean_slots if config.tables else np.zeros(n_slots, bool)
+        # the slots that pool by the mean (tables of their own), on the device; None: every slot sums
+        self.mean_slots = torch.as_tensor(means, device=self.device.torch) if means.any() else None
         self.kept: list[np.ndarray] = []  # per owner: keys kept at the last batch's end (not returned)
         self._resident: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted int64 keys, their slots
         self._parts: list[np.ndarray] | None = None  # per owner, the sorted keys resident (the last batch's)
@@ -224,7 +227,11 @@ class TrainerEngine:
         for mb in batch.minibatches(self.config.minibatch_size):
             layout = BagLayout.of(mb)
             emb = dev.tensor(np.ascontiguousarray(rows[np.searchsorted(keys, layout.unique_keys), :dim]))
-            out.append(torch.sigmoid(model(pool_sum(emb, layout), dev.tensor(mb.dense))).cpu().numpy())
+            pooled = pool_sum(emb, layout)
+            if self.mean_slots is not None:
+                offsets = dev.tensor(np.asarray(layout.bag_offsets))
+                pooled = pooled / bag_divisor(offsets, len(layout.inverse), len(mb), self.mean_slots)
+            out.append(torch.sigmoid(model(pooled, dev.tensor(mb.dense))).cpu().numpy())
         return np.concatenate(out) if out else np.empty(0, np.float32)
 
     def resident_rows(self, keys: Any, columns: int) -> Any:
@@ -286,7 +293,10 @@ class TrainerEngine:
         """:meth:`backward_from` up to the pooled leaf: ``(loss, pooled)``, its gradient filled."""
         self.dense.zero_grad()
         pooled = ArenaStep.pool_rows(rows, mb, self.config.dim)
-        logits = self.dense.models[0](pooled, mb.dense)
+        x = pooled
+        if self.mean_slots is not None:
+            x = pooled / bag_divisor(mb.bag_offsets, mb.inverse.shape[0], mb.n_examples, self.mean_slots)
+        logits = self.dense.models[0](x, mb.dense)
         loss = F.binary_cross_entropy_with_logits(logits, mb.labels, reduction="sum") / total
         loss.backward()
         return loss.detach(), pooled

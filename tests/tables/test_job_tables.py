@@ -154,7 +154,7 @@ def test_the_pipeline_refuses_tables_of_their_own_up_front(tmp_path, capsys):
     )
     assert main(["train", str(path), "--quiet"]) != 0
     err = capsys.readouterr().err
-    assert "tables: the distributed pipeline does not yet run tables of their own" in err
+    assert "tables: the distributed pipeline does not yet run a table of its own width" in err
     assert "`hpsray train --reference` runs it" in err
     job = JobConfig.load(path)
     with pytest.raises(ConfigError, match="--reference"):

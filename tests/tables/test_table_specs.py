@@ -117,14 +117,15 @@ def test_a_config_with_tables_pickles_and_compares():
     assert config.row_width == TrainConfig(dim=4).row_width  # dim / row_width: the default table's
 
 
-def test_the_pipeline_runs_one_plain_table_only():
+def test_the_pipeline_runs_tables_of_the_models_one_width():
     assert pipeline_refusal(TrainConfig(dim=4), 4) is None
     assert pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("all", (0, 1), 4),)), 2) is None
+    assert pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("all", (0, 1), 4, "mean"),)), 2) is None
+    assert pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("a", (0,), 4), TableSpec("b", (1,), 4))), 2) is None
     for tables in (
-        (TableSpec("all", (0, 1), 4, "mean"),),
         (TableSpec("all", (0, 1), 8),),
         (TableSpec("all", (0, 1), 4, optimizer="adam"),),
-        (TableSpec("a", (0,), 4), TableSpec("b", (1,), 4)),
+        (TableSpec("a", (0,), 4), TableSpec("b", (1,), 4, lr=0.5)),
     ):
         refusal = pipeline_refusal(TrainConfig(dim=4, tables=tables), 2)
         assert refusal is not None and "--reference" in refusal

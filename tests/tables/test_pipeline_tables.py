@@ -1,0 +1,133 @@
+"""Several tables of one width in the trainer and the pipeline (issue 43): keys tagged by the
+readers, mean pooling in the step, equal to the reference trainer's tables bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hpsray.config import TrainConfig
+from hpsray.data import PlantedCTR
+from hpsray.errors import ConfigError
+from hpsray.kernels.init import initial_rows
+from hpsray.models.pooling import BagLayout, bag_divisor
+from hpsray.reference import ReferenceTrainer
+from hpsray.reference_tables import pool
+from hpsray.tables import TableSpec, TagKeys, key_tagging, pipeline_refusal
+from hpsray.tiers.loans import Loan
+from hpsray.training.engine import TrainerEngine
+
+GEN = PlantedCTR(n_slots=4, keys_per_slot=80, nnz_per_slot=PlantedCTR.spread_nnz(4, 9), n_dense=3, seed=7)
+# one width (the pipeline's tiers hold one), three tables, one of multi-hot lists averaged
+THREE = (TableSpec("a", (0, 2), 4), TableSpec("lists", (1,), 4, "mean"), TableSpec("ids", (3,), 4))
+
+
+def config(tables=THREE, **kw):
+    return TrainConfig(**{"dim": 4, "hidden": (8,), "minibatch_size": 32, "tables": tables, **kw})
+
+
+def test_bag_divisor_turns_sums_into_the_references_means():
+    batch = GEN.generate(40)
+    layout = BagLayout.of(batch)
+    rows = torch.randn(len(layout.unique_keys), 4)
+    mean = torch.tensor([False, True, False, True])
+    divisor = bag_divisor(torch.as_tensor(layout.bag_offsets), len(layout.inverse), len(batch), mean)
+    got = pool(rows, layout, "sum") / divisor
+    assert torch.equal(got[:, mean], pool(rows, layout, "mean")[:, mean])
+    assert torch.equal(got[:, ~mean], pool(rows, layout, "sum")[:, ~mean])  # a sum's bits untouched
+
+
+def test_the_pipeline_runs_tables_of_one_width_and_refuses_a_width_of_its_own():
+    assert pipeline_refusal(config(), 4) is None
+    assert pipeline_refusal(config((TableSpec("all", (0, 1, 2, 3), 4, "mean"),)), 4) is None
+    for own in (
+        TableSpec("ids", (3,), 8),
+        TableSpec("ids", (3,), 4, optimizer="adam"),
+        TableSpec("ids", (3,), 4, lr=0.5),
+        TableSpec("ids", (3,), 4, admit_after=2),
+    ):
+        refusal = pipeline_refusal(config((THREE[0], THREE[1], own)), 4)
+        assert refusal is not None and "'ids'" in refusal and "--reference" in refusal
+    assert key_tagging(config(()), 4) == [] and key_tagging(config((TableSpec("all", (0, 1, 2, 3), 4),)), 4) == []
+    (tag,) = key_tagging(config(), 4)
+    batch = GEN.generate(10)
+    tagged = tag(batch)
+    assert np.array_equal(tagged.keys, config().tables_for(4).tag(batch.keys, batch.slots))
+    assert np.array_equal(tagged.labels, batch.labels) and tagged.keys is not batch.keys
+
+
+@pytest.mark.parametrize("sparse", ["adagrad", "sgd"])
+def test_the_engine_with_mean_pooling_equals_the_references_tables(sparse):
+    cfg = config(sparse_optimizer=sparse)
+    tables = cfg.tables_for(GEN.n_slots)
+    tag = TagKeys(tables)
+    batches = [GEN.generate(96) for _ in range(3)]
+    ref = ReferenceTrainer(GEN.n_slots, GEN.n_dense, cfg)
+    for b in batches:
+        ref.train_batch(b)
+    engine = TrainerEngine(cfg, GEN.n_slots, GEN.n_dense, capacity=4000)
+    assert engine.mean_slots is not None and engine.mean_slots.tolist() == [False, True, False, False]
+    rows: dict[int, np.ndarray] = {}
+    for raw in batches:
+        batch = tag(raw)
+        keys = np.unique(batch.keys)
+        start = initial_rows(keys, cfg.row_width, cfg.row_init())
+        for i, k in enumerate(keys.tolist()):
+            if k in rows:
+                start[i] = rows[k]
+        engine.borrow(0, [keys], [Loan(start)])
+        engine.close_batch(engine.train_local(engine.index(batch)))
+        rows.update(zip(keys.tolist(), engine.rows(keys), strict=True))
+    for name, (keys, want) in ref.export_tables().items():
+        got = np.stack([rows[k] for k in keys.tolist()])
+        np.testing.assert_array_equal(got, want, err_msg=name)  # atol 0
+    probe = GEN.generate(50)
+    keys = np.array(sorted(rows), dtype=np.uint64)
+    got = engine.predict(tag(probe), keys, np.stack([rows[k] for k in keys.tolist()]))
+    np.testing.assert_array_equal(got, ref.predict(probe))  # evaluation pools by the mean too
+
+
+def test_a_job_of_several_tables_cannot_import_untagged_rows(tmp_path):
+    from hpsray.job import build
+    from hpsray.job.jobconfig import JobConfig
+
+    path = tmp_path / "job.toml"
+    path.write_text(
+        "[data.synthetic]\nrows = 100\nslots = 2\n\n[cluster]\nnodes = 1\n\n"
+        f'[tiers]\ninit_from = "{tmp_path}/table"\n\n'
+        '[[tables]]\nname = "a"\nslots = [0]\ndim = 8\n\n'
+        '[[tables]]\nname = "b"\nslots = [1]\ndim = 8\npooling = "mean"\n'
+    )
+    with pytest.raises(ConfigError, match="tiers.init_from"):
+        build.init_from(JobConfig.load(path))
+
+
+def test_the_pipeline_trains_three_tables_through_ssd_and_equals_the_reference(ray_local, tmp_path):
+    from hpsray.pipelines import SyntheticSource
+
+    from small_pipeline import GEN as SMALL  # tests/small_pipeline.py
+    from small_pipeline import small_config, small_pipeline
+
+    cfg = small_config(minibatch_size=100, tables=THREE)
+    source, held_out = SyntheticSource(SMALL, rows=3000), SyntheticSource(SMALL, rows=400, start_row=10_000)
+    # MEM-PS of 2,000 rows against ~6,000 distinct keys: rows go to SSD-PS and come back
+    with small_pipeline(source, cfg, mem_rows=2000, ssd_dir=tmp_path / "ssd", ssd_options=dict(rows_per_file=256)) as p:
+        report = p.fit(progress=False)
+        scores = p.evaluate(held_out)
+        keys, rows = p.export_rows()
+        dense = p.dense_state()
+    assert report["examples"] == 3000 and min(report["cache_hit_rate"].values()) < 1.0
+    assert report["ssd"]["bytes_written"] > 0, "the budget should have forced rows out to SSD-PS"
+    ref = ReferenceTrainer(source.n_slots, source.n_dense, cfg)
+    ref.fit(source.open(500))
+    tables = ref.export_tables()
+    ref_keys = np.concatenate([k for k, _ in tables.values()])
+    order = np.argsort(ref_keys)
+    np.testing.assert_array_equal(keys, ref_keys[order])  # tagged: each key carries its table
+    assert set(np.unique(keys >> np.uint64(56)).tolist()) == {0, 1, 2}
+    np.testing.assert_array_equal(rows, np.concatenate([r for _, r in tables.values()])[order])  # atol 0
+    for name, value in ref.dense_state().items():
+        np.testing.assert_array_equal(dense[name].numpy(), value.numpy(), err_msg=name)
+    want = ref.evaluate(held_out.open(500))
+    assert scores["examples"] == 400 and scores["auc"] == pytest.approx(want.auc, abs=1e-12)
