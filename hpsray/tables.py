@@ -37,11 +37,13 @@ __all__ = [
     "POOLINGS",
     "TAG_SHIFT",
     "TableSpec",
+    "SlotTables",
     "Tables",
     "TagKeys",
     "key_tagging",
     "pipeline_refusal",
     "refuse_for_pipeline",
+    "tag_keys",
 ]
 
 
@@ -228,12 +230,12 @@ class Tables:
         """``keys`` (``uint64``, the (slot, value) mix) of ``slots`` with their table's index in
         the top 8 bits; unchanged (the same array) with one table."""
         keys = np.asarray(keys, dtype=np.uint64)
-        if not self.tagged:
-            return keys
-        table = self.slot_table[np.asarray(slots, dtype=np.int64)].astype(np.uint64)
-        out = (keys & _LOW) | (table << TAG_SHIFT)
-        assert not np.any(out == EMPTY_KEY)  # the top byte is at most MAX_TABLES - 1 = 0xFE
-        return out
+        return tag_keys(keys, slots, self.slot_table) if self.tagged else keys
+
+    def manifest(self) -> list[dict]:
+        """What an export records of the tables (``name``, ``slots``, ``dim``, ``pooling``):
+        enough for serving to tag and pool as training did (:class:`SlotTables`)."""
+        return [{"name": s.name, "slots": list(s.slots), "dim": s.dim, "pooling": s.pooling} for s in self.specs]
 
     def table_of(self, keys: np.ndarray) -> np.ndarray:
         """``int64``: the table of each (tagged) key; zeros with one table."""
@@ -245,6 +247,56 @@ class Tables:
     def describe(self) -> str:
         """``name (dim D, pooling P)`` of every table, for error messages."""
         return ", ".join(f"{s.name} (dim {s.dim}, {s.pooling})" for s in self.specs)
+
+
+def tag_keys(keys: np.ndarray, slots: np.ndarray, slot_table: np.ndarray) -> np.ndarray:
+    """``keys`` of ``slots`` with their table's index (``slot_table[slot]``) in the top 8 bits."""
+    table = slot_table[np.asarray(slots, dtype=np.int64)].astype(np.uint64)
+    out = (np.asarray(keys, dtype=np.uint64) & _LOW) | (table << TAG_SHIFT)
+    assert not np.any(out == EMPTY_KEY)  # the top byte is at most MAX_TABLES - 1 = 0xFE
+    return out
+
+
+@dataclass(frozen=True)
+class SlotTables:
+    """What serving needs of an export's tables (its manifest's ``tables``): each slot's table
+    (``slot_table``) and whether it pools by the mean (``mean_slots``)."""
+
+    slot_table: np.ndarray
+    mean_slots: np.ndarray
+
+    @classmethod
+    def from_manifest(cls, entries: Any, n_slots: int, where: str) -> SlotTables | None:
+        """The tables of a manifest's ``tables`` entry (``None`` without one, or for one summed
+        table: keys and pooling as before tables); a malformed entry raises ``ValueError``
+        naming ``where``."""
+        if not entries:
+            return None
+        slot_table = np.full(n_slots, -1, dtype=np.int64)
+        mean = np.zeros(n_slots, dtype=bool)
+        try:
+            for t, entry in enumerate(entries):
+                slots = np.asarray(entry["slots"], dtype=np.int64)
+                if slots.size == 0 or slots.min() < 0 or slots.max() >= n_slots or np.any(slot_table[slots] >= 0):
+                    raise ValueError(f"table {entry['name']!r}: slots {slots.tolist()} overlap or are out of range")
+                if entry["pooling"] not in POOLINGS:
+                    raise ValueError(f"table {entry['name']!r}: pooling {entry['pooling']!r} is not one of {POOLINGS}")
+                slot_table[slots], mean[slots] = t, entry["pooling"] == "mean"
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: tables: {e}") from None
+        if np.any(slot_table < 0):
+            raise ValueError(f"{where}: tables: slots {np.flatnonzero(slot_table < 0).tolist()} are in no table")
+        if len(entries) == 1 and not mean.any():
+            return None
+        return cls(slot_table, mean)
+
+    @property
+    def tagged(self) -> bool:
+        return int(self.slot_table.max()) > 0
+
+    def tag(self, batch: Batch) -> Batch:
+        """``batch`` with its keys tagged as training tagged them."""
+        return replace(batch, keys=tag_keys(batch.keys, batch.slots, self.slot_table)) if self.tagged else batch
 
 
 def _resolve(spec: TableSpec, i: int, config: RowDefaults) -> TableSpec:

@@ -347,8 +347,8 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     if args.incremental and not args.export:
         return error("--incremental needs --export DIR (the earlier export to add the changed rows to)")
-    if args.export and job.tables:
-        return error(f"{args.config}: tables: --export does not yet write tables of their own ([[tables]])")
+    if args.export and job.tables and args.reference:
+        return error(f"{args.config}: tables: --reference --export does not yet write tables of their own")
     if args.resume and args.reference:
         return error("--resume continues a pipeline run from its checkpoint; the reference trainer has none")
     if args.resume and args.overwrite:

@@ -215,10 +215,18 @@ def export(
         "seed": config.seed,
         "minibatch_size": config.minibatch_size,
         **({"schema": schema.to_dict(), "input": input_spec(schema)} if schema is not None else {}),
+        **({"tables": _tables(config, n_slots)} if config.tables else {}),
         **dict(extra or {}),
     }
     write_json(manifest_path, manifest)
     return manifest
+
+
+def _tables(config: TrainConfig, n_slots: int | None) -> list[dict]:
+    """The manifest's ``tables``: how serving tags a request's keys and pools its slots."""
+    if n_slots is None:
+        raise ValueError("export: a model of several tables needs n_slots (the source's, or given)")
+    return config.tables_for(n_slots).manifest()
 
 
 def _write_rows(

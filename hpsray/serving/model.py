@@ -23,11 +23,12 @@ from hpsray.data.batch import Batch
 from hpsray.errors import ExportError, ServingError
 from hpsray.kernels.init import RowInit
 from hpsray.models.kinds import ModelSpec
-from hpsray.models.pooling import BagLayout, pool_sum
+from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum
 from hpsray.serving.layout import build_point_store
 from hpsray.serving.lookup import SSD_READS, MemoryLookup, TieredLookup, mem_rows_for
 from hpsray.serving.pointstore import PointStore
 from hpsray.serving.request import InputSpec, Limits, RequestParser
+from hpsray.tables import SlotTables
 
 if TYPE_CHECKING:
     from hpsray.serving.baselines import EmbeddingBagLookup, RocksDBLookup
@@ -171,7 +172,9 @@ class ServableModel:
         chain: list[str] | None = None,
         version: tuple | None = None,
         rows: int | None = None,
+        tables: SlotTables | None = None,
     ) -> None:
+        self.tables = tables  # several tables or mean pooling: keys tagged, mean slots divided, as trained
         self.directory, self.manifest = directory, manifest
         self.dense, self.lookup, self.parser, self.device = dense, lookup, parser, device
         self.chain = chain or [directory]
@@ -208,6 +211,10 @@ class ServableModel:
                 f"{where}: model shape ({n_slots} slots, {n_dense} dense) disagrees with the input "
                 f"schema ({len(spec.categorical)} categorical, {len(spec.dense)} dense columns)"
             )
+        try:
+            tables = SlotTables.from_manifest(m.get("tables"), n_slots, where)
+        except ValueError as e:
+            raise ServingError(str(e)) from None
         dim = int(m["dim"])
         state = torch.load(os.path.join(chain[-1], last["dense"]), map_location="cpu", weights_only=True)
         recorded = {k: v for k, v in shape.items() if k not in ("n_slots", "n_dense")}  # an older export: mlp
@@ -239,7 +246,18 @@ class ServableModel:
             warm = previous.lookup if previous is not None and isinstance(previous.lookup, TieredLookup) else None
             lookup = TieredLookup(store, mem, init, warm_from=warm, ssd_read=options.ssd_read)
         parser = RequestParser(spec, options.limits)
-        return cls(directory, m, dense, lookup, parser, options.device, chain=chain, version=version, rows=len(store))
+        return cls(
+            directory,
+            m,
+            dense,
+            lookup,
+            parser,
+            options.device,
+            chain=chain,
+            version=version,
+            rows=len(store),
+            tables=tables,
+        )
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
@@ -251,10 +269,13 @@ class ServableModel:
             )
         if not len(batch):
             return np.empty(0, np.float32)
+        if self.tables is not None:
+            batch = self.tables.tag(batch)
         if hasattr(self.lookup, "layout"):  # device-driven: the layout, probes and gathers on the device
             return self._predict_device_driven(batch)
         if hasattr(self.lookup, "pooled"):  # the embedding-bag bound pools by itself
-            return torch.sigmoid(self.dense(self.lookup.pooled(batch), torch.from_numpy(batch.dense))).numpy()
+            pooled = self._as_trained(self.lookup.pooled(batch), batch)
+            return torch.sigmoid(self.dense(pooled, torch.from_numpy(batch.dense))).numpy()
         layout = BagLayout.of(batch)
         rows = self.lookup.rows(layout.unique_keys)
         emb = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(rows)
@@ -268,7 +289,22 @@ class ServableModel:
             ).view(layout.n_examples, layout.n_slots, emb.shape[1])
         else:
             pooled = pool_sum(emb, layout)
-        return torch.sigmoid(self.dense(pooled, dense)).cpu().numpy()
+        return torch.sigmoid(self.dense(self._as_trained(pooled, batch, layout), dense)).cpu().numpy()
+
+    def _as_trained(self, pooled: torch.Tensor, batch: Batch, layout: BagLayout | None = None) -> torch.Tensor:
+        """The summed bags ``pooled`` as training pooled them: a mean slot's bag over its key
+        count, from ``layout``'s offsets where it lives (the device's, for the device-driven
+        lookup: nothing more crosses the bus), else from ``batch``."""
+        if self.tables is None or not self.tables.mean_slots.any():
+            return pooled
+        if layout is not None:
+            offsets, n_keys = torch.as_tensor(layout.bag_offsets, device=pooled.device), int(layout.inverse.shape[0])
+        else:
+            counts = np.bincount(batch.bag_index(), minlength=len(batch) * batch.n_slots)
+            offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)).to(pooled.device)
+            n_keys = int(counts.sum())
+        mean = torch.from_numpy(self.tables.mean_slots).to(pooled.device)
+        return pooled / bag_divisor(offsets, n_keys, len(batch), mean)
 
     def _predict_device_driven(self, batch: Batch) -> np.ndarray:
         """One upload of the keys (the layout computed on the device), the rows gathered there, one
@@ -286,6 +322,7 @@ class ServableModel:
             torch.as_tensor(layout.bag_offsets, device=device),
             mode="sum",
         ).view(layout.n_examples, layout.n_slots, emb.shape[1])
+        pooled = self._as_trained(pooled, batch, layout)
         lookup.transfers.h2d["dense"] += 1
         dense = torch.from_numpy(batch.dense).to(device)
         return lookup.transfers.to_host(torch.sigmoid(self.dense(pooled, dense)), "probabilities")

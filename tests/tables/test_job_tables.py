@@ -142,7 +142,7 @@ lr = 0.002
     assert report["examples"] == 600 and report["batches"] == 3 and report["rows"] > 0
     assert report["eval_examples"] == 200 and report["config"]["tables"][1]["pooling"] == "mean"
     assert main(["train", "--reference", str(path), "--quiet", "--export", str(tmp_path / "out")]) != 0
-    assert "--export does not yet write tables of their own" in capsys.readouterr().err
+    assert "--reference --export does not yet write tables of their own" in capsys.readouterr().err
 
 
 def test_the_pipeline_refuses_tables_of_their_own_up_front(tmp_path, capsys):

@@ -104,7 +104,9 @@ def test_a_job_of_several_tables_cannot_import_untagged_rows(tmp_path):
 
 
 def test_the_pipeline_trains_three_tables_through_ssd_and_equals_the_reference(ray_local, tmp_path):
+    from hpsray.export import export
     from hpsray.pipelines import SyntheticSource
+    from hpsray.serving import ServableModel
 
     from small_pipeline import GEN as SMALL  # tests/small_pipeline.py
     from small_pipeline import small_config, small_pipeline
@@ -117,6 +119,7 @@ def test_the_pipeline_trains_three_tables_through_ssd_and_equals_the_reference(r
         scores = p.evaluate(held_out)
         keys, rows = p.export_rows()
         dense = p.dense_state()
+        manifest = export(p, tmp_path / "model", cfg)
     assert report["examples"] == 3000 and min(report["cache_hit_rate"].values()) < 1.0
     assert report["ssd"]["bytes_written"] > 0, "the budget should have forced rows out to SSD-PS"
     ref = ReferenceTrainer(source.n_slots, source.n_dense, cfg)
@@ -131,3 +134,29 @@ def test_the_pipeline_trains_three_tables_through_ssd_and_equals_the_reference(r
         np.testing.assert_array_equal(dense[name].numpy(), value.numpy(), err_msg=name)
     want = ref.evaluate(held_out.open(500))
     assert scores["examples"] == 400 and scores["auc"] == pytest.approx(want.auc, abs=1e-12)
+    # served from the export: requests' keys tagged and the lists averaged as in training
+    assert [t["pooling"] for t in manifest["tables"]] == ["sum", "mean", "sum"]
+    model = ServableModel.load(str(tmp_path / "model"))
+    for batch in held_out.open(200):
+        np.testing.assert_allclose(model.predict(batch), ref.predict(batch), rtol=0, atol=1e-6)
+
+
+def test_serving_reads_the_tables_of_a_manifest_and_names_a_bad_one():
+    from hpsray.tables import SlotTables
+
+    entries = config().tables_for(4).manifest()
+    tables = SlotTables.from_manifest(entries, 4, "m.json")
+    assert tables is not None and tables.slot_table.tolist() == [0, 1, 0, 2]
+    assert tables.mean_slots.tolist() == [False, True, False, False]
+    batch = GEN.generate(20)
+    assert np.array_equal(tables.tag(batch).keys, config().tables_for(4).tag(batch.keys, batch.slots))
+    assert SlotTables.from_manifest(None, 4, "m.json") is None  # an export before tables
+    assert SlotTables.from_manifest([{"name": "all", "slots": [0, 1, 2, 3], "pooling": "sum"}], 4, "m.json") is None
+    for bad, words in (
+        ([{"name": "a", "slots": [0, 1], "pooling": "sum"}], "slots [2, 3] are in no table"),
+        ([{"name": "a", "slots": [0, 1, 2, 4], "pooling": "sum"}], "out of range"),
+        ([{"name": "a", "slots": [0, 1, 2, 3], "pooling": "max"}], "pooling 'max'"),
+        ([{"name": "a", "pooling": "sum"}], "'slots'"),
+    ):
+        with pytest.raises(ValueError, match="m.json: tables: .*" + words.replace("[", r"\[").replace("]", r"\]")):
+            SlotTables.from_manifest(bad, 4, "m.json")
