@@ -79,7 +79,10 @@ def test_bsp_two_nodes_equals_reference_through_ssd(two_nodes_cluster, dense):
     ) as p:
         report = p.fit(progress=False)
         assert report["nodes"] == 2 and report["mode"] == "bsp" and report["examples"] == 1700
-        assert report["ssd"]["bytes_read"] > 0 and report["ssd"]["bytes_written"] > 0  # rows went to SSD and back
+        assert report["ssd"]["bytes_written"] > 0  # rows went to SSD-PS
+        # and came back: read from its files, or, under load, from MEM-PS's writes still in flight
+        back = sum(ray.get(a.stats.remote())["cache"]["recovered"] for n, a in p.actors().items() if "MemPS" in n)
+        assert report["ssd"]["bytes_read"] > 0 or back > 0, (report["ssd"], back)
         assert report["sync"]["exchanged_bytes_per_minibatch"] > 0
         # each node's reader read exactly its share of the source
         shares = [sum(len(b) for b in source.open(BATCH, i, 2)) for i in range(2)]
