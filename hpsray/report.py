@@ -27,6 +27,7 @@ __all__ = [
     "SsdTotals",
     "Start",
     "Sync",
+    "TableFigures",
     "json_keys",
 ]
 
@@ -89,6 +90,23 @@ class Sync:
     max_owner_staleness: int
     dense: str
     exchanged_bytes_per_minibatch: float
+
+
+@dataclass
+class TableFigures:
+    """One table's figures of a run of several tables (summed over nodes): MEM-PS ``lookups`` of
+    its distinct keys per batch and their ``hit_rate``; the rows the load stage brought in,
+    ``ssd_rows_loaded`` from SSD-PS files (``ssd_bytes_loaded`` at the table's ``row_bytes``) and
+    ``rows_created`` (new keys: initial rows; ``bytes_created`` at ``row_bytes``)."""
+
+    row_bytes: int
+    lookups: int
+    hits: int
+    hit_rate: float
+    ssd_rows_loaded: int
+    ssd_bytes_loaded: int
+    rows_created: int
+    bytes_created: int
 
 
 @dataclass
@@ -171,6 +189,7 @@ class RunReport:
     bad_input: dict[str, Any]
     time_to_first_batch_s: float | None = _optional()
     sync: Sync | None = _optional()
+    tables: dict[str, TableFigures] | None = _optional()  # a model of several tables: per table name
     per_node: list[NodeFigures] | None = _optional()
     startup_s: float | None = _optional()
     start: Start | None = _optional()

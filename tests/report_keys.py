@@ -31,6 +31,7 @@ FIT_KEYS = {
     "start",
 }
 SEVERAL_NODES = {"sync", "per_node"}
+SEVERAL_TABLES = {"tables"}  # a model of several tables: per table name, TABLE_KEYS
 CHECKPOINTED = {"checkpoints", "recovery", "reshaped"}
 EVALUATING = {"evaluations"}  # with [eval]: every evaluation while training, the best, stopped_early
 # what hpsray train and hpsray demo add
@@ -93,6 +94,16 @@ SYNC_KEYS = {
     "exchanged_bytes_per_minibatch",
 }
 PER_NODE_KEYS = {"node", "stage_busy_s", "examples", "cache"}
+TABLE_KEYS = {
+    "row_bytes",
+    "lookups",
+    "hits",
+    "hit_rate",
+    "ssd_rows_loaded",
+    "ssd_bytes_loaded",
+    "rows_created",
+    "bytes_created",
+}
 DEMO_KEYS = {"distinct_keys", "mem_rows", "rows_evicted", "rows_loaded_from_ssd"}
 
 

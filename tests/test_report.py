@@ -18,6 +18,7 @@ from hpsray.report import (
     SsdTotals,
     Start,
     Sync,
+    TableFigures,
     json_keys,
 )
 
@@ -32,9 +33,11 @@ from report_keys import (  # tests/report_keys.py
     PER_NODE_KEYS,
     REFERENCE_KEYS,
     SEVERAL_NODES,
+    SEVERAL_TABLES,
     SSD_KEYS,
     START_KEYS,
     SYNC_KEYS,
+    TABLE_KEYS,
 )
 
 
@@ -79,6 +82,7 @@ def full_report() -> RunReport:
             exchanged_bytes_per_minibatch=8.0,
         ),
         per_node=[NodeFigures(node=i, stage_busy_s=busy, examples=100, cache={}) for i in range(2)],
+        tables={"ids": TableFigures(16, 10, 4, 0.4, 5, 80, 1, 16)},
         startup_s=0.5,
         start=Start(ray_init_s=0.5, actors_s=0.5, other_s=0.5, ready_s={"read": 0.1}),
         checkpoints={"count": 1},
@@ -100,7 +104,7 @@ def full_report() -> RunReport:
 
 def test_every_section_serialises_to_todays_keys():
     data = full_report().as_dict()
-    every = FIT_KEYS | SEVERAL_NODES | CHECKPOINTED | EVALUATING | COMMANDS
+    every = FIT_KEYS | SEVERAL_NODES | SEVERAL_TABLES | CHECKPOINTED | EVALUATING | COMMANDS
     assert set(data) == every == json_keys(), set(data) ^ every
     assert set(data["ssd"]) == SSD_KEYS and data["ssd"]["space_ratio"] == 2.0
     assert set(data["queues"]["read→pull"]) == EDGE_KEYS
@@ -108,6 +112,7 @@ def test_every_section_serialises_to_todays_keys():
     assert set(data["start"]) == START_KEYS
     assert set(data["sync"]) == SYNC_KEYS and data["sync"]["propagation"] is None
     assert [set(n) for n in data["per_node"]] == [PER_NODE_KEYS] * 2
+    assert set(data["tables"]["ids"]) == TABLE_KEYS
     assert data["resumed_from"] == {"checkpoint": "ckpt", "batch": 1}
     assert set(data["demo"]) == DEMO_KEYS
     assert data["auc"] is None and data["logloss"] is None and data["eval_examples"] == 0

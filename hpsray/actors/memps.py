@@ -270,6 +270,7 @@ class MemPSShard:
         return {
             **self.clock.snapshot(),
             "hit_rate": dict(self.lender.hit_rate),
+            "by_tag": {k: v.tolist() for k, v in self.lender.by_tag.items()},
             "cache": cache,
             "owner_staleness": self.lender.max_staleness,
         }

@@ -12,6 +12,7 @@ from hpsray.actors.messages import Loan, Pulled
 from hpsray.actors.timing import StageClock
 from hpsray.tiers.ssd import SSDPS, restore_snapshot
 from hpsray.tiers.ssd.bulkload import TableImport
+from hpsray.tiers.tagcount import N_TAGS, by_tag
 from hpsray.tiers.warmup import warm_ssd_ps
 
 
@@ -48,6 +49,7 @@ class SSDPSShard:
         self.clock = StageClock("load", node)
         self.writes = StageClock("dump", node)
         self.counts = {"loads": 0, "loaded": 0, "initialised": 0}
+        self.by_tag = {"loaded": np.zeros(N_TAGS, np.int64), "initialised": np.zeros(N_TAGS, np.int64)}
         self.gauges = LiveGauges(stage="load", node=node)
 
     def _export(self) -> None:
@@ -67,12 +69,23 @@ class SSDPSShard:
         """The load stage: ``pulled``'s loan as the trainer takes it, its missing rows read from
         the parameter files (initial rows for keys never stored). Every write MEM-PS saw done
         before the pull has run here, and a row still in flight was not missing."""
+        found_keys = []
+
+        def load(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            rows, found = self.store.load(keys)
+            found_keys.append(keys[found])
+            return rows, found
+
         with self.clock.timed(batch_id):
-            rows, loaded = pulled.load_missing(self.store.load)
+            rows, loaded = pulled.load_missing(load)
         missing = int(pulled.missing.size)
         self.counts["loads"] += 1
         self.counts["loaded"] += loaded
         self.counts["initialised"] += missing - loaded
+        if missing:  # per table (tag): the missing keys, and those the files held, are sorted
+            from_files = by_tag(found_keys[0]) if found_keys else 0
+            self.by_tag["loaded"] += from_files
+            self.by_tag["initialised"] += by_tag(pulled.missing_keys) - from_files
         if missing:
             self._export()
         return Loan(rows, pulled.held)
@@ -123,8 +136,10 @@ class SSDPSShard:
 
     def stats(self) -> dict:
         """The load clock's figures, the dump clock's (``dump``), the store's, and the rows the
-        load stage ``loaded`` from files or ``initialised``."""
-        return {**self.clock.snapshot(), "dump": self.writes.snapshot(), "store": self.store.stats, **self.counts}
+        load stage ``loaded`` from files or ``initialised`` (also ``by_tag``: per key tag, a table)."""
+        by_tag = {k: v.tolist() for k, v in self.by_tag.items()}
+        clocks = {**self.clock.snapshot(), "dump": self.writes.snapshot()}
+        return {**clocks, "store": self.store.stats, **self.counts, "by_tag": by_tag}
 
     def close(self) -> None:
         self.store.close()

@@ -301,7 +301,7 @@ class Pipeline:
         self.report = run_report(
             self._nodes,
             self.sync,
-            self.trainer_settings.n_devices,
+            self.trainer_settings,
             acc["wall"],
             trained,
             sum(acc["examples"].get(b, 0) for b in trained),

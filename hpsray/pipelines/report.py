@@ -168,8 +168,8 @@ def _bytes(n: float) -> str:
 
 def format_stage_table(report: Mapping[str, Any]) -> str:
     """A plain-text summary: per-stage busy time (and CPU seconds while busy), pipeline
-    efficiency, cache hit rate, SSD bytes, the edges between the stages and how often the stages
-    overlapped."""
+    efficiency, cache hit rate, SSD bytes, each table's figures (a model of several), the edges
+    between the stages and how often the stages overlapped."""
     wall = float(report.get("wall_s") or 0.0)
     busy = report.get("stage_busy_s") or {}
     cpu = report.get("stage_cpu_s") or {}
@@ -227,6 +227,12 @@ def format_stage_table(report: Mapping[str, Any]) -> str:
             f"SSD-PS: {_bytes(ssd.get('bytes_read', 0))} read in {ssd.get('load_seconds', 0.0):.2f} s, "
             f"{_bytes(ssd.get('bytes_written', 0))} written in {ssd.get('dump_seconds', 0.0):.2f} s, "
             f"{ssd.get('files', 0)} files, {ssd.get('compactions', 0)} compactions"
+        )
+    for name, t in (report.get("tables") or {}).items():
+        lines.append(
+            f"table {name}: {t['lookups']:,} lookups, hit rate {t['hit_rate']:.3f}; "
+            f"{t['ssd_rows_loaded']:,} rows ({_bytes(t['ssd_bytes_loaded'])}) loaded from SSD-PS, "
+            f"{t['rows_created']:,} rows ({_bytes(t['bytes_created'])}) created"
         )
     queues = report.get("queues") or {}
     if queues:

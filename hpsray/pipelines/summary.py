@@ -15,11 +15,12 @@ import numpy as np
 import ray
 
 from hpsray.actors.working_set import working_set_report
+from hpsray.config import TrainConfig
 from hpsray.pipelines.edge import BoundedEdge
 from hpsray.pipelines.placement import NodeActors
 from hpsray.pipelines.report import STAGES
-from hpsray.pipelines.settings import SyncSettings
-from hpsray.report import EdgeFill, NodeFigures, Overlap, RunReport, SsdTotals, Start, Sync
+from hpsray.pipelines.settings import SyncSettings, TrainerSettings
+from hpsray.report import EdgeFill, NodeFigures, Overlap, RunReport, SsdTotals, Start, Sync, TableFigures
 
 SSD_TOTALS = (
     "bytes_read",
@@ -87,7 +88,7 @@ def overlap(per_node: list[tuple[dict, dict, dict]], batches: set) -> Overlap:
 def run_report(
     nodes: list[NodeActors],
     sync: SyncSettings,
-    devices_per_node: int,
+    settings: TrainerSettings,
     wall: float,
     batches: range,
     examples: int,
@@ -105,7 +106,8 @@ def run_report(
     ``time_to_first_batch_s``: from then to the start of the first batch's training on node 0,
     and its breakdown ``start``, whose seconds (``ray_init_s`` and each stage's) are taken out of
     ``start_s`` (a later ``fit()`` reports its own). ``checkpoints``, ``recovery`` and
-    ``reshaped``: the pipeline's checkpoint costs, recoveries and re-partition, where it has them."""
+    ``reshaped``: the pipeline's checkpoint costs, recoveries and re-partition, where it has them;
+    ``settings``: the trainers' (devices per node; the model's tables, each with its figures)."""
     stats = ray.get(
         [
             ref
@@ -162,7 +164,7 @@ def run_report(
     return RunReport(
         mode=sync.consistency if several else "bsp",
         nodes=len(nodes),
-        devices_per_node=devices_per_node,
+        devices_per_node=settings.n_devices,
         batches=len(batches),
         examples=examples,
         wall_s=wall,
@@ -179,6 +181,7 @@ def run_report(
         bad_input=per_node[0][4] if not several else {f"node {i}": r[4] for i, r in enumerate(per_node)},
         time_to_first_batch_s=ttfb,
         sync=_sync([r[3] for r in per_node], mems, sync) if several else None,
+        tables=table_figures(settings.config, mems, [r[2] for r in per_node]),
         per_node=[
             NodeFigures(node=i, stage_busy_s=nb, examples=r[0]["examples"], cache=r[1]["cache"])
             for i, (nb, r) in enumerate(zip(node_busy, per_node))
@@ -191,6 +194,33 @@ def run_report(
         recovery=recovery,
         reshaped=reshaped,
     )
+
+
+def table_figures(config: TrainConfig, mems: list[dict], ssds: list[dict]) -> dict[str, TableFigures] | None:
+    """Per table of a model of several tables (``None`` otherwise), the MEM-PS and load-stage
+    counts of its keys' tag (:mod:`hpsray.tiers.tagcount`), summed over nodes."""
+    if len(config.tables) < 2:
+        return None
+    n = len(config.tables)
+    lookups, misses, loaded, created = (
+        np.sum([np.asarray(part["by_tag"][key][:n]) for part in parts], axis=0)
+        for parts, key in ((mems, "lookups"), (mems, "misses"), (ssds, "loaded"), (ssds, "initialised"))
+    )
+    row_bytes = 4 * config.row_width  # the pipeline's tables share one width
+    out = {}
+    for t, spec in enumerate(config.tables):
+        hits = int(lookups[t] - misses[t])
+        out[spec.name] = TableFigures(
+            row_bytes=row_bytes,
+            lookups=int(lookups[t]),
+            hits=hits,
+            hit_rate=hits / int(lookups[t]) if lookups[t] else 0.0,
+            ssd_rows_loaded=int(loaded[t]),
+            ssd_bytes_loaded=int(loaded[t]) * row_bytes,
+            rows_created=int(created[t]),
+            bytes_created=int(created[t]) * row_bytes,
+        )
+    return out
 
 
 def _cpu_in(clock: dict, batches: set) -> float:

@@ -35,6 +35,7 @@ from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.tiers.admission import Admission
 from hpsray.tiers.loans import Pulled, Refresh, Returned
 from hpsray.tiers.mem import BackingStore, DeletingStore, MemPS
+from hpsray.tiers.tagcount import N_TAGS, by_tag
 
 __all__ = ["Lease", "Lender"]
 
@@ -66,6 +67,7 @@ class Lender:
         self.hit_rate: dict[Hashable, float] = {}
         self.max_staleness = 0  # most mini-batches of updates a row kept at a batch end lacked
         self._hits: dict[Hashable, list[int]] = {}  # batch -> [hits, misses] over its leases
+        self.by_tag = {"lookups": np.zeros(N_TAGS, np.int64), "misses": np.zeros(N_TAGS, np.int64)}  # per table
 
     @property
     def store(self) -> BackingStore:
@@ -98,6 +100,8 @@ class Lender:
         counts[0] += s["hits"]
         counts[1] += s["misses"]
         self.hit_rate[batch_id] = counts[0] / max(counts[0] + counts[1], 1)
+        self.by_tag["lookups"] += by_tag(keys)
+        self.by_tag["misses"] += by_tag(keys[missing])  # missing: ascending positions, so sorted keys
         if held is None:
             return Pulled(rows, missing, keys[missing], self.init)
         missing = missing[~held[missing]]  # a held key's row is on the trainer: never loaded again

@@ -106,6 +106,7 @@ def test_a_job_of_several_tables_cannot_import_untagged_rows(tmp_path):
 def test_the_pipeline_trains_three_tables_through_ssd_and_equals_the_reference(ray_local, tmp_path):
     from hpsray.export import export
     from hpsray.pipelines import SyntheticSource
+    from hpsray.pipelines.report import format_stage_table
     from hpsray.serving import ServableModel
 
     from small_pipeline import GEN as SMALL  # tests/small_pipeline.py
@@ -129,6 +130,17 @@ def test_the_pipeline_trains_three_tables_through_ssd_and_equals_the_reference(r
     order = np.argsort(ref_keys)
     np.testing.assert_array_equal(keys, ref_keys[order])  # tagged: each key carries its table
     assert set(np.unique(keys >> np.uint64(56)).tolist()) == {0, 1, 2}
+    # the report per table: every exported row was created once, by its table; MEM-PS's counts split
+    figures = report["tables"]
+    assert list(figures) == ["a", "lists", "ids"]
+    per_table = np.bincount((keys >> np.uint64(56)).astype(np.int64), minlength=3)
+    assert [f["rows_created"] for f in figures.values()] == per_table.tolist()
+    assert all(f["bytes_created"] == f["rows_created"] * 4 * cfg.row_width for f in figures.values())
+    cache = report["cache"]
+    assert sum(f["lookups"] for f in figures.values()) == cache["hits"] + cache["misses"]
+    assert sum(f["hits"] for f in figures.values()) == cache["hits"]
+    assert sum(f["ssd_rows_loaded"] for f in figures.values()) == cache["loaded"] > 0
+    assert "table lists: " in format_stage_table(report)
     np.testing.assert_array_equal(rows, np.concatenate([r for _, r in tables.values()])[order])  # atol 0
     for name, value in ref.dense_state().items():
         np.testing.assert_array_equal(dense[name].numpy(), value.numpy(), err_msg=name)
@@ -160,3 +172,13 @@ def test_serving_reads_the_tables_of_a_manifest_and_names_a_bad_one():
     ):
         with pytest.raises(ValueError, match="m.json: tables: .*" + words.replace("[", r"\[").replace("]", r"\]")):
             SlotTables.from_manifest(bad, 4, "m.json")
+
+
+def test_keys_are_counted_by_their_tag_without_a_pass_over_them():
+    from hpsray.tiers.tagcount import by_tag
+
+    rng = np.random.default_rng(0)
+    keys = np.sort(rng.integers(0, 2**64 - 1, 5000, dtype=np.uint64, endpoint=False))
+    keys = np.concatenate([keys, np.array([2**64 - 2], np.uint64)])  # a key of tag 255
+    want = np.bincount((keys >> np.uint64(56)).astype(np.int64), minlength=256)
+    assert by_tag(keys).tolist() == want.tolist() and by_tag(keys[:0]).sum() == 0
