@@ -327,30 +327,24 @@ def _optimizer(spec: TableSpec, i: int) -> SparseOptimizer:
 def pipeline_refusal(config: RowDefaults, n_slots: int) -> str | None:
     """Why the distributed pipeline cannot run ``config``'s tables yet (``None`` when it can):
     its tiers hold rows of one width with one optimizer, so it runs any number of tables, each
-    with sum or mean pooling, as long as every table keeps the config's ``dim``, sparse optimizer,
-    learning rate and admission; the reference trainer (``hpsray train --reference``) runs any."""
+    with sum or mean pooling and its own learning rate, as long as every table keeps the config's
+    ``dim``, sparse optimizer (and its settings) and admission; the reference trainer
+    (``hpsray train --reference``) runs any."""
     if not config.tables:
         return None
     tables = Tables.of(config, n_slots)
-    default = (config.dim, config.sparse_optimizer, config.sparse_lr, dict(config.sparse_params), None, None)
+    default = (config.dim, config.sparse_optimizer, dict(config.sparse_params), None, None)
     own = [
         spec.name
         for spec in tables.specs
-        if (
-            spec.dim,
-            spec.optimizer,
-            spec.lr,
-            dict(spec.sparse_params or {}),
-            spec.admit_after,
-            spec.expire_after_batches,
-        )
+        if (spec.dim, spec.optimizer, dict(spec.sparse_params or {}), spec.admit_after, spec.expire_after_batches)
         != default
     ]
     if not own:
         return None
     return (
-        f"the distributed pipeline does not yet run a table of its own width, optimizer, learning rate or "
-        f"admission (its tiers hold rows of one width: [model] dim = {config.dim}); "
+        f"the distributed pipeline does not yet run a table of its own width, optimizer or admission "
+        f"(its tiers hold rows of one width: [model] dim = {config.dim}); "
         f"{', '.join(repr(n) for n in own)} of {tables.describe()} set one. `hpsray train --reference` runs it"
     )
 

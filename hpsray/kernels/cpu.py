@@ -220,6 +220,11 @@ class CpuHashTable(HashTable):
         """The arena itself (a view; slots index it)."""
         return self._rows
 
+    @property
+    def row_keys(self) -> npt.NDArray[np.uint64]:
+        """Each slot's key (a view; ``EMPTY_KEY`` where free)."""
+        return self._row_keys
+
     @staticmethod
     def _threads() -> int:
         return numba.get_num_threads()

@@ -24,6 +24,7 @@ from hpsray.data.batch import Batch
 from hpsray.errors import MissingRowsError
 from hpsray.kernels.arrays import to_host
 from hpsray.kernels.distinct import in_sorted
+from hpsray.kernels.optim import HP_LR
 from hpsray.models.device import StepDevice
 from hpsray.models.kinds import build_model
 from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum
@@ -94,9 +95,18 @@ class TrainerEngine:
         self.traffic = Traffic(config.row_width * 4)
         self.losses: dict[Hashable, float] = {}  # per batch, its mean loss
         self.empty = Batch.empty(n_slots, n_dense)  # an exhausted node's part of a batch
-        means = config.tables_for(n_slots).mean_slots if config.tables else np.zeros(n_slots, bool)
+        tables = config.tables_for(n_slots) if config.tables else None
+        means = tables.mean_slots if tables is not None else np.zeros(n_slots, bool)
         # the slots that pool by the mean (tables of their own), on the device; None: every slot sums
         self.mean_slots = torch.as_tensor(means, device=self.device.torch) if means.any() else None
+        if tables is not None and len(tables) == 1:  # one table: its optimizer (its own lr, if any)
+            self.optimizer = tables.optimizers[0]
+        self.lr_by_tag = None  # tables of their own learning rate: each by key tag (float32[256], on the device)
+        own = [float(opt.hyperparams(1)[HP_LR]) for opt in tables.optimizers] if tables is not None else []
+        if tables is not None and tables.tagged and set(own) != {float(self.optimizer.hyperparams(1)[HP_LR])}:
+            lrs = np.zeros(256, np.float32)
+            lrs[: len(own)] = own
+            self.lr_by_tag = torch.as_tensor(lrs, device=self.device.torch)
         self.kept: list[np.ndarray] = []  # per owner: keys kept at the last batch's end (not returned)
         self._resident: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted int64 keys, their slots
         self._parts: list[np.ndarray] | None = None  # per owner, the sorted keys resident (the last batch's)
@@ -150,7 +160,12 @@ class TrainerEngine:
         """The sparse step over the table's row array (a torch view, no copy)."""
         table: Any = self.hbm.tables[0]  # CpuHashTable or CudaHashTable: both expose ``rows``
         if self._arena is None or self._arena[0] is not table:
-            self._arena = (table, ArenaStep(self.device.tensor(table.rows), self.config.dim, self.optimizer))
+            arena = self.device.tensor(table.rows)
+            row_lr = None
+            if self.lr_by_tag is not None:  # tables of their own lr: each row's by its key's tag
+                keys, by_tag = self.device.tensor(table.row_keys.view(np.int64)), self.lr_by_tag
+                row_lr = lambda slots: by_tag[(keys.index_select(0, slots) >> 56) & 255].unsqueeze(1)  # noqa: E731
+            self._arena = (table, ArenaStep(arena, self.config.dim, self.optimizer, row_lr=row_lr))
         return self._arena[1]
 
     def _find(self, keys: np.ndarray, on_device: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,23 +30,28 @@ from hpsray.kernels.optim import (
 __all__ = ["update_rows"]
 
 
-def update_rows(rows: torch.Tensor, grads: torch.Tensor, optimizer: SparseOptimizer, step: int) -> None:
+def update_rows(
+    rows: torch.Tensor, grads: torch.Tensor, optimizer: SparseOptimizer, step: int, lr: torch.Tensor | None = None
+) -> None:
     """One step of ``optimizer`` (global step ``step``, 1-based) on ``rows`` for ``grads``.
 
     Hyper-parameters are the float32 values of ``optimizer.hyperparams(step)`` (Python floats
-    that are exact float32 numbers, so a torch scalar operand rounds to the same value)."""
+    that are exact float32 numbers, so a torch scalar operand rounds to the same value). ``lr``
+    (``float32[n, 1]``, each row's own: tables of their own learning rate) replaces the
+    optimizer's; a float32 operand per row gives the bits the scalar would."""
     dim = grads.shape[1]
     hp = [float(x) for x in optimizer.hyperparams(step)]
-    lr, kind = hp[HP_LR], optimizer.kind
+    kind = optimizer.kind
+    lr_: float | torch.Tensor = hp[HP_LR] if lr is None else lr
     w = rows[:, :dim]
     if kind == KIND_SGD:
-        w.sub_(grads * lr)
+        w.sub_(grads * lr_)
         return
     eps = hp[HP_EPS]
     if kind == KIND_ADAGRAD:
         a = rows[:, dim : 2 * dim]
         a.add_(grads * grads)
-        w.sub_((grads * lr).div_(_sqrt(a).add_(eps)))
+        w.sub_((grads * lr_).div_(_sqrt(a).add_(eps)))
         return
     if kind == KIND_ADAGRAD_ROW:
         # the kernels' sum: the float32 squares in float64, in column order (a CPU cumsum is
@@ -54,7 +59,7 @@ def update_rows(rows: torch.Tensor, grads: torch.Tensor, optimizer: SparseOptimi
         s = (grads * grads).double().cumsum_(1)[:, -1].float()
         a = rows[:, dim]
         a.add_(s.div_(float(np.float32(dim))))
-        scale = torch.full_like(a, lr).div_(_sqrt(a).add_(eps))
+        scale = (torch.full_like(a, hp[HP_LR]) if lr is None else lr.reshape(-1).clone()).div_(_sqrt(a).add_(eps))
         w.sub_(grads * scale.unsqueeze(1))
         return
     if kind == KIND_ADAM:
@@ -64,7 +69,7 @@ def update_rows(rows: torch.Tensor, grads: torch.Tensor, optimizer: SparseOptimi
         m, v = rows[:, dim : 2 * dim], rows[:, 2 * dim : 3 * dim]
         m.mul_(b1).add_(grads * one_b1)
         v.mul_(b2).add_((grads * one_b2).mul_(grads))
-        w.sub_((m / bc1).mul_(lr).div_(_sqrt(v / bc2).add_(eps)))
+        w.sub_((m / bc1).mul_(lr_).div_(_sqrt(v / bc2).add_(eps)))
         return
     raise ValueError(f"unknown sparse optimizer kind {kind}")
 

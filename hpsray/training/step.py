@@ -25,6 +25,8 @@ reference trainer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -40,15 +42,25 @@ class ArenaStep:
     """The sparse half of a mini-batch step over ``arena`` (``float32[capacity, width]``, the
     first ``dim`` columns the weights), with reusable scratch for the gathered rows. ``fused``:
     whether :meth:`apply` runs the fused op (``None``: on the CPU, where it was measured faster,
-    docs/benchmarks.md; the unfused ops on CUDA until measured there)."""
+    docs/benchmarks.md; the unfused ops on CUDA until measured there). ``row_lr(slots)``: the rows'
+    own learning rates (``float32[n, 1]``; tables of their own lr), with the unfused ops."""
 
-    def __init__(self, arena: torch.Tensor, dim: int, optimizer: SparseOptimizer, fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        arena: torch.Tensor,
+        dim: int,
+        optimizer: SparseOptimizer,
+        fused: bool | None = None,
+        row_lr: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         if arena.dim() != 2 or arena.dtype != torch.float32 or not arena.is_contiguous():
             raise ValueError(
                 f"arena must be a contiguous float32 [capacity, width] tensor, got {arena.dtype}{tuple(arena.shape)}"
             )
-        self.arena, self.dim, self.optimizer = arena, dim, optimizer
-        self.fused = (not arena.is_cuda) if fused is None else fused
+        self.arena, self.dim, self.optimizer, self.row_lr = arena, dim, optimizer, row_lr
+        self.fused = (not arena.is_cuda and row_lr is None) if fused is None else fused
+        if self.fused and row_lr is not None:
+            raise ValueError("the fused update takes one learning rate: row_lr needs fused=False")
         self._scratch = torch.empty((0, arena.shape[1]), dtype=torch.float32, device=arena.device)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
@@ -86,7 +98,8 @@ class ArenaStep:
     def update(self, slots: torch.Tensor, gathered: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         """Apply the sparse optimizer (global step ``step``) to ``gathered``, the rows of the
         distinct ``slots``, for ``grads``, and write them back to the arena."""
-        update_rows(gathered, grads, self.optimizer, step)
+        lr = self.row_lr(slots) if self.row_lr is not None else None
+        update_rows(gathered, grads, self.optimizer, step, lr)
         self.arena.index_copy_(0, slots, gathered)
 
     def apply(self, mb: MiniBatchIndex, gathered: torch.Tensor, pooled: torch.Tensor, step: int) -> None:

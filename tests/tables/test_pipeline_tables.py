@@ -19,8 +19,9 @@ from hpsray.tiers.loans import Loan
 from hpsray.training.engine import TrainerEngine
 
 GEN = PlantedCTR(n_slots=4, keys_per_slot=80, nnz_per_slot=PlantedCTR.spread_nnz(4, 9), n_dense=3, seed=7)
-# one width (the pipeline's tiers hold one), three tables, one of multi-hot lists averaged
-THREE = (TableSpec("a", (0, 2), 4), TableSpec("lists", (1,), 4, "mean"), TableSpec("ids", (3,), 4))
+# one width (the pipeline's tiers hold one), three tables: one of multi-hot lists averaged, one
+# (ids) with its own learning rate
+THREE = (TableSpec("a", (0, 2), 4), TableSpec("lists", (1,), 4, "mean"), TableSpec("ids", (3,), 4, lr=0.2))
 
 
 def config(tables=THREE, **kw):
@@ -44,7 +45,6 @@ def test_the_pipeline_runs_tables_of_one_width_and_refuses_a_width_of_its_own():
     for own in (
         TableSpec("ids", (3,), 8),
         TableSpec("ids", (3,), 4, optimizer="adam"),
-        TableSpec("ids", (3,), 4, lr=0.5),
         TableSpec("ids", (3,), 4, admit_after=2),
     ):
         refusal = pipeline_refusal(config((THREE[0], THREE[1], own)), 4)
@@ -57,7 +57,7 @@ def test_the_pipeline_runs_tables_of_one_width_and_refuses_a_width_of_its_own():
     assert np.array_equal(tagged.labels, batch.labels) and tagged.keys is not batch.keys
 
 
-@pytest.mark.parametrize("sparse", ["adagrad", "sgd"])
+@pytest.mark.parametrize("sparse", ["adagrad", "sgd", "adagrad_row", "adam"])
 def test_the_engine_with_mean_pooling_equals_the_references_tables(sparse):
     cfg = config(sparse_optimizer=sparse)
     tables = cfg.tables_for(GEN.n_slots)
@@ -68,6 +68,8 @@ def test_the_engine_with_mean_pooling_equals_the_references_tables(sparse):
         ref.train_batch(b)
     engine = TrainerEngine(cfg, GEN.n_slots, GEN.n_dense, capacity=4000)
     assert engine.mean_slots is not None and engine.mean_slots.tolist() == [False, True, False, False]
+    assert engine.lr_by_tag is not None and engine.lr_by_tag[:3].tolist() == pytest.approx([cfg.sparse_lr] * 2 + [0.2])
+    assert not engine.arena.fused  # one learning rate per fused update: the unfused ops
     rows: dict[int, np.ndarray] = {}
     for raw in batches:
         batch = tag(raw)

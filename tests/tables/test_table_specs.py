@@ -122,10 +122,14 @@ def test_the_pipeline_runs_tables_of_the_models_one_width():
     assert pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("all", (0, 1), 4),)), 2) is None
     assert pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("all", (0, 1), 4, "mean"),)), 2) is None
     assert pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("a", (0,), 4), TableSpec("b", (1,), 4))), 2) is None
+    assert (
+        pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("a", (0,), 4), TableSpec("b", (1,), 4, lr=0.5))), 2)
+        is None
+    )
     for tables in (
         (TableSpec("all", (0, 1), 8),),
         (TableSpec("all", (0, 1), 4, optimizer="adam"),),
-        (TableSpec("a", (0,), 4), TableSpec("b", (1,), 4, lr=0.5)),
+        (TableSpec("a", (0,), 4), TableSpec("b", (1,), 4, sparse_params={"eps": 0.1})),
     ):
         refusal = pipeline_refusal(TrainConfig(dim=4, tables=tables), 2)
         assert refusal is not None and "--reference" in refusal

@@ -106,8 +106,8 @@ def test_the_fused_sparse_update_is_one_launch_of_a_one_node_minibatch():
 
 
 class _Unfused(ArenaStep):
-    def __init__(self, arena, dim, optimizer, fused=None):
-        super().__init__(arena, dim, optimizer, fused=False)
+    def __init__(self, arena, dim, optimizer, fused=None, row_lr=None):
+        super().__init__(arena, dim, optimizer, fused=False, row_lr=row_lr)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

@@ -74,8 +74,8 @@ def test_the_fused_op_equals_the_kernels_math_and_the_unfused_ops_to_the_bit(opt
 class _Unfused(ArenaStep):
     """The trainer's arena step with the fused op off."""
 
-    def __init__(self, arena: torch.Tensor, dim: int, optimizer, fused: bool | None = None) -> None:
-        super().__init__(arena, dim, optimizer, fused=False)
+    def __init__(self, arena: torch.Tensor, dim: int, optimizer, fused: bool | None = None, row_lr=None) -> None:
+        super().__init__(arena, dim, optimizer, fused=False, row_lr=row_lr)
 
 
 def _trained(optimizer: str, batches: int) -> tuple[np.ndarray, np.ndarray, dict, bool]:

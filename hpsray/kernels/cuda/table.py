@@ -127,6 +127,11 @@ class CudaHashTable(HashTable):
         return self._rows
 
     @property
+    def row_keys(self) -> DeviceArray:
+        """Each slot's key (a device array; ``EMPTY`` where free)."""
+        return self._row_keys
+
+    @property
     def threads_per_block(self) -> int:
         return self._tpb
 
