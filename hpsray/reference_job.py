@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hpsray.errors import ConfigError
 from hpsray.evaluation import EvalPoint, EvalTrack
 from hpsray.report import Evaluation, RunReport
@@ -131,16 +133,25 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
     else:
         evaluate_into(report, job, evaluate)
     model = best_model if best_model is not None else export(trainer)
-    report.rows = int(model[0].size) if not job.tables else sum(int(k.size) for k, _ in model[0].values())
+    report.rows = (
+        int(model[0].size) if not isinstance(model[0], dict) else sum(int(k.size) for k, _ in model[0].values())
+    )
     return report, model
 
 
 def export(trainer: Any) -> tuple:
-    """What ``trainer`` learnt: ``(keys, rows, dense state)``, or with tables of their own
-    ``({table name: (keys, rows)}, dense state)`` (:meth:`~hpsray.reference.ReferenceTrainer.export_tables`)."""
+    """What ``trainer`` learnt: ``(keys, rows, dense state)`` (with tables of the model's one row
+    width, every table's tagged keys together, as the pipeline exports them), or with tables of
+    other widths ``({table name: (keys, rows)}, dense state)``
+    (:meth:`~hpsray.reference.ReferenceTrainer.export_tables`)."""
     if trainer.tables is None:
         return trainer.export()
-    return trainer.export_tables(), trainer.dense_state()
+    parts = trainer.export_tables()
+    if set(trainer.tables.widths) != {trainer.config.row_width}:
+        return parts, trainer.dense_state()
+    keys = np.concatenate([k for k, _ in parts.values()])
+    order = np.argsort(keys, kind="stable")
+    return keys[order], np.concatenate([r for _, r in parts.values()])[order], trainer.dense_state()
 
 
 def evaluate_into(report: RunReport, job: JobConfig, evaluate: Callable[[Any], dict]) -> None:

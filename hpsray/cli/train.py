@@ -140,6 +140,14 @@ def process_start() -> float:
 _IMPORTED = time.monotonic()
 
 
+def _one_width(job: Any) -> bool:
+    """Whether every table of ``job`` has the model's row width (one export holds them all)."""
+    from hpsray.job import build
+
+    config = job.train_config()
+    return set(config.tables_for(build.source(job).n_slots).widths) == {config.row_width}
+
+
 def _cause(e: BaseException) -> BaseException:
     """The user-facing exception inside a Ray task error."""
     seen = 0
@@ -347,8 +355,8 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     if args.incremental and not args.export:
         return error("--incremental needs --export DIR (the earlier export to add the changed rows to)")
-    if args.export and job.tables and args.reference:
-        return error(f"{args.config}: tables: --reference --export does not yet write tables of their own")
+    if (args.export or args.compare) and job.tables and args.reference and not _one_width(job):
+        return error(f"{args.config}: tables: --export and --compare do not yet take tables of several widths")
     if args.resume and args.reference:
         return error("--resume continues a pipeline run from its checkpoint; the reference trainer has none")
     if args.resume and args.overwrite:

@@ -142,7 +142,7 @@ lr = 0.002
     assert report["examples"] == 600 and report["batches"] == 3 and report["rows"] > 0
     assert report["eval_examples"] == 200 and report["config"]["tables"][1]["pooling"] == "mean"
     assert main(["train", "--reference", str(path), "--quiet", "--export", str(tmp_path / "out")]) != 0
-    assert "--reference --export does not yet write tables of their own" in capsys.readouterr().err
+    assert "--export and --compare do not yet take tables of several widths" in capsys.readouterr().err
 
 
 def test_the_pipeline_refuses_tables_of_their_own_up_front(tmp_path, capsys):
@@ -173,3 +173,29 @@ def test_pipeline_refuses_a_config_of_several_tables():
         Pipeline(SyntheticSource(gen, 10), trainer=TrainerSettings(config=config))
     assert str(e.value).startswith("Pipeline: tables: the distributed pipeline does not yet run")
     assert "a (dim 4, sum), b (dim 8, sum)" in str(e.value)
+
+
+def test_hpsray_train_runs_tables_of_one_width_and_equals_the_reference_to_the_bit(tmp_path, capsys, ray_local):
+    """A job of three tables at [model] dim (one averaged, one with its own lr) through
+    ``hpsray train``: rows spilled to SSD-PS, equal to ``--reference``'s export at tolerance 0,
+    and the report's per-table figures printed."""
+    path = tmp_path / "job.toml"
+    path.write_text(
+        "[data.synthetic]\nrows = 1200\neval_rows = 200\nslots = 4\nnnz = 7\nkeys = 400\ndense = 3\n\n"
+        "[model]\ndim = 4\nhidden = [8]\n\n[tiers]\nmem_rows = 1100\n\n[tiers.ssd]\nrows_per_file = 128\n\n"
+        "[pipeline]\nbatch_size = 200\nminibatch_size = 50\n\n[cluster]\nnodes = 1\n\n"
+        '[[tables]]\nname = "small"\nslots = [0, 2]\ndim = 4\n\n'
+        '[[tables]]\nname = "lists"\nslots = [1]\ndim = 4\npooling = "mean"\n\n'
+        '[[tables]]\nname = "ids"\nslots = [3]\ndim = 4\nlr = 0.2\n'
+    )
+    ref = tmp_path / "reference"
+    assert main(["train", "--reference", str(path), "--quiet", "--export", str(ref)]) == 0
+    capsys.readouterr()
+    report = tmp_path / "r.json"
+    code = main(["train", str(path), "--compare", str(ref), "--tolerance", "0", "--report", str(report), "--no-plan"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:] + out.out[-3000:]
+    data = json.loads(report.read_text())
+    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    assert data["ssd"]["bytes_written"] > 0 and list(data["tables"]) == ["small", "lists", "ids"]
+    assert "table ids: " in out.out
