@@ -73,16 +73,10 @@ def admission_of(
     tables: Tables | None, admit_after: int, expire_after_batches: int | None
 ) -> list[tuple[int, int | None]]:
     """Per table (one without ``tables``), its ``(admit_after, expire_after_batches)``: its own
-    where it gives them, else these."""
+    where it gives them, else these (:meth:`~hpsray.tables.Tables.admission`)."""
     if tables is None:
         return [(admit_after, expire_after_batches)]
-    return [
-        (
-            admit_after if spec.admit_after is None else spec.admit_after,
-            expire_after_batches if spec.expire_after_batches is None else spec.expire_after_batches,
-        )
-        for spec in tables.specs
-    ]
+    return tables.admission(admit_after, expire_after_batches)
 
 
 def pool(rows: torch.Tensor, layout: BagLayout, pooling: str) -> torch.Tensor:

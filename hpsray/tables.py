@@ -40,9 +40,11 @@ __all__ = [
     "SlotTables",
     "Tables",
     "TagKeys",
+    "admits_late",
     "key_tagging",
     "pipeline_refusal",
     "refuse_for_pipeline",
+    "table_admission",
     "tag_keys",
 ]
 
@@ -232,6 +234,17 @@ class Tables:
         keys = np.asarray(keys, dtype=np.uint64)
         return tag_keys(keys, slots, self.slot_table) if self.tagged else keys
 
+    def admission(self, admit_after: int, expire_after_batches: int | None) -> list[tuple[int, int | None]]:
+        """Per table, its ``(admit_after, expire_after_batches)``: its own where it gives them,
+        else these (the job's ``[tiers]``)."""
+        return [
+            (
+                admit_after if spec.admit_after is None else spec.admit_after,
+                expire_after_batches if spec.expire_after_batches is None else spec.expire_after_batches,
+            )
+            for spec in self.specs
+        ]
+
     def manifest(self) -> list[dict]:
         """What an export records of the tables (``name``, ``slots``, ``dim``, ``pooling``):
         enough for serving to tag and pool as training did (:class:`SlotTables`)."""
@@ -327,26 +340,39 @@ def _optimizer(spec: TableSpec, i: int) -> SparseOptimizer:
 def pipeline_refusal(config: RowDefaults, n_slots: int) -> str | None:
     """Why the distributed pipeline cannot run ``config``'s tables yet (``None`` when it can):
     its tiers hold rows of one width with one optimizer, so it runs any number of tables, each
-    with sum or mean pooling and its own learning rate, as long as every table keeps the config's
-    ``dim``, sparse optimizer (and its settings) and admission; the reference trainer
+    with sum or mean pooling and its own learning rate and admission, as long as every table
+    keeps the config's ``dim`` and sparse optimizer (and its settings); the reference trainer
     (``hpsray train --reference``) runs any."""
     if not config.tables:
         return None
     tables = Tables.of(config, n_slots)
-    default = (config.dim, config.sparse_optimizer, dict(config.sparse_params), None, None)
-    own = [
-        spec.name
-        for spec in tables.specs
-        if (spec.dim, spec.optimizer, dict(spec.sparse_params or {}), spec.admit_after, spec.expire_after_batches)
-        != default
-    ]
+    default = (config.dim, config.sparse_optimizer, dict(config.sparse_params))
+    own = [spec.name for spec in tables.specs if (spec.dim, spec.optimizer, dict(spec.sparse_params or {})) != default]
     if not own:
         return None
     return (
-        f"the distributed pipeline does not yet run a table of its own width, optimizer or admission "
+        f"the distributed pipeline does not yet run a table of its own width or optimizer "
         f"(its tiers hold rows of one width: [model] dim = {config.dim}); "
         f"{', '.join(repr(n) for n in own)} of {tables.describe()} set one. `hpsray train --reference` runs it"
     )
+
+
+def table_admission(
+    config: RowDefaults, n_slots: int, admit_after: int, expire_after_batches: int | None
+) -> list[tuple[int, int | None]] | None:
+    """Each table's ``(admit_after, expire_after_batches)`` for the pipeline's owners when a table
+    of several sets its own (``None`` otherwise: the job's two numbers hold for every key)."""
+    if not config.tables or len(config.tables) < 2:
+        return None
+    if all(spec.admit_after is None and spec.expire_after_batches is None for spec in config.tables):
+        return None
+    return Tables.of(config, n_slots).admission(admit_after, expire_after_batches)
+
+
+def admits_late(config: RowDefaults, n_slots: int, admit_after: int) -> bool:
+    """Whether some key waits for a row (``admit_after`` > 1, the job's or a table's own)."""
+    own = table_admission(config, n_slots, admit_after, None)
+    return admit_after > 1 if own is None else max(a for a, _ in own) > 1
 
 
 class TagKeys:

@@ -147,7 +147,8 @@ class MemPSShard:
     meanwhile, beside the budget).
 
     ``admit_after`` and ``expire_after_batches``: feature admission and expiry
-    (:class:`~hpsray.tiers.admission.Admission`; off by default). ``admission_from``: a file
+    (:class:`~hpsray.tiers.admission.Admission`; off by default); ``per_table_admission``: each
+    table's pair instead, by key tag. ``admission_from``: a file
     :meth:`save_admission` wrote, whose counts this owner starts from (a checkpoint's).
     """
 
@@ -161,6 +162,7 @@ class MemPSShard:
         capacity_bytes: int | None = None,
         admit_after: int = 0,
         expire_after_batches: int | None = None,
+        per_table_admission: list[tuple[int, int | None]] | None = None,
         admission_from: str | None = None,
         dumps_in_flight: int = 4,
         **options: Any,
@@ -169,7 +171,7 @@ class MemPSShard:
         self.store = _RemoteStore(ssd_actor, width, dumps_in_flight)
 
         def make(admission_from: str | None = None) -> Lender:
-            admission = Admission(admit_after, expire_after_batches)
+            admission = Admission(admit_after, expire_after_batches, per_table=per_table_admission)
             if admission_from is not None:
                 admission.load(admission_from)
             mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)

@@ -60,7 +60,7 @@ from hpsray.pipelines.sources import PipelineSource
 from hpsray.pipelines.summary import run_report
 from hpsray.pipelines.tensorboard import TensorBoardLog
 from hpsray.report import RunReport
-from hpsray.tables import key_tagging, refuse_for_pipeline
+from hpsray.tables import admits_late, key_tagging, refuse_for_pipeline
 
 
 class _EndPass(PrivateControlFlow):
@@ -351,7 +351,7 @@ class Pipeline:
                     self._next_batch,
                     self.read_queue,
                     self._after_batch,
-                    self.mem_settings.admit_after > 1,
+                    admits_late(self.config, self.source.n_slots, self.mem_settings.admit_after),
                     **self.queues,
                     sync=self.sync,
                 )

@@ -30,6 +30,7 @@ from hpsray.data.batch import Batch
 from hpsray.errors import ConfigError
 from hpsray.pipelines.settings import MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import PipelineSource
+from hpsray.tables import table_admission
 
 
 @dataclass
@@ -131,6 +132,9 @@ def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_fr
                     stage.capacity_bytes,
                     admit_after=stage.admit_after,
                     expire_after_batches=stage.expire_after_batches,
+                    per_table_admission=table_admission(
+                        config, pipeline.source.n_slots, stage.admit_after, stage.expire_after_batches
+                    ),
                     admission_from=admission_from,
                     dumps_in_flight=stage.dumps_in_flight,
                     **stage.options,

@@ -18,6 +18,7 @@ ago and names those that had rows. The owner (:class:`~hpsray.tiers.lending.Lend
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -27,10 +28,12 @@ from hpsray.kernels.cpu import CpuHashTable
 from hpsray.kernels.distinct import is_sorted_distinct
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.table import as_keys
+from hpsray.tiers.tagcount import N_TAGS
 
 __all__ = ["Admission"]
 
 _NEVER = np.iinfo(np.int64).min  # "last seen" of a key inserted by the current call
+_NO_EXPIRY = 1 << 62  # a table that never expires its keys: no batch is that far on
 _EMPTY_KEYS = np.empty(0, dtype=np.uint64)
 # bytes per tracked key: hash buckets (2 × 16 at load 0.5) + the index's own key, free stack and
 # chain arrays (24) + our key, count and last-seen arrays (20)
@@ -47,18 +50,49 @@ class Admission:
             ``b - expire_after_batches`` or earlier is forgotten: its row is dropped and its count
             starts again at its next sighting (``None``: never).
         capacity: keys tracked before the table first grows (it doubles as needed).
+        per_table: tables of their own admission (keys tagged with their table,
+            :mod:`hpsray.tables`): table ``t``'s ``(admit_after, expire_after_batches)`` for its
+            keys, in place of the two above (a table with neither admits every key and never
+            forgets it).
 
     Batch ids are integers that grow by one per batch (the pipeline's, continued across passes).
     """
 
-    def __init__(self, admit_after: int = 0, expire_after_batches: int | None = None, capacity: int = 1024) -> None:
+    def __init__(
+        self,
+        admit_after: int = 0,
+        expire_after_batches: int | None = None,
+        capacity: int = 1024,
+        per_table: Sequence[tuple[int, int | None]] | None = None,
+    ) -> None:
         check_admission(admit_after, expire_after_batches)
         self.admit_after = int(admit_after)
         self.expire_after = None if expire_after_batches is None else int(expire_after_batches)
         self._need = max(self.admit_after, 1)
+        self.per_table = (
+            None if per_table is None else tuple((int(a), e if e is None else int(e)) for a, e in per_table)
+        )
+        self._need_tag = self._expire_tag = None
+        if self.per_table is not None:  # by key tag: a table's need and expiry (never: _NO_EXPIRY)
+            for admit, expire in self.per_table:
+                check_admission(admit, expire)
+            self._need_tag = np.ones(N_TAGS, np.int32)
+            self._expire_tag = np.full(N_TAGS, _NO_EXPIRY, np.int64)
+            for t, (admit, expire) in enumerate(self.per_table):
+                self._need_tag[t] = max(admit, 1)
+                self._expire_tag[t] = _NO_EXPIRY if expire is None else expire
+            self.admit_after = max(a for a, _ in self.per_table)
+            expiries = [e for _, e in self.per_table if e is not None]
+            self.expire_after = min(expiries) if expiries else None  # whether anything expires at all
         self._alloc(max(int(capacity), 16))
         self._expired_through: int | None = None
         self.totals = {"admitted": 0, "rejected": 0, "expired": 0, "forgotten": 0}
+
+    def _need_of(self, keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.int32] | int:
+        """Sightings each key needs to be admitted."""
+        if self._need_tag is None:
+            return self._need
+        return self._need_tag[(keys >> np.uint64(56)).astype(np.int64)]
 
     def _alloc(self, capacity: int) -> None:
         self._index = CpuHashTable(capacity, 0)
@@ -113,12 +147,14 @@ class Admission:
             slots[miss] = new
         first = self._last[slots] != batch
         fs = slots[first]
+        need = self._need_of(keys)
+        need_fs = need if isinstance(need, int) else need[first]
         before = self._count[fs]
-        after = np.minimum(before + 1, self._need).astype(np.int32)
+        after = np.minimum(before + 1, need_fs).astype(np.int32)
         self._count[fs] = after
         self._last[fs] = batch
-        admitted = self._count[slots] >= self._need
-        self.totals["admitted"] += int(np.count_nonzero((before < self._need) & (after >= self._need)))
+        admitted = self._count[slots] >= need
+        self.totals["admitted"] += int(np.count_nonzero((before < need_fs) & (after >= need_fs)))
         self.totals["rejected"] += int(np.count_nonzero(first & ~admitted))
         return admitted
 
@@ -127,7 +163,8 @@ class Admission:
         keys = as_keys(keys)
         slots = self._index.find(keys)
         out = slots >= 0
-        out[out] = self._count[slots[out]] >= self._need
+        need = self._need_of(keys[out])
+        out[out] = self._count[slots[out]] >= need
         return out
 
     def expire(self, through: int) -> npt.NDArray[np.uint64]:
@@ -138,12 +175,16 @@ class Admission:
         if self.expire_after is None or (self._expired_through is not None and through <= self._expired_through):
             return _EMPTY_KEYS
         self._expired_through = through
-        cutoff = through - self.expire_after
-        slots = np.flatnonzero((self._last <= cutoff) & (self._key != EMPTY_KEY))
+        live = self._key != EMPTY_KEY
+        if self._expire_tag is None:
+            slots = np.flatnonzero((self._last <= through - self.expire_after) & live)
+        else:  # each key by its table's expiry
+            after = self._expire_tag[(self._key >> np.uint64(56)).astype(np.int64)]
+            slots = np.flatnonzero((self._last <= through - after) & live)
         if slots.size == 0:
             return _EMPTY_KEYS
         keys = self._key[slots]
-        had_row = self._count[slots] >= self._need
+        had_row = self._count[slots] >= self._need_of(keys)
         self._index.erase(keys)
         self._key[slots] = EMPTY_KEY
         self._count[slots] = 0
@@ -170,18 +211,18 @@ class Admission:
             "keys": self._key[occupied].copy(),
             "count": self._count[occupied].copy(),
             "last": self._last[occupied].copy(),
-            "settings": np.array([self.admit_after, -1 if self.expire_after is None else self.expire_after], np.int64),
+            "settings": self._settings(),
             "expired_through": np.array([through, self._expired_through is not None], np.int64),
             "totals": np.array([self.totals[k] for k in sorted(self.totals)], np.int64),
         }
 
     def restore(self, state: dict[str, np.ndarray]) -> None:
         """Replace the table by a :meth:`state` (of an Admission with the same settings)."""
-        admit, expire = (int(v) for v in state["settings"])
-        if (admit, None if expire < 0 else expire) != (self.admit_after, self.expire_after):
+        settings = np.asarray(state["settings"], np.int64)
+        if not np.array_equal(settings, self._settings()):
             raise ValueError(
-                f"admission state of admit_after={admit}, expire_after_batches={None if expire < 0 else expire} "
-                f"restored into admit_after={self.admit_after}, expire_after_batches={self.expire_after}"
+                f"admission state of settings {settings.tolist()} (admit_after, expire_after_batches; then per "
+                f"table) restored into {self._settings().tolist()}"
             )
         keys = as_keys(state["keys"])
         self._alloc(max(16, 2 * keys.size))
@@ -190,6 +231,11 @@ class Admission:
         through, known = (int(v) for v in state["expired_through"])
         self._expired_through = through if known else None
         self.totals = dict(zip(sorted(self.totals), (int(v) for v in state["totals"])))
+
+    def _settings(self) -> npt.NDArray[np.int64]:
+        """``admit_after, expire_after_batches`` (-1: never), then each table's pair."""
+        pairs = [(self.admit_after, self.expire_after)] + list(self.per_table or ())
+        return np.array([v for a, e in pairs for v in (a, -1 if e is None else e)], np.int64)
 
     def save(self, path: str | os.PathLike) -> int:
         """Write :meth:`state` to ``path`` (``.npz``, fsynced); returns its bytes."""

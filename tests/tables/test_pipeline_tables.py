@@ -45,7 +45,6 @@ def test_the_pipeline_runs_tables_of_one_width_and_refuses_a_width_of_its_own():
     for own in (
         TableSpec("ids", (3,), 8),
         TableSpec("ids", (3,), 4, optimizer="adam"),
-        TableSpec("ids", (3,), 4, admit_after=2),
     ):
         refusal = pipeline_refusal(config((THREE[0], THREE[1], own)), 4)
         assert refusal is not None and "'ids'" in refusal and "--reference" in refusal
@@ -184,3 +183,59 @@ def test_keys_are_counted_by_their_tag_without_a_pass_over_them():
     keys = np.concatenate([keys, np.array([2**64 - 2], np.uint64)])  # a key of tag 255
     want = np.bincount((keys >> np.uint64(56)).astype(np.int64), minlength=256)
     assert by_tag(keys).tolist() == want.tolist() and by_tag(keys[:0]).sum() == 0
+
+
+def test_each_tables_own_admission_in_the_pipeline_equals_the_reference(ray_local, tmp_path):
+    """Lists get a row from their second batch on, ids expire after 2 batches unseen, the third
+    table admits every key: MEM-PS's owners count each table's keys by their tag."""
+    from hpsray.pipelines import SyntheticSource
+
+    from small_pipeline import GEN as SMALL  # tests/small_pipeline.py
+    from small_pipeline import small_config, small_pipeline
+
+    lists = TableSpec("lists", (1,), 4, "mean", admit_after=2)
+    ids = TableSpec("ids", (3,), 4, lr=0.2, expire_after_batches=2)
+    cfg = small_config(minibatch_size=100, tables=(THREE[0], lists, ids))
+    source = SyntheticSource(SMALL, rows=3000)
+    with small_pipeline(source, cfg, mem_rows=2000, ssd_dir=tmp_path / "ssd", ssd_options=dict(rows_per_file=256)) as p:
+        p.fit(progress=False)
+        keys, rows = p.export_rows()
+        dense = p.dense_state()
+    ref = ReferenceTrainer(source.n_slots, source.n_dense, cfg)
+    ref.fit(source.open(500))
+    tables = ref.export_tables()
+    ref_keys = np.concatenate([k for k, _ in tables.values()])
+    order = np.argsort(ref_keys)
+    np.testing.assert_array_equal(keys, ref_keys[order])
+    np.testing.assert_array_equal(rows, np.concatenate([r for _, r in tables.values()])[order])
+    for name, value in ref.dense_state().items():
+        np.testing.assert_array_equal(dense[name].numpy(), value.numpy(), err_msg=name)
+    admission = ref.admissions
+    assert admission[0] is None and admission[1] is not None and admission[2] is not None
+
+
+def test_admission_by_table_decides_as_one_admission_per_table():
+    from hpsray.tables import tag_keys
+    from hpsray.tiers.admission import Admission
+
+    rng = np.random.default_rng(3)
+    own = [(0, None), (3, None), (2, 2)]
+    joint = Admission(per_table=own, capacity=16)
+    alone = [Admission(a, e, capacity=16) for a, e in own]
+    slot_table = np.array([0, 1, 2])
+    for batch in range(12):
+        raw = rng.integers(0, 60, 90).astype(np.uint64)
+        keys = np.unique(tag_keys(raw, rng.integers(0, 3, raw.size), slot_table))
+        tags = (keys >> np.uint64(56)).astype(np.int64)
+        got = joint.see(batch, keys)
+        for t, adm in enumerate(alone):
+            assert np.array_equal(got[tags == t], adm.see(batch, keys[tags == t])), (batch, t)
+        gone = joint.expire(batch)
+        want = np.sort(np.concatenate([adm.expire(batch) for adm in alone]))
+        assert np.array_equal(gone, want), batch
+    assert joint.enabled and Admission(per_table=[(0, None), (1, None)]).enabled is False
+    restored = Admission(per_table=own)
+    restored.restore(joint.state())
+    assert np.array_equal(restored.admitted(keys), joint.admitted(keys))
+    with pytest.raises(ValueError, match="restored into"):
+        Admission(per_table=[(0, None), (3, None), (2, 3)]).restore(joint.state())
