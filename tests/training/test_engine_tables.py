@@ -3,10 +3,8 @@ other node's updates land with each table's learning rate and pooling (tests/tab
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
-from inprocess import ThreadGroup  # tests/training/inprocess.py
+from inprocess import ThreadGroup, run_ranks  # tests/training/inprocess.py
 
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
@@ -41,29 +39,23 @@ def test_two_engines_under_bsp_apply_each_tables_learning_rate_to_every_nodes_up
     members = [group.member(r) for r in range(2)]
     strategies = [BspSteps(e, mm, mm.allreduce_sum) for e, mm in zip(engines, members, strict=True)]
     store: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
 
     def run(rank: int, t: int) -> None:
+        batch, engine = tag(shares[rank][t]), engines[rank]
+        keys = np.unique(batch.keys)
+        rows = initial_rows(keys, cfg.row_width, cfg.row_init())
+        for i, k in enumerate(keys.tolist()):
+            if k in store:
+                rows[i] = store[k]
+        engine.borrow(t, [keys], [Loan(rows)])
         try:
-            batch, engine = tag(shares[rank][t]), engines[rank]
-            keys = np.unique(batch.keys)
-            rows = initial_rows(keys, cfg.row_width, cfg.row_init())
-            for i, k in enumerate(keys.tolist()):
-                if k in store:
-                    rows[i] = store[k]
-            engine.borrow(t, [keys], [Loan(rows)])
             engine.close_batch(strategies[rank].steps(engine.index(batch), [200, 200]))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-            group.barrier.abort()
+        except BaseException:
+            group.barrier.abort()  # the other rank waits no longer
+            raise
 
     for t in range(3):
-        threads = [threading.Thread(target=run, args=(r, t)) for r in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
+        run_ranks(2, lambda rank, t=t: run(rank, t))
         for engine, batch in zip(engines, (shares[0][t], shares[1][t]), strict=True):
             keys = np.unique(tag(batch).keys)
             store.update((k, r.copy()) for k, r in zip(keys.tolist(), engine.rows(keys), strict=True))
