@@ -29,6 +29,9 @@ def head():
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     gcs, dash = free_port(), free_port()
     temp = Path("/tmp") / f"hpsray-job-{os.getpid()}"
+    temp.mkdir(parents=True, exist_ok=True)
+    # the head's output to a file: a pipe nobody reads fills up and blocks `ray start --block`
+    log = open(temp.with_name(temp.name + ".log"), "w")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen(
         [
             RAY,
@@ -49,7 +52,7 @@ def head():
             f"--metrics-export-port={free_port()}",
         ],
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
@@ -61,11 +64,11 @@ def head():
         if probe.returncode == 0:
             break
         if proc.poll() is not None:
-            pytest.fail(f"ray start --head exited: {proc.stdout.read()}")
+            pytest.fail(f"ray start --head exited: {head_output(log)}")
         time.sleep(2)
     else:
         pytest.fail("the head node's job server did not come up in 120 s")
-    yield address, env
+    yield address, env, log
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=10)
@@ -76,11 +79,19 @@ def head():
     except ProcessLookupError:
         pass
     proc.wait()
+    log.close()
+    os.unlink(log.name)
     shutil.rmtree(temp, ignore_errors=True)
 
 
+def head_output(log) -> str:
+    """The end of what the head node printed (its reason, where it stopped)."""
+    log.flush()
+    return Path(log.name).read_text()[-3000:]
+
+
 def test_hpsray_train_runs_as_a_submitted_job(head, tmp_path):
-    address, env = head
+    address, env, log = head
     report = tmp_path / "run.json"
     job = tmp_path / "job.toml"
     example = (ROOT / "examples" / "train.toml").read_text()
@@ -113,7 +124,7 @@ def test_hpsray_train_runs_as_a_submitted_job(head, tmp_path):
         if "No available agent to submit job" not in out.stdout + out.stderr or time.time() > deadline:
             break
         time.sleep(3)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + "\nhead node:\n" + head_output(log)
     assert "succeeded" in out.stdout + out.stderr
     result = json.loads(report.read_text())
     assert result["examples"] > 0 and result["batches"] >= 1
@@ -121,7 +132,7 @@ def test_hpsray_train_runs_as_a_submitted_job(head, tmp_path):
 
 
 def test_submission_without_token_mode_is_refused(head):
-    address, env = head
+    address, env, log = head
     plain = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
     out = subprocess.run(
         [RAY, "job", "submit", "--address", address, "--", "true"],
@@ -131,4 +142,4 @@ def test_submission_without_token_mode_is_refused(head):
         timeout=120,
     )
     assert out.returncode != 0
-    assert "authentication" in (out.stdout + out.stderr).lower()
+    assert "authentication" in (out.stdout + out.stderr).lower(), head_output(log)
