@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from hpsray.admission_rules import check_admission
 from hpsray.kernels import DEVICES
 from hpsray.kernels.init import RowInit
-from hpsray.kernels.optim import SparseOptimizer, make_optimizer
+from hpsray.kernels.optim import SPARSE_OPTIMIZERS, SparseOptimizer, make_optimizer
 from hpsray.tables import Tables, TableSpec
 
 __all__ = [
@@ -27,8 +26,6 @@ __all__ = [
     "check_admission",
 ]
 
-SPARSE_OPTIMIZERS = ("sgd", "adagrad", "adagrad_row", "adam")
-"""Row optimizers (:func:`~hpsray.kernels.optim.make_optimizer`)."""
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 """Optimizers of the replicated dense model (:func:`~hpsray.models.make_dense_optimizer`)."""
 CONSISTENCY_MODES = ("bsp", "ssp", "absp", "asp")
@@ -109,16 +106,3 @@ class TrainConfig:
         """The resolved :class:`~hpsray.tables.Tables` of ``n_slots`` slots (raises
         :class:`~hpsray.errors.ConfigError` naming the table and field of a bad one)."""
         return Tables.of(self, n_slots)
-
-
-def check_admission(admit_after: int, expire_after_batches: int | None) -> None:
-    """Raise ``ValueError`` for feature-admission settings that neither the pipeline's
-    :class:`~hpsray.tiers.admission.Admission` nor the reference trainer accepts."""
-    if isinstance(admit_after, bool) or not isinstance(admit_after, (int, np.integer)) or admit_after < 0:
-        raise ValueError(f"admit_after must be an integer >= 0, got {admit_after!r}")
-    if expire_after_batches is not None and (
-        isinstance(expire_after_batches, bool)
-        or not isinstance(expire_after_batches, (int, np.integer))
-        or expire_after_batches < 1
-    ):
-        raise ValueError(f"expire_after_batches must be an integer >= 1 or None, got {expire_after_batches!r}")

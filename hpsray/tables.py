@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from hpsray.admission_rules import check_admission
 from hpsray.errors import ConfigError
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit
-from hpsray.kernels.optim import SparseOptimizer, make_optimizer
+from hpsray.kernels.optim import SPARSE_OPTIMIZERS, SparseOptimizer, make_optimizer
 
 if TYPE_CHECKING:
     from hpsray.data.batch import Batch
@@ -105,8 +106,6 @@ class TableSpec:
     expire_after_batches: int | None = None
 
     def __post_init__(self) -> None:
-        from hpsray.config import SPARSE_OPTIMIZERS, check_admission
-
         if not isinstance(self.name, str) or not self.name.strip():
             raise _fail("name", self.name, "must be a non-empty string")
         if not isinstance(self.slots, (list, tuple)) or not self.slots or not all(_int(s) for s in self.slots):

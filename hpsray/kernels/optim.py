@@ -171,6 +171,10 @@ class Adam(SparseOptimizer):
         return hp
 
 
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "adagrad_row", "adam")
+"""The row optimizers :func:`make_optimizer` builds, by name."""
+
+
 def make_optimizer(name: str, **params: Any) -> SparseOptimizer:
     """Build an optimizer by name: ``sgd``, ``adagrad``, ``adagrad_row`` or ``adam``; ``params`` are
     its dataclass fields by name (``lr``, ``eps``, ...: fields of several types, hence ``Any``)."""

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from hpsray.config import check_admission
+from hpsray.admission_rules import check_admission
 from hpsray.kernels.cpu import CpuHashTable
 from hpsray.kernels.distinct import is_sorted_distinct
 from hpsray.kernels.hashing import EMPTY_KEY
