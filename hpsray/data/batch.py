@@ -70,6 +70,15 @@ class Batch:
         """``int64[nnz]``: the pooling bag ``example * n_slots + slot`` of each key."""
         return self.example_of_key() * self.n_slots + self.slots
 
+    def bag_offsets(self, bag: np.ndarray | None = None) -> np.ndarray:
+        """``int64[B * n_slots]``: where each bag (:meth:`bag_index` order) starts among the keys
+        sorted by bag, as ``F.embedding_bag`` takes them; ``bag``: :meth:`bag_index` where the
+        caller has it already (in any order)."""
+        n_bags = len(self) * self.n_slots
+        offsets = np.zeros(n_bags, dtype=np.int64)
+        np.cumsum(np.bincount(self.bag_index() if bag is None else bag, minlength=n_bags)[:-1], out=offsets[1:])
+        return offsets
+
     def slice(self, start: int, stop: int) -> Batch:
         """Examples ``start..stop-1`` as a new batch (views where possible): a mini-batch."""
         stop = min(stop, len(self))

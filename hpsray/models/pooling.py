@@ -40,11 +40,7 @@ class BagLayout:
             order = np.argsort(bag, kind="stable")
             bag, keys = bag[order], keys[order]
         unique_keys, inverse = distinct_inverse(xp, xp.asarray(keys))
-        n_bags = len(batch) * batch.n_slots
-        counts = np.bincount(bag, minlength=n_bags)
-        offsets = np.zeros(n_bags, dtype=np.int64)
-        np.cumsum(counts[:-1], out=offsets[1:])
-        return BagLayout(unique_keys, inverse, xp.asarray(offsets), len(batch), batch.n_slots)
+        return BagLayout(unique_keys, inverse, xp.asarray(batch.bag_offsets(bag)), len(batch), batch.n_slots)
 
 
 def pool_sum(rows: torch.Tensor, layout: BagLayout) -> torch.Tensor:

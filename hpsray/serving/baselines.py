@@ -95,12 +95,8 @@ class EmbeddingBagLookup:
         bound is measured on traffic whose keys are all in the model)."""
         idx = np.searchsorted(self.keys, batch.keys)
         np.minimum(idx, self.keys.size - 1, out=idx)
-        n_bags = len(batch) * batch.n_slots
-        counts = np.bincount(batch.bag_index(), minlength=n_bags)
-        offsets = np.zeros(n_bags, np.int64)
-        np.cumsum(counts[:-1], out=offsets[1:])
         self.lookups += idx.size
-        out = self.bag(torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(offsets))
+        out = self.bag(torch.from_numpy(idx.astype(np.int64)), torch.from_numpy(batch.bag_offsets()))
         return out.view(len(batch), batch.n_slots, self.dim)
 
     def stats(self) -> dict:

@@ -300,9 +300,7 @@ class ServableModel:
         if layout is not None:
             offsets, n_keys = torch.as_tensor(layout.bag_offsets, device=pooled.device), int(layout.inverse.shape[0])
         else:
-            counts = np.bincount(batch.bag_index(), minlength=len(batch) * batch.n_slots)
-            offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)).to(pooled.device)
-            n_keys = int(counts.sum())
+            offsets, n_keys = torch.from_numpy(batch.bag_offsets()).to(pooled.device), batch.nnz
         mean = torch.from_numpy(self.tables.mean_slots).to(pooled.device)
         return pooled / bag_divisor(offsets, n_keys, len(batch), mean)
 

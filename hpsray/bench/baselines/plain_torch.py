@@ -53,12 +53,9 @@ def index_batch(batch: Batch, vocab: Vocabulary) -> IndexedBatch:
     if bag.size > 1 and np.any(bag[1:] < bag[:-1]):
         order = np.argsort(bag, kind="stable")
         bag, keys = bag[order], keys[order]
-    n_bags = len(batch) * batch.n_slots
-    offsets = np.zeros(n_bags, dtype=np.int64)
-    np.cumsum(np.bincount(bag, minlength=n_bags)[:-1], out=offsets[1:])
     return IndexedBatch(
         torch.from_numpy(vocab.index(keys)),
-        torch.from_numpy(offsets),
+        torch.from_numpy(batch.bag_offsets(bag)),
         torch.from_numpy(np.array(batch.dense, dtype=np.float32)),
         torch.from_numpy(np.array(batch.labels, dtype=np.float32)),
     )
