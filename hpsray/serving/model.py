@@ -175,6 +175,9 @@ class ServableModel:
         tables: SlotTables | None = None,
     ) -> None:
         self.tables = tables  # several tables or mean pooling: keys tagged, mean slots divided, as trained
+        means = tables.mean_slots if tables is not None else None
+        # the mean slots, on the model's device once (not uploaded per request); None: every slot sums
+        self._mean = torch.from_numpy(means).to(device) if means is not None and means.any() else None
         self.directory, self.manifest = directory, manifest
         self.dense, self.lookup, self.parser, self.device = dense, lookup, parser, device
         self.chain = chain or [directory]
@@ -295,14 +298,13 @@ class ServableModel:
         """The summed bags ``pooled`` as training pooled them: a mean slot's bag over its key
         count, from ``layout``'s offsets where it lives (the device's, for the device-driven
         lookup: nothing more crosses the bus), else from ``batch``."""
-        if self.tables is None or not self.tables.mean_slots.any():
+        if self._mean is None:
             return pooled
         if layout is not None:
             offsets, n_keys = torch.as_tensor(layout.bag_offsets, device=pooled.device), int(layout.inverse.shape[0])
         else:
             offsets, n_keys = torch.from_numpy(batch.bag_offsets()).to(pooled.device), batch.nnz
-        mean = torch.from_numpy(self.tables.mean_slots).to(pooled.device)
-        return pooled / bag_divisor(offsets, n_keys, len(batch), mean)
+        return pooled / bag_divisor(offsets, n_keys, len(batch), self._mean.to(pooled.device))
 
     def _predict_device_driven(self, batch: Batch) -> np.ndarray:
         """One upload of the keys (the layout computed on the device), the rows gathered there, one
