@@ -9,13 +9,13 @@ import time
 import uuid
 
 import pytest
-from test_job_submit import RAY, ROOT, head  # noqa: F401 - the module's head node fixture
+from test_job_submit import RAY, ROOT, head, head_output  # noqa: F401 - the module's head node fixture
 
 pytestmark = pytest.mark.slow
 
 
 def test_submitted_job_logs_progress_lines(head, tmp_path):  # noqa: F811
-    address, env = head
+    address, env, log = head
     job = tmp_path / "job.toml"
     example = (ROOT / "examples" / "train.toml").read_text()
     job.write_text(example.replace("rows = 200000", "rows = 40000").replace("batch_size = 20000", "batch_size = 4000"))
@@ -34,7 +34,7 @@ def test_submitted_job_logs_progress_lines(head, tmp_path):  # noqa: F811
         if "No available agent to submit job" not in out.stdout + out.stderr or time.time() > deadline:
             break
         time.sleep(3)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + "\nhead node:\n" + head_output(log)
     logs = subprocess.run(
         [RAY, "job", "logs", "--address", address, sid], env=env, capture_output=True, text=True, timeout=120
     ).stdout
