@@ -97,7 +97,9 @@ class TableFigures:
     """One table's figures of a run of several tables (summed over nodes): MEM-PS ``lookups`` of
     its distinct keys per batch and their ``hit_rate``; the rows the load stage brought in,
     ``ssd_rows_loaded`` from SSD-PS files (``ssd_bytes_loaded`` at the table's ``row_bytes``) and
-    ``rows_created`` (new keys: initial rows; ``bytes_created`` at ``row_bytes``)."""
+    ``rows_created`` (new keys: initial rows; ``bytes_created`` at ``row_bytes``); the rows its
+    SSD-PS parameter files hold at the report, ``ssd_live_rows`` (all of them after an export or a
+    checkpoint flushed MEM-PS), taking ``ssd_live_bytes`` (each row its key, version and floats)."""
 
     row_bytes: int
     lookups: int
@@ -107,6 +109,8 @@ class TableFigures:
     ssd_bytes_loaded: int
     rows_created: int
     bytes_created: int
+    ssd_live_rows: int = 0
+    ssd_live_bytes: int = 0
 
 
 @dataclass

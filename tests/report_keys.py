@@ -103,6 +103,8 @@ TABLE_KEYS = {
     "ssd_bytes_loaded",
     "rows_created",
     "bytes_created",
+    "ssd_live_rows",
+    "ssd_live_bytes",
 }
 DEMO_KEYS = {"distinct_keys", "mem_rows", "rows_evicted", "rows_loaded_from_ssd"}
 

@@ -134,10 +134,14 @@ class SSDPSShard:
         """Every live row, file by file."""
         return list(self.store.scan())
 
-    def stats(self) -> dict:
+    def stats(self, live_by_tag: bool = False) -> dict:
         """The load clock's figures, the dump clock's (``dump``), the store's, and the rows the
-        load stage ``loaded`` from files or ``initialised`` (also ``by_tag``: per key tag, a table)."""
+        load stage ``loaded`` from files or ``initialised`` (also ``by_tag``: per key tag, a table;
+        ``live_by_tag``: with the store's live rows per tag, ``by_tag["live"]``, one pass over
+        its key map)."""
         by_tag = {k: v.tolist() for k, v in self.by_tag.items()}
+        if live_by_tag:
+            by_tag["live"] = self.store.live_rows_by_tag().tolist()
         clocks = {**self.clock.snapshot(), "dump": self.writes.snapshot()}
         return {**clocks, "store": self.store.stats, **self.counts, "by_tag": by_tag}
 

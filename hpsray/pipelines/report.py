@@ -232,7 +232,8 @@ def format_stage_table(report: Mapping[str, Any]) -> str:
         lines.append(
             f"table {name}: {t['lookups']:,} lookups, hit rate {t['hit_rate']:.3f}; "
             f"{t['ssd_rows_loaded']:,} rows ({_bytes(t['ssd_bytes_loaded'])}) loaded from SSD-PS, "
-            f"{t['rows_created']:,} rows ({_bytes(t['bytes_created'])}) created"
+            f"{t['rows_created']:,} rows ({_bytes(t['bytes_created'])}) created; "
+            f"{t.get('ssd_live_rows', 0):,} rows ({_bytes(t.get('ssd_live_bytes', 0))}) in SSD-PS files"
         )
     queues = report.get("queues") or {}
     if queues:

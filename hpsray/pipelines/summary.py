@@ -21,6 +21,7 @@ from hpsray.pipelines.placement import NodeActors
 from hpsray.pipelines.report import STAGES
 from hpsray.pipelines.settings import SyncSettings, TrainerSettings
 from hpsray.report import EdgeFill, NodeFigures, Overlap, RunReport, SsdTotals, Start, Sync, TableFigures
+from hpsray.tiers.ssd.paramfile import record_bytes
 
 SSD_TOTALS = (
     "bytes_read",
@@ -115,7 +116,7 @@ def run_report(
             for ref in (
                 node.reader.stats.remote(),
                 node.mem.stats.remote(),
-                node.ssd.stats.remote(),
+                node.ssd.stats.remote(len(settings.config.tables) > 1),
                 node.trainer.stats.remote(),
                 node.reader.bad_input.remote(),
             )
@@ -198,7 +199,8 @@ def run_report(
 
 def table_figures(config: TrainConfig, mems: list[dict], ssds: list[dict]) -> dict[str, TableFigures] | None:
     """Per table of a model of several tables (``None`` otherwise), the MEM-PS and load-stage
-    counts of its keys' tag (:mod:`hpsray.tiers.tagcount`), summed over nodes."""
+    counts of its keys' tag (:mod:`hpsray.tiers.tagcount`) and the rows its SSD-PS files hold
+    now, summed over nodes."""
     if len(config.tables) < 2:
         return None
     n = len(config.tables)
@@ -206,6 +208,8 @@ def table_figures(config: TrainConfig, mems: list[dict], ssds: list[dict]) -> di
         np.sum([np.asarray(part["by_tag"][key][:n]) for part in parts], axis=0)
         for parts, key in ((mems, "lookups"), (mems, "misses"), (ssds, "loaded"), (ssds, "initialised"))
     )
+    live = np.sum([np.asarray(part["by_tag"].get("live", [0] * 256)[:n]) for part in ssds], axis=0)
+    record = record_bytes(config.row_width)
     row_bytes = 4 * config.row_width  # the pipeline's tables share one width
     out = {}
     for t, spec in enumerate(config.tables):
@@ -219,6 +223,8 @@ def table_figures(config: TrainConfig, mems: list[dict], ssds: list[dict]) -> di
             ssd_bytes_loaded=int(loaded[t]) * row_bytes,
             rows_created=int(created[t]),
             bytes_created=int(created[t]) * row_bytes,
+            ssd_live_rows=int(live[t]),
+            ssd_live_bytes=int(live[t]) * record,
         )
     return out
 

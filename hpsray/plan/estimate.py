@@ -10,6 +10,9 @@
   :class:`~hpsray.plan.sketch.DistinctSketch`, and extrapolated to the whole input by Heaps' law
   ``D(n) = K·n^β`` fitted to the last half of the growth curve (the local slope, so a vocabulary
   that saturates is not over-extrapolated much), capped by the key space when it is known.
+* **Per table** (a job of several ``[[tables]]``: the sample's keys carry their table's tag):
+  the same count and fit over each table's keys alone (``table_distinct``), so a table whose
+  vocabulary saturates and one that keeps growing are each extrapolated by their own curve.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from hpsray.plan.sample import Sample
 from hpsray.plan.sketch import DistinctSketch
 from hpsray.tiers.partition import owner_of
+from hpsray.tiers.tagcount import by_tag
 
 __all__ = ["KeyEstimate", "estimate_keys"]
 
@@ -41,6 +45,8 @@ class KeyEstimate:
     growth_exponent: float  # β of D(n) = K·n^β (0 when the sample is the whole input)
     key_space: int | None
     pairs: int  # consecutive global-batch pairs in the sample
+    table_distinct: tuple[float, ...] = ()  # per table (several tables only): total_distinct of its keys
+    table_batch_distinct_mean: tuple[float, ...] = ()  # per table: distinct keys of one global batch
 
     @property
     def per_node_distinct(self) -> float:
@@ -62,17 +68,40 @@ def _global_batches(sample: Sample, nodes: int) -> tuple[list[np.ndarray], list[
     return merged, shares
 
 
-def _growth(sample: Sample) -> tuple[np.ndarray, np.ndarray, float]:
+def _growth(batch_keys: list[np.ndarray], batch_examples: list[int]) -> tuple[np.ndarray, np.ndarray, float]:
     """Examples read and the sketch's distinct count after each sampled batch, and the final count."""
     sketch = DistinctSketch()
     seen, distinct = [], []
     n = 0
-    for keys, ex in zip(sample.batch_keys, sample.batch_examples):
+    for keys, ex in zip(batch_keys, batch_examples):
         sketch.add(keys)
         n += ex
         seen.append(n)
         distinct.append(sketch.count())
     return np.asarray(seen, float), np.asarray(distinct, float), float(distinct[-1])
+
+
+def _extrapolate(
+    seen: np.ndarray, distinct: np.ndarray, counted: float, sample: Sample, cap: int | None
+) -> tuple[float, float]:
+    """``(total, beta)``: ``counted`` distinct keys over the sample, extrapolated to the input."""
+    total_examples = max(sample.size.rows, sample.examples)
+    if sample.complete or total_examples <= sample.examples:
+        beta, total = 0.0, counted
+    else:
+        beta = _heaps_exponent(seen, distinct)
+        total = counted * (total_examples / sample.examples) ** beta
+    return (min(total, float(cap)) if cap else total), beta
+
+
+def _per_table(batch_keys: list[np.ndarray], n_tables: int) -> list[list[np.ndarray]]:
+    """Each table's share of every batch's sorted tagged keys (a table's keys are contiguous)."""
+    out: list[list[np.ndarray]] = [[] for _ in range(n_tables)]
+    for keys in batch_keys:
+        ends = np.cumsum(by_tag(keys)[:n_tables])
+        for t in range(n_tables):
+            out[t].append(keys[(ends[t - 1] if t else 0) : ends[t]])
+    return out
 
 
 def _heaps_exponent(seen: np.ndarray, distinct: np.ndarray) -> float:
@@ -87,8 +116,11 @@ def _heaps_exponent(seen: np.ndarray, distinct: np.ndarray) -> float:
     return min(max(beta, 0.0), 1.0)
 
 
-def estimate_keys(sample: Sample, nodes: int, key_space: int | None = None) -> KeyEstimate:
-    """Key figures of ``sample`` for a job on ``nodes`` nodes, extrapolated to ``sample.size.rows``."""
+def estimate_keys(
+    sample: Sample, nodes: int, key_space: int | None = None, table_key_space: list[int] | None = None
+) -> KeyEstimate:
+    """Key figures of ``sample`` for a job on ``nodes`` nodes, extrapolated to ``sample.size.rows``;
+    ``table_key_space``: per table (several tables), the number of keys it can have, if known."""
     merged, shares = _global_batches(sample, nodes)
     owners = [owner_of(k, nodes) if nodes > 1 else None for k in merged]
     pinned = [
@@ -107,15 +139,15 @@ def estimate_keys(sample: Sample, nodes: int, key_space: int | None = None) -> K
             pinned_per = [max(a, int(c)) for a, c in zip(pinned_per, counts)]
         for b in range(min(len(shares[g]), len(shares[g + 1]))):
             hbm = max(hbm, int(np.union1d(shares[g][b], shares[g + 1][b]).size))
-    seen, distinct, counted = _growth(sample)
-    total_examples = max(sample.size.rows, sample.examples)
-    if sample.complete or total_examples <= sample.examples:
-        beta, total = 0.0, counted
-    else:
-        beta = _heaps_exponent(seen, distinct)
-        total = counted * (total_examples / sample.examples) ** beta
-    if key_space:
-        total = min(total, float(key_space))
+    seen, distinct, counted = _growth(sample.batch_keys, sample.batch_examples)
+    total, beta = _extrapolate(seen, distinct, counted, sample, key_space)
+    table_total: list[float] = []
+    table_batch: list[float] = []
+    if sample.n_tables > 1:
+        for t, keys in enumerate(_per_table(sample.batch_keys, sample.n_tables)):
+            grown = _growth(keys, sample.batch_examples)
+            table_total.append(_extrapolate(*grown, sample, table_key_space[t] if table_key_space else None)[0])
+        table_batch = [float(np.mean(k)) for k in zip(*(by_tag(m)[: sample.n_tables] for m in merged))]
     sizes = [k.size for k in merged]
     return KeyEstimate(
         nodes=nodes,
@@ -125,9 +157,11 @@ def estimate_keys(sample: Sample, nodes: int, key_space: int | None = None) -> K
         hbm_working_set_max=int(hbm),
         sample_examples=sample.examples,
         sample_distinct=counted,
-        total_examples=int(total_examples),
+        total_examples=int(max(sample.size.rows, sample.examples)),
         total_distinct=float(total),
         growth_exponent=beta,
         key_space=key_space,
         pairs=max(len(merged) - 1, 0),
+        table_distinct=tuple(table_total),
+        table_batch_distinct_mean=tuple(table_batch),
     )

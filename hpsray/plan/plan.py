@@ -22,6 +22,7 @@ from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
 from hpsray.plan.pipeline_cost import StageCosts
 from hpsray.plan.sample import InputSize, read_sample
+from hpsray.plan.tables import by_table, table_sizes
 from hpsray.tiers.mem import rows_for_bytes
 from hpsray.tiers.ssd.probe import DiskBound
 
@@ -115,7 +116,9 @@ def make_plan(
     sample = read_sample(job, max(int(sample_rows), 3 * bs * nodes))
     syn = job.data.synthetic
     key_space = syn.slots * syn.keys if syn is not None else None
-    keys = estimate_keys(sample, nodes, key_space)
+    tables = cfg.tables_for(sample.n_slots) if cfg.tables else None
+    table_space = [syn.keys * len(spec.slots) for spec in tables.specs] if tables and syn is not None else None
+    keys = estimate_keys(sample, nodes, key_space, table_space)
     if keys.pairs == 0 and not sample.complete:
         notes.append("the sample holds a single global batch: the pinned working set of two is not measured")
     if not sample.size.exact:
@@ -127,7 +130,8 @@ def make_plan(
     hbm_cap = hbm_capacity(job, sample.n_slots)
     hbm_bytes, hbm_rows = hbm_table_bytes(hbm_cap, width, p.n_devices, keys.hbm_working_set_max)
     space_ratio = dict(job.tiers.ssd).get("max_space_ratio", 2.0) or 2.0
-    live = ssd_live_bytes(shard, width)
+    sizes = table_sizes(tables, keys, capacity) if tables is not None and len(tables) > 1 else None
+    live = sum(t["ssd_live_bytes"] for t in sizes.values()) if sizes else ssd_live_bytes(shard, width)
     imported = import_rows(job.tiers.init_from) // nodes  # an import's rows, spread over the nodes
     ssd_rows = max(int(shard), imported)
     ssd_mem = ssd_memory(ssd_rows, width, imported)
@@ -207,6 +211,8 @@ def make_plan(
         },
         "object_store_bytes": int(in_flight),
     }
+    if sizes:
+        per_node["tables"] = sizes
     memory = {
         "runtime_bytes": RUNTIME_BYTES,
         "key_map_bytes": ssd_mem["key_map_bytes"] + ssd_mem["block_table_bytes"],
@@ -303,7 +309,8 @@ def _problems(job: JobConfig, plan: Plan, history: float) -> list[Problem]:
                 "error",
                 "tiers.ssd_path",
                 f"SSD-PS needs up to {ssd['disk_bytes_max']:,} bytes per node (live rows × {ssd['max_space_ratio']:g} "
-                f"compaction headroom) but {ssd['path']} has {ssd['free_bytes']:,} free",
+                f"compaction headroom{by_table(plan.per_node.get('tables'), 'ssd_live_bytes')}) but {ssd['path']} "
+                f"has {ssd['free_bytes']:,} free",
                 f"set [tiers] ssd_path to a disk with >= {ssd['disk_bytes_max']:,} bytes free, or raise cluster.nodes",
             )
         )
@@ -324,6 +331,7 @@ def _memory_problems(job: JobConfig, plan: Plan) -> list[Problem]:
         for k in ("runtime_bytes", "key_map_bytes", "mem_ps_bytes", "object_store_bytes", "trainer_bytes")
     )
     what = f"a node needs ~{need:,} bytes of memory ({parts}) but may use {limit:,} ({m['limit_from']})"
+    what += by_table(plan.per_node.get("tables"), "mem_ps_bytes").replace("(by table", "(MEM-PS by table", 1)
     history = dict(job.tiers.mem).get("history", 4.0)
     others = need - m["key_map_bytes"] - m["mem_ps_bytes"] + mem_bytes_for_rows(plan.keys.pinned_max, width, history)
     if m["key_map_bytes"] + others > limit:

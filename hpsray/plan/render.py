@@ -48,6 +48,13 @@ def render(plan: Plan) -> str:
         f"~{human_bytes(plan.per_node['host_bytes'])} with Ray and the processes "
         f"(limit {human_bytes(plan.per_node['memory']['limit_bytes'])})",
     ]
+    for name, t in (plan.per_node.get("tables") or {}).items():
+        lines.append(
+            f"  table    {name!r}: dim {t['dim']}, {t['row_bytes']} B a row ({t['optimizer']}); "
+            f"{t['shard_rows']:,.0f} keys, {human_bytes(t['ssd_live_bytes'])} on SSD-PS; "
+            f"{t['lookup_share']:.0%} of the lookups, ~{t['mem_ps_rows']:,.0f} rows in MEM-PS "
+            f"({human_bytes(t['mem_ps_bytes'])})"
+        )
     if plan.predicted_examples_per_s is not None and plan.stage_s_per_batch is not None:
         st = ", ".join(f"{name} {s * 1000:,.0f} ms" for name, s in plan.stage_s_per_batch.items())
         cores = plan.calibration.cores if plan.calibration else 0

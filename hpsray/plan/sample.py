@@ -3,8 +3,9 @@
 Generated data (``[data.synthetic]``) comes from the job's :class:`~hpsray.data.PlantedCTR`
 exactly as the pipeline's ``SyntheticSource`` produces it; files are read by
 :class:`~hpsray.data.DataReader` with the job's schema and bad-input policy, so the sample's keys
-are the keys training will see. The input's size is exact for generated data and counted or
-estimated by the input's format (:meth:`hpsray.data.formats.Format.count_rows`).
+are the keys training will see; with several ``[[tables]]`` they are tagged with their table as
+the pipeline's readers tag them (:func:`hpsray.tables.key_tagging`). The input's size is exact
+for generated data and counted or estimated by the input's format (:meth:`hpsray.data.formats.Format.count_rows`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hpsray.data import LENIENT, Batch, DataReader
 from hpsray.data.formats import RowCount
 from hpsray.data.readers import count_rows
 from hpsray.kernels.distinct import distinct_sorted
+from hpsray.tables import key_tagging
 
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
@@ -36,9 +38,10 @@ class Sample:
     """The first ``examples`` of the input as the pipeline batches them.
 
     ``batch_keys[t]``: distinct sorted keys of batch ``t`` (``batch_size`` examples, the last may
-    be shorter); ``batches``: the first few batches whole (for calibration); ``read_s``: the
-    seconds reading and decoding ``read_examples`` took (every batch but the first, which pays the
-    one-time costs; the read stage's cost), ``read_cpu_s`` its CPU seconds.
+    be shorter; tagged with their table when the job has several: ``n_tables``); ``batches``: the
+    first few batches whole (for calibration); ``read_s``: the seconds reading and decoding
+    ``read_examples`` took (every batch but the first, which pays the one-time costs; the read
+    stage's cost), ``read_cpu_s`` its CPU seconds.
     """
 
     batch_keys: list[np.ndarray]
@@ -53,6 +56,7 @@ class Sample:
     read_cpu_s: float = 0.0
     read_examples: int = 0
     notes: list[str] = field(default_factory=list)
+    n_tables: int = 1
 
     @property
     def examples(self) -> int:
@@ -79,6 +83,8 @@ def read_sample(job: JobConfig, rows: int, keep_batches: int = 3) -> Sample:
     """Read at least ``rows`` examples (whole batches; all of them if the input is smaller)."""
     bs = job.pipeline.batch_size
     it, n_slots, n_dense = _source_batches(job, bs)
+    cfg = job.train_config()
+    tagging = key_tagging(cfg, n_slots)
     keys: list[np.ndarray] = []
     examples: list[int] = []
     kept: list[Batch] = []
@@ -91,6 +97,8 @@ def read_sample(job: JobConfig, rows: int, keep_batches: int = 3) -> Sample:
         batch = next(it, None)
         if batch is None:
             break
+        for tag in tagging:
+            batch = tag(batch)
         keys.append(distinct_sorted(batch.keys))
         took = (time.perf_counter() - t0, time.process_time() - c0)
         if examples:  # the first batch pays the one-time costs (imports, opening files, kernels)
@@ -123,6 +131,7 @@ def read_sample(job: JobConfig, rows: int, keep_batches: int = 3) -> Sample:
         complete,
         read_cpu_s=read_cpu_s,
         read_examples=timed,
+        n_tables=len(cfg.tables) or 1,
     )
 
 

@@ -247,6 +247,13 @@ def map_bytes(n: int, grown_from: int | None = None) -> tuple[int, int]:
     return steady, peak
 
 
+@njit(cache=True, nogil=True)
+def _count_tags(tkeys, out):  # pragma: no cover - numba
+    for k in tkeys:
+        if k != _EMPTY:
+            out[k >> np.uint64(56)] += 1
+
+
 class KeyMap:
     """key → (file slot, row position) in one compact hash table; callers hold the store's lock.
 
@@ -283,6 +290,13 @@ class KeyMap:
     def bytes_per_key(self) -> float:
         """:attr:`nbytes` per key mapped (``nan`` when empty)."""
         return self.nbytes / self._size if self._size else float("nan")
+
+    def count_by_tag(self) -> np.ndarray:
+        """``int64[256]``: keys mapped per top byte (a tagged key's table, :mod:`hpsray.tiers.tagcount`);
+        one pass over the index, for reports."""
+        out = np.zeros(256, dtype=np.int64)
+        _count_tags(self.keys, out)
+        return out
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Index slots of ``keys`` (-1: not stored)."""

@@ -306,6 +306,17 @@ class SSDPS:
                 last_compaction_error=self._compaction.last_error,
             )
 
+    def live_rows_by_tag(self) -> np.ndarray:
+        """``int64[256]``: live rows per key's top byte (a table's tag when keys are tagged); each
+        row takes :attr:`record` bytes of a parameter file."""
+        with self.state.lock:
+            return self.state.keys.count_by_tag()
+
+    @property
+    def record(self) -> int:
+        """Bytes of one row in a parameter file: its key, version and ``width`` floats."""
+        return int(self.state.record)
+
     def file_stats(self) -> list[dict]:
         """Per file: number, rows, live rows, stale rows, bytes, whether compaction wrote it."""
         with self.state.lock:

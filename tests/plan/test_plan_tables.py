@@ -1,0 +1,131 @@
+"""``hpsray plan`` per table (issue 43): each table's keys counted apart (the sample's keys tagged
+as the readers tag them), its bytes at its own row width, the refusal naming the tables, and the
+plan's SSD-PS bytes per table against what a run of ``hpsray train`` leaves in the files."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpsray.data.generate import to_toml
+from hpsray.job import JobConfig
+from hpsray.plan.estimate import estimate_keys
+from hpsray.plan.plan import _problems, make_plan
+from hpsray.plan.sample import read_sample
+from hpsray.tiers.ssd import SSDPS
+from hpsray.tiers.tagcount import by_tag
+
+SYNTHETIC = {"rows": 16_000, "slots": 4, "nnz": 6, "keys": 3000, "dense": 2}
+ONE_WIDTH = [  # the pipeline runs these: one width, each its own pooling / lr
+    {"name": "small", "slots": [0, 2]},
+    {"name": "lists", "slots": [1], "pooling": "mean"},
+    {"name": "ids", "slots": [3], "lr": 0.002},
+]
+MIXED = [  # the reference runs these: each its own width and optimizer
+    {"name": "small", "slots": [0, 2], "dim": 4},
+    {"name": "lists", "slots": [1], "dim": 16, "pooling": "mean"},
+    {"name": "ids", "slots": [3], "dim": 8, "optimizer": "adam", "lr": 0.002},
+]
+
+
+def job_dict(tables, **tiers):
+    return {
+        "data": {"synthetic": SYNTHETIC},
+        "model": {"dim": 4, "hidden": [8]},
+        "optimizer": {"sparse": "adagrad", "sparse_lr": 0.05},
+        "tiers": {"mem_rows": 200_000, **tiers},
+        "pipeline": {"batch_size": 2000, "minibatch_size": 500},
+        "cluster": {"nodes": 1},
+        "tables": tables,
+    }
+
+
+def test_each_table_is_counted_from_its_own_keys():
+    job = JobConfig.from_dict(job_dict(ONE_WIDTH), where="job.toml")
+    sample = read_sample(job, 6_000)  # 3 of the 8 batches: extrapolated per table
+    assert sample.n_tables == 3
+    keys = estimate_keys(sample, 1)
+    every = np.unique(np.concatenate(sample.batch_keys))
+    exact = by_tag(every)[:3]
+    assert exact.sum() == every.size and np.all(exact > 0)  # tagged: tables 0..2 in the top byte
+    whole = estimate_keys(read_sample(job, 16_000), 1)  # the whole input: counted, not extrapolated
+    full = by_tag(np.unique(np.concatenate(read_sample(job, 16_000).batch_keys)))[:3]
+    for t in range(3):
+        assert whole.table_distinct[t] == pytest.approx(full[t], rel=0.03)
+        assert keys.table_distinct[t] >= exact[t] * 0.97  # the extrapolation never undercounts the sample
+    assert sum(whole.table_distinct) == pytest.approx(whole.total_distinct, rel=0.03)
+
+
+def test_each_table_is_sized_at_its_own_width():
+    job = JobConfig.from_dict(job_dict(MIXED), where="job.toml")
+    plan = make_plan(job, calibrate_stages=False)
+    tables = plan.per_node["tables"]
+    assert list(tables) == ["small", "lists", "ids"]
+    # row bytes: weights + adagrad's per-element state (dims 4, 16) and adam's two moments (dim 8)
+    assert [t["row_bytes"] for t in tables.values()] == [4 * 8, 4 * 32, 4 * 24]
+    for t in tables.values():
+        assert t["ssd_live_bytes"] == pytest.approx(t["shard_rows"] * (16 + t["row_bytes"]), abs=1)
+        assert t["mem_ps_rows"] == pytest.approx(t["shard_rows"])  # the budget holds every row
+    ssd = plan.per_node["ssd_ps"]
+    assert ssd["live_bytes"] == pytest.approx(sum(t["ssd_live_bytes"] for t in tables.values()), abs=3)
+    assert sum(t["lookup_share"] for t in tables.values()) == pytest.approx(1.0)
+
+
+def test_a_small_budget_goes_to_the_tables_by_their_lookups():
+    job = JobConfig.from_dict(job_dict(MIXED, mem_rows=5000), where="job.toml")
+    tables = make_plan(job, calibrate_stages=False).per_node["tables"]
+    rows = [t["mem_ps_rows"] for t in tables.values()]
+    assert sum(rows) == pytest.approx(5000)
+    shares = np.array([t["lookup_share"] for t in tables.values()])
+    assert np.allclose(np.array(rows) / 5000, shares)  # no table's whole shard fits its share here
+
+
+def test_a_disk_that_cannot_hold_the_tables_is_refused_naming_them():
+    job = JobConfig.from_dict(job_dict(MIXED), where="job.toml")
+    plan = make_plan(job, calibrate_stages=False)
+    plan.per_node["ssd_ps"]["free_bytes"] = 1000  # a full disk
+    errors = [p for p in _problems(job, plan, 4.0) if p.severity == "error"]
+    assert [p.setting for p in errors] == ["tiers.ssd_path"]
+    message = errors[0].message
+    assert "by table: 'lists'" in message  # the widest rows take the most
+    for name, t in plan.per_node["tables"].items():
+        assert f"'{name}' {int(t['ssd_live_bytes']):,}" in message
+
+
+def hpsray(*args, timeout=600):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "hpsray", *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
+@pytest.mark.slow
+def test_plan_bytes_per_table_within_5_percent_of_a_run(tmp_path):
+    path = tmp_path / "job.toml"
+    d = job_dict(ONE_WIDTH, ssd_path=str(tmp_path / "ssd"), mem_rows=6000)  # of ~9,200 keys: rows spill
+    tables = d.pop("tables")
+    d["data.synthetic"] = d.pop("data")["synthetic"]
+    entries = "".join("\n[[tables]]\n" + to_toml({"t": t}).split("\n", 1)[1] for t in tables)
+    path.write_text(to_toml(d) + entries)
+    out = hpsray("plan", str(path), "--json", "--no-calibrate")
+    assert out.returncode == 0, out.stderr[-3000:]
+    planned = json.loads(out.stdout)["per_node"]["tables"]
+    report_path, export = tmp_path / "run.json", tmp_path / "export"
+    run = hpsray("train", str(path), "--report", str(report_path), "--export", str(export), "--quiet")
+    assert run.returncode == 0, run.stderr[-3000:]
+    store = SSDPS(str(tmp_path / "ssd" / "node-0"), background=False)  # flushed by the export
+    try:
+        live, record = store.live_rows_by_tag(), store.record
+    finally:
+        store.close()
+    reported = json.loads(report_path.read_text())["tables"]
+    for t, (name, plan) in enumerate(planned.items()):
+        measured = int(live[t]) * record
+        assert abs(plan["ssd_live_bytes"] - measured) <= 0.05 * measured, (name, plan, measured)
+        # the report's: what the files held at its time (before the export flushed MEM-PS's rows)
+        assert 0 < reported[name]["ssd_live_bytes"] <= measured
+        assert reported[name]["ssd_live_bytes"] == reported[name]["ssd_live_rows"] * record
+    assert int(live[3:].sum()) == 0  # no key outside the three tables' tags
