@@ -18,8 +18,27 @@ from hpsray.report import Evaluation, RunReport
 
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
+    from hpsray.reference import ReferenceTrainer
 
 __all__ = ["evaluate_into", "train_reference"]
+
+
+def preload(trainer: ReferenceTrainer, spec: Any) -> None:
+    """Start ``trainer``'s tables from the rows of ``[tiers] init_from`` (``spec``, a
+    ``TableImport`` the job's tables were checked against): each table's rows are the keys of
+    its tag. Tables of several widths are refused (no export holds them yet)."""
+    from hpsray.tiers.ssd.bulkload import read_table
+
+    tables = trainer.tables
+    if tables is None:
+        trainer.store.preload(*read_table(spec.path, spec.dim, trainer.config.row_width, spec.state_value))
+        return
+    if len(set(tables.widths)) > 1:
+        raise ConfigError("[tiers] init_from", "tables", f"of several widths ({tables.describe()}): none imports yet")
+    keys, rows = read_table(spec.path, tables.dims[0], tables.widths[0], spec.state_value)
+    tag = tables.table_of(keys)
+    for t, store in enumerate(trainer.stores):
+        store.preload(keys[tag == t], rows[tag == t])
 
 
 def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
@@ -41,13 +60,8 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
         admit_after=job.tiers.admit_after,
         expire_after_batches=job.tiers.expire_after_batches,
     )
-    if job.tiers.init_from and job.tables:
-        raise ConfigError(job.where, "tiers.init_from", "does not yet load tables of their own ([[tables]])")
     if job.tiers.init_from:  # the same start as the pipeline's: the imported rows
-        from hpsray.tiers.ssd.bulkload import read_table
-
-        spec = build.init_from(job)["init_from"]
-        trainer.store.preload(*read_table(spec.path, spec.dim, job.train_config().row_width, spec.state_value))
+        preload(trainer, build.init_from(job)["init_from"])
     held_out = build.eval_source(job) if job.evaluation is not None else None
     track = EvalTrack(job.evaluation) if job.evaluation is not None and held_out is not None else None
     best_model: tuple | None = None

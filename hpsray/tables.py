@@ -396,6 +396,30 @@ def key_tagging(config: RowDefaults, n_slots: int) -> list[Callable[[Batch], Bat
     return [TagKeys(tables)] if tables.tagged else []
 
 
+def import_refusal(exported: Any, tables: Tables | None) -> str | None:
+    """Why rows exported with the manifest entry ``exported`` (its ``tables``; ``None``: an export
+    of one table, or no hpsray export) cannot start a job of ``tables`` (``None``: one table), or
+    ``None`` when they can: keys carry their table's index, so an import needs the same tables
+    (names, slots and dims) in the same order, or none on either side."""
+    mine = None if tables is None or len(tables) < 2 else [[s.name, list(s.slots), s.dim] for s in tables.specs]
+    theirs = None
+    if exported and len(exported) > 1:
+        try:
+            theirs = [[e["name"], [int(x) for x in e["slots"]], int(e["dim"])] for e in exported]
+        except (KeyError, TypeError, ValueError) as e:
+            return f"its manifest's tables are malformed ({e})"
+    if mine == theirs:
+        return None
+    if mine is None:
+        return f"holds the rows of several tables (keys tagged by table: {theirs}); this job has one table"
+    if theirs is None:
+        return (
+            "holds rows of untagged keys (one table, or not an hpsray export); a job of several [[tables]] "
+            f"imports an hpsray export of the same tables ({mine}: name, slots, dim)"
+        )
+    return f"was exported with the tables {theirs}; this job's are {mine} (name, slots, dim): the keys' tags differ"
+
+
 def refuse_for_pipeline(config: RowDefaults, n_slots: int, where: str) -> None:
     """Raise :class:`~hpsray.errors.ConfigError` (``where``, key ``tables``) with
     :func:`pipeline_refusal`'s reason, if any."""

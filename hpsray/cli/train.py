@@ -368,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
         build.source(job)  # resolves the schema: configuration errors surface before Ray starts
         progress_seconds(job.pipeline.progress_seconds)  # ValueError: a bad $HPSRAY_PROGRESS_SECONDS
         build.eval_source(job)
+        build.init_from(job)  # [tiers] init_from: one node, the export's tables the job's
         if args.overwrite:
             overwrite(job, args.export, args.quiet, run_dirs=not args.reference)
         check_export_dir(args.export, args.incremental)

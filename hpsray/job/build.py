@@ -6,6 +6,8 @@ and validating a job file (:class:`~hpsray.job.JobConfig`) needs neither.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +17,7 @@ from hpsray.job.jobconfig import JobConfig
 from hpsray.pipelines.pipeline import Pipeline
 from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import FileSource, SyntheticSource
-from hpsray.tables import refuse_for_pipeline
+from hpsray.tables import import_refusal, refuse_for_pipeline
 from hpsray.tiers.ssd.bulkload import TableImport
 
 __all__ = ["checkpoint", "cluster_kwargs", "eval_source", "init_from", "pipeline", "source", "stages"]
@@ -70,13 +72,23 @@ def init_from(job: JobConfig) -> dict:
         raise ConfigError(
             job.where, "tiers.init_from", f"loads one node's SSD-PS; set cluster.nodes = 1 (got {job.cluster.nodes})"
         )
-    if len(job.tables) > 1:
-        raise ConfigError(
-            job.where, "tiers.init_from", "imports rows by untagged keys; a job of several [[tables]] cannot use it yet"
-        )
     config = job.train_config()
+    refusal = import_refusal(exported_tables(job.tiers.init_from), config.tables_for(source(job).n_slots))
+    if refusal:
+        raise ConfigError(job.where, "tiers.init_from", f"{job.tiers.init_from} {refusal}")
     spec = TableImport(job.tiers.init_from, config.dim, float(config.row_init().state_value))
     return {"init_from": spec}
+
+
+def exported_tables(directory: str) -> list | None:
+    """The ``tables`` of the hpsray export in ``directory`` (``None``: none recorded, or no
+    readable manifest there: the import names that problem itself)."""
+    path = os.path.join(directory, "manifest.json")
+    try:
+        with open(path) as f:
+            return json.load(f).get("tables")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def cluster_kwargs(job: JobConfig) -> dict:

@@ -199,3 +199,25 @@ def test_hpsray_train_runs_tables_of_one_width_and_equals_the_reference_to_the_b
     assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
     assert data["ssd"]["bytes_written"] > 0 and list(data["tables"]) == ["small", "lists", "ids"]
     assert "table ids: " in out.out
+    # the export starts a job of the same tables (init_from): the pipeline equals the reference from it
+    again = tmp_path / "again.toml"
+    again.write_text(path.read_text().replace("[tiers]\n", f'[tiers]\ninit_from = "{ref}"\n'))
+    ref2 = tmp_path / "reference2"
+    assert main(["train", "--reference", str(again), "--quiet", "--export", str(ref2)]) == 0
+    capsys.readouterr()
+    code = main(["train", str(again), "--compare", str(ref2), "--tolerance", "0", "--report", str(report), "--no-plan"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:] + out.out[-3000:]
+    data = json.loads(report.read_text())
+    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    # tables in another order tag the keys otherwise: refused before Ray, naming both lists
+    swapped = tmp_path / "swapped.toml"
+    text = again.read_text()
+    swapped.write_text(
+        text.replace('name = "lists"\nslots = [1]', 'name = "lists"\nslots = [3]').replace(
+            'name = "ids"\nslots = [3]', 'name = "ids"\nslots = [1]'
+        )
+    )
+    assert main(["train", str(swapped), "--no-plan", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "tiers.init_from" in err and "the keys' tags differ" in err and "['lists', [3], 4]" in err, err
