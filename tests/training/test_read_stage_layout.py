@@ -61,3 +61,23 @@ def test_a_layout_names_each_occurrence_by_its_keys_position():
         assert mb.keys is not None
         assert sorted(mb.keys.numpy().view(np.uint64)) == sorted(np.unique(part.keys))  # its distinct keys
         assert [by_slot[s] for s in mb.rows.numpy()] == list(mb.keys.numpy().view(np.uint64))
+
+
+def test_the_packed_upload_gives_the_same_index():
+    """``at_slots(pack=True)`` (off the CPU by default: two buffers instead of a copy per array)
+    gives every mini-batch the same arrays as one copy per array."""
+    batch = PlantedCTR(n_slots=4, keys_per_slot=50, n_dense=3, seed=2).generate(1000)
+    parts, positions = positions_of(batch.keys, 2)
+    together = np.concatenate(parts)
+    layout = index_positions(batch, MINIBATCH, positions, together.size)
+    slots = torch.from_numpy(np.random.default_rng(1).permutation(together.size).astype(np.int64))
+    keys = torch.from_numpy(together.view(np.int64))
+    plain = layout.at_slots(slots, keys, torch.device("cpu"), pack=False)
+    packed = layout.at_slots(slots, keys, torch.device("cpu"), pack=True)
+    assert len(plain) == len(packed) >= 3 and packed.bounds == plain.bounds
+    assert torch.equal(packed.rows, plain.rows)
+    for a, b in zip(plain.minibatches, packed.minibatches, strict=True):
+        for name in ("rows", "keys", "inverse", "bag_offsets", "grad_bags", "grad_offsets", "dense", "labels"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        assert (a.n_examples, a.n_slots) == (b.n_examples, b.n_slots)
