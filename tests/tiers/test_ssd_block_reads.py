@@ -218,3 +218,35 @@ def test_both_ways_of_grouping_a_loads_keys_agree():
             i = idx[starts[f] : starts[f + 1]]
             assert (fs[i] == f).all() and np.array_equal(pos[starts[f] : starts[f + 1]], ps[i])
             assert np.array_equal(np.lexsort((i, ps[i] // 100)), np.arange(i.size))
+
+
+def test_wide_rows_read_small_blocks_and_files_of_another_block_size_load_whole(tmp_path, monkeypatch):
+    """A wide row's block holds few rows (width 128: 2 rows, 1 KiB), so a missed row costs about
+    its block, not eight rows; a store reopened with files written at another block size reads
+    those whole, with the same rows."""
+    import hpsray.tiers.ssd.paramfile as paramfile_module
+    import hpsray.tiers.ssd.state as state_module
+
+    wide = 128
+    assert block_rows_for(wide) == 2 and block_rows_for(8) == 32
+    keys = np.arange(1, 4097, dtype=np.uint64)
+    rows = np.repeat(keys.astype(np.float32)[:, None], wide, axis=1)
+    for module in (state_module, paramfile_module):  # the earlier minimum of 8 rows a block
+        monkeypatch.setattr(module, "block_rows_for", lambda width: 8)
+    with SSDPS(tmp_path / "old", wide, rows_per_file=1024, background=False) as s:
+        s.dump(keys, rows)
+    monkeypatch.undo()
+    want = keys[::97]
+    with SSDPS(tmp_path / "old", background=False) as s:  # reopened at today's 2-row blocks
+        got, found = s.load(want)
+        assert found.all() and np.array_equal(got, rows[::97])
+        assert s.stats["files_read_partially"] == 0  # 8-row blocks: read whole, never misread
+    with SSDPS(tmp_path / "new", wide, rows_per_file=1024, background=False) as s:
+        s.dump(keys, rows)
+        got, found = s.load(want)
+        assert found.all() and np.array_equal(got, rows[::97])
+        st = s.stats
+        assert st["files_read_partially"] == st["files_read"] == 4
+        per_row = st["bytes_read"] / want.size
+        # a 2-row block (1 KiB) and the merged index around its keys: less than one 8-row block
+        assert per_row < 8 * 4 * wide, per_row

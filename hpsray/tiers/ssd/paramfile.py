@@ -90,8 +90,11 @@ def record_bytes(width: int) -> int:
 
 
 def block_rows_for(width: int) -> int:
-    """Rows per checksummed block: about :data:`BLOCK_BYTES` of row data."""
-    return max(8, BLOCK_BYTES // max(4 * width, 1))
+    """Rows per checksummed block: about :data:`BLOCK_BYTES` of row data, at least one row. A
+    partial load reads and verifies a missed row's whole block, so a wide row's block holds few
+    rows (width 128: 2 rows, 1 KiB; it was at least 8, 4 KiB); the block table costs 4 bytes per
+    block. Files keep the block size they were written with: one of another size loads whole."""
+    return max(1, BLOCK_BYTES // max(4 * width, 1))
 
 
 def n_blocks(n: int, block_rows: int) -> int:
