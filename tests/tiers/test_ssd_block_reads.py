@@ -220,15 +220,16 @@ def test_both_ways_of_grouping_a_loads_keys_agree():
             assert np.array_equal(np.lexsort((i, ps[i] // 100)), np.arange(i.size))
 
 
-def test_wide_rows_read_small_blocks_and_files_of_another_block_size_load_whole(tmp_path, monkeypatch):
-    """A wide row's block holds few rows (width 128: 2 rows, 1 KiB), so a missed row costs about
-    its block, not eight rows; a store reopened with files written at another block size reads
-    those whole, with the same rows."""
+def test_wide_rows_read_one_row_blocks_without_keys_and_older_files_load_whole(tmp_path, monkeypatch):
+    """A wide row is a block of its own (width 128: 512 bytes), read without its key: the block's
+    checksum covers the key asked for, so a changed row fails it. A store reopened with files
+    written at another block size (at least 8 rows, as before 2026-11-28) reads those whole, with
+    the same rows."""
     import hpsray.tiers.ssd.paramfile as paramfile_module
     import hpsray.tiers.ssd.state as state_module
 
     wide = 128
-    assert block_rows_for(wide) == 2 and block_rows_for(8) == 32
+    assert block_rows_for(wide) == 1 and block_rows_for(64) == 2 and block_rows_for(8) == 16
     keys = np.arange(1, 4097, dtype=np.uint64)
     rows = np.repeat(keys.astype(np.float32)[:, None], wide, axis=1)
     for module in (state_module, paramfile_module):  # the earlier minimum of 8 rows a block
@@ -237,7 +238,7 @@ def test_wide_rows_read_small_blocks_and_files_of_another_block_size_load_whole(
         s.dump(keys, rows)
     monkeypatch.undo()
     want = keys[::97]
-    with SSDPS(tmp_path / "old", background=False) as s:  # reopened at today's 2-row blocks
+    with SSDPS(tmp_path / "old", background=False) as s:  # reopened at today's one-row blocks
         got, found = s.load(want)
         assert found.all() and np.array_equal(got, rows[::97])
         assert s.stats["files_read_partially"] == 0  # 8-row blocks: read whole, never misread
@@ -247,6 +248,15 @@ def test_wide_rows_read_small_blocks_and_files_of_another_block_size_load_whole(
         assert found.all() and np.array_equal(got, rows[::97])
         st = s.stats
         assert st["files_read_partially"] == st["files_read"] == 4
-        per_row = st["bytes_read"] / want.size
-        # a 2-row block (1 KiB) and the merged index around its keys: less than one 8-row block
-        assert per_row < 8 * 4 * wide, per_row
+        assert st["bytes_read"] == want.size * 4 * wide  # each row's 512 bytes, no key read
+        name = sorted(n for n in os.listdir(tmp_path / "new") if n.endswith(".hps"))[0]
+    path = tmp_path / "new" / name
+    data = bytearray(path.read_bytes())
+    row_at = 64 + 16 * 1024 + 97 * 4 * wide  # file 0's row 97 (the key 98, asked for below)
+    data[row_at + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    with SSDPS(tmp_path / "new", background=False) as s:
+        with pytest.raises(CorruptFileError, match=f"{name}: block 97 checksum mismatch"):
+            s.load(np.array([98], dtype=np.uint64))
+        got, found = s.load(np.array([99], dtype=np.uint64))  # its neighbour is intact
+        assert found.all() and np.array_equal(got[0], rows[98])

@@ -46,6 +46,7 @@ __all__ = [
     "file_name",
     "n_blocks",
     "parse_file_name",
+    "pick_known",
     "pick_staged",
     "read_file",
     "read_index",
@@ -59,7 +60,7 @@ MAGIC = b"HPSPARAM"
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 PARTIAL_VERSIONS = (3,)  # formats whose block tables partial loads use (format 2 files load whole)
-BLOCK_BYTES = 1024  # target bytes of row data per checksummed block
+BLOCK_BYTES = 512  # target bytes of row data per checksummed block
 HEADER_BYTES = 64
 FLAG_COMPACTED = 1
 FLAG_TOMBSTONE = 2  # every row is a deletion (zeros): the key is absent from this version on
@@ -92,8 +93,10 @@ def record_bytes(width: int) -> int:
 def block_rows_for(width: int) -> int:
     """Rows per checksummed block: about :data:`BLOCK_BYTES` of row data, at least one row. A
     partial load reads and verifies a missed row's whole block, so a wide row's block holds few
-    rows (width 128: 2 rows, 1 KiB; it was at least 8, 4 KiB); the block table costs 4 bytes per
-    block. Files keep the block size they were written with: one of another size loads whole."""
+    rows (width 64: 2 rows; width 128 and wider: one row, read without its key, which the
+    checksum covers: :func:`pick_known`; until 2026-11-28 at least 8 rows, 4 KiB at width 128);
+    the block table costs 4 bytes per block. Files keep the block size they were written with:
+    one of another size loads whole."""
     return max(1, BLOCK_BYTES // max(4 * width, 1))
 
 
@@ -244,6 +247,47 @@ def pick_staged(
         block_rows,
     )
     return int(r)
+
+
+@njit(cache=True, nogil=True)
+def _pick_known(srows, blk_b, blk_at, expected, out, idx, pos, ublk, keys):
+    keys_u32 = keys.view(np.uint32)
+    width = srows.shape[1]
+    rows_u32 = srows.reshape(-1).view(np.uint32)
+    for j in range(idx.size):
+        u = ublk[j]
+        i = idx[j]
+        if u < 0:
+            return -(j + 1)
+        if _span_sum(keys_u32, i, rows_u32, blk_at[u], 1, blk_b[u], width) != expected[u]:
+            return u + 1
+        r = blk_at[u]
+        for c in range(width):
+            out[i, c] = srows[r, c]
+    return 0
+
+
+def pick_known(
+    staged_rows: np.ndarray,
+    blocks: np.ndarray,
+    row_at: np.ndarray,
+    expected: np.ndarray,
+    out: np.ndarray,
+    idx: np.ndarray,
+    pos: np.ndarray,
+    block_of: np.ndarray,
+    keys: np.ndarray,
+) -> int:
+    """:func:`pick_staged` for one-row blocks read without their keys: the checksum of block
+    ``block_of[j]`` (number ``blocks[u]``, its row staged at ``row_at[u]``) is computed over the
+    key asked for, ``keys[idx[j]]``, and the staged row, so a row of another key fails it as a
+    changed row would. Returns 0, ``u + 1`` for the first bad block, or ``-(j + 1)`` for a
+    position outside its file."""
+    return int(
+        _pick_known(
+            staged_rows, blocks, row_at, expected, out, idx, pos, block_of, readonly(np.ascontiguousarray(keys))
+        )
+    )
 
 
 def touched_blocks(pos: np.ndarray, starts: np.ndarray, groups: np.ndarray, block_rows: int) -> np.ndarray:

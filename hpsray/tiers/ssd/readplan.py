@@ -103,7 +103,7 @@ def _close_run(ranges, nr, fd, base, first_row, rows, unit, at, kind):
 
 
 @njit(cache=True)
-def plan_blocks(ustart, ublock, nrows, tfd, block_rows, row_bytes, max_gap):
+def plan_blocks(ustart, ublock, nrows, tfd, block_rows, row_bytes, max_gap, with_keys=True):
     """The blocks and ranges of a partial round. Task ``t`` (a file: descriptor ``tfd[t]``,
     ``nrows[t]`` rows) wants the distinct blocks ``ublock[ustart[t]:ustart[t+1]]`` (ascending);
     those inside its file become block ``v`` = number ``blk_b[v]`` of ``blk_n[v]`` rows, and
@@ -112,7 +112,9 @@ def plan_blocks(ustart, ublock, nrows, tfd, block_rows, row_bytes, max_gap):
     rows: one range per run (``ranges``: descriptor, file offset, length, kind 0 for keys (8
     bytes a row) or 1 for rows (``row_bytes``), staging byte in that kind's buffer); block
     ``v``'s first key is staged key ``blk_kat[v]``, its first row staged row ``blk_at[v]``.
-    Returns the arrays, then the numbers of staged keys and staged rows."""
+    ``with_keys=False`` plans no key ranges (one-row blocks, whose keys the caller knows: the
+    key it asked for is the one the checksum covers). Returns the arrays, then the numbers of
+    staged keys and staged rows."""
     m = ublock.size
     blk_task = np.empty(m, np.int64)
     blk_b = np.empty(m, np.int64)
@@ -142,7 +144,7 @@ def plan_blocks(ustart, ublock, nrows, tfd, block_rows, row_bytes, max_gap):
             if lo >= n:  # positions outside the file: their key check fails
                 break
             hi = min(n, lo + block_rows)
-            if k_first >= 0 and lo - end >= key_gap:
+            if with_keys and k_first >= 0 and lo - end >= key_gap:
                 nr = _close_run(ranges, nr, fd, HEADER_BYTES, k_first, end - k_first, 8, k_at, 0)
                 kstage = k_at + end - k_first
                 k_first = -1
@@ -150,7 +152,7 @@ def plan_blocks(ustart, ublock, nrows, tfd, block_rows, row_bytes, max_gap):
                 nr = _close_run(ranges, nr, fd, rows_base, r_first, end - r_first, row_bytes, r_at, 1)
                 rstage = r_at + end - r_first
                 r_first = -1
-            if k_first < 0:
+            if with_keys and k_first < 0:
                 k_first = lo
                 k_at = kstage
             if r_first < 0:
@@ -158,13 +160,13 @@ def plan_blocks(ustart, ublock, nrows, tfd, block_rows, row_bytes, max_gap):
                 r_at = rstage
             blk_task[nb] = t
             blk_b[nb] = b
-            blk_kat[nb] = k_at + lo - k_first
+            blk_kat[nb] = k_at + lo - k_first if with_keys else -1
             blk_at[nb] = r_at + lo - r_first
             blk_n[nb] = hi - lo
             umap[u] = nb
             nb += 1
             end = hi
-        if k_first >= 0:
+        if with_keys and k_first >= 0:
             nr = _close_run(ranges, nr, fd, HEADER_BYTES, k_first, end - k_first, 8, k_at, 0)
             kstage = k_at + end - k_first
         if r_first >= 0:

@@ -25,7 +25,7 @@ import numpy as np
 from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
 from hpsray.tiers.ssd.outbuf import OutputPool
-from hpsray.tiers.ssd.paramfile import pick_staged, read_file, touched_blocks, touched_blocks_upto
+from hpsray.tiers.ssd.paramfile import pick_known, pick_staged, read_file, touched_blocks, touched_blocks_upto
 from hpsray.tiers.ssd.readplan import group_keys, pick_rows, plan_blocks
 from hpsray.tiers.ssd.state import StoreState
 from hpsray.tiers.ssd.wholeread import ONE_PASS, Buffers, chunk_rows_for, read_pick
@@ -288,7 +288,8 @@ class Reads:
     ) -> tuple[int, int]:
         """Read the touched blocks of the files ``tasks`` (open as ``fds``; ``metas``: rows and
         block table of each) in merged ranges, all hinted then read on the I/O threads into one
-        staging buffer; verify each block's checksum and the key at each position, and place the
+        staging buffer; verify each block's checksum and the key at each position (one-row
+        blocks: the checksum over the key asked for and the row read, no key read), and place the
         rows. Returns the bytes read and the reads (merged ranges) issued."""
         st = self.state
         sizes = np.fromiter((t[0].size for t in tasks), np.int64, len(tasks))
@@ -306,8 +307,9 @@ class Reads:
         span = int(pblk.max()) + 1 if pos.size else 1
         distinct, inverse = np.unique(task_of * span + pblk, return_inverse=True)
         ustart = np.searchsorted(distinct // span, np.arange(len(tasks) + 1))
+        known = st.block_rows == 1  # one-row blocks: the key asked for is the one the checksum covers
         blk_task, blk_b, blk_kat, blk_at, blk_n, umap, ranges, n_keys, n_rows = plan_blocks(
-            ustart, distinct % span, nrows, tfd, st.block_rows, row_bytes, MERGE_GAP_BYTES
+            ustart, distinct % span, nrows, tfd, st.block_rows, row_bytes, MERGE_GAP_BYTES, not known
         )
         ublk = umap[inverse.ravel()]
         ublk[pos >= nrows[task_of]] = -1
@@ -326,9 +328,24 @@ class Reads:
                 f"{short} short reads of blocks in {len(tasks)} parameter files "
                 f"({st.path(tasks[0][2])}, ...): a file shorter than its rows (truncated)"
             )
-        r = pick_staged(
-            staged_keys, staged_rows, blk_b, blk_kat, blk_at, blk_n, expected, out, idx, pos, ublk, keys, st.block_rows
-        )
+        if known:
+            r = pick_known(staged_rows, blk_b, blk_at, expected, out, idx, pos, ublk, keys)
+        else:
+            r = pick_staged(
+                staged_keys,
+                staged_rows,
+                blk_b,
+                blk_kat,
+                blk_at,
+                blk_n,
+                expected,
+                out,
+                idx,
+                pos,
+                ublk,
+                keys,
+                st.block_rows,
+            )
         if r > 0:
             u = r - 1
             t = int(blk_task[u])
