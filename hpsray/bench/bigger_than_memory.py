@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> dict:
         cold = cold_share(model_bytes, limit - planned["memory_bytes"])
         load_stage["planned_cold_share"] = cold
         load_stage["planned_disk_s_per_load"] = load_stage["rows_per_load"] * disk_s_per_row(
-            bound, job.io_threads, cold
+            bound, job.io_threads, cold, job.width
         )
         device = trained["device"]
         if device is not None:

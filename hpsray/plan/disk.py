@@ -1,12 +1,13 @@
 """The disk under SSD-PS in the plan: its measured random-read bound, cached per disk, and what it
 adds to the load stage of a job bigger than memory.
 
-A missed row the page cache does not hold costs the load stage :data:`READS_PER_MISSED_ROW`
-random reads of the disk (a partial load reads the touched block's keys and its rows,
-:mod:`~hpsray.tiers.ssd.reads`), issued by the store's ``io_threads``: ``reads / bound(io_threads)``
-seconds, on top of the engine's own seconds (the calibration's store is small and cached). The share
-of missed rows read from the disk (:func:`cold_share`) is what the page cache cannot hold: the
-store's bytes beyond the memory the plan leaves to the cache.
+A missed row the page cache does not hold costs the load stage :func:`reads_per_missed_row`
+random reads of the disk (a partial load reads the touched block's keys and its rows, or only
+the row of a one-row block, :mod:`~hpsray.tiers.ssd.reads`), issued by the store's
+``io_threads``: ``reads / bound(io_threads)`` seconds, on top of the engine's own seconds (the
+calibration's store is small and cached). The share of missed rows read from the disk
+(:func:`cold_share`) is what the page cache cannot hold: the store's bytes beyond the memory the
+plan leaves to the cache.
 
 The bound is measured with ``hpsray plan --calibrate`` (:func:`measure_bound`: a scratch file in the
 SSD-PS directory's file system, random reads of one checksummed block at depths 1, 8, 32 and the
@@ -37,11 +38,20 @@ __all__ = [
     "disk_s_per_row",
     "load_bound",
     "measure_bound",
+    "reads_per_missed_row",
     "save_bound",
 ]
 
 CACHE_NAME = "plan-disk-bound.json"
 READS_PER_MISSED_ROW = 2.0  # a touched block's keys and its rows: two ranges of a partial load
+
+
+def reads_per_missed_row(width: int) -> float:
+    """Random reads a missed row of ``width`` floats costs: its block's keys and rows
+    (:data:`READS_PER_MISSED_ROW`), or only its row for a one-row block, read without its key."""
+    return 1.0 if block_rows_for(width) == 1 else READS_PER_MISSED_ROW
+
+
 SCRATCH_BYTES = 512 << 20  # the probe's file: beyond what a disk's own cache serves hot
 
 
@@ -118,8 +128,9 @@ def cold_share(store_bytes: float, cache_bytes: float) -> float:
     return max(0.0, 1.0 - max(cache_bytes, 0.0) / store_bytes)
 
 
-def disk_s_per_row(bound: DiskBound, io_threads: int, share: float) -> float:
+def disk_s_per_row(bound: DiskBound, io_threads: int, share: float, width: int = 0) -> float:
     """Disk seconds per missed row: ``share`` of the rows read from the disk, each
-    :data:`READS_PER_MISSED_ROW` random reads at ``io_threads`` in flight."""
+    :func:`reads_per_missed_row` random reads at ``io_threads`` in flight (``width`` 0: two)."""
     rate = bound.at(max(1, io_threads))
-    return share * READS_PER_MISSED_ROW / rate if rate > 0 else 0.0
+    reads = reads_per_missed_row(width) if width else READS_PER_MISSED_ROW
+    return share * reads / rate if rate > 0 else 0.0

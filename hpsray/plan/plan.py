@@ -154,7 +154,7 @@ def make_plan(
     held = RUNTIME_BYTES + ssd_mem["key_map_bytes"] + ssd_mem["block_table_bytes"]
     held += mem_bytes_for_rows(capacity, width, history) + int(in_flight)
     cold = cold_share(disk["expected_bytes"], limit - held)
-    disk_row_s = disk_s_per_row(bound, io_threads, cold) if bound is not None else 0.0
+    disk_row_s = disk_s_per_row(bound, io_threads, cold, width) if bound is not None else 0.0
     if calibrate_stages:
         cal = calibrate(job, sample)
         if not omp_threads_sleep():

@@ -88,3 +88,11 @@ def test_a_plan_says_what_the_disk_adds_to_the_load_stage(tmp_path, monkeypatch)
     assert ssd["disk_reads_per_s"] == 4000.0  # the store's 4 I/O threads
     assert ssd["cold_share"] == 0.0 and ssd["disk_s_per_batch"] == 0.0  # a small store: the page cache holds it
     assert any("SSD-PS disk 4,000 random reads/s of 4096 bytes at depth 4" in n for n in plan.notes)
+
+
+def test_a_one_row_block_costs_one_read_a_wider_block_two():
+    from hpsray.plan.disk import reads_per_missed_row
+
+    assert reads_per_missed_row(128) == 1.0 and reads_per_missed_row(32) == READS_PER_MISSED_ROW == 2.0
+    assert disk_s_per_row(BOUND, 4, 1.0, 128) == pytest.approx(1 / 4000.0)
+    assert disk_s_per_row(BOUND, 4, 1.0, 32) == pytest.approx(2 / 4000.0)
