@@ -170,7 +170,7 @@ def test_one_pass_read_names_a_key_mismatch_a_position_beyond_the_file_and_trunc
 
 
 def test_touched_blocks_upto_decides_as_the_full_count():
-    from hpsray.tiers.ssd.paramfile import touched_blocks, touched_blocks_upto
+    from hpsray.tiers.ssd.blockpick import touched_blocks, touched_blocks_upto
 
     rng = np.random.default_rng(3)
     sizes = rng.integers(0, 400, 12)

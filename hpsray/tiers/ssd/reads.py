@@ -24,8 +24,9 @@ import numpy as np
 
 from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
+from hpsray.tiers.ssd.blockpick import pick_known, pick_staged, touched_blocks, touched_blocks_upto
 from hpsray.tiers.ssd.outbuf import OutputPool
-from hpsray.tiers.ssd.paramfile import pick_known, pick_staged, read_file, touched_blocks, touched_blocks_upto
+from hpsray.tiers.ssd.paramfile import read_file
 from hpsray.tiers.ssd.readplan import group_keys, pick_rows, plan_blocks
 from hpsray.tiers.ssd.state import StoreState
 from hpsray.tiers.ssd.wholeread import ONE_PASS, Buffers, chunk_rows_for, read_pick
