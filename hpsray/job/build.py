@@ -6,12 +6,11 @@ and validating a job file (:class:`~hpsray.job.JobConfig`) needs neither.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hpsray.errors import ConfigError
+from hpsray.errors import ConfigError, ExportError
+from hpsray.export.read import read_manifest
 from hpsray.fields import same_fields
 from hpsray.job.jobconfig import JobConfig
 from hpsray.pipelines.pipeline import Pipeline
@@ -82,12 +81,10 @@ def init_from(job: JobConfig) -> dict:
 
 def exported_tables(directory: str) -> list | None:
     """The ``tables`` of the hpsray export in ``directory`` (``None``: none recorded, or no
-    readable manifest there: the import names that problem itself)."""
-    path = os.path.join(directory, "manifest.json")
+    readable export there: the import names that problem itself)."""
     try:
-        with open(path) as f:
-            return json.load(f).get("tables")
-    except (OSError, ValueError, AttributeError):
+        return read_manifest(directory).get("tables")
+    except (ExportError, OSError):
         return None
 
 

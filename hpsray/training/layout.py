@@ -28,6 +28,10 @@ from hpsray.tiers.partition import owner_of
 __all__ = ["BatchIndex", "MiniBatchIndex", "index_batch", "index_positions", "keys_as_tensor", "positions_of"]
 
 
+# a mini-batch's inverse, bag_offsets, grad_bags, grad_offsets, dense and labels
+_Arrays = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class MiniBatchIndex:
     """One mini-batch as views of its batch's :class:`BatchIndex` (all on the step's device).
@@ -79,9 +83,7 @@ class BatchIndex:
         array (25 for 4 mini-batches); the mini-batches are views of them on the device."""
         if pack is None:
             pack = device.type != "cpu"
-        if pack:
-            return self._packed(slots, keys, device)
-        pos = self.rows.to(device)
+        pos, arrays = self._packed(device) if pack else self._copied(device)
         rows = slots.index_select(0, pos)
         row_keys = keys.index_select(0, pos) if keys is not None else None
         b = self.bounds
@@ -89,21 +91,38 @@ class BatchIndex:
             MiniBatchIndex(
                 rows=rows[b[k] : b[k + 1]],
                 keys=row_keys[b[k] : b[k + 1]] if row_keys is not None else None,
-                inverse=mb.inverse.to(device),
-                bag_offsets=mb.bag_offsets.to(device),
-                grad_bags=mb.grad_bags.to(device),
-                grad_offsets=mb.grad_offsets.to(device),
-                dense=mb.dense.to(device),
-                labels=mb.labels.to(device),
+                inverse=inverse,
+                bag_offsets=bag_offsets,
+                grad_bags=grad_bags,
+                grad_offsets=grad_offsets,
+                dense=dense,
+                labels=labels,
                 n_examples=mb.n_examples,
                 n_slots=mb.n_slots,
             )
-            for k, mb in enumerate(self.minibatches)
+            for k, (mb, (inverse, bag_offsets, grad_bags, grad_offsets, dense, labels)) in enumerate(
+                zip(self.minibatches, arrays, strict=True)
+            )
         ]
         return BatchIndex(out, rows, self.n_examples, b)
 
-    def _packed(self, slots: torch.Tensor, keys: torch.Tensor | None, device: torch.device) -> BatchIndex:
-        """:meth:`at_slots` through two packed buffers (see there)."""
+    def _copied(self, device: torch.device) -> tuple[torch.Tensor, list[_Arrays]]:
+        """The positions and each mini-batch's six arrays on ``device``, a copy per array."""
+        arrays = [
+            (
+                mb.inverse.to(device),
+                mb.bag_offsets.to(device),
+                mb.grad_bags.to(device),
+                mb.grad_offsets.to(device),
+                mb.dense.to(device),
+                mb.labels.to(device),
+            )
+            for mb in self.minibatches
+        ]
+        return self.rows.to(device), arrays
+
+    def _packed(self, device: torch.device) -> tuple[torch.Tensor, list[_Arrays]]:
+        """:meth:`_copied` through two packed buffers (see :meth:`at_slots`): views of them."""
         if self.rows.numel() >= 2**31:
             raise ValueError(f"a batch of {self.rows.numel()} positions does not fit int32")
         ints = [self.rows.to(torch.int32)]
@@ -111,32 +130,14 @@ class BatchIndex:
         for mb in self.minibatches:
             ints += [mb.inverse, mb.bag_offsets, mb.grad_bags, mb.grad_offsets]
             floats += [mb.dense.reshape(-1), mb.labels]
-        int_buf, float_buf = _upload(ints, torch.int32, device), _upload(floats, torch.float32, device)
-        cut = iter(_views(int_buf, ints))
+        cut = iter(_views(_upload(ints, torch.int32, device), ints))
+        fcut = iter(_views(_upload(floats, torch.float32, device), floats))
         pos = next(cut)
-        rows = slots.index_select(0, pos)
-        row_keys = keys.index_select(0, pos) if keys is not None else None
-        fcut = iter(_views(float_buf, floats))
-        b = self.bounds
-        out = []
-        for k, mb in enumerate(self.minibatches):
-            inverse, bag_offsets, grad_bags, grad_offsets = next(cut), next(cut), next(cut), next(cut)
-            dense, labels = next(fcut).view(mb.dense.shape), next(fcut)
-            out.append(
-                MiniBatchIndex(
-                    rows=rows[b[k] : b[k + 1]],
-                    keys=row_keys[b[k] : b[k + 1]] if row_keys is not None else None,
-                    inverse=inverse,
-                    bag_offsets=bag_offsets,
-                    grad_bags=grad_bags,
-                    grad_offsets=grad_offsets,
-                    dense=dense,
-                    labels=labels,
-                    n_examples=mb.n_examples,
-                    n_slots=mb.n_slots,
-                )
-            )
-        return BatchIndex(out, rows, self.n_examples, b)
+        arrays = [
+            (next(cut), next(cut), next(cut), next(cut), next(fcut).view(mb.dense.shape), next(fcut))
+            for mb in self.minibatches
+        ]
+        return pos, arrays
 
 
 def _upload(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
