@@ -88,9 +88,19 @@ def _stop_if_signalled() -> None:
         raise _Stop(_RECEIVED[0])
 
 
+def _quiet_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """Drop a :class:`_Stop` that Python could not raise (a signal arriving in an at-fork hook or a
+    finalizer prints "Exception ignored"): :data:`_RECEIVED` holds it and
+    :func:`_stop_if_signalled` raises it again; anything else goes to Python's own hook."""
+    if isinstance(unraisable.exc_value, _Stop):
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def _on_signals() -> None:
     """SIGTERM and SIGINT raise :class:`_Stop` in the main thread (Python's handler in place of
     Ray's, whose SIGTERM handler prints a C++ stack dump)."""
+    sys.unraisablehook = _quiet_unraisable
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
 

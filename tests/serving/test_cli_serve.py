@@ -131,6 +131,35 @@ def test_ctrl_c_while_deploying_stops_without_a_traceback(exports, tmp_path):
     assert "hpsray serve: stopped" in text, text[-3000:]
 
 
+_SIGNAL_IN_A_FORK_HOOK = """
+import os, signal, sys
+from hpsray.cli import serve
+serve._on_signals() if sys.argv[1] == "hooked" else signal.signal(signal.SIGINT, serve._raise_stop)
+os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGINT))
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+try:
+    serve._stop_if_signalled()
+except serve._Stop as e:
+    print("stopped by", e)
+"""
+
+
+@pytest.mark.parametrize("mode", ["hooked", "bare"])
+def test_a_signal_during_a_fork_stops_serve_without_exception_ignored(mode):
+    """A Ctrl-C landing in an at-fork hook (Ray's start forks; logging's hook runs there) is not
+    printed as "Exception ignored ... Traceback" and still stops serve; without the hook it is."""
+    command = [sys.executable, "-c", _SIGNAL_IN_A_FORK_HOOK, mode]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert "stopped by SIGINT" in done.stdout, done.stdout + done.stderr
+    if mode == "hooked":
+        assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    else:  # the fault the hook guards against
+        assert "Exception ignored" in done.stderr, done.stderr
+
+
 def test_hpsray_train_export_serves_raw_criteo_text(tmp_path):
     """``hpsray train JOB --reference --export DIR`` records the Criteo schema; raw TSV fields sent
     as JSON (hex strings, numbers) give the keys and predictions of the file read by the readers."""
