@@ -31,6 +31,8 @@ from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum
 from hpsray.models.step import DenseReplicas
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.loans import Loan, Refresh
+from hpsray.tiers.rowgroups import RowGroups
+from hpsray.training.grouped_step import GroupedArenaStep, slot_columns
 from hpsray.training.layout import BatchIndex, MiniBatchIndex, index_batch, keys_as_tensor
 from hpsray.training.marks import minibatch
 from hpsray.training.step import ArenaStep
@@ -87,15 +89,33 @@ class TrainerEngine:
         self.capacity, self.n_nodes = capacity, n_nodes
         self.device = StepDevice(device)
         self.optimizer = config.optimizer()
-        self.hbm = HbmPS(capacity, config.row_width, config.row_init(), 1, n_nodes, device)
+        tables = config.tables_for(n_slots) if config.tables else None
+        groups = RowGroups.of(tables) if tables is not None else None
+        # tables of several row layouts (own dim or sparse optimizer): the working set holds every
+        # row at the widest layout's width, and each group steps with its own optimizer
+        self.groups = groups if groups is not None and len(groups) > 1 else None
+        self.row_width = max(self.groups.widths) if self.groups is not None else config.row_width
+        """Floats per row of the working set (and of the loans and returns it takes and gives)."""
+        self.grad_dim = max(self.groups.dims) if self.groups is not None else config.dim
+        """Columns of a row gradient: the widest table's dim."""
+        self.hbm = HbmPS(capacity, self.row_width, config.row_init(), 1, n_nodes, device)
         model = model if model is not None else build_model(config, n_slots, n_dense)
         self.dense = DenseReplicas(model, 1, config.dense_optimizer, config.dense_lr, self.device)
         self.step = 0  # mini-batch steps taken: the sparse optimizer's global step
         self.examples = 0
-        self.traffic = Traffic(config.row_width * 4)
+        self.traffic = Traffic(self.row_width * 4)
         self.losses: dict[Hashable, float] = {}  # per batch, its mean loss
         self.empty = Batch.empty(n_slots, n_dense)  # an exhausted node's part of a batch
-        tables = config.tables_for(n_slots) if config.tables else None
+        # the slots' widths differ: the model takes each slot's first dim columns of the pooled rows
+        self.slot_cols = None
+        if tables is not None and tables.uniform_dim is None:
+            cols = slot_columns(tables.slot_dims, self.grad_dim)
+            self.slot_cols = torch.as_tensor(cols, device=self.device.torch)
+        self.group_optimizers = (
+            tuple(tables.optimizers[ts[0]] for ts in self.groups.tables)
+            if tables is not None and self.groups is not None
+            else ()
+        )
         means = tables.mean_slots if tables is not None else np.zeros(n_slots, bool)
         # the slots that pool by the mean (tables of their own), on the device; None: every slot sums
         self.mean_slots = torch.as_tensor(means, device=self.device.torch) if means.any() else None
@@ -103,7 +123,11 @@ class TrainerEngine:
             self.optimizer = tables.optimizers[0]
         self.lr_by_tag = None  # tables of their own learning rate: each by key tag (float32[256], on the device)
         own = [float(opt.hyperparams(1)[HP_LR]) for opt in tables.optimizers] if tables is not None else []
-        if tables is not None and tables.tagged and set(own) != {float(self.optimizer.hyperparams(1)[HP_LR])}:
+        if (
+            tables is not None
+            and tables.tagged
+            and (self.groups is not None or set(own) != {float(self.optimizer.hyperparams(1)[HP_LR])})
+        ):
             lrs = np.zeros(256, np.float32)
             lrs[: len(own)] = own
             self.lr_by_tag = torch.as_tensor(lrs, device=self.device.torch)
@@ -115,7 +139,7 @@ class TrainerEngine:
     def forget(self) -> None:
         """Drop the working set (a recovery that keeps this process; the dense model stays)."""
         c = self.config
-        self.hbm = HbmPS(self.capacity, c.row_width, c.row_init(), 1, self.n_nodes, self.device.name)
+        self.hbm = HbmPS(self.capacity, self.row_width, c.row_init(), 1, self.n_nodes, self.device.name)
         self._arena, self._resident, self.kept, self._parts = None, None, [], None
 
     # -- a batch -----------------------------------------------------------------------------
@@ -129,7 +153,7 @@ class TrainerEngine:
         keys = (
             key_parts[0] if len(key_parts) == 1 else np.concatenate(key_parts) if key_parts else np.empty(0, np.uint64)
         )
-        rows, held = loaned_rows(loans, key_parts, self.config.row_width)
+        rows, held = loaned_rows(loans, key_parts, self.row_width)
         before, self._parts = self._parts, None  # unknown until the borrow succeeds
         stale = None
         if before is not None and len(before) == len(key_parts):  # the keys resident now: the last batch's
@@ -162,10 +186,18 @@ class TrainerEngine:
         if self._arena is None or self._arena[0] is not table:
             arena = self.device.tensor(table.rows)
             row_lr = None
+            keys = self.device.tensor(table.row_keys.view(np.int64))
             if self.lr_by_tag is not None:  # tables of their own lr: each row's by its key's tag
-                keys, by_tag = self.device.tensor(table.row_keys.view(np.int64)), self.lr_by_tag
+                by_tag = self.lr_by_tag
                 row_lr = lambda slots: by_tag[(keys.index_select(0, slots) >> 56) & 255].unsqueeze(1)  # noqa: E731
-            self._arena = (table, ArenaStep(arena, self.config.dim, self.optimizer, row_lr=row_lr))
+            if self.groups is not None:
+                assert row_lr is not None  # several layouts: several tables, each row at its table's lr
+                by_group = torch.as_tensor(self.groups.tag_group, device=self.device.torch)
+                group_of = lambda slots: by_group[(keys.index_select(0, slots) >> 56) & 255]  # noqa: E731
+                step: ArenaStep = GroupedArenaStep(arena, self.groups, self.group_optimizers, group_of, row_lr)
+            else:
+                step = ArenaStep(arena, self.config.dim, self.optimizer, row_lr=row_lr)
+            self._arena = (table, step)
         return self._arena[1]
 
     def _find(self, keys: np.ndarray, on_device: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,7 +270,7 @@ class TrainerEngine:
         model = self.dense.models[0]
         model.eval()
         out = []
-        dim, dev = self.config.dim, self.device
+        dim, dev = self.grad_dim, self.device
         for mb in batch.minibatches(self.config.minibatch_size):
             layout = BagLayout.of(mb)
             emb = dev.tensor(np.ascontiguousarray(rows[np.searchsorted(keys, layout.unique_keys), :dim]))
@@ -246,7 +278,7 @@ class TrainerEngine:
             if self.mean_slots is not None:
                 offsets = dev.tensor(np.asarray(layout.bag_offsets))
                 pooled = pooled / bag_divisor(offsets, len(layout.inverse), len(mb), self.mean_slots)
-            out.append(torch.sigmoid(model(pooled, dev.tensor(mb.dense))).cpu().numpy())
+            out.append(torch.sigmoid(model(self.model_input(pooled), dev.tensor(mb.dense))).cpu().numpy())
         return np.concatenate(out) if out else np.empty(0, np.float32)
 
     def resident_rows(self, keys: Any, columns: int) -> Any:
@@ -307,14 +339,21 @@ class TrainerEngine:
     def backward_pooled(self, rows: torch.Tensor, mb: MiniBatchIndex, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`backward_from` up to the pooled leaf: ``(loss, pooled)``, its gradient filled."""
         self.dense.zero_grad()
-        pooled = ArenaStep.pool_rows(rows, mb, self.config.dim)
+        pooled = ArenaStep.pool_rows(rows, mb, self.grad_dim)
         x = pooled
         if self.mean_slots is not None:
             x = pooled / bag_divisor(mb.bag_offsets, mb.inverse.shape[0], mb.n_examples, self.mean_slots)
-        logits = self.dense.models[0](x, mb.dense)
+        logits = self.dense.models[0](self.model_input(x), mb.dense)
         loss = F.binary_cross_entropy_with_logits(logits, mb.labels, reduction="sum") / total
         loss.backward()
         return loss.detach(), pooled
+
+    def model_input(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The model's input from the pooled ``[B, n_slots, grad_dim]``: itself, or with the
+        slots' widths differing each slot's first dim columns, ``[B, sum of the slots' dims]``."""
+        if self.slot_cols is None:
+            return pooled
+        return pooled.reshape(pooled.shape[0], -1).index_select(1, self.slot_cols)
 
     def global_minibatches(self, index: BatchIndex, sizes: list[int]) -> Iterator[tuple[MiniBatchIndex | None, int]]:
         """This node's part of each global mini-batch of the batch (``None`` once its examples

@@ -209,7 +209,7 @@ class BspSteps(Strategy):
                 else:
                     engine.dense.zero_grad()
                     keys = plan.no_keys
-                    grads = torch.empty((0, engine.config.dim), dtype=torch.float32, device=dev.torch)
+                    grads = torch.empty((0, engine.grad_dim), dtype=torch.float32, device=dev.torch)
                 engine.dense.step_optimizers(self.reduce)
                 _, all_grads = group.allgather_sparse(
                     engine.exchange_array(keys, keys=True), dev.from_tensor(grads), plan.counts(k)
