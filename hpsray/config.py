@@ -13,7 +13,7 @@ from hpsray.admission_rules import check_admission
 from hpsray.kernels import DEVICES
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SPARSE_OPTIMIZERS, SparseOptimizer, make_optimizer
-from hpsray.tables import Tables, TableSpec
+from hpsray.tables import Tables, TableSpec, mixed_layouts, table_layouts
 
 __all__ = [
     "CONSISTENCY_MODES",
@@ -95,12 +95,32 @@ class TrainConfig:
 
     @property
     def row_width(self) -> int:
-        """Floats per stored row: weights plus optimizer state."""
+        """Floats per stored row: weights plus optimizer state; with ``tables``, the widest
+        table's (tables of several layouts share rows of that width: docs/tables.md)."""
+        if self.tables:
+            return max(w for _, w, _ in table_layouts(self))
         return self.dim + self.optimizer().state_width(self.dim)
 
+    @property
+    def row_dim(self) -> int:
+        """Weights per stored row: ``dim``, or with ``tables`` the widest table's dim."""
+        return max(d for d, _, _ in table_layouts(self)) if self.tables else self.dim
+
     def row_init(self) -> RowInit:
-        """How new rows are initialised."""
-        return RowInit.for_optimizer(self.dim, self.optimizer(), scale=self.init_scale, seed=self.seed)
+        """How new rows are initialised: with ``tables`` of one layout, that layout's; of
+        several, each key's by its table (``RowInit.tables``)."""
+        if not self.tables:
+            return RowInit.for_optimizer(self.dim, self.optimizer(), scale=self.init_scale, seed=self.seed)
+        layouts = table_layouts(self)
+        if not mixed_layouts(self):
+            dim, _, opt = layouts[0]
+            return RowInit.for_optimizer(dim, opt, scale=self.init_scale, seed=self.seed)
+        return RowInit(
+            dim=max(d for d, _, _ in layouts),
+            scale=self.init_scale,
+            seed=self.seed,
+            tables=tuple((d, w, float(opt.state_init())) for d, w, opt in layouts),
+        )
 
     def tables_for(self, n_slots: int) -> Tables:
         """The resolved :class:`~hpsray.tables.Tables` of ``n_slots`` slots (raises

@@ -147,25 +147,25 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
     else:
         evaluate_into(report, job, evaluate)
     model = best_model if best_model is not None else export(trainer)
-    report.rows = (
-        int(model[0].size) if not isinstance(model[0], dict) else sum(int(k.size) for k, _ in model[0].values())
-    )
+    report.rows = int(model[0].size)
     return report, model
 
 
 def export(trainer: Any) -> tuple:
-    """What ``trainer`` learnt: ``(keys, rows, dense state)`` (with tables of the model's one row
-    width, every table's tagged keys together, as the pipeline exports them), or with tables of
-    other widths ``({table name: (keys, rows)}, dense state)``
-    (:meth:`~hpsray.reference.ReferenceTrainer.export_tables`)."""
+    """What ``trainer`` learnt: ``(keys, rows, dense state)``; with tables, every table's tagged
+    keys together as the pipeline exports them, each row at ``config.row_width`` (a table
+    narrower than the widest: its row, then zeros; :mod:`hpsray.export.layout` lays them out)."""
     if trainer.tables is None:
         return trainer.export()
     parts = trainer.export_tables()
-    if set(trainer.tables.widths) != {trainer.config.row_width}:
-        return parts, trainer.dense_state()
     keys = np.concatenate([k for k, _ in parts.values()])
+    rows = np.zeros((keys.size, trainer.config.row_width), np.float32)
+    at = 0
+    for _, r in parts.values():
+        rows[at : at + r.shape[0], : r.shape[1]] = r
+        at += r.shape[0]
     order = np.argsort(keys, kind="stable")
-    return keys[order], np.concatenate([r for _, r in parts.values()])[order], trainer.dense_state()
+    return keys[order], rows[order], trainer.dense_state()
 
 
 def evaluate_into(report: RunReport, job: JobConfig, evaluate: Callable[[Any], dict]) -> None:

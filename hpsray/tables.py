@@ -43,9 +43,11 @@ __all__ = [
     "TagKeys",
     "admits_late",
     "key_tagging",
+    "mixed_layouts",
     "pipeline_refusal",
     "refuse_for_pipeline",
     "table_admission",
+    "table_layouts",
     "tag_keys",
 ]
 
@@ -276,6 +278,9 @@ class SlotTables:
 
     slot_table: np.ndarray
     mean_slots: np.ndarray
+    dims: tuple[int, ...] = ()
+    """Each table's dim, when the manifest gives them (an export before tables of their own
+    width has none: every table at the export's ``dim``)."""
 
     @classmethod
     def from_manifest(cls, entries: Any, n_slots: int, where: str) -> SlotTables | None:
@@ -286,8 +291,11 @@ class SlotTables:
             return None
         slot_table = np.full(n_slots, -1, dtype=np.int64)
         mean = np.zeros(n_slots, dtype=bool)
+        dims: list[int] = []
         try:
             for t, entry in enumerate(entries):
+                if "dim" in entry:
+                    dims.append(int(entry["dim"]))
                 slots = np.asarray(entry["slots"], dtype=np.int64)
                 if slots.size == 0 or slots.min() < 0 or slots.max() >= n_slots or np.any(slot_table[slots] >= 0):
                     raise ValueError(f"table {entry['name']!r}: slots {slots.tolist()} overlap or are out of range")
@@ -300,7 +308,15 @@ class SlotTables:
             raise ValueError(f"{where}: tables: slots {np.flatnonzero(slot_table < 0).tolist()} are in no table")
         if len(entries) == 1 and not mean.any():
             return None
-        return cls(slot_table, mean)
+        return cls(slot_table, mean, tuple(dims) if len(dims) == len(entries) else ())
+
+    @property
+    def slot_dims(self) -> tuple[int, ...] | None:
+        """Each slot's dim when the tables' dims differ (the model then takes ``[B, sum of
+        them]``), else ``None``."""
+        if len(set(self.dims)) < 2:
+            return None
+        return tuple(self.dims[t] for t in self.slot_table.tolist())
 
     @property
     def tagged(self) -> bool:
@@ -336,24 +352,40 @@ def _optimizer(spec: TableSpec, i: int) -> SparseOptimizer:
         raise ConfigError("Tables", f"tables[{i}].sparse_params", f"table {spec.name!r}: {e}") from None
 
 
+def table_layouts(config: RowDefaults) -> list[tuple[int, int, SparseOptimizer]]:
+    """Per table of ``config.tables`` (in order), its ``(dim, width, sparse optimizer)``, every
+    setting it leaves out taken from ``config`` (its slots unchecked: :meth:`Tables.of` checks
+    them against a number of slots)."""
+    out = []
+    for i, spec in enumerate(config.tables):
+        opt = _optimizer(_resolve(spec, i, config), i)
+        out.append((spec.dim, spec.dim + opt.state_width(spec.dim), opt))
+    return out
+
+
+def mixed_layouts(config: RowDefaults) -> bool:
+    """Whether ``config``'s tables have rows of more than one layout (dim, optimizer, settings):
+    the working set, the loans and the tiers then hold rows of the widest table's width."""
+    if len(config.tables) < 2:
+        return False
+    layouts = {
+        (
+            spec.dim,
+            _resolve(spec, i, config).optimizer,
+            tuple(sorted((_resolve(spec, i, config).sparse_params or {}).items())),
+        )
+        for i, spec in enumerate(config.tables)
+    }
+    return len(layouts) > 1
+
+
 def pipeline_refusal(config: RowDefaults, n_slots: int) -> str | None:
-    """Why the distributed pipeline cannot run ``config``'s tables yet (``None`` when it can):
-    its tiers hold rows of one width with one optimizer, so it runs any number of tables, each
-    with sum or mean pooling and its own learning rate and admission, as long as every table
-    keeps the config's ``dim`` and sparse optimizer (and its settings); the reference trainer
-    (``hpsray train --reference``) runs any."""
-    if not config.tables:
-        return None
-    tables = Tables.of(config, n_slots)
-    default = (config.dim, config.sparse_optimizer, dict(config.sparse_params))
-    own = [spec.name for spec in tables.specs if (spec.dim, spec.optimizer, dict(spec.sparse_params or {})) != default]
-    if not own:
-        return None
-    return (
-        f"the distributed pipeline does not yet run a table of its own width or optimizer "
-        f"(its tiers hold rows of one width: [model] dim = {config.dim}); "
-        f"{', '.join(repr(n) for n in own)} of {tables.describe()} set one. `hpsray train --reference` runs it"
-    )
+    """Why the distributed pipeline cannot run ``config``'s tables (``None`` when it can). It
+    runs any tables: each with its own width, pooling, sparse optimizer, learning rate and
+    admission (rows of several layouts: :func:`mixed_layouts`). Kept as the one place a
+    limit would be named, before Ray starts."""
+    Tables.of(config, n_slots)  # the tables' own checks, against the number of slots
+    return None
 
 
 def table_admission(

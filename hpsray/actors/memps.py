@@ -18,6 +18,8 @@ from hpsray.kernels.init import RowInit
 from hpsray.tiers.admission import Admission
 from hpsray.tiers.lending import Lender
 from hpsray.tiers.mem import MemPS
+from hpsray.tiers.padded import PaddedMemPS
+from hpsray.tiers.rowgroups import RowGroups
 from hpsray.tiers.warmup import warm_mem_ps
 
 
@@ -146,6 +148,9 @@ class MemPSShard:
     that a pull may leave behind before it waits for the oldest (their rows are held here
     meanwhile, beside the budget).
 
+    ``groups``: tables of several row layouts, the row groups and each group's rows
+    (:class:`~hpsray.tiers.padded.PaddedMemPS`; ``capacity_rows`` and ``capacity_bytes`` unused).
+
     ``admit_after`` and ``expire_after_batches``: feature admission and expiry
     (:class:`~hpsray.tiers.admission.Admission`; off by default); ``per_table_admission``: each
     table's pair instead, by key tag. ``admission_from``: a file
@@ -165,6 +170,7 @@ class MemPSShard:
         per_table_admission: list[tuple[int, int | None]] | None = None,
         admission_from: str | None = None,
         dumps_in_flight: int = 4,
+        groups: tuple[RowGroups, list[int]] | None = None,
         **options: Any,
     ) -> None:
         self.node = node
@@ -174,7 +180,11 @@ class MemPSShard:
             admission = Admission(admit_after, expire_after_batches, per_table=per_table_admission)
             if admission_from is not None:
                 admission.load(admission_from)
-            mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)
+            mem: Any
+            if groups is None:
+                mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)
+            else:  # tables of several row layouts: one cache per group, each row at its width
+                mem = PaddedMemPS(groups[0], groups[1], width, self.store, init, **options)
             return Lender(mem, node, init, admission)
 
         self._make = make

@@ -10,8 +10,11 @@ import numpy as np
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Loan, Pulled
 from hpsray.actors.timing import StageClock
+from hpsray.tiers.padded import PaddedSSDPS
+from hpsray.tiers.rowgroups import RowGroups
 from hpsray.tiers.ssd import SSDPS, restore_snapshot
 from hpsray.tiers.ssd.bulkload import TableImport
+from hpsray.tiers.ssd.grouped import GroupedSSDPS
 from hpsray.tiers.tagcount import N_TAGS, by_tag
 from hpsray.tiers.warmup import warm_ssd_ps
 
@@ -32,14 +35,17 @@ class SSDPSShard:
         width: int,
         restore_from: str | None = None,
         init_from: TableImport | None = None,
+        groups: RowGroups | None = None,
         **options: Any,
     ) -> None:
         """``restore_from``: a snapshot (:meth:`snapshot`) that replaces ``directory`` first;
-        ``init_from``: a table a fresh store loads (not when restoring: the snapshot has it)."""
+        ``init_from``: a table a fresh store loads (not when restoring: the snapshot has it);
+        ``groups``: tables of several row layouts, each group's rows stored at its width
+        (:class:`~hpsray.tiers.padded.PaddedSSDPS`; rows cross at ``width``)."""
         self.node = node
-        self.directory, self.width, self.options = directory, width, options
-        self.restored = restore_snapshot(restore_from, directory, replace=True) if restore_from else None
-        self.store = SSDPS(directory, width, **options)
+        self.directory, self.width, self.options, self.groups = directory, width, options, groups
+        self.restored = self._restore(restore_from) if restore_from else None
+        self.store = self._open()
         self.imported = None
         if init_from is not None and restore_from is None:
             if node != 0:
@@ -123,11 +129,21 @@ class SSDPSShard:
 
         return upload_node(location, staging, self.node, token)
 
+    def _open(self) -> Any:
+        if self.groups is None:
+            return SSDPS(self.directory, self.width, **self.options)
+        return PaddedSSDPS(self.directory, self.groups, self.width, **self.options)
+
+    def _restore(self, snapshot: str) -> dict:
+        if self.groups is None:
+            return restore_snapshot(snapshot, self.directory, replace=True)
+        return GroupedSSDPS.restore(snapshot, self.directory, self.groups, replace=True)
+
     def restore(self, snapshot: str) -> dict:
         """Replace the store with a snapshot's state (a recovery that keeps this process)."""
         self.store.close()
-        self.restored = restore_snapshot(snapshot, self.directory, replace=True)
-        self.store = SSDPS(self.directory, self.width, **self.options)
+        self.restored = self._restore(snapshot)
+        self.store = self._open()
         return self.restored
 
     def scan(self) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -140,14 +140,6 @@ def process_start() -> float:
 _IMPORTED = time.monotonic()
 
 
-def _one_width(job: Any) -> bool:
-    """Whether every table of ``job`` has the model's row width (one export holds them all)."""
-    from hpsray.job import build
-
-    config = job.train_config()
-    return set(config.tables_for(build.source(job).n_slots).widths) == {config.row_width}
-
-
 def _cause(e: BaseException) -> BaseException:
     """The user-facing exception inside a Ray task error."""
     seen = 0
@@ -355,8 +347,6 @@ def run(args: argparse.Namespace) -> int:
         return error(f"--tolerance must be a finite number >= 0, got {args.tolerance}")
     if args.incremental and not args.export:
         return error("--incremental needs --export DIR (the earlier export to add the changed rows to)")
-    if (args.export or args.compare) and job.tables and args.reference and not _one_width(job):
-        return error(f"{args.config}: tables: --export and --compare do not yet take tables of several widths")
     if args.resume and args.reference:
         return error("--resume continues a pipeline run from its checkpoint; the reference trainer has none")
     if args.resume and args.overwrite:
@@ -439,7 +429,11 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     if args.compare:
         from hpsray.export import compare_exports, load_export
+        from hpsray.export.layout import ExportLayout
 
+        layout = ExportLayout.of(job.train_config())  # tables of several layouts: rows as exported
+        if layout is not None:
+            model = (model[0], layout.to_export(model[0], model[1]), *model[2:])
         diff = compare_exports(model, load_export(args.compare))
         worst = max(diff["max_abs_row_diff"], diff["max_abs_dense_diff"])
         same_keys = diff["keys_only_in_a"] == 0 and diff["keys_only_in_b"] == 0

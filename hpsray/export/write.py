@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hpsray.errors import ExportError
+from hpsray.export.layout import ExportLayout
 from hpsray.export.read import (
     DELTA_DIR,
     DELTA_FORMAT,
@@ -165,7 +166,7 @@ def export(
         schema = schema if schema is not None else schema_of_source(source)
     keys = np.asarray(keys, dtype=np.uint64)
     rows = np.asarray(rows, dtype=np.float32)
-    dim, width = config.dim, config.row_width
+    dim, width = config.row_dim, config.row_width
     if rows.ndim != 2 or rows.shape != (keys.size, width):
         raise ValueError(
             f"export: expected rows float32[{keys.size}, {width}] (dim {dim} + optimizer state), got {rows.shape}"
@@ -174,11 +175,16 @@ def export(
     keys, rows = keys[order], rows[order]
     if keys.size > 1 and np.any(keys[1:] == keys[:-1]):
         raise ValueError("export: duplicate keys among the rows")
+    layout = ExportLayout.of(config)  # tables of several layouts: each row's weights and state apart
+    if layout is not None:
+        rows, dim, width = layout.to_export(keys, rows), layout.dim, layout.dim + layout.state_width
 
     directory = os.fspath(directory)
     manifest_path = os.path.join(directory, MANIFEST)
     if incremental and os.path.exists(manifest_path):
-        return export_delta(directory, keys, rows, dense, config, rows_per_file=rows_per_file, extra=extra)
+        return export_delta(
+            directory, keys, rows, dense, config, rows_per_file=rows_per_file, extra=extra, laid_out=True
+        )
     os.makedirs(directory, exist_ok=True)
     if os.path.exists(manifest_path):
         os.remove(manifest_path)  # the directory is not a valid export until the new manifest lands
@@ -267,10 +273,12 @@ def export_delta(
     *,
     rows_per_file: int = DEFAULT_ROWS_PER_FILE,
     extra: Mapping[str, Any] | None = None,
+    laid_out: bool = False,
 ) -> dict:
     """Write the model ``(keys, rows, dense)`` as the next delta of the export in ``directory``;
     returns the delta's manifest. :func:`load_export` of ``directory`` then returns exactly
-    ``(keys, rows, dense)`` (sorted by key).
+    ``(keys, rows, dense)`` (sorted by key; with tables of several layouts, the rows as the
+    export lays them out, :mod:`~hpsray.export.layout`; ``laid_out``: ``rows`` are so already).
 
     The delta ``delta-NNNNNN/`` (one more than the last delta :func:`load_export` applies; any
     directory at or after that number, e.g. an interrupted delta, is removed first) holds the
@@ -285,7 +293,12 @@ def export_delta(
 
     directory = os.fspath(directory)
     base = read_manifest(directory)
-    dim, width = config.dim, config.row_width
+    dim, width = config.row_dim, config.row_width
+    layout = ExportLayout.of(config)
+    if layout is not None:  # tables of several layouts: each row's weights and state apart
+        dim, width = layout.dim, layout.dim + layout.state_width
+        if not laid_out:
+            rows = layout.to_export(np.asarray(keys, dtype=np.uint64), np.asarray(rows, dtype=np.float32))
     if (int(base["dim"]), int(base["row_width"])) != (dim, width):
         raise ExportError(
             f"{os.path.join(directory, MANIFEST)}: rows of dim {base['dim']} and width {base['row_width']}; "

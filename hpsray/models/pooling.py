@@ -3,6 +3,7 @@ slot's mean pooling is that sum over :func:`bag_divisor`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -103,3 +104,10 @@ def bag_divisor(bag_offsets: torch.Tensor, n_keys: int, n_examples: int, mean: t
     ends = torch.cat([bag_offsets[1:], torch.full((1,), n_keys, dtype=bag_offsets.dtype, device=bag_offsets.device)])
     counts = (ends - bag_offsets).clamp_(min=1).to(torch.float32).view(n_examples, -1)
     return torch.where(mean, counts, torch.ones_like(counts)).unsqueeze(2)
+
+
+def slot_columns(slot_dims: Sequence[int], dim: int) -> np.ndarray:
+    """``int64``: the columns of a flattened ``[B, n_slots, dim]`` pooled tensor the model takes
+    when the slots' widths differ: each slot's first ``slot_dims[s]``, in slot order (the
+    reference's concatenation, ``[B, sum(slot_dims)]``)."""
+    return np.concatenate([s * dim + np.arange(d, dtype=np.int64) for s, d in enumerate(slot_dims)])

@@ -31,6 +31,9 @@ from hpsray.errors import ConfigError
 from hpsray.pipelines.settings import MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import PipelineSource
 from hpsray.tables import table_admission
+from hpsray.tiers.cache_policy import DEFAULT_HISTORY
+from hpsray.tiers.padded import group_capacities
+from hpsray.tiers.rowgroups import RowGroups
 
 
 @dataclass
@@ -107,7 +110,14 @@ def start_ssd(pipeline: Placed, index: int, node_id: str, directory: str, restor
             lambda: (
                 ray.remote(SSDPSShard)
                 .options(name=f"{pipeline.name}:SSDPS[node {index}]", **_options(node_id))
-                .remote(index, directory, pipeline.config.row_width, restore_from, **pipeline.ssd_settings.options)
+                .remote(
+                    index,
+                    directory,
+                    pipeline.config.row_width,
+                    restore_from,
+                    groups=RowGroups.of_config(pipeline.config, pipeline.source.n_slots),
+                    **pipeline.ssd_settings.options,
+                )
             )
         ),
     )
@@ -117,6 +127,12 @@ def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_fr
     """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd`` (its admission counts
     from ``admission_from``, a checkpoint's, when given)."""
     config, stage = pipeline.config, pipeline.mem_settings
+    groups = RowGroups.of_config(config, pipeline.source.n_slots)
+    by_group = None
+    if groups is not None:  # tables of several row layouts: the budget split among the groups
+        slot_groups = groups.slot_groups(config.tables_for(pipeline.source.n_slots).slot_table)
+        history = stage.options.get("history", DEFAULT_HISTORY)
+        by_group = (groups, group_capacities(groups, slot_groups, stage.capacity_rows, stage.capacity_bytes, history))
     return _yielding(
         pipeline,
         _named(
@@ -137,6 +153,7 @@ def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_fr
                     ),
                     admission_from=admission_from,
                     dumps_in_flight=stage.dumps_in_flight,
+                    groups=by_group,
                     **stage.options,
                 )
             )

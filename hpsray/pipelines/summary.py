@@ -21,6 +21,7 @@ from hpsray.pipelines.placement import NodeActors
 from hpsray.pipelines.report import STAGES
 from hpsray.pipelines.settings import SyncSettings, TrainerSettings
 from hpsray.report import EdgeFill, NodeFigures, Overlap, RunReport, SsdTotals, Start, Sync, TableFigures
+from hpsray.tables import table_layouts
 from hpsray.tiers.ssd.paramfile import record_bytes
 
 SSD_TOTALS = (
@@ -209,10 +210,10 @@ def table_figures(config: TrainConfig, mems: list[dict], ssds: list[dict]) -> di
         for parts, key in ((mems, "lookups"), (mems, "misses"), (ssds, "loaded"), (ssds, "initialised"))
     )
     live = np.sum([np.asarray(part["by_tag"].get("live", [0] * 256)[:n]) for part in ssds], axis=0)
-    record = record_bytes(config.row_width)
-    row_bytes = 4 * config.row_width  # the pipeline's tables share one width
+    widths = [w for _, w, _ in table_layouts(config)]  # each table's rows, stored at its width
     out = {}
     for t, spec in enumerate(config.tables):
+        record, row_bytes = record_bytes(widths[t]), 4 * widths[t]
         hits = int(lookups[t] - misses[t])
         out[spec.name] = TableFigures(
             row_bytes=row_bytes,

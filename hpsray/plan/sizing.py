@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from hpsray.kernels.table import bucket_count
 from hpsray.tiers.cache_policy import DEFAULT_HISTORY, FrequencySketch
-from hpsray.tiers.mem import _META_BYTES_PER_ROW, rows_for_bytes
+from hpsray.tiers.mem import META_BYTES_PER_ROW, rows_for_bytes
 
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
@@ -40,7 +40,7 @@ def mem_bytes_for_rows(rows: int, width: int, history: float | None = DEFAULT_HI
     """Host bytes a MEM-PS of ``rows`` rows of ``width`` floats takes (the cost ``mem_bytes`` buys)."""
     rows = max(int(rows), 1)
     sketch = 4 * 2 * FrequencySketch.width_for(int(history * rows)) if history else 0
-    return rows * (4 * width + _META_BYTES_PER_ROW) + 16 * bucket_count(rows) + sketch
+    return rows * (4 * width + META_BYTES_PER_ROW) + 16 * bucket_count(rows) + sketch
 
 
 def mem_capacity_rows(job: JobConfig, n_slots: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 from hpsray.plan.estimate import KeyEstimate
 from hpsray.plan.sizing import SSD_RECORD_EXTRA, ssd_live_bytes
 from hpsray.tables import Tables
-from hpsray.tiers.mem import _META_BYTES_PER_ROW
+from hpsray.tiers.mem import META_BYTES_PER_ROW
 
 __all__ = ["by_table", "table_sizes"]
 
@@ -70,7 +70,7 @@ def table_sizes(tables: Tables, keys: KeyEstimate, capacity_rows: int) -> dict[s
             "ssd_live_bytes": ssd_live_bytes(shard[t], tables.widths[t]),
             "ssd_bytes_per_key": SSD_RECORD_EXTRA + row_bytes,
             "mem_ps_rows": resident[t],
-            "mem_ps_bytes": int(round(resident[t] * (row_bytes + _META_BYTES_PER_ROW))),
+            "mem_ps_bytes": int(round(resident[t] * (row_bytes + META_BYTES_PER_ROW))),
         }
     return out
 

@@ -23,7 +23,7 @@ from hpsray.data.batch import Batch
 from hpsray.errors import ExportError, ServingError
 from hpsray.kernels.init import RowInit
 from hpsray.models.kinds import ModelSpec
-from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum
+from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum, slot_columns
 from hpsray.serving.layout import build_point_store
 from hpsray.serving.lookup import SSD_READS, MemoryLookup, TieredLookup, mem_rows_for
 from hpsray.serving.pointstore import PointStore
@@ -178,6 +178,12 @@ class ServableModel:
         means = tables.mean_slots if tables is not None else None
         # the mean slots, on the model's device once (not uploaded per request); None: every slot sums
         self._mean = torch.from_numpy(means).to(device) if means is not None and means.any() else None
+        slot_dims = tables.slot_dims if tables is not None else None
+        self._slot_cols = (
+            torch.from_numpy(slot_columns(slot_dims, int(manifest["dim"]))).to(device)
+            if slot_dims is not None
+            else None
+        )
         self.directory, self.manifest = directory, manifest
         self.dense, self.lookup, self.parser, self.device = dense, lookup, parser, device
         self.chain = chain or [directory]
@@ -221,10 +227,15 @@ class ServableModel:
         dim = int(m["dim"])
         state = torch.load(os.path.join(chain[-1], last["dense"]), map_location="cpu", weights_only=True)
         recorded = {k: v for k, v in shape.items() if k not in ("n_slots", "n_dense")}  # an older export: mlp
-        dense = ModelSpec.from_dict(recorded).build(n_slots, dim, n_dense, seed=0)  # weights: the state below
+        slot_dims = tables.slot_dims if tables is not None else None
+        dense = ModelSpec.from_dict(recorded).build(
+            n_slots, dim, n_dense, seed=0, slot_dims=slot_dims
+        )  # weights: below
         dense.load_state_dict(state)
         dense.eval()
-        init = RowInit(dim=dim, scale=float(m["init_scale"]), seed=int(m["seed"]))
+        # an unseen key's weights: its table's dim of them, zeros to the export's dim
+        by_table = tuple((d, d, 0.0) for d in tables.dims) if slot_dims is not None and tables is not None else ()
+        init = RowInit(dim=dim, scale=float(m["init_scale"]), seed=int(m["seed"]), tables=by_table)
         store = PointStore(build_point_store(directory, chain=chain))
         mem = mem_rows_for(len(store), options.mem_rows, options.mem_fraction)
         lookup: ServingLookup
@@ -298,13 +309,19 @@ class ServableModel:
         """The summed bags ``pooled`` as training pooled them: a mean slot's bag over its key
         count, from ``layout``'s offsets where it lives (the device's, for the device-driven
         lookup: nothing more crosses the bus), else from ``batch``."""
-        if self._mean is None:
+        if self._mean is not None:
+            if layout is not None:
+                offsets, n_keys = (
+                    torch.as_tensor(layout.bag_offsets, device=pooled.device),
+                    int(layout.inverse.shape[0]),
+                )
+            else:
+                offsets, n_keys = torch.from_numpy(batch.bag_offsets()).to(pooled.device), batch.nnz
+            pooled = pooled / bag_divisor(offsets, n_keys, len(batch), self._mean.to(pooled.device))
+        if self._slot_cols is None:
             return pooled
-        if layout is not None:
-            offsets, n_keys = torch.as_tensor(layout.bag_offsets, device=pooled.device), int(layout.inverse.shape[0])
-        else:
-            offsets, n_keys = torch.from_numpy(batch.bag_offsets()).to(pooled.device), batch.nnz
-        return pooled / bag_divisor(offsets, n_keys, len(batch), self._mean.to(pooled.device))
+        # tables of several dims: each slot's first dim columns, as the trainer's model took them
+        return pooled.reshape(pooled.shape[0], -1).index_select(1, self._slot_cols.to(pooled.device))
 
     def _predict_device_driven(self, batch: Batch) -> np.ndarray:
         """One upload of the keys (the layout computed on the device), the rows gathered there, one

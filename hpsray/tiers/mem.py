@@ -41,11 +41,11 @@ from hpsray.tiers.cache_policy import (
     LruLfuPolicy,
 )
 
-__all__ = ["BackingStore", "DeletingStore", "MemPS", "WritingBehindStore", "rows_for_bytes"]
+__all__ = ["META_BYTES_PER_ROW", "BackingStore", "DeletingStore", "MemPS", "WritingBehindStore", "rows_for_bytes"]
 
 # per-row bookkeeping besides the row and the hash buckets: table row_keys/free/first (24),
 # our slot keys (8), policy region/tick/freq/pins (21), dirty flag (1)
-_META_BYTES_PER_ROW = 54
+META_BYTES_PER_ROW = 54
 _FLUSH_CHUNK_ROWS = 1 << 20
 
 
@@ -91,9 +91,9 @@ def rows_for_bytes(capacity_bytes: int, width: int, history: float | None = DEFA
 
     def cost(rows: int) -> int:
         sketch = 4 * 2 * FrequencySketch.width_for(int(history * rows)) if history else 0
-        return rows * (4 * width + _META_BYTES_PER_ROW) + 16 * bucket_count(rows) + sketch
+        return rows * (4 * width + META_BYTES_PER_ROW) + 16 * bucket_count(rows) + sketch
 
-    lo, hi = 0, max(1, capacity_bytes // (4 * width + _META_BYTES_PER_ROW))
+    lo, hi = 0, max(1, capacity_bytes // (4 * width + META_BYTES_PER_ROW))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if cost(mid) <= capacity_bytes:

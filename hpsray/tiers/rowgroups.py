@@ -15,6 +15,7 @@ keys, in the order of the keys.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -64,6 +65,19 @@ class RowGroups:
             table_group=tuple(table_group),
             names=tuple(", ".join(repr(tables.specs[t].name) for t in ts) for ts in members),
         )
+
+    @classmethod
+    def of_config(cls, config: Any, n_slots: int) -> RowGroups | None:
+        """The groups of a :class:`~hpsray.config.TrainConfig`'s tables for ``n_slots`` slots;
+        ``None`` for rows of one layout (the single-width stores)."""
+        if not config.tables:
+            return None
+        groups = cls.of(config.tables_for(n_slots))
+        return groups if len(groups) > 1 else None
+
+    def slot_groups(self, slot_table: np.ndarray) -> np.ndarray:
+        """``int64``: each slot's group, from each slot's table (``slot_table``)."""
+        return np.asarray(self.table_group, dtype=np.int64)[np.asarray(slot_table, dtype=np.int64)]
 
     @classmethod
     def single(cls, width: int, dim: int | None = None) -> RowGroups:

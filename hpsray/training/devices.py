@@ -144,7 +144,7 @@ class DeviceSteps(Strategy):
         engine.dense.train(True)
         d, n_dev, m = self.device_index, self.n_devices, engine.config.minibatch_size
         n = len(batch) if batch is not None else 0
-        dim, dev = engine.config.dim, engine.device
+        dim, dev = engine.grad_dim, engine.device
         with host_step("batch start"):  # the slices indexed, the exchange planned
             parts, routed = [], []
             n_mb = max((-(-s // m) for s in sizes), default=0)

@@ -27,12 +27,12 @@ from hpsray.kernels.distinct import in_sorted
 from hpsray.kernels.optim import HP_LR
 from hpsray.models.device import StepDevice
 from hpsray.models.kinds import build_model
-from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum
+from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum, slot_columns
 from hpsray.models.step import DenseReplicas
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.loans import Loan, Refresh
 from hpsray.tiers.rowgroups import RowGroups
-from hpsray.training.grouped_step import GroupedArenaStep, slot_columns
+from hpsray.training.grouped_step import GroupedArenaStep
 from hpsray.training.layout import BatchIndex, MiniBatchIndex, index_batch, keys_as_tensor
 from hpsray.training.marks import minibatch
 from hpsray.training.step import ArenaStep
@@ -94,9 +94,9 @@ class TrainerEngine:
         # tables of several row layouts (own dim or sparse optimizer): the working set holds every
         # row at the widest layout's width, and each group steps with its own optimizer
         self.groups = groups if groups is not None and len(groups) > 1 else None
-        self.row_width = max(self.groups.widths) if self.groups is not None else config.row_width
+        self.row_width = config.row_width
         """Floats per row of the working set (and of the loans and returns it takes and gives)."""
-        self.grad_dim = max(self.groups.dims) if self.groups is not None else config.dim
+        self.grad_dim = config.row_dim
         """Columns of a row gradient: the widest table's dim."""
         self.hbm = HbmPS(capacity, self.row_width, config.row_init(), 1, n_nodes, device)
         model = model if model is not None else build_model(config, n_slots, n_dense)
@@ -119,8 +119,8 @@ class TrainerEngine:
         means = tables.mean_slots if tables is not None else np.zeros(n_slots, bool)
         # the slots that pool by the mean (tables of their own), on the device; None: every slot sums
         self.mean_slots = torch.as_tensor(means, device=self.device.torch) if means.any() else None
-        if tables is not None and len(tables) == 1:  # one table: its optimizer (its own lr, if any)
-            self.optimizer = tables.optimizers[0]
+        if groups is not None and len(groups) == 1:  # one layout: its optimizer (each table's lr below)
+            self.optimizer = tables.optimizers[0] if tables is not None else self.optimizer
         self.lr_by_tag = None  # tables of their own learning rate: each by key tag (float32[256], on the device)
         own = [float(opt.hyperparams(1)[HP_LR]) for opt in tables.optimizers] if tables is not None else []
         if (
@@ -196,7 +196,7 @@ class TrainerEngine:
                 group_of = lambda slots: by_group[(keys.index_select(0, slots) >> 56) & 255]  # noqa: E731
                 step: ArenaStep = GroupedArenaStep(arena, self.groups, self.group_optimizers, group_of, row_lr)
             else:
-                step = ArenaStep(arena, self.config.dim, self.optimizer, row_lr=row_lr)
+                step = ArenaStep(arena, self.grad_dim, self.optimizer, row_lr=row_lr)
             self._arena = (table, step)
         return self._arena[1]
 

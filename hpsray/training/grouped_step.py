@@ -5,7 +5,7 @@ The working set's arena holds every row at the widest group's width (a row of gr
 ``dims[g]`` weights, its optimizer's state, zeros to the end). :class:`GroupedArenaStep` is the
 :class:`~hpsray.training.step.ArenaStep` of such an arena: it gathers and pools as ArenaStep
 does, at the widest dim (a narrower row's columns past its dim are pooled but never read: the
-model takes each slot's first ``dim`` columns, :func:`slot_columns`), and updates each group's
+model takes each slot's first ``dim`` columns, :func:`~hpsray.models.pooling.slot_columns`), and updates each group's
 rows with the group's optimizer on the group's first ``dims[g]`` gradient columns, each row at
 its table's learning rate. Every operation is column-wise, so each row's bits are those of a
 step over its table alone (the reference trainer's).
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from hpsray.kernels.optim import SparseOptimizer
@@ -23,14 +22,7 @@ from hpsray.tiers.rowgroups import RowGroups
 from hpsray.training.sparse_update import update_rows
 from hpsray.training.step import ArenaStep
 
-__all__ = ["GroupedArenaStep", "slot_columns"]
-
-
-def slot_columns(slot_dims: Sequence[int], dim: int) -> np.ndarray:
-    """``int64``: the columns of a flattened ``[B, n_slots, dim]`` pooled tensor the model takes
-    when the slots' widths differ: each slot's first ``slot_dims[s]``, in slot order (the
-    reference's concatenation, ``[B, sum(slot_dims)]``)."""
-    return np.concatenate([s * dim + np.arange(d, dtype=np.int64) for s, d in enumerate(slot_dims)])
+__all__ = ["GroupedArenaStep"]
 
 
 class GroupedArenaStep(ArenaStep):

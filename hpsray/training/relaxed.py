@@ -199,7 +199,7 @@ class RelaxedSteps(Strategy):
                     if not out_keys:
                         payload: Payload = (
                             np.empty(0, np.uint64),
-                            np.empty((0, engine.config.dim), np.float32),
+                            np.empty((0, engine.grad_dim), np.float32),
                             out_dense,
                         )
                     elif len(out_keys) == 1:
@@ -289,7 +289,7 @@ class RelaxedSteps(Strategy):
         self.pending_dense = None
 
     def _no_update(self) -> dict:
-        dim = self.engine.config.dim
+        dim = self.engine.grad_dim
         return {"keys": np.empty(0, np.uint64), "grads": np.empty((0, dim), np.float32), "dense": None}
 
     def _dense_with_slack(self, mine: np.ndarray, clock: int, slack: int) -> np.ndarray:
@@ -327,7 +327,7 @@ class RelaxedSteps(Strategy):
     def _fetch(self, oldest: int, upto: int | None = None) -> dict:
         """The others' updates not applied yet (waiting for clock ``oldest``), combined."""
         got = self.exchange.fetch("all", self._since_start(oldest), upto, self.seen)
-        dim = self.engine.config.dim
+        dim = self.engine.grad_dim
         keys: list[np.ndarray] = [np.empty(0, np.uint64)]
         grads: list[np.ndarray] = [np.empty((0, dim), np.float32)]
         dense = None

@@ -1,6 +1,5 @@
 """``[[tables]]`` in a job file: each entry checked and named, column names resolved through the
-schema, a three-table job trained by ``hpsray train --reference``, and refused by the pipeline
-until it runs tables of their own."""
+schema, a three-table job trained by ``hpsray train --reference`` and by the pipeline."""
 
 import json
 
@@ -9,7 +8,7 @@ import pytest
 from hpsray.__main__ import main
 from hpsray.data import PlantedCTR, write_synthetic
 from hpsray.errors import ConfigError
-from hpsray.job import JobConfig, build
+from hpsray.job import JobConfig
 
 SYNTHETIC = {"rows": 600, "eval_rows": 200, "slots": 4, "nnz": 7, "keys": 100, "dense": 3}
 THREE = [
@@ -141,38 +140,45 @@ lr = 0.002
     report = json.loads(capsys.readouterr().out)
     assert report["examples"] == 600 and report["batches"] == 3 and report["rows"] > 0
     assert report["eval_examples"] == 200 and report["config"]["tables"][1]["pooling"] == "mean"
-    assert main(["train", "--reference", str(path), "--quiet", "--export", str(tmp_path / "out")]) != 0
-    assert "--export and --compare do not yet take tables of several widths" in capsys.readouterr().err
+    assert main(["train", "--reference", str(path), "--quiet", "--export", str(tmp_path / "out")]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["dim"], manifest["state_width"]) == (16, 16)  # the widest table's weights and state
+    assert [t["dim"] for t in manifest["tables"]] == [4, 16, 8]
 
 
-def test_the_pipeline_refuses_tables_of_their_own_up_front(tmp_path, capsys):
+def test_hpsray_train_runs_tables_of_their_own_width_and_equals_the_reference_to_the_bit(tmp_path, capsys, ray_local):
+    """The issue's three tables (dim-4 sum, dim-16 mean, dim-8 Adam) through ``hpsray train``:
+    rows spilled to SSD-PS at each table's width, equal to ``--reference``'s export at tolerance 0;
+    ``init_from`` refused before Ray starts."""
     path = tmp_path / "job.toml"
-    path.write_text(
-        "[data.synthetic]\nrows = 100\nslots = 2\n\n[cluster]\nnodes = 1\n\n"
-        '[[tables]]\nname = "a"\nslots = [0]\ndim = 4\n\n'
-        '[[tables]]\nname = "b"\nslots = [1]\ndim = 4\npooling = "mean"\n'
+    body = (
+        "[data.synthetic]\nrows = 1200\neval_rows = 200\nslots = 4\nnnz = 7\nkeys = 400\ndense = 3\n\n"
+        "[model]\ndim = 4\nhidden = [8]\n\n[tiers]\nmem_rows = 1100\n\n[tiers.ssd]\nrows_per_file = 128\n\n"
+        "[pipeline]\nbatch_size = 200\nminibatch_size = 50\n\n[cluster]\nnodes = 1\n\n"
     )
-    assert main(["train", str(path), "--quiet"]) != 0
-    err = capsys.readouterr().err
-    assert "tables: the distributed pipeline does not yet run a table of its own width" in err
-    assert "`hpsray train --reference` runs it" in err
-    job = JobConfig.load(path)
-    with pytest.raises(ConfigError, match="--reference"):
-        build.pipeline(job)
-
-
-def test_pipeline_refuses_a_config_of_several_tables():
-    from hpsray.config import TrainConfig
-    from hpsray.pipelines import Pipeline, SyntheticSource
-    from hpsray.pipelines.settings import TrainerSettings
-    from hpsray.tables import TableSpec
-
-    gen = PlantedCTR(n_slots=2, keys_per_slot=10, n_dense=1, seed=0)
-    config = TrainConfig(dim=4, tables=(TableSpec("a", (0,), 4), TableSpec("b", (1,), 8)))
-    with pytest.raises(ConfigError) as e:
-        Pipeline(SyntheticSource(gen, 10), trainer=TrainerSettings(config=config))
-    assert str(e.value).startswith("Pipeline: tables: the distributed pipeline does not yet run")
-    assert "a (dim 4, sum), b (dim 8, sum)" in str(e.value)
+    tables = "".join(
+        f'[[tables]]\nname = "{t["name"]}"\nslots = {t["slots"]}\ndim = {t["dim"]}\n'
+        + (f'pooling = "{t["pooling"]}"\n' if "pooling" in t else "")
+        + (f'optimizer = "{t["optimizer"]}"\nlr = {t["lr"]}\n' if "optimizer" in t else "")
+        + "\n"
+        for t in THREE
+    )
+    path.write_text(body + tables)
+    ref = tmp_path / "reference"
+    assert main(["train", "--reference", str(path), "--quiet", "--export", str(ref)]) == 0
+    capsys.readouterr()
+    report = tmp_path / "r.json"
+    code = main(["train", str(path), "--compare", str(ref), "--tolerance", "0", "--report", str(report), "--no-plan"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:] + out.out[-3000:]
+    data = json.loads(report.read_text())
+    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    assert data["ssd"]["bytes_written"] > 0
+    assert [t["row_bytes"] for t in data["tables"].values()] == [32, 128, 96]  # 4+4, 16+16, 8+16 floats
+    again = tmp_path / "again.toml"
+    again.write_text(path.read_text().replace("[tiers]\n", f'[tiers]\ninit_from = "{ref}"\n'))
+    assert main(["train", str(again), "--no-plan", "--quiet"]) == 2
+    assert "tiers.init_from" in capsys.readouterr().err
 
 
 def test_hpsray_train_runs_tables_of_one_width_and_equals_the_reference_to_the_bit(tmp_path, capsys, ray_local):

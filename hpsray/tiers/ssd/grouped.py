@@ -24,21 +24,6 @@ from hpsray.tiers.ssd.store import SSDPS
 
 __all__ = ["GroupedSSDPS", "group_directory"]
 
-_SUMMED = (
-    "loads",
-    "dumps",
-    "rows_dumped",
-    "bytes_written",
-    "bytes_read",
-    "files",
-    "live_rows",
-    "key_map_bytes",
-    "live_bytes",
-    "disk_bytes",
-    "stale_rows",
-    "compaction_errors",
-)
-
 
 def group_directory(directory: str | os.PathLike, g: int, width: int) -> str:
     """Where group ``g``'s store (rows of ``width`` floats) lives under ``directory``."""
@@ -115,10 +100,11 @@ class GroupedSSDPS:
 
     @property
     def stats(self) -> dict:
-        """The groups' counters summed (space ratio over the sums), and ``groups``: each
+        """The groups' numbers summed (space ratio over the sums), and ``groups``: each
         group's own :attr:`SSDPS.stats` with its ``width``."""
         per = [dict(s.stats, width=s.width) for s in self.stores]
-        out: dict = {k: sum(p.get(k, 0) for p in per) for k in _SUMMED}
+        numbers = [k for k, v in per[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        out: dict = {k: sum(p[k] for p in per) for k in numbers if k not in ("width", "space_ratio")}
         out["space_ratio"] = space_ratio(out["disk_bytes"], out["live_bytes"])
         out["groups"] = per
         return out

@@ -1,0 +1,240 @@
+"""MEM-PS and SSD-PS of several row widths behind the one-width API the actors, loans and the
+trainer use (docs/tables.md, "Tables of their own").
+
+Rows cross between stages at the working set's width ``W`` (the widest row group's: a row of a
+narrower group is its row, then zeros). Stored, each group's rows keep their own width: these
+wrappers split the rows they are given by the keys' groups (:class:`~hpsray.tiers.rowgroups.RowGroups`)
+into :class:`~hpsray.tiers.grouped_mem.GroupedMemPS` / :class:`~hpsray.tiers.ssd.grouped.GroupedSSDPS`
+and give rows back padded to ``W``. One verb of the wrapped API each, no logic of their own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from hpsray.kernels.init import RowInit
+from hpsray.kernels.table import as_keys, as_rows
+from hpsray.tiers.grouped_mem import GroupedMemPS
+from hpsray.tiers.mem import META_BYTES_PER_ROW, BackingStore, rows_for_bytes
+from hpsray.tiers.rowgroups import GroupedRows, RowGroups
+from hpsray.tiers.ssd.bulkload import TableImport
+from hpsray.tiers.ssd.grouped import GroupedSSDPS
+
+__all__ = ["GroupView", "PaddedMemPS", "PaddedSSDPS", "group_capacities", "pad", "split"]
+
+
+def split(groups: RowGroups, keys: np.ndarray, rows: np.ndarray) -> GroupedRows:
+    """``rows`` (``[n, W]``) of ``keys`` as each group's rows at its width."""
+    at = groups.split(keys)
+    return GroupedRows(at, [np.ascontiguousarray(rows[a, :w]) for a, w in zip(at, groups.widths, strict=True)])
+
+
+def pad(grouped: GroupedRows, n: int, width: int) -> np.ndarray:
+    """Each group's rows placed at their keys' positions, zeros past their width: ``[n, width]``."""
+    out = np.zeros((n, width), np.float32)
+    for a, r in zip(grouped.at, grouped.rows, strict=True):
+        out[a, : r.shape[1]] = r
+    return out
+
+
+def group_capacities(
+    groups: RowGroups, slot_groups: np.ndarray, capacity_rows: int | None, capacity_bytes: int | None, history: Any
+) -> list[int]:
+    """MEM-PS rows per group: each group the share of the rows that its slots are of the slots
+    (``slot_groups``: each slot's group), from ``capacity_rows`` rows, or from ``capacity_bytes``
+    with each group's rows at its own width (a narrow group's rows cost less)."""
+    share = np.bincount(slot_groups, minlength=len(groups)) / max(slot_groups.size, 1)
+    if capacity_rows is not None:
+        return [max(1, int(np.ceil(capacity_rows * s))) for s in share.tolist()]
+    assert capacity_bytes is not None
+    cost = np.array([4 * w + META_BYTES_PER_ROW for w in groups.widths], dtype=np.float64)
+    part = share * cost / float(np.dot(share, cost))
+    return [rows_for_bytes(max(int(capacity_bytes * p), 1 << 12), w, history) for p, w in zip(part, groups.widths)]
+
+
+class GroupView:
+    """Group ``g``'s rows (``width`` floats) of a backing store of padded rows (``store``, at
+    ``store.width``): what one group's MEM-PS writes to and reads from."""
+
+    def __init__(self, store: Any, width: int) -> None:
+        self.store, self.width = store, int(width)
+
+    def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows, found = self.store.load(keys)
+        return np.ascontiguousarray(rows[:, : self.width]), found
+
+    def dump(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        out = np.zeros((rows.shape[0], self.store.width), np.float32)
+        out[:, : self.width] = rows
+        self.store.dump(keys, out)
+
+    def delete(self, keys: np.ndarray) -> int:
+        return int(self.store.delete(keys))
+
+    def in_flight(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows, found, deleted = self.store.in_flight(keys)
+        return np.ascontiguousarray(rows[:, : self.width]), found, deleted
+
+
+class PaddedMemPS:
+    """:class:`~hpsray.tiers.mem.MemPS`'s API at ``width`` over one MEM-PS per group of
+    ``groups`` (``capacities[g]`` rows each, initialised by ``init``'s table entries), each over
+    its :class:`GroupView` of ``ssd`` (a store of padded rows: the SSD-PS actor's)."""
+
+    def __init__(
+        self, groups: RowGroups, capacities: list[int], width: int, ssd: BackingStore, init: RowInit, **options: Any
+    ) -> None:
+        inits = [_group_init(init, groups, g) for g in range(len(groups))]
+        views = [GroupView(ssd, w) for w in groups.widths]
+        self.groups, self.width, self.ssd = groups, int(width), ssd
+        self.grouped = GroupedMemPS(groups, capacities, views, inits, **options)
+
+    @property
+    def capacity(self) -> int:
+        return sum(c.capacity for c in self.grouped.caches)
+
+    @property
+    def size(self) -> int:
+        return self.grouped.size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def pull(
+        self, batch_id: Hashable, keys: ArrayLike, held: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        keys = as_keys(keys)
+        rows, missing = self.grouped.pull(batch_id, keys, held)
+        return pad(rows, keys.size, self.width), missing
+
+    def write_back(self, batch_id: Hashable, keys: ArrayLike, rows: ArrayLike) -> None:
+        keys = as_keys(keys)
+        self.grouped.write_back(batch_id, keys, split(self.groups, keys, as_rows(rows, keys.size, self.width, "rows")))
+
+    def store_kept(self, keys: ArrayLike, rows: ArrayLike) -> np.ndarray:
+        keys = as_keys(keys)
+        parts = split(self.groups, keys, as_rows(rows, keys.size, self.width, "rows"))
+        placed = np.zeros(keys.size, bool)
+        for cache, a, r in zip(self.grouped.caches, parts.at, parts.rows, strict=True):
+            placed[a] = cache.store_kept(keys[a], r)
+        return placed
+
+    def unpin(self, batch_id: Hashable) -> None:
+        self.grouped.unpin(batch_id)
+
+    def drop(self, keys: ArrayLike) -> int:
+        keys = as_keys(keys)
+        return sum(c.drop(keys[a]) for c, a in zip(self.grouped.caches, self.groups.split(keys), strict=True))
+
+    def flush(self) -> int:
+        return self.grouped.flush()
+
+    def peek(self, keys: ArrayLike) -> np.ndarray:
+        keys = as_keys(keys)
+        return pad(self.grouped.peek(keys), keys.size, self.width)
+
+    def _each(self, verb: str, keys: ArrayLike) -> np.ndarray:
+        keys = as_keys(keys)
+        out = np.zeros(keys.size, bool)
+        for c, a in zip(self.grouped.caches, self.groups.split(keys), strict=True):
+            out[a] = getattr(c, verb)(keys[a])
+        return out
+
+    def contains(self, keys: ArrayLike) -> np.ndarray:
+        return self._each("contains", keys)
+
+    def has_rows(self, keys: ArrayLike) -> np.ndarray:
+        return self._each("has_rows", keys)
+
+    def pinned(self, keys: ArrayLike) -> np.ndarray:
+        return self._each("pinned", keys)
+
+    @property
+    def in_flight(self) -> list:
+        return sorted({b for c in self.grouped.caches for b in c.in_flight}, key=repr)
+
+    def batch_stats(self, batch_id: Hashable) -> dict:
+        return self.grouped.batch_stats(batch_id)
+
+    @property
+    def stats(self) -> dict:
+        per = [c.stats for c in self.grouped.caches]
+        out: dict = {k: sum(p[k] for p in per) for k in per[0] if isinstance(per[0][k], int)}
+        total = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / total if total else 0.0
+        out["bytes"] = sum(4 * p["size"] * c.width for p, c in zip(per, self.grouped.caches, strict=True))
+        out["groups"] = [dict(p, width=c.width) for p, c in zip(per, self.grouped.caches, strict=True)]
+        return out
+
+    def close(self, flush: bool = True) -> None:
+        self.grouped.close(flush)
+
+
+def _group_init(init: RowInit, groups: RowGroups, g: int) -> RowInit:
+    """Group ``g``'s initialiser: its first table's entry of ``init.tables`` (the tables of one
+    group share a layout, so an initial row)."""
+    dim, _, state = init.tables[groups.tables[g][0]]
+    return RowInit(dim=dim, scale=init.scale, seed=init.seed, state_value=state)
+
+
+class PaddedSSDPS:
+    """:class:`~hpsray.tiers.ssd.SSDPS`'s API at ``width`` over a :class:`GroupedSSDPS`."""
+
+    def __init__(self, directory: str | os.PathLike, groups: RowGroups, width: int, **options: Any) -> None:
+        self.groups, self.width = groups, int(width)
+        self.grouped = GroupedSSDPS(directory, groups, **options)
+
+    def load(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        keys = as_keys(keys)
+        rows, found = self.grouped.load(keys)
+        return pad(rows, keys.size, self.width), found
+
+    def dump(self, keys: ArrayLike, rows: ArrayLike) -> None:
+        keys = as_keys(keys)
+        self.grouped.dump(keys, split(self.groups, keys, as_rows(rows, keys.size, self.width, "dump rows")))
+
+    def delete(self, keys: ArrayLike) -> int:
+        return self.grouped.delete(keys)
+
+    def contains(self, keys: ArrayLike) -> np.ndarray:
+        return self.grouped.contains(keys)
+
+    def bulk_load(self, spec: TableImport, shard: tuple[int, int] | None = None) -> dict:
+        raise ValueError("tiers.init_from: a model of tables of several row layouts imports no table yet")
+
+    def snapshot(self, dest: str | os.PathLike, *, link: bool = True) -> dict:
+        return self.grouped.snapshot(dest, link=link)
+
+    def scan(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Live rows, group by group, padded to ``width``."""
+        for keys, rows in self.grouped.scan():
+            out = np.zeros((keys.size, self.width), np.float32)
+            out[:, : rows.shape[1]] = rows
+            yield keys, out
+
+    @property
+    def stats(self) -> dict:
+        return self.grouped.stats
+
+    def live_rows_by_tag(self) -> np.ndarray:
+        return self.grouped.live_rows_by_tag()
+
+    def live_bytes_by_tag(self) -> np.ndarray:
+        return self.grouped.live_bytes_by_tag()
+
+    def compact(self, full: bool = False) -> int:
+        return self.grouped.compact(full)
+
+    def wait_compaction(self, timeout: float | None = None) -> bool:
+        return self.grouped.wait_compaction(timeout)
+
+    def close(self) -> None:
+        self.grouped.close()
+
+    def __len__(self) -> int:
+        return len(self.grouped)
