@@ -123,6 +123,26 @@ def start_ssd(pipeline: Placed, index: int, node_id: str, directory: str, restor
     )
 
 
+def group_shares(source: Any, config: Any, groups: RowGroups, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """From the source's first batches (read here, on the driver), per row group: the distinct
+    keys of two batches in a row (its pinned rows while they are in flight, the most over the
+    first three batches), and its share of their keys: how MEM-PS splits its budget among the
+    groups. By the groups' slots when the source gives no batch."""
+    tables = config.tables_for(source.n_slots)
+    keys = []
+    for batch in source.open(batch_size):
+        keys.append(np.unique(tables.tag(batch.keys, batch.slots)))
+        if len(keys) == 3:
+            break
+    if not keys:
+        slots = np.bincount(groups.slot_groups(tables.slot_table), minlength=len(groups)).astype(np.float64)
+        return np.zeros(len(groups)), slots
+    pairs = [np.union1d(a, b) for a, b in zip(keys, keys[1:])] or keys
+    need = np.max([np.bincount(groups.group_of(k), minlength=len(groups)) for k in pairs], axis=0)
+    share = np.bincount(groups.group_of(np.concatenate(keys)), minlength=len(groups)).astype(np.float64) + 1.0
+    return need.astype(np.float64), share
+
+
 def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_from: str | None = None) -> Any:
     """Node ``index``'s MEM-PS actor, backed by its SSD-PS actor ``ssd`` (its admission counts
     from ``admission_from``, a checkpoint's, when given)."""
@@ -130,9 +150,10 @@ def start_mem(pipeline: Placed, index: int, node_id: str, ssd: Any, admission_fr
     groups = RowGroups.of_config(config, pipeline.source.n_slots)
     by_group = None
     if groups is not None:  # tables of several row layouts: the budget split among the groups
-        slot_groups = groups.slot_groups(config.tables_for(pipeline.source.n_slots).slot_table)
+        need, share = group_shares(pipeline.source, config, groups, pipeline.batch_size)
         history = stage.options.get("history", DEFAULT_HISTORY)
-        by_group = (groups, group_capacities(groups, slot_groups, stage.capacity_rows, stage.capacity_bytes, history))
+        capacities = group_capacities(groups, need, share, stage.capacity_rows, stage.capacity_bytes, history)
+        by_group = (groups, capacities)
     return _yielding(
         pipeline,
         _named(

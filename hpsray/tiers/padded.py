@@ -43,18 +43,35 @@ def pad(grouped: GroupedRows, n: int, width: int) -> np.ndarray:
 
 
 def group_capacities(
-    groups: RowGroups, slot_groups: np.ndarray, capacity_rows: int | None, capacity_bytes: int | None, history: Any
+    groups: RowGroups,
+    need: np.ndarray,
+    share: np.ndarray,
+    capacity_rows: int | None,
+    capacity_bytes: int | None,
+    history: Any,
 ) -> list[int]:
-    """MEM-PS rows per group: each group the share of the rows that its slots are of the slots
-    (``slot_groups``: each slot's group), from ``capacity_rows`` rows, or from ``capacity_bytes``
-    with each group's rows at its own width (a narrow group's rows cost less)."""
-    share = np.bincount(slot_groups, minlength=len(groups)) / max(slot_groups.size, 1)
-    if capacity_rows is not None:
-        return [max(1, int(np.ceil(capacity_rows * s))) for s in share.tolist()]
-    assert capacity_bytes is not None
+    """MEM-PS rows per group from one budget (``capacity_rows`` rows, or ``capacity_bytes`` with
+    each group's rows at its own width): first each group's ``need`` (the rows its in-flight
+    batches pin, a quarter more where the budget allows), then the rest split by ``share`` (its
+    share of the keys); by ``share`` alone when the budget holds less than the needs."""
+    share = np.asarray(share, dtype=np.float64) / max(float(np.sum(share)), 1e-12)
+    need = np.asarray(need, dtype=np.float64)
     cost = np.array([4 * w + META_BYTES_PER_ROW for w in groups.widths], dtype=np.float64)
-    part = share * cost / float(np.dot(share, cost))
-    return [rows_for_bytes(max(int(capacity_bytes * p), 1 << 12), w, history) for p, w in zip(part, groups.widths)]
+    if capacity_rows is not None:
+        budget, unit = float(capacity_rows), np.ones(len(groups))
+    else:
+        assert capacity_bytes is not None
+        budget, unit = float(capacity_bytes), cost
+    base = np.zeros(len(groups))
+    for margin in (1.25, 1.0):  # batches vary: a quarter more than measured when the budget allows
+        if float(np.dot(margin * need, unit)) <= budget:
+            base = margin * need
+            break
+    rest = budget - float(np.dot(base, unit))
+    rows = base + rest * share / float(np.dot(share, unit))  # the rest in rows of equal share
+    if capacity_rows is not None:
+        return [max(1, int(r)) for r in rows.tolist()]
+    return [rows_for_bytes(max(int(r * c), 1 << 12), w, history) for r, c, w in zip(rows, cost, groups.widths)]
 
 
 class GroupView:

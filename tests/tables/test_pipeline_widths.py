@@ -91,3 +91,45 @@ def test_three_widths_train_through_ssd_and_equal_the_reference(ray_local, tmp_p
     model = ServableModel.load(str(tmp_path / "model"))
     for batch in held_out.open(200):
         np.testing.assert_allclose(model.predict(batch), ref.predict(batch), rtol=0, atol=1e-6)
+
+
+def test_three_widths_recover_from_killed_actors_equal_to_the_reference(ray_local, tmp_path):
+    """Every stage actor killed once during fit(): MEM-PS and SSD-PS come back from the last
+    checkpoint's snapshot (a subdirectory per row group), and the run ends with the reference's
+    rows of each table, at its width."""
+    from hpsray.data import PlantedCTR
+    from hpsray.pipelines import (
+        CheckpointSettings,
+        MemPSSettings,
+        Pipeline,
+        SSDPSSettings,
+        SyntheticSource,
+        TrainerSettings,
+    )
+
+    from recovery_drivers import Killer, kill_plan  # tests/recovery_drivers.py
+
+    source = SyntheticSource(PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=3, seed=5), rows=12000)
+    cfg = small_config(minibatch_size=250, sparse_lr=0.05, tables=THREE)
+    plan = kill_plan(17, 1, 24)
+    ckpt = tmp_path / "ckpt"
+    pipeline = Pipeline(
+        source,
+        TrainerSettings(cfg),
+        MemPSSettings(capacity_rows=2000),  # split among three caches: each holds its in-flight batches
+        SSDPSSettings(str(tmp_path / "ssd"), options=dict(rows_per_file=256)),
+        batch_size=500,
+        checkpoint=CheckpointSettings(str(ckpt), every_batches=2, keep=2, max_failures=len(plan)),
+    )
+    pipeline._start()
+    killer = Killer(pipeline, ckpt, plan, 17)
+    report = killer.fit()
+    with pipeline:
+        assert len(report["recovery"]) == len(killer.killed) == len(plan)
+        assert report["batches"] == 24 and report["examples"] == source.rows
+        keys, rows = pipeline.export_rows()
+    ref = ReferenceTrainer(source.n_slots, source.n_dense, cfg)
+    ref.fit(source.open(500))
+    want_keys, want_rows = reference_rows(ref, cfg.row_width)
+    np.testing.assert_array_equal(keys, want_keys)
+    np.testing.assert_array_equal(rows, want_rows)

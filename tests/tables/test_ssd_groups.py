@@ -186,3 +186,19 @@ def test_mem_ps_of_three_widths_spills_and_recalls_every_row_unchanged(groups, t
     for g, at in enumerate(got.at):
         assert got.rows[g].shape[1] == groups.widths[g]
         np.testing.assert_array_equal(got.rows[g], np.stack([want[int(k)] for k in seen[at]]))
+
+
+def test_mem_ps_budget_goes_first_to_each_groups_pinned_rows_then_by_share(groups):
+    from hpsray.tiers.padded import group_capacities
+
+    need, share = np.array([300.0, 100.0, 100.0]), np.array([1.0, 1.0, 2.0])
+    rows = group_capacities(groups, need, share, 1000, None, None)
+    assert rows == [375 + 93, 125 + 93, 125 + 187]  # a quarter over each need, then 375 rows by share
+    tight = group_capacities(groups, need, share, 520, None, None)
+    assert tight == [300 + 5, 100 + 5, 100 + 10]  # no room for the margin: the needs exactly
+    starved = group_capacities(groups, need, share, 400, None, None)
+    assert starved == [100, 100, 200]  # less than the needs: by share (a pull then names the group's limit)
+    by_bytes = group_capacities(groups, np.zeros(3), np.ones(3), None, 1 << 20, None)
+    # equal shares of the keys: equal rows, each at its width (8, 32, 24 floats), within the budget
+    assert max(by_bytes) - min(by_bytes) <= 0.2 * max(by_bytes)  # (hash buckets weigh more on narrow rows)
+    assert sum(r * (4 * w + 54) for r, w in zip(by_bytes, groups.widths)) <= 1 << 20
