@@ -152,19 +152,21 @@ def reshard(
                 raise CheckpointError(str(checkpoint.path), f"node-{i}/{name}: missing")
     with checkpoints.staged(checkpoint.batch) as staging, ExitStack() as stack:
         work = staging / "work"  # the stores being built; removed before the commit
-        width = _width(checkpoint)
-        per_file = int(rows_per_file or default_rows_per_file(width))
-        stores = []
+        for part in _parts(checkpoint):  # one store, or one per row group (tables of several layouts)
+            width = _width(checkpoint, part)
+            per_file = int(rows_per_file or default_rows_per_file(width))
+            stores = []
+            for j in range(nodes):
+                store = SSDPS(work / f"new-{j}" / part, width, background=False, rows_per_file=per_file)
+                stack.callback(store.close)
+                stores.append(store)
+            out = _Outputs(stores, per_file)
+            for i in range(old):
+                _scan_into(checkpoint, i, work / f"old-{i}" / part, out, part)
+            for j in range(nodes):
+                out.flush(j)
+                stores[j].snapshot(node_dir(staging, j) / SSD_SNAPSHOT / part)
         for j in range(nodes):
-            store = SSDPS(work / f"new-{j}", width, background=False, rows_per_file=per_file)
-            stack.callback(store.close)
-            stores.append(store)
-        out = _Outputs(stores, per_file)
-        for i in range(old):
-            _scan_into(checkpoint, i, work / f"old-{i}", out)
-        for j in range(nodes):
-            out.flush(j)
-            stores[j].snapshot(node_dir(staging, j) / SSD_SNAPSHOT)
             shutil.copyfile(checkpoint.node(j % old) / TRAINER_STATE, node_dir(staging, j) / TRAINER_STATE)
         _split_admission(checkpoint, old, nodes, staging)
         stack.close()
@@ -174,20 +176,31 @@ def reshard(
     raise AssertionError("unreachable")  # pragma: no cover - staged() re-raises
 
 
-def _width(checkpoint: Checkpoint) -> int:
-    """Floats per row of the checkpoint's rows (node 0's snapshot record)."""
-    path = checkpoint.node(0) / SSD_SNAPSHOT / "SNAPSHOT.json"
+def _parts(checkpoint: Checkpoint) -> list[str]:
+    """The stores of a node's snapshot: ``[""]`` (the snapshot itself), or with tables of several
+    row layouts one subdirectory per row group (``group-G-width-W``, node 0's)."""
+    root = checkpoint.node(0) / SSD_SNAPSHOT
+    if (root / "SNAPSHOT.json").exists():
+        return [""]
+    groups = sorted(p.name for p in root.glob("group-*-width-*") if p.is_dir())
+    return groups or [""]
+
+
+def _width(checkpoint: Checkpoint, part: str = "") -> int:
+    """Floats per row of the checkpoint's rows of store ``part`` (node 0's snapshot record)."""
+    path = checkpoint.node(0) / SSD_SNAPSHOT / part / "SNAPSHOT.json"
     try:
         return int(json.loads(path.read_text())["width"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(str(checkpoint.path), f"node-0/{SSD_SNAPSHOT}/SNAPSHOT.json: unreadable: {e}") from None
+        where = "/".join(x for x in (SSD_SNAPSHOT, part) if x)
+        raise CheckpointError(str(checkpoint.path), f"node-0/{where}/SNAPSHOT.json: unreadable: {e}") from None
 
 
-def _scan_into(checkpoint: Checkpoint, i: int, work: Path, out: _Outputs) -> None:
+def _scan_into(checkpoint: Checkpoint, i: int, work: Path, out: _Outputs, part: str = "") -> None:
     """Stream old node ``i``'s rows into ``out``, one parameter file at a time, through a store of
     links to the snapshot's files (the snapshot is never opened as a store: nothing in it changes)."""
     try:
-        restore_snapshot(checkpoint.node(i) / SSD_SNAPSHOT, work)
+        restore_snapshot(checkpoint.node(i) / SSD_SNAPSHOT / part, work)
         with SSDPS(work, background=False) as store:
             if store.width != out.stores[0].width:
                 raise CheckpointError(
@@ -199,7 +212,7 @@ def _scan_into(checkpoint: Checkpoint, i: int, work: Path, out: _Outputs) -> Non
         if isinstance(e, OSError):
             raise  # a disk that refused: staged() names the directory and the bytes
         # name the checkpoint's file, not its link in the work directory
-        why = str(e).replace(f"{work}/", "").replace(f"{checkpoint.node(i) / SSD_SNAPSHOT}/", "")
+        why = str(e).replace(f"{work}/", "").replace(f"{checkpoint.node(i) / SSD_SNAPSHOT / part}/", "")
         raise CheckpointError(str(checkpoint.path), f"node-{i}/{SSD_SNAPSHOT}/{why}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -136,3 +136,45 @@ def test_reshard_shape_to_the_same_shape_is_the_checkpoint_itself(tmp_path, ssd_
     assert reshard(ckpts, ckpt, 2) is ckpt
     with pytest.raises(ValueError, match="nodes must be >= 1"):
         reshard(ckpts, ckpt, 0)
+
+
+def test_reshard_shape_of_row_groups_moves_each_groups_rows_at_its_width(tmp_path, ssd_warm):
+    """Tables of several row layouts snapshot one store per group (``ssd/group-G-width-W``):
+    each group's rows move to their new owners and keep their width."""
+    from hpsray.tiers.padded import split
+    from hpsray.tiers.rowgroups import RowGroups
+    from hpsray.tiers.ssd.grouped import GroupedSSDPS, group_directory
+
+    groups = RowGroups((8, 24), (4, 8), ((0,), (1,)), (0, 1), ("'a'", "'b'"))
+    keys = np.arange(1, 601, dtype=np.uint64) * np.uint64(7919)
+    keys[1::2] |= np.uint64(1) << np.uint64(56)  # every other key of table 1
+    owner = owner_of(keys, 2)
+    widths = np.where(keys >> np.uint64(56) == 1, 24, 8)
+
+    def rows(k: np.ndarray, w: int) -> np.ndarray:
+        return (k[:, None].astype(np.float32) * 0.5 + np.arange(w, dtype=np.float32)).astype(np.float32)
+
+    ckpts = Checkpoints(tmp_path / "ckpt", keep=2)
+    with ckpts.staged(6) as staging:
+        for i in range(2):
+            k = keys[owner == i]
+            padded = np.zeros((k.size, 24), np.float32)
+            for w in (8, 24):
+                at = widths[owner == i] == w
+                padded[at, :w] = rows(k[at], w)
+            with GroupedSSDPS(tmp_path / f"s{i}", groups, rows_per_file=64, background=False) as s:
+                s.dump(k, split(groups, k, padded))
+                s.snapshot(node_dir(staging, i) / SSD_SNAPSHOT)
+            (node_dir(staging, i) / TRAINER_STATE).write_bytes(b"dense")
+        ckpts.commit(staging, 6, {"nodes": 2, "pass_first": 0}, fingerprint=FP)
+    new = reshard(ckpts, ckpts.latest(), 3)
+    seen = 0
+    for j in range(3):
+        for g, w in enumerate(groups.widths):
+            k, r = rows_of(
+                new.node(j) / SSD_SNAPSHOT / Path(group_directory("", g, w)).name, tmp_path / f"back-{j}-{g}"
+            )
+            assert r.shape[1] == w and (owner_of(k, 3) == j).all()
+            np.testing.assert_array_equal(r, rows(k, w))
+            seen += k.size
+    assert seen == keys.size
