@@ -72,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tables",
         type=int,
         default=1,
-        help="split the slots into this many [[tables]] (the first holds half of them; the second pools "
-        "by the mean, the third trains at half the learning rate); one width, as the pipeline runs them",
+        help="split the slots into this many [[tables]] (the first holds half of them at --dim; the second "
+        "pools by the mean at half the dim, the third trains with Adam at a quarter of it)",
     )
     parser.add_argument("--no-check", action="store_true", help="skip the lossless comparison of the two models")
     parser.add_argument("--seed", type=int, default=0)
@@ -89,8 +89,10 @@ def _max_distinct(gen: PlantedCTR, batch: int, n: int) -> int:
 
 
 def table_specs(n_tables: int, n_slots: int, dim: int, sparse_lr: float) -> tuple:
-    """``--tables``: ``n_tables`` tables over ``n_slots`` slots, the first of half of them, the rest
-    split evenly; table 1 pools by the mean, table 2 has half the sparse learning rate."""
+    """``--tables``: ``n_tables`` tables of their own over ``n_slots`` slots, the first of half of
+    them at ``dim`` (the job's optimizer), the rest split evenly: table 1 pools by the mean at half
+    the dim, table 2 trains with Adam at a quarter of it (the issue's mix of widths, optimizers and
+    poolings), any further table at ``dim`` and half the learning rate."""
     from hpsray.tables import TableSpec
 
     if n_tables <= 1:
@@ -100,16 +102,16 @@ def table_specs(n_tables: int, n_slots: int, dim: int, sparse_lr: float) -> tupl
     first = max(1, n_slots // 2)
     rest = np.array_split(np.arange(first, n_slots), n_tables - 1)
     groups = [list(range(first))] + [g.tolist() for g in rest]
-    return tuple(
-        TableSpec(
-            f"t{i}",
-            tuple(int(x) for x in g),
-            dim,  # every table at the model's dim: the pipeline's tiers hold one width
-            pooling="mean" if i == 1 else "sum",
-            lr=sparse_lr / 2 if i == 2 else None,
-        )
-        for i, g in enumerate(groups)
-    )
+    specs = []
+    for i, g in enumerate(groups):
+        slots = tuple(int(x) for x in g)
+        if i == 1:
+            specs.append(TableSpec(f"t{i}", slots, max(1, dim // 2), pooling="mean"))
+        elif i == 2:
+            specs.append(TableSpec(f"t{i}", slots, max(1, dim // 4), optimizer="adam", lr=0.01))
+        else:
+            specs.append(TableSpec(f"t{i}", slots, dim, lr=sparse_lr / 2 if i > 2 else None))
+    return tuple(specs)
 
 
 def _fit(
@@ -237,7 +239,11 @@ def run(args: argparse.Namespace) -> dict:
             "dir": base,
             "size": args.size,
             "ssd_options": ssd_opts,
-            "tables": [{"name": t.name, "slots": len(t.slots), "pooling": t.pooling, "lr": t.lr} for t in tables],
+            "tables": [
+                {"name": t.name, "slots": len(t.slots), "dim": t.dim, "pooling": t.pooling, "optimizer": t.optimizer}
+                | {"lr": t.lr}
+                for t in tables
+            ],
         },
         "anchor": TORCHREC_ANCHOR,
     }
@@ -343,10 +349,14 @@ def _per_table(tables: tuple, report: dict, trained: Trained | None, budget: int
         rows = int(np.count_nonzero((trained[0][0] >> np.uint64(56)) == t)) if trained is not None else None
         out[spec.name] = {
             "slots": len(spec.slots),
+            "dim": spec.dim,
             "pooling": spec.pooling,
             "rows": rows,
             "scale_factor": rows / budget if rows is not None else 0.0,
-            **{k: figures.get(spec.name, {}).get(k) for k in ("hit_rate", "ssd_rows_loaded", "ssd_bytes_loaded")},
+            **{
+                k: figures.get(spec.name, {}).get(k)
+                for k in ("row_bytes", "hit_rate", "ssd_rows_loaded", "ssd_bytes_loaded", "ssd_live_bytes")
+            },
         }
     return out
 

@@ -79,8 +79,9 @@ def test_outofcore_bench_is_lossless_at_40x(tmp_path):
 
 
 def test_outofcore_bench_with_three_tables_is_lossless_and_reports_each(tmp_path):
-    """``--tables 3`` (issue 43): the biggest table alone >= 20x the MEM-PS budget, each table's
-    rows and figures reported, the two runs equal."""
+    """``--tables 3`` (issue 43): tables of their own dims (16, 8, 4), optimizers and poolings;
+    the biggest table alone >= 20x the MEM-PS budget, each table's rows and figures reported at
+    its own row bytes, the two runs equal."""
     report = outofcore.run(
         _args(
             ["--rows", "60000", "--batch", "256", "--minibatch", "256", "--warmup-batches", "2", "--slots", "4"]
@@ -94,5 +95,7 @@ def test_outofcore_bench_with_three_tables_is_lossless_and_reports_each(tmp_path
     assert sum(t["rows"] for t in tables.values()) == report["model_rows"]
     assert tables["t0"]["scale_factor"] >= 20 and report["checks"]["biggest_table_ge_20x"]
     assert all(t["ssd_rows_loaded"] > 0 for t in tables.values())  # every table's rows went out and back
+    assert [t["dim"] for t in tables.values()] == [16, 8, 4]
+    assert [t["row_bytes"] for t in tables.values()] == [4 * 32, 4 * 16, 4 * 12]  # Adagrad, Adagrad, Adam
     assert report["lossless"]["equal"], report["lossless"]
     assert "throughput_ge_85pct_in_memory" in report["checks"]
