@@ -379,13 +379,18 @@ def mixed_layouts(config: RowDefaults) -> bool:
     return len(layouts) > 1
 
 
-def pipeline_refusal(config: RowDefaults, n_slots: int) -> str | None:
+def pipeline_refusal(config: RowDefaults, n_slots: int, consistency: str = "bsp", n_devices: int = 1) -> str | None:
     """Why the distributed pipeline cannot run ``config``'s tables (``None`` when it can). It
-    runs any tables: each with its own width, pooling, sparse optimizer, learning rate and
-    admission (rows of several layouts: :func:`mixed_layouts`). Kept as the one place a
-    limit would be named, before Ray starts."""
-    Tables.of(config, n_slots)  # the tables' own checks, against the number of slots
-    return None
+    runs any tables, each with its own width, pooling, sparse optimizer, learning rate and
+    admission; tables of several row layouts (:func:`mixed_layouts`) under BSP with one device
+    per node (the relaxed modes and the device mesh exchange rows of one layout: not yet)."""
+    tables = Tables.of(config, n_slots)  # the tables' own checks, against the number of slots
+    if not mixed_layouts(config) or (consistency == "bsp" and n_devices == 1):
+        return None
+    return (
+        f"tables of their own dims or sparse optimizers ({tables.describe()}) train under "
+        f"consistency = 'bsp' with one device per node; got consistency = {consistency!r}, n_devices = {n_devices}"
+    )
 
 
 def table_admission(
@@ -452,9 +457,12 @@ def import_refusal(exported: Any, tables: Tables | None) -> str | None:
     return f"was exported with the tables {theirs}; this job's are {mine} (name, slots, dim): the keys' tags differ"
 
 
-def refuse_for_pipeline(config: RowDefaults, n_slots: int, where: str) -> None:
+def refuse_for_pipeline(config: RowDefaults, n_slots: int, where: str, sync: Any = None, devices: Any = None) -> None:
     """Raise :class:`~hpsray.errors.ConfigError` (``where``, key ``tables``) with
-    :func:`pipeline_refusal`'s reason, if any."""
-    refusal = pipeline_refusal(config, n_slots)
+    :func:`pipeline_refusal`'s reason, if any; ``sync`` gives the ``consistency`` (a
+    ``SyncSettings`` or ``[cluster]``), ``devices`` the ``n_devices`` (``TrainerSettings`` or
+    ``[pipeline]``); ``None``: BSP, one device."""
+    consistency = str(getattr(sync, "consistency", "bsp"))
+    refusal = pipeline_refusal(config, n_slots, consistency, int(getattr(devices, "n_devices", 1)))
     if refusal:
         raise ConfigError(where, "tables", refusal)

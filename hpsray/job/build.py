@@ -99,7 +99,7 @@ def cluster_kwargs(job: JobConfig) -> dict:
     """Extra :class:`~hpsray.pipelines.Pipeline` arguments of ``[cluster]``; a job whose
     ``[[tables]]`` the pipeline does not run yet is refused here, before Ray starts."""
     if job.tables:
-        refuse_for_pipeline(job.train_config(), source(job).n_slots, job.where)
+        refuse_for_pipeline(job.train_config(), source(job).n_slots, job.where, job.cluster, job.pipeline)
     c = job.cluster
     if c.chunk_bytes < 4:
         raise ConfigError(job.where, "cluster.chunk_bytes", f"must be at least 4 bytes, got {c.chunk_bytes}")

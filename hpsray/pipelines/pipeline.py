@@ -159,7 +159,7 @@ class Pipeline:
             )
         self._aggregators: list | None = None
         self.config = self.trainer_settings.config
-        refuse_for_pipeline(self.config, source.n_slots, "Pipeline")  # not yet: a table's own width or optimizer
+        refuse_for_pipeline(self.config, source.n_slots, "Pipeline", self.sync, self.trainer_settings)
         self._nodes: list[NodeActors] = []
         self._tmp: str | None = None
         self._started_ray = False
