@@ -19,12 +19,12 @@ from hpsray.tiers.ssd import SSDPS
 from hpsray.tiers.tagcount import by_tag
 
 SYNTHETIC = {"rows": 16_000, "slots": 4, "nnz": 6, "keys": 3000, "dense": 2}
-ONE_WIDTH = [  # the pipeline runs these: one width, each its own pooling / lr
+ONE_WIDTH = [  # one width, each its own pooling / lr
     {"name": "small", "slots": [0, 2]},
     {"name": "lists", "slots": [1], "pooling": "mean"},
     {"name": "ids", "slots": [3], "lr": 0.002},
 ]
-MIXED = [  # the reference runs these: each its own width and optimizer
+MIXED = [  # each its own width and optimizer
     {"name": "small", "slots": [0, 2], "dim": 4},
     {"name": "lists", "slots": [1], "dim": 16, "pooling": "mean"},
     {"name": "ids", "slots": [3], "dim": 8, "optimizer": "adam", "lr": 0.002},
@@ -103,10 +103,15 @@ def hpsray(*args, timeout=600):
 
 
 @pytest.mark.slow
-def test_plan_bytes_per_table_within_5_percent_of_a_run(tmp_path):
+@pytest.mark.parametrize("tables", [ONE_WIDTH, MIXED], ids=["one-width", "own-widths"])
+def test_plan_bytes_per_table_within_5_percent_of_a_run(tmp_path, tables):
+    from hpsray.tiers.rowgroups import RowGroups
+    from hpsray.tiers.ssd.grouped import GroupedSSDPS
+    from hpsray.tiers.ssd.paramfile import record_bytes
+
     path = tmp_path / "job.toml"
-    d = job_dict(ONE_WIDTH, ssd_path=str(tmp_path / "ssd"), mem_rows=6000)  # of ~9,200 keys: rows spill
-    tables = d.pop("tables")
+    d = job_dict(tables, ssd_path=str(tmp_path / "ssd"), mem_rows=6000)  # of ~9,200 keys: rows spill
+    d.pop("tables")
     d["data.synthetic"] = d.pop("data")["synthetic"]
     entries = "".join("\n[[tables]]\n" + to_toml({"t": t}).split("\n", 1)[1] for t in tables)
     path.write_text(to_toml(d) + entries)
@@ -116,16 +121,21 @@ def test_plan_bytes_per_table_within_5_percent_of_a_run(tmp_path):
     report_path, export = tmp_path / "run.json", tmp_path / "export"
     run = hpsray("train", str(path), "--report", str(report_path), "--export", str(export), "--quiet")
     assert run.returncode == 0, run.stderr[-3000:]
-    store = SSDPS(str(tmp_path / "ssd" / "node-0"), background=False)  # flushed by the export
+    config = JobConfig.load(path).train_config()
+    groups = RowGroups.of_config(config, 4)
+    node = str(tmp_path / "ssd" / "node-0")  # flushed by the export
+    store = SSDPS(node, background=False) if groups is None else GroupedSSDPS(node, groups, background=False)
     try:
-        live, record = store.live_rows_by_tag(), store.record
+        live = store.live_rows_by_tag()
+        live_bytes = live * store.record if isinstance(store, SSDPS) else store.live_bytes_by_tag()
     finally:
         store.close()
+    widths = config.tables_for(4).widths
     reported = json.loads(report_path.read_text())["tables"]
     for t, (name, plan) in enumerate(planned.items()):
-        measured = int(live[t]) * record
+        measured = int(live_bytes[t])
         assert abs(plan["ssd_live_bytes"] - measured) <= 0.05 * measured, (name, plan, measured)
         # the report's: what the files held at its time (before the export flushed MEM-PS's rows)
         assert 0 < reported[name]["ssd_live_bytes"] <= measured
-        assert reported[name]["ssd_live_bytes"] == reported[name]["ssd_live_rows"] * record
+        assert reported[name]["ssd_live_bytes"] == reported[name]["ssd_live_rows"] * record_bytes(widths[t])
     assert int(live[3:].sum()) == 0  # no key outside the three tables' tags
