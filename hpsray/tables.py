@@ -43,6 +43,7 @@ __all__ = [
     "TagKeys",
     "admits_late",
     "key_tagging",
+    "layout_of",
     "mixed_layouts",
     "pipeline_refusal",
     "refuse_for_pipeline",
@@ -363,20 +364,18 @@ def table_layouts(config: RowDefaults) -> list[tuple[int, int, SparseOptimizer]]
     return out
 
 
+def layout_of(spec: TableSpec) -> tuple:
+    """A resolved table's row layout: its dim, sparse optimizer and that optimizer's settings
+    (tables of one layout share a row width and an initial row; learning rate and pooling aside)."""
+    return (spec.dim, spec.optimizer, tuple(sorted((spec.sparse_params or {}).items())))
+
+
 def mixed_layouts(config: RowDefaults) -> bool:
-    """Whether ``config``'s tables have rows of more than one layout (dim, optimizer, settings):
-    the working set, the loans and the tiers then hold rows of the widest table's width."""
+    """Whether ``config``'s tables have rows of more than one layout (:func:`layout_of`): the
+    working set, the loans and the tiers then hold rows of the widest table's width."""
     if len(config.tables) < 2:
         return False
-    layouts = {
-        (
-            spec.dim,
-            _resolve(spec, i, config).optimizer,
-            tuple(sorted((_resolve(spec, i, config).sparse_params or {}).items())),
-        )
-        for i, spec in enumerate(config.tables)
-    }
-    return len(layouts) > 1
+    return len({layout_of(_resolve(spec, i, config)) for i, spec in enumerate(config.tables)}) > 1
 
 
 def pipeline_refusal(config: RowDefaults, n_slots: int, consistency: str = "bsp", n_devices: int = 1) -> str | None:

@@ -17,11 +17,9 @@ from numpy.typing import ArrayLike
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.table import as_keys
 from hpsray.tiers.mem import BackingStore, MemPS
-from hpsray.tiers.rowgroups import GroupedRows, RowGroups
+from hpsray.tiers.rowgroups import GroupedRows, RowGroups, sum_stats
 
 __all__ = ["GroupedMemPS"]
-
-_COUNTS = ("pulls", "hits", "misses", "loaded", "initialised", "evicted", "evicted_dirty", "flushed", "dropped")
 
 
 class GroupedMemPS:
@@ -85,12 +83,41 @@ class GroupedMemPS:
         split = self.groups.split(keys)
         return GroupedRows(split, [cache.peek(keys[at]) for cache, at in zip(self.caches, split, strict=True)])
 
-    def contains(self, keys: ArrayLike) -> np.ndarray:
+    def store_kept(self, keys: ArrayLike, rows: GroupedRows) -> np.ndarray:
+        """:meth:`MemPS.store_kept` of each group's rows; which keys were resident."""
+        keys = as_keys(keys)
+        rows.check(self.groups, keys.size, "GroupedMemPS.store_kept")
+        placed = np.zeros(keys.size, bool)
+        for cache, at, r in zip(self.caches, rows.at, rows.rows, strict=True):
+            placed[at] = cache.store_kept(keys[at], r)
+        return placed
+
+    def drop(self, keys: ArrayLike) -> int:
+        """:meth:`MemPS.drop` per group; the rows dropped."""
+        keys = as_keys(keys)
+        return sum(cache.drop(keys[at]) for cache, at in zip(self.caches, self.groups.split(keys), strict=True))
+
+    def _mask(self, verb: str, keys: ArrayLike) -> np.ndarray:
+        """Each key's answer to its group's ``MemPS.<verb>(keys)`` (a bool per key)."""
         keys = as_keys(keys)
         out = np.zeros(keys.size, dtype=bool)
         for cache, at in zip(self.caches, self.groups.split(keys), strict=True):
-            out[at] = cache.contains(keys[at])
+            out[at] = getattr(cache, verb)(keys[at])
         return out
+
+    def contains(self, keys: ArrayLike) -> np.ndarray:
+        return self._mask("contains", keys)
+
+    def has_rows(self, keys: ArrayLike) -> np.ndarray:
+        return self._mask("has_rows", keys)
+
+    def pinned(self, keys: ArrayLike) -> np.ndarray:
+        return self._mask("pinned", keys)
+
+    @property
+    def in_flight(self) -> list:
+        """Batch ids holding pins in some group."""
+        return sorted({b for cache in self.caches for b in cache.in_flight}, key=repr)
 
     def flush(self) -> int:
         """Write every group's dirty rows to its store; returns the rows written."""
@@ -118,14 +145,12 @@ class GroupedMemPS:
 
     @property
     def stats(self) -> dict:
-        """The groups' counters summed, the hit rate over the sums, and ``groups``: each
-        group's :attr:`MemPS.stats` with its ``width``."""
-        per = [dict(cache.stats, width=cache.width) for cache in self.caches]
-        out: dict = {k: sum(p[k] for p in per) for k in (*_COUNTS, "capacity", "size", "dirty_rows")}
+        """The groups' numbers summed, the hit rate over the sums, the rows' ``bytes``, and
+        ``groups``: each group's :attr:`MemPS.stats` with its ``width``."""
+        out = sum_stats([dict(cache.stats, width=cache.width) for cache in self.caches])
         total = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / total if total else 0.0
-        out["bytes"] = sum(4 * p["size"] * p["width"] for p in per)
-        out["groups"] = per
+        out["bytes"] = sum(4 * p["size"] * p["width"] for p in out["groups"])
         return out
 
     def close(self, flush: bool = True) -> None:

@@ -135,18 +135,13 @@ class PaddedMemPS:
 
     def store_kept(self, keys: ArrayLike, rows: ArrayLike) -> np.ndarray:
         keys = as_keys(keys)
-        parts = split(self.groups, keys, as_rows(rows, keys.size, self.width, "rows"))
-        placed = np.zeros(keys.size, bool)
-        for cache, a, r in zip(self.grouped.caches, parts.at, parts.rows, strict=True):
-            placed[a] = cache.store_kept(keys[a], r)
-        return placed
+        return self.grouped.store_kept(keys, split(self.groups, keys, as_rows(rows, keys.size, self.width, "rows")))
 
     def unpin(self, batch_id: Hashable) -> None:
         self.grouped.unpin(batch_id)
 
     def drop(self, keys: ArrayLike) -> int:
-        keys = as_keys(keys)
-        return sum(c.drop(keys[a]) for c, a in zip(self.grouped.caches, self.groups.split(keys), strict=True))
+        return self.grouped.drop(keys)
 
     def flush(self) -> int:
         return self.grouped.flush()
@@ -155,38 +150,25 @@ class PaddedMemPS:
         keys = as_keys(keys)
         return pad(self.grouped.peek(keys), keys.size, self.width)
 
-    def _each(self, verb: str, keys: ArrayLike) -> np.ndarray:
-        keys = as_keys(keys)
-        out = np.zeros(keys.size, bool)
-        for c, a in zip(self.grouped.caches, self.groups.split(keys), strict=True):
-            out[a] = getattr(c, verb)(keys[a])
-        return out
-
     def contains(self, keys: ArrayLike) -> np.ndarray:
-        return self._each("contains", keys)
+        return self.grouped.contains(keys)
 
     def has_rows(self, keys: ArrayLike) -> np.ndarray:
-        return self._each("has_rows", keys)
+        return self.grouped.has_rows(keys)
 
     def pinned(self, keys: ArrayLike) -> np.ndarray:
-        return self._each("pinned", keys)
+        return self.grouped.pinned(keys)
 
     @property
     def in_flight(self) -> list:
-        return sorted({b for c in self.grouped.caches for b in c.in_flight}, key=repr)
+        return self.grouped.in_flight
 
     def batch_stats(self, batch_id: Hashable) -> dict:
         return self.grouped.batch_stats(batch_id)
 
     @property
     def stats(self) -> dict:
-        per = [c.stats for c in self.grouped.caches]
-        out: dict = {k: sum(p[k] for p in per) for k in per[0] if isinstance(per[0][k], int)}
-        total = out["hits"] + out["misses"]
-        out["hit_rate"] = out["hits"] / total if total else 0.0
-        out["bytes"] = sum(4 * p["size"] * c.width for p, c in zip(per, self.grouped.caches, strict=True))
-        out["groups"] = [dict(p, width=c.width) for p, c in zip(per, self.grouped.caches, strict=True)]
-        return out
+        return self.grouped.stats
 
     def close(self, flush: bool = True) -> None:
         self.grouped.close(flush)

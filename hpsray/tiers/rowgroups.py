@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from hpsray.errors import ConfigError
-from hpsray.tables import TAG_SHIFT, Tables
+from hpsray.tables import TAG_SHIFT, Tables, layout_of
 
-__all__ = ["GroupedRows", "RowGroups"]
+__all__ = ["GroupedRows", "RowGroups", "sum_stats"]
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,10 @@ class RowGroups:
     @classmethod
     def of(cls, tables: Tables) -> RowGroups:
         """``tables`` grouped by layout (dim, optimizer, settings), in order of first table."""
-        layout_of: dict[tuple, int] = {}
+        layouts: dict[tuple, int] = {}
         members: list[list[int]] = []
         for t, spec in enumerate(tables.specs):
-            layout = (spec.dim, spec.optimizer, tuple(sorted((spec.sparse_params or {}).items())))
-            g = layout_of.setdefault(layout, len(members))
+            g = layouts.setdefault(layout_of(spec), len(members))
             if g == len(members):
                 members.append([])
             members[g].append(t)
@@ -78,11 +77,6 @@ class RowGroups:
     def slot_groups(self, slot_table: np.ndarray) -> np.ndarray:
         """``int64``: each slot's group, from each slot's table (``slot_table``)."""
         return np.asarray(self.table_group, dtype=np.int64)[np.asarray(slot_table, dtype=np.int64)]
-
-    @classmethod
-    def single(cls, width: int, dim: int | None = None) -> RowGroups:
-        """One group of rows of ``width`` (one table): the store of before tables."""
-        return cls((width,), (width if dim is None else dim,), ((0,),), (0,), ("'default'",))
 
     def __len__(self) -> int:
         return len(self.widths)
@@ -145,3 +139,14 @@ class GroupedRows:
                 )
         if self.n != n_keys:
             raise ValueError(f"{what}: rows for {self.n} keys, {n_keys} keys given")
+
+
+def sum_stats(per: list[dict]) -> dict:
+    """Per-group stats dicts summed: every number the first gives (booleans and ratios aside:
+    ``hit_rate``, ``space_ratio`` and ``width`` are the caller's to derive); ``groups`` lists
+    the dicts themselves."""
+    keep = ("hit_rate", "space_ratio", "width")
+    numbers = [k for k, v in per[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    out: dict = {k: sum(p[k] for p in per) for k in numbers if k not in keep}
+    out["groups"] = per
+    return out

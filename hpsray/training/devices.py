@@ -73,7 +73,7 @@ class DeviceSteps(Strategy):
         data, devices, mine = self._part(batch_id, got, sizes, keep)
         theirs = self.peers()
         with self.timed(batch_id):
-            returned, loss = assemble(data.keys, devices, [mine, *theirs], self.engine.config.row_width)
+            returned, loss = assemble(data.keys, devices, [mine, *theirs], self.engine.row_width)
         self.engine.traffic.returned(batch_id, sum(k.size for k, _ in returned))
         examples = len(data.batch) if data.batch is not None else 0
         self.engine.examples += examples
@@ -111,7 +111,7 @@ class DeviceSteps(Strategy):
         n_nodes, d = engine.n_nodes, self.device_index
         devices = [device_of(k, n_nodes, self.n_devices) for k in key_parts]
         keys = np.concatenate(key_parts) if key_parts else np.empty(0, np.uint64)
-        rows, held = loaned_rows(loans, key_parts, engine.config.row_width)
+        rows, held = loaned_rows(loans, key_parts, engine.row_width)
         mine = np.concatenate(devices) == d if devices else np.empty(0, bool)
         fresh = []
         for r in refreshed:

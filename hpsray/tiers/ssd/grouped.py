@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from hpsray.kernels.table import as_keys
-from hpsray.tiers.rowgroups import GroupedRows, RowGroups
+from hpsray.tiers.rowgroups import GroupedRows, RowGroups, sum_stats
 from hpsray.tiers.ssd.compaction import space_ratio
 from hpsray.tiers.ssd.store import SSDPS
 
@@ -102,11 +102,8 @@ class GroupedSSDPS:
     def stats(self) -> dict:
         """The groups' numbers summed (space ratio over the sums), and ``groups``: each
         group's own :attr:`SSDPS.stats` with its ``width``."""
-        per = [dict(s.stats, width=s.width) for s in self.stores]
-        numbers = [k for k, v in per[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        out: dict = {k: sum(p[k] for p in per) for k in numbers if k not in ("width", "space_ratio")}
+        out = sum_stats([dict(s.stats, width=s.width) for s in self.stores])
         out["space_ratio"] = space_ratio(out["disk_bytes"], out["live_bytes"])
-        out["groups"] = per
         return out
 
     def live_rows_by_tag(self) -> np.ndarray:
