@@ -80,7 +80,7 @@ def pick_staged(
 
 
 @njit(cache=True, nogil=True)
-def _pick_known(srows, blk_b, blk_at, expected, out, idx, pos, ublk, keys):
+def _pick_known(srows, blk_b, blk_at, expected, out, idx, ublk, keys):
     keys_u32 = keys.view(np.uint32)
     width = srows.shape[1]
     rows_u32 = srows.reshape(-1).view(np.uint32)
@@ -104,7 +104,6 @@ def pick_known(
     expected: np.ndarray,
     out: np.ndarray,
     idx: np.ndarray,
-    pos: np.ndarray,
     block_of: np.ndarray,
     keys: np.ndarray,
 ) -> int:
@@ -114,9 +113,7 @@ def pick_known(
     changed row would. Returns 0, ``u + 1`` for the first bad block, or ``-(j + 1)`` for a
     position outside its file."""
     return int(
-        _pick_known(
-            staged_rows, blocks, row_at, expected, out, idx, pos, block_of, readonly(np.ascontiguousarray(keys))
-        )
+        _pick_known(staged_rows, blocks, row_at, expected, out, idx, block_of, readonly(np.ascontiguousarray(keys)))
     )
 
 

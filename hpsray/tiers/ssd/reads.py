@@ -330,7 +330,7 @@ class Reads:
                 f"({st.path(tasks[0][2])}, ...): a file shorter than its rows (truncated)"
             )
         if known:
-            r = pick_known(staged_rows, blk_b, blk_at, expected, out, idx, pos, ublk, keys)
+            r = pick_known(staged_rows, blk_b, blk_at, expected, out, idx, ublk, keys)
         else:
             r = pick_staged(
                 staged_keys,
