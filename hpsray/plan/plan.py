@@ -22,7 +22,7 @@ from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
 from hpsray.plan.pipeline_cost import StageCosts
 from hpsray.plan.sample import InputSize, read_sample
-from hpsray.plan.tables import by_table, table_sizes
+from hpsray.plan.tables import by_table, hbm_group_bytes, table_sizes
 from hpsray.tiers.mem import rows_for_bytes
 from hpsray.tiers.ssd.probe import DiskBound
 
@@ -131,6 +131,8 @@ def make_plan(
     hbm_bytes, hbm_rows = hbm_table_bytes(hbm_cap, width, p.n_devices, keys.hbm_working_set_max)
     space_ratio = dict(job.tiers.ssd).get("max_space_ratio", 2.0) or 2.0
     sizes = table_sizes(tables, keys, capacity) if tables is not None and len(tables) > 1 else None
+    grouped = hbm_group_bytes(tables, keys, hbm_cap) if tables and sizes and p.n_devices == 1 else None
+    hbm_bytes, hbm_rows = grouped or (hbm_bytes, hbm_rows)
     live = sum(t["ssd_live_bytes"] for t in sizes.values()) if sizes else ssd_live_bytes(shard, width)
     imported = import_rows(job.tiers.init_from) // nodes  # an import's rows, spread over the nodes
     ssd_rows = max(int(shard), imported)

@@ -8,19 +8,24 @@ Per node, for table ``t`` of row width ``w_t`` floats (weights + its optimizer's
   its share of the block tables and key map (per key, as every key);
 * MEM-PS: the cache's rows go to the tables in proportion to the distinct keys each brings per
   batch (its share of the lookups), none beyond a table's whole shard (what a table cannot use
-  goes to the others); each row costs ``4·w_t + 54`` bytes (:mod:`hpsray.tiers.mem`).
+  goes to the others); each row costs ``4·w_t + 54`` bytes (:mod:`hpsray.tiers.mem`);
+* HBM-PS (tables of several row layouts): one table per row group at its width, each sized at
+  an equal share of the trainer's capacity and grown to its share of the lookups
+  (:class:`~hpsray.tiers.grouped_hbm.GroupedHbmPS`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hpsray.plan.estimate import KeyEstimate
-from hpsray.plan.sizing import SSD_RECORD_EXTRA, ssd_live_bytes
+from hpsray.plan.sizing import SSD_RECORD_EXTRA, hbm_table_bytes, ssd_live_bytes
 from hpsray.tables import Tables
 from hpsray.tiers.mem import META_BYTES_PER_ROW
+from hpsray.tiers.rowgroups import RowGroups
 
-__all__ = ["by_table", "table_sizes"]
+__all__ = ["by_table", "hbm_group_bytes", "table_sizes"]
 
 
 def _fill(capacity: float, shares: list[float], caps: list[float]) -> list[float]:
@@ -73,6 +78,22 @@ def table_sizes(tables: Tables, keys: KeyEstimate, capacity_rows: int) -> dict[s
             "mem_ps_bytes": int(round(resident[t] * (row_bytes + META_BYTES_PER_ROW))),
         }
     return out
+
+
+def hbm_group_bytes(tables: Tables, keys: KeyEstimate, capacity: int) -> tuple[int, int] | None:
+    """``(bytes, rows)`` of the trainer's working set of ``tables`` held one table per row
+    group (``None`` for rows of one layout: :func:`~hpsray.plan.sizing.hbm_table_bytes`)."""
+    groups = RowGroups.of(tables)
+    if len(groups) < 2:
+        return None
+    lookups = [sum(keys.table_batch_distinct_mean[t] for t in ts) for ts in groups.tables]
+    total = sum(lookups) or 1.0
+    each = -(-capacity // len(groups))
+    parts = [
+        hbm_table_bytes(each, w, 1, math.ceil(keys.hbm_working_set_max * n / total))
+        for w, n in zip(groups.widths, lookups, strict=True)
+    ]
+    return sum(b for b, _ in parts), sum(r for _, r in parts)
 
 
 def by_table(sizes: dict[str, dict[str, Any]] | None, key: str) -> str:

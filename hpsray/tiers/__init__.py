@@ -7,7 +7,8 @@
   cache over SSD-PS whose in-flight batches' rows are pinned.
 * :class:`Partitioner` (:mod:`~hpsray.tiers.partition`) — owner node and device of each key.
 
-HBM-PS, the trainer's working set over its devices, is :mod:`hpsray.tiers.hbm`.
+HBM-PS, the trainer's working set over its devices, is :mod:`hpsray.tiers.hbm` (one per row
+group of tables of their own widths: :mod:`hpsray.tiers.grouped_hbm`).
 
 Formats, protocols and measurements: ``docs/tiers.md``.
 """

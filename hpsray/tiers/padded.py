@@ -21,7 +21,7 @@ from hpsray.kernels.init import RowInit
 from hpsray.kernels.table import as_keys, as_rows
 from hpsray.tiers.grouped_mem import GroupedMemPS
 from hpsray.tiers.mem import META_BYTES_PER_ROW, BackingStore, rows_for_bytes
-from hpsray.tiers.rowgroups import GroupedRows, RowGroups
+from hpsray.tiers.rowgroups import GroupedRows, RowGroups, group_init
 from hpsray.tiers.ssd.bulkload import TableImport
 from hpsray.tiers.ssd.grouped import GroupedSSDPS
 
@@ -106,7 +106,7 @@ class PaddedMemPS:
     def __init__(
         self, groups: RowGroups, capacities: list[int], width: int, ssd: BackingStore, init: RowInit, **options: Any
     ) -> None:
-        inits = [_group_init(init, groups, g) for g in range(len(groups))]
+        inits = [group_init(init, groups, g) for g in range(len(groups))]
         views = [GroupView(ssd, w) for w in groups.widths]
         self.groups, self.width, self.ssd = groups, int(width), ssd
         self.grouped = GroupedMemPS(groups, capacities, views, inits, **options)
@@ -172,13 +172,6 @@ class PaddedMemPS:
 
     def close(self, flush: bool = True) -> None:
         self.grouped.close(flush)
-
-
-def _group_init(init: RowInit, groups: RowGroups, g: int) -> RowInit:
-    """Group ``g``'s initialiser: its first table's entry of ``init.tables`` (the tables of one
-    group share a layout, so an initial row)."""
-    dim, _, state = init.tables[groups.tables[g][0]]
-    return RowInit(dim=dim, scale=init.scale, seed=init.seed, state_value=state)
 
 
 class PaddedSSDPS:

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from hpsray.errors import ConfigError
+from hpsray.kernels.init import RowInit
 from hpsray.tables import TAG_SHIFT, Tables, layout_of
 
-__all__ = ["GroupedRows", "RowGroups", "sum_stats"]
+__all__ = ["GroupedRows", "RowGroups", "group_init", "sum_stats"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,13 @@ class GroupedRows:
                 )
         if self.n != n_keys:
             raise ValueError(f"{what}: rows for {self.n} keys, {n_keys} keys given")
+
+
+def group_init(init: RowInit, groups: RowGroups, g: int) -> RowInit:
+    """Group ``g``'s initialiser: its first table's entry of ``init.tables`` (the tables of one
+    group share a layout, so an initial row)."""
+    dim, _, state = init.tables[groups.tables[g][0]]
+    return RowInit(dim=dim, scale=init.scale, seed=init.seed, state_value=state)
 
 
 def sum_stats(per: list[dict]) -> dict:

@@ -29,6 +29,7 @@ from hpsray.models.device import StepDevice
 from hpsray.models.kinds import build_model
 from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum, slot_columns
 from hpsray.models.step import DenseReplicas
+from hpsray.tiers.grouped_hbm import GroupedHbmPS
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.loans import Loan, Refresh
 from hpsray.tiers.rowgroups import RowGroups
@@ -91,14 +92,14 @@ class TrainerEngine:
         self.optimizer = config.optimizer()
         tables = config.tables_for(n_slots) if config.tables else None
         groups = RowGroups.of(tables) if tables is not None else None
-        # tables of several row layouts (own dim or sparse optimizer): the working set holds every
-        # row at the widest layout's width, and each group steps with its own optimizer
+        # tables of several row layouts (own dim or sparse optimizer): the working set holds each
+        # group's rows in its own table at its width, and each group steps with its own optimizer
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self.row_width = config.row_width
-        """Floats per row of the working set (and of the loans and returns it takes and gives)."""
+        """Floats per row of the loans and returns the working set takes and gives (the widest group's)."""
         self.grad_dim = config.row_dim
         """Columns of a row gradient: the widest table's dim."""
-        self.hbm = HbmPS(capacity, self.row_width, config.row_init(), 1, n_nodes, device)
+        self.hbm = self._working_set()
         model = model if model is not None else build_model(config, n_slots, n_dense)
         self.dense = DenseReplicas(model, 1, config.dense_optimizer, config.dense_lr, self.device)
         self.step = 0  # mini-batch steps taken: the sparse optimizer's global step
@@ -134,13 +135,19 @@ class TrainerEngine:
         self.kept: list[np.ndarray] = []  # per owner: keys kept at the last batch's end (not returned)
         self._resident: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted int64 keys, their slots
         self._parts: list[np.ndarray] | None = None  # per owner, the sorted keys resident (the last batch's)
-        self._arena: tuple[Any, ArenaStep] | None = None  # (table, its step): a grown table has a new arena
+        self._arena: tuple[tuple[Any, ...], ArenaStep] | None = None  # (tables, their step): grown, new arenas
 
     def forget(self) -> None:
         """Drop the working set (a recovery that keeps this process; the dense model stays)."""
-        c = self.config
-        self.hbm = HbmPS(self.capacity, self.row_width, c.row_init(), 1, self.n_nodes, self.device.name)
+        self.hbm = self._working_set()
         self._arena, self._resident, self.kept, self._parts = None, None, [], None
+
+    def _working_set(self) -> HbmPS | GroupedHbmPS:
+        """An empty working set: one table, or one per row group at the group's width."""
+        init, dev = self.config.row_init(), self.device.name
+        if self.groups is not None:
+            return GroupedHbmPS(self.groups, self.capacity, init, self.row_width, self.n_nodes, dev)
+        return HbmPS(self.capacity, self.row_width, init, 1, self.n_nodes, dev)
 
     # -- a batch -----------------------------------------------------------------------------
 
@@ -181,29 +188,29 @@ class TrainerEngine:
 
     @property
     def arena(self) -> ArenaStep:
-        """The sparse step over the table's row array (a torch view, no copy)."""
-        table: Any = self.hbm.tables[0]  # CpuHashTable or CudaHashTable: both expose ``rows``
-        if self._arena is None or self._arena[0] is not table:
-            arena = self.device.tensor(table.rows)
-            row_lr = None
-            keys = self.device.tensor(table.row_keys.view(np.int64))
+        """The sparse step over the tables' row arrays (torch views, no copy)."""
+        tables: tuple[Any, ...] = tuple(self.hbm.tables)  # CpuHashTable or CudaHashTable: rows, row_keys
+        if self._arena is None or any(a is not b for a, b in zip(self._arena[0], tables, strict=True)):
+            views = [(self.device.tensor(t.rows), self.device.tensor(t.row_keys.view(np.int64))) for t in tables]
+            lr = None
             if self.lr_by_tag is not None:  # tables of their own lr: each row's by its key's tag
                 by_tag = self.lr_by_tag
-                row_lr = lambda slots: by_tag[(keys.index_select(0, slots) >> 56) & 255].unsqueeze(1)  # noqa: E731
-            if self.groups is not None:
-                assert row_lr is not None  # several layouts: several tables, each row at its table's lr
-                by_group = torch.as_tensor(self.groups.tag_group, device=self.device.torch)
-                group_of = lambda slots: by_group[(keys.index_select(0, slots) >> 56) & 255]  # noqa: E731
-                step: ArenaStep = GroupedArenaStep(arena, self.groups, self.group_optimizers, group_of, row_lr)
+                lr = lambda g, slots: by_tag[(views[g][1].index_select(0, slots) >> 56) & 255].unsqueeze(1)  # noqa: E731
+            if isinstance(self.hbm, GroupedHbmPS):
+                arenas = [v[0] for v in views]
+                step: ArenaStep = GroupedArenaStep(arenas, self.hbm.bases, self.hbm.groups, self.group_optimizers, lr)
             else:
-                step = ArenaStep(arena, self.grad_dim, self.optimizer, row_lr=row_lr)
-            self._arena = (table, step)
+                row_lr = None if lr is None else (lambda slots, lr=lr: lr(0, slots))
+                step = ArenaStep(views[0][0], self.grad_dim, self.optimizer, row_lr=row_lr)
+            self._arena = (tables, step)
         return self._arena[1]
 
     def _find(self, keys: np.ndarray, on_device: torch.Tensor | None = None) -> torch.Tensor:
         """Slots of resident ``keys`` as an int64 tensor on the device (one table probe)."""
         table = self.hbm.tables[0]
-        if self.device.is_cuda:  # the keys are on the device already: probe them there
+        if isinstance(self.hbm, GroupedHbmPS):  # one table per group: found on the host, global slots
+            slots = torch.as_tensor(self.hbm.find(keys), device=self.device.torch)
+        elif self.device.is_cuda:  # the keys are on the device already: probe them there
             xp = self.device.xp
             if on_device is None:
                 on_device = keys_as_tensor(keys, self.device.torch)
@@ -238,9 +245,8 @@ class TrainerEngine:
             keys = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.uint64)
             on = keys_as_tensor(keys, self.device.torch)
             return layout.at_slots(self._find(keys, on), on if self.n_nodes > 1 else None, self.device.torch)
-        table = self.hbm.tables[0]
         return index_batch(
-            batch, self.config.minibatch_size, self._find, table.capacity, self.device.torch, self.n_nodes > 1
+            batch, self.config.minibatch_size, self._find, self.arena.capacity, self.device.torch, self.n_nodes > 1
         )
 
     def train_local(self, index: BatchIndex) -> list[torch.Tensor]:
@@ -292,7 +298,7 @@ class TrainerEngine:
         if k.numel() == 0 or res_keys.numel() == 0:
             return self.device.xp.zeros((k.numel(), columns), dtype=self.device.xp.float32)
         at = torch.searchsorted(res_keys, k).clamp_(max=res_keys.numel() - 1)
-        rows = self.arena.arena.index_select(0, res_slots.index_select(0, at))
+        rows = self.arena.rows(res_slots.index_select(0, at))
         return self.device.from_tensor(rows[:, :columns].contiguous())
 
     def rows(self, keys: np.ndarray) -> np.ndarray:

@@ -86,7 +86,7 @@ class ExchangePlan:
         mb_held = mb_of.index_select(0, where)
         take = where - first.index_select(0, mb_held)
         slots = res_slots.index_select(0, at.index_select(0, where))
-        span = int(engine.arena.arena.shape[0]) + 1
+        span = engine.arena.capacity + 1
         distinct, inverse = torch.unique(mb_held * span + slots, return_inverse=True)
         n_taken = torch.bincount(mb_held, minlength=n_mb)
         n_distinct = torch.bincount(torch.div(distinct, span, rounding_mode="floor"), minlength=n_mb)

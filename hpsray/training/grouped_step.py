@@ -1,14 +1,16 @@
 """The mini-batch step over a working set of rows of several layouts (tables of their own width
 or sparse optimizer, :class:`~hpsray.tiers.rowgroups.RowGroups`).
 
-The working set's arena holds every row at the widest group's width (a row of group ``g``: its
-``dims[g]`` weights, its optimizer's state, zeros to the end). :class:`GroupedArenaStep` is the
-:class:`~hpsray.training.step.ArenaStep` of such an arena: it gathers and pools as ArenaStep
-does, at the widest dim (a narrower row's columns past its dim are pooled but never read: the
-model takes each slot's first ``dim`` columns, :func:`~hpsray.models.pooling.slot_columns`), and updates each group's
-rows with the group's optimizer on the group's first ``dims[g]`` gradient columns, each row at
-its table's learning rate. Every operation is column-wise, so each row's bits are those of a
-step over its table alone (the reference trainer's).
+Each group's rows live in their own arena at the group's width (:class:`~hpsray.tiers.grouped_hbm.GroupedHbmPS`);
+a slot is global, group ``g``'s slots ``[bases[g], bases[g + 1])``. :class:`GroupedArenaStep`
+is the :class:`~hpsray.training.step.ArenaStep` of such arenas: :meth:`~GroupedArenaStep.gather`
+puts a mini-batch's rows side by side at the widest width (a narrower row's columns past its
+width zero), pooled as ArenaStep pools them at the widest dim (the model takes each slot's first
+``dim`` columns, :func:`~hpsray.models.pooling.slot_columns`); :meth:`~GroupedArenaStep.update`
+steps each group's rows with the group's optimizer on its first ``dims[g]`` gradient columns,
+each row at its table's learning rate, and writes them back to the group's arena. Every
+operation is column-wise, so each row's bits are those of a step over its table alone (the
+reference trainer's).
 """
 
 from __future__ import annotations
@@ -26,33 +28,70 @@ __all__ = ["GroupedArenaStep"]
 
 
 class GroupedArenaStep(ArenaStep):
-    """ArenaStep over an arena of rows of ``groups``' layouts (module docstring).
-    ``optimizers[g]``: group ``g``'s sparse optimizer; ``group_of(slots)``: the group of each
-    arena slot (an ``int64`` tensor); ``row_lr(slots)``: each row's learning rate."""
+    """ArenaStep over one arena per group of ``groups`` (module docstring). ``arenas[g]``:
+    group ``g``'s rows (``float32[capacity_g, widths[g]]``); ``bases``: the global slots' bounds
+    (``len(groups) + 1``); ``optimizers[g]``: group ``g``'s sparse optimizer; ``row_lr(g,
+    local_slots)``: the learning rate of each of group ``g``'s rows (``float32[n, 1]``)."""
 
     def __init__(
         self,
-        arena: torch.Tensor,
+        arenas: Sequence[torch.Tensor],
+        bases: Sequence[int],
         groups: RowGroups,
         optimizers: Sequence[SparseOptimizer],
-        group_of: Callable[[torch.Tensor], torch.Tensor],
-        row_lr: Callable[[torch.Tensor], torch.Tensor],
+        row_lr: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        if arena.shape[1] < max(groups.widths):
-            raise ValueError(f"arena rows of {arena.shape[1]} floats hold no row of {groups.describe(0)}")
-        super().__init__(arena, max(groups.dims), optimizers[0], fused=False, row_lr=row_lr)
-        self.groups, self.optimizers, self.group_of = groups, tuple(optimizers), group_of
+        if len(arenas) != len(groups) or len(bases) != len(groups) + 1:
+            raise ValueError(f"{len(groups)} groups need as many arenas and one more base, got {len(arenas)}, {bases}")
+        for g, a in enumerate(arenas):
+            if a.dim() != 2 or a.shape[1] != groups.widths[g] or a.shape[0] != bases[g + 1] - bases[g]:
+                n = bases[g + 1] - bases[g]
+                raise ValueError(f"{groups.describe(g)} needs an arena of {n} rows, got {tuple(a.shape)}")
+        width = max(groups.widths)
+        super().__init__(
+            torch.empty((0, width), dtype=torch.float32, device=arenas[0].device),
+            max(groups.dims),
+            optimizers[0],
+            fused=False,
+        )
+        self.arenas, self.bases, self.groups = list(arenas), list(bases), groups
+        self.optimizers, self.group_lr = tuple(optimizers), row_lr
+        self._bounds = torch.as_tensor(self.bases[1:-1], dtype=torch.int64, device=arenas[0].device)
+
+    @property
+    def capacity(self) -> int:
+        return self.bases[-1]
+
+    def _split(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per group, the positions of its slots among ``slots`` and its own (local) slots."""
+        group = torch.bucketize(slots, self._bounds, right=True)
+        out = []
+        for g, base in enumerate(self.bases[:-1]):
+            at = torch.nonzero(group == g).squeeze(1)
+            out.append((at, slots.index_select(0, at) - base))
+        return out
+
+    def _fill(self, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        out.zero_()
+        for g, (at, local) in enumerate(self._split(slots)):
+            out[at, : self.groups.widths[g]] = self.arenas[g].index_select(0, local)
+        return out
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of ``rows`` (global slots) at the widest width, in scratch (valid until the
+        next gather)."""
+        return self._fill(self.scratch(rows.shape[0]), rows)
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._fill(torch.empty((slots.shape[0], self.width), dtype=torch.float32, device=slots.device), slots)
 
     def update(self, slots: torch.Tensor, gathered: torch.Tensor, grads: torch.Tensor, step: int) -> None:
         """Each group's rows of ``slots`` (``gathered``: their rows) stepped by the group's
-        optimizer for their first ``dims[g]`` gradient columns, written back to the arena."""
-        group = self.group_of(slots)
-        for g, d in enumerate(self.groups.dims):
-            at = torch.nonzero(group == g).squeeze(1)
+        optimizer for their first ``dims[g]`` gradient columns, written back to its arena."""
+        for g, (at, local) in enumerate(self._split(slots)):
             if at.numel() == 0:
                 continue
-            mine = slots.index_select(0, at)
-            rows = gathered.index_select(0, at)
-            lr = self.row_lr(mine) if self.row_lr is not None else None
-            update_rows(rows, grads.index_select(0, at)[:, :d], self.optimizers[g], step, lr)
-            self.arena.index_copy_(0, mine, rows)
+            rows = gathered.index_select(0, at)[:, : self.groups.widths[g]].contiguous()
+            lr = self.group_lr(g, local) if self.group_lr is not None else None
+            update_rows(rows, grads.index_select(0, at)[:, : self.groups.dims[g]], self.optimizers[g], step, lr)
+            self.arenas[g].index_copy_(0, local, rows)

@@ -63,16 +63,33 @@ class ArenaStep:
             raise ValueError("the fused update takes one learning rate: row_lr needs fused=False")
         self._scratch = torch.empty((0, arena.shape[1]), dtype=torch.float32, device=arena.device)
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """The arena's ``rows`` (slots), copied into scratch (valid until the next gather)."""
-        n = rows.shape[0]
+    @property
+    def width(self) -> int:
+        """Floats per gathered row."""
+        return int(self._scratch.shape[1])
+
+    @property
+    def capacity(self) -> int:
+        """Slots of the arena: every slot is below it."""
+        return int(self.arena.shape[0])
+
+    def scratch(self, n: int) -> torch.Tensor:
+        """``n`` rows of reusable scratch (valid until the next call)."""
         if self._scratch.shape[0] < n:  # grows, never shrinks: large allocations fault pages in
             self._scratch = torch.empty(
-                (max(n, 2 * self._scratch.shape[0]), self.arena.shape[1]), dtype=torch.float32, device=self.arena.device
+                (max(n, 2 * self._scratch.shape[0]), self.width), dtype=torch.float32, device=self._scratch.device
             )
-        out = self._scratch[:n]
+        return self._scratch[:n]
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """The arena's ``rows`` (slots), copied into scratch (valid until the next gather)."""
+        out = self.scratch(rows.shape[0])
         torch.index_select(self.arena, 0, rows, out=out)
         return out
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The arena's rows of ``slots``, a new tensor."""
+        return self.arena.index_select(0, slots)
 
     def pool(self, gathered: torch.Tensor, mb: MiniBatchIndex) -> torch.Tensor:
         """Sum-pooled weights ``[n_examples, n_slots, dim]`` of the mini-batch, a leaf that

@@ -74,6 +74,28 @@ def test_each_table_is_sized_at_its_own_width():
     assert sum(t["lookup_share"] for t in tables.values()) == pytest.approx(1.0)
 
 
+def test_the_working_set_is_planned_one_table_per_row_group():
+    """The trainer's HBM-PS holds each group's rows at its width: the plan's table rows are
+    what a trainer has once it held the sample's batches, and its bytes fewer than one table of
+    the widest rows would take."""
+    from hpsray.plan.sizing import hbm_capacity, hbm_table_bytes
+    from hpsray.tiers.loans import Loan
+    from hpsray.training.engine import TrainerEngine
+
+    job = JobConfig.from_dict(job_dict(MIXED), where="job.toml")
+    trainer = make_plan(job, calibrate_stages=False).per_node["trainer"]
+    sample = read_sample(job, 16_000)
+    cfg = job.train_config()
+    engine = TrainerEngine(cfg, sample.n_slots, sample.n_dense, capacity=hbm_capacity(job, sample.n_slots))
+    for keys in sample.batch_keys:
+        k = np.unique(keys)
+        engine.borrow(0, [k], [Loan(np.zeros((k.size, cfg.row_width), np.float32))])
+    assert [t.width for t in engine.hbm.tables] == [8, 32, 24]
+    assert trainer["hbm_table_rows"] == sum(t.capacity for t in engine.hbm.tables)
+    padded, _ = hbm_table_bytes(trainer["hbm_capacity_rows"], cfg.row_width, 1, trainer["hbm_working_set_rows"])
+    assert trainer["hbm_bytes"] < 0.85 * padded
+
+
 def test_a_small_budget_goes_to_the_tables_by_their_lookups():
     job = JobConfig.from_dict(job_dict(MIXED, mem_rows=5000), where="job.toml")
     tables = make_plan(job, calibrate_stages=False).per_node["tables"]
