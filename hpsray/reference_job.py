@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpsray.errors import ConfigError
 from hpsray.evaluation import EvalPoint, EvalTrack
 from hpsray.report import Evaluation, RunReport
 
@@ -26,19 +25,20 @@ __all__ = ["evaluate_into", "train_reference"]
 def preload(trainer: ReferenceTrainer, spec: Any) -> None:
     """Start ``trainer``'s tables from the rows of ``[tiers] init_from`` (``spec``, a
     ``TableImport`` the job's tables were checked against): each table's rows are the keys of
-    its tag. Tables of several widths are refused (no export holds them yet)."""
-    from hpsray.tiers.ssd.bulkload import read_table
+    its tag; tables of several widths read from the export's columns as wide as the widest
+    table's parts (each row its own weights, then its own state)."""
+    from hpsray.tiers.ssd.bulkload import narrow, read_table
 
     tables = trainer.tables
     if tables is None:
         trainer.store.preload(*read_table(spec.path, spec.dim, trainer.config.row_width, spec.state_value))
         return
-    if len(set(tables.widths)) > 1:
-        raise ConfigError("[tiers] init_from", "tables", f"of several widths ({tables.describe()}): none imports yet")
-    keys, rows = read_table(spec.path, tables.dims[0], tables.widths[0], spec.state_value)
+    dim = max(tables.dims)
+    width = dim + max(w - d for w, d in zip(tables.widths, tables.dims, strict=True))
+    keys, rows = read_table(spec.path, dim, width, spec.state_value)
     tag = tables.table_of(keys)
     for t, store in enumerate(trainer.stores):
-        store.preload(keys[tag == t], rows[tag == t])
+        store.preload(keys[tag == t], narrow(rows[tag == t], dim, tables.dims[t], tables.widths[t]))
 
 
 def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:

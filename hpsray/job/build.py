@@ -16,7 +16,7 @@ from hpsray.job.jobconfig import JobConfig
 from hpsray.pipelines.pipeline import Pipeline
 from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import FileSource, SyntheticSource
-from hpsray.tables import import_refusal, mixed_layouts, refuse_for_pipeline
+from hpsray.tables import import_refusal, refuse_for_pipeline
 from hpsray.tiers.ssd.bulkload import TableImport
 
 __all__ = ["checkpoint", "cluster_kwargs", "eval_source", "init_from", "pipeline", "source", "stages"]
@@ -72,13 +72,6 @@ def init_from(job: JobConfig) -> dict:
             job.where, "tiers.init_from", f"loads one node's SSD-PS; set cluster.nodes = 1 (got {job.cluster.nodes})"
         )
     config = job.train_config()
-    if mixed_layouts(config):
-        raise ConfigError(
-            job.where,
-            "tiers.init_from",
-            "imports rows of one layout; tables of their own dims or sparse optimizers "
-            f"({config.tables_for(source(job).n_slots).describe()}) import none yet",
-        )
     refusal = import_refusal(exported_tables(job.tiers.init_from), config.tables_for(source(job).n_slots))
     if refusal:
         raise ConfigError(job.where, "tiers.init_from", f"{job.tiers.init_from} {refusal}")

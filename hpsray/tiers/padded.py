@@ -197,7 +197,7 @@ class PaddedSSDPS:
         return self.grouped.contains(keys)
 
     def bulk_load(self, spec: TableImport, shard: tuple[int, int] | None = None) -> dict:
-        raise ValueError("tiers.init_from: a model of tables of several row layouts imports no table yet")
+        return self.grouped.bulk_load(spec, shard)
 
     def snapshot(self, dest: str | os.PathLike, *, link: bool = True) -> dict:
         return self.grouped.snapshot(dest, link=link)

@@ -3,11 +3,13 @@ schema, a three-table job trained by ``hpsray train --reference`` and by the pip
 
 import json
 
+import numpy as np
 import pytest
 
 from hpsray.__main__ import main
 from hpsray.data import PlantedCTR, write_synthetic
 from hpsray.errors import ConfigError
+from hpsray.export.read import load_export
 from hpsray.job import JobConfig
 
 SYNTHETIC = {"rows": 600, "eval_rows": 200, "slots": 4, "nnz": 7, "keys": 100, "dense": 3}
@@ -149,7 +151,7 @@ lr = 0.002
 def test_hpsray_train_runs_tables_of_their_own_width_and_equals_the_reference_to_the_bit(tmp_path, capsys, ray_local):
     """The issue's three tables (dim-4 sum, dim-16 mean, dim-8 Adam) through ``hpsray train``:
     rows spilled to SSD-PS at each table's width, equal to ``--reference``'s export at tolerance 0;
-    ``init_from`` refused before Ray starts."""
+    the export starts a job of the same tables (``init_from``), and that equals the reference too."""
     path = tmp_path / "job.toml"
     body = (
         "[data.synthetic]\nrows = 1200\neval_rows = 200\nslots = 4\nnnz = 7\nkeys = 400\ndense = 3\n\n"
@@ -177,8 +179,19 @@ def test_hpsray_train_runs_tables_of_their_own_width_and_equals_the_reference_to
     assert [t["row_bytes"] for t in data["tables"].values()] == [32, 128, 96]  # 4+4, 16+16, 8+16 floats
     again = tmp_path / "again.toml"
     again.write_text(path.read_text().replace("[tiers]\n", f'[tiers]\ninit_from = "{ref}"\n'))
-    assert main(["train", str(again), "--no-plan", "--quiet"]) == 2
-    assert "tiers.init_from" in capsys.readouterr().err
+    ref2 = tmp_path / "reference2"
+    assert main(["train", "--reference", str(again), "--quiet", "--export", str(ref2)]) == 0
+    capsys.readouterr()
+    code = main(["train", str(again), "--compare", str(ref2), "--tolerance", "0", "--report", str(report), "--no-plan"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:] + out.out[-3000:]
+    data = json.loads(report.read_text())
+    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    # the same job without the import is the first run: started from its rows, the rows differ
+    (k1, r1, _), (k2, r2, _) = load_export(ref), load_export(ref2)
+    o1, o2 = np.argsort(k1), np.argsort(k2)
+    np.testing.assert_array_equal(k1[o1], k2[o2])
+    assert not np.array_equal(r1[o1], r2[o2])
 
 
 def test_hpsray_train_runs_tables_of_one_width_and_equals_the_reference_to_the_bit(tmp_path, capsys, ray_local):

@@ -202,3 +202,43 @@ def test_mem_ps_budget_goes_first_to_each_groups_pinned_rows_then_by_share(group
     # equal shares of the keys: equal rows, each at its width (8, 32, 24 floats), within the budget
     assert max(by_bytes) - min(by_bytes) <= 0.2 * max(by_bytes)  # (hash buckets weigh more on narrow rows)
     assert sum(r * (4 * w + 54) for r, w in zip(by_bytes, groups.widths)) <= 1 << 20
+
+
+def test_an_export_of_the_tables_loads_each_groups_rows_at_its_width(groups, tmp_path):
+    """``init_from`` of tables of several layouts: the export's rows (weights and state columns
+    as wide as the widest table's parts) go to their groups' stores, each row its own weights
+    and state; a store of another node takes only its keys."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hpsray.export.layout import ExportLayout
+    from hpsray.tiers.partition import owner_of
+    from hpsray.tiers.ssd.bulkload import TableImport
+
+    layout = ExportLayout.of(CONFIG)
+    assert layout is not None and (layout.dim, layout.state_width) == (16, 16)
+    keys = keys_of(2000, 5)
+    trained = np.zeros((keys.size, max(groups.widths)), np.float32)
+    want = rows_of(groups, keys, 0.25)
+    for a, r in zip(want.at, want.rows, strict=True):
+        trained[a, : r.shape[1]] = r
+    stored = layout.to_export(keys, trained)
+    export = tmp_path / "export"
+    export.mkdir()
+
+    def column(values: np.ndarray) -> pa.Array:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+
+    table = pa.table({"key": pa.array(keys), "weights": column(stored[:, :16]), "state": column(stored[:, 16:])})
+    pq.write_table(table, export / "rows-0.parquet")
+    spec = TableImport(str(export), CONFIG.row_dim)
+    with GroupedSSDPS(tmp_path / "ssd", groups, rows_per_file=256, background=False) as store:
+        assert store.bulk_load(spec)["rows"] == keys.size
+        got, found = store.load(keys)
+    assert found.all()
+    assert_rows(got, want)
+    with GroupedSSDPS(tmp_path / "node1", groups, rows_per_file=256, background=False) as store:
+        store.bulk_load(spec, shard=(1, 2))
+        mine = owner_of(keys, 2) == 1
+        assert len(store) == int(mine.sum())
+        assert store.contains(keys).tolist() == mine.tolist()

@@ -31,12 +31,13 @@ import numpy as np
 
 from hpsray.errors import SSDError, TableImportError
 from hpsray.fileio import FULL_ERRNOS, fsync_dir, fsync_path, full_error, unlink_quiet
+from hpsray.tables import TAG_SHIFT
 from hpsray.tiers.ssd.files import FileTable
 from hpsray.tiers.ssd.keymap import KeyMap
 from hpsray.tiers.ssd.paramfile import file_bytes, file_name, write_tmp
 from hpsray.tiers.ssd.state import StoreState
 
-__all__ = ["TableImport", "bulk_load", "declared_rows", "import_files", "iter_table", "read_table"]
+__all__ = ["TableImport", "bulk_load", "declared_rows", "import_files", "iter_table", "narrow", "read_table"]
 
 ROW_COLUMNS = ("row", "weights")
 BATCH_ROWS = 1 << 18  # rows per Parquet record batch read
@@ -46,11 +47,41 @@ BATCH_ROWS = 1 << 18  # rows per Parquet record batch read
 class TableImport:
     """What ``[tiers] init_from`` asks the SSD-PS of a fresh job to load: the directory, the
     embedding width ``dim`` (the rest of a row is optimizer state) and the state's initial value
-    (for tables without a ``state`` column)."""
+    (for tables without a ``state`` column). For one row group of tables of several layouts
+    (an export of them, docs/export.md "Tables"): ``columns``, the export's ``(weights,
+    state)`` widths (the widest table's: a row's own then zeros), and ``tags``, the group's
+    tables (the keys' top byte) whose keys the store takes."""
 
     path: str
     dim: int
     state_value: float = 0.0
+    columns: tuple[int, int] | None = None
+    tags: tuple[int, ...] | None = None
+
+    def read_width(self, width: int) -> tuple[int, int]:
+        """``(weights, floats)`` a row of the import is read as, for a store of ``width``."""
+        if self.columns is None:
+            return self.dim, width
+        return self.columns[0], self.columns[0] + self.columns[1]
+
+    def select(self, keys: np.ndarray, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rows read (``rows`` of ``keys``, :meth:`read_width`) that the store takes, at its
+        ``width``: those of ``tags`` (all without), each its ``dim`` weights then its state."""
+        if self.tags is not None:
+            mine = np.isin((keys >> TAG_SHIFT).astype(np.int64), np.asarray(self.tags, np.int64))
+            keys, rows = keys[mine], rows[mine]
+        if self.columns is None:
+            return keys, rows
+        return keys, narrow(rows, self.columns[0], self.dim, width)
+
+
+def narrow(rows: np.ndarray, read_dim: int, dim: int, width: int) -> np.ndarray:
+    """Rows of ``read_dim`` weights then state (an export of tables of several layouts) as rows
+    of their table's ``dim`` weights and ``width - dim`` state."""
+    out = np.empty((rows.shape[0], width), np.float32)
+    out[:, :dim] = rows[:, :dim]
+    out[:, dim:] = rows[:, read_dim : read_dim + width - dim]
+    return out
 
 
 def import_files(directory: str) -> list[tuple[str, int | None]]:
@@ -218,6 +249,7 @@ def bulk_load(
     width, rpf = store.width, store.rows_per_file
     if not 0 < spec.dim <= width:
         raise TableImportError(f"init_from {spec.path}: dim {spec.dim} does not fit rows of width {width}")
+    read_dim, read_width = spec.read_width(width)
     with store.dump_lock, store.compaction_lock:
         store.check_open()
         with store.lock:
@@ -264,9 +296,10 @@ def bulk_load(
             fill = 0
 
         try:
-            for path, keys, rows in iter_table(spec.path, spec.dim, width, spec.state_value, batch_rows):
+            for path, keys, rows in iter_table(spec.path, read_dim, read_width, spec.state_value, batch_rows):
                 sources.add(path)
                 current = path
+                keys, rows = spec.select(keys, rows, width)
                 if shard is not None and shard[1] > 1:
                     mine = owner_of(keys, shard[1]) == shard[0]
                     keys, rows = keys[mine], rows[mine]

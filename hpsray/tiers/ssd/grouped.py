@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from hpsray.kernels.table import as_keys
 from hpsray.tiers.rowgroups import GroupedRows, RowGroups, sum_stats
+from hpsray.tiers.ssd.bulkload import TableImport
 from hpsray.tiers.ssd.compaction import space_ratio
 from hpsray.tiers.ssd.store import SSDPS
 
@@ -87,6 +89,22 @@ class GroupedSSDPS:
         return sum(
             store.delete(keys[at]) for store, at in zip(self.stores, self.groups.split(keys), strict=True) if at.size
         )
+
+    def bulk_load(self, spec: TableImport, shard: tuple[int, int] | None = None) -> dict:
+        """Load an export of these tables (each row its weights, then zeros to the widest
+        table's dim; its state likewise, docs/export.md "Tables") into the empty stores: each
+        group's keys and rows at its width (:func:`~hpsray.tiers.ssd.bulkload.bulk_load`). A
+        failure leaves the groups before the failing one loaded: the store must be removed before
+        another import (the error of a second one says so)."""
+        g = self.groups
+        columns = (max(g.dims), max(w - d for w, d in zip(g.widths, g.dims, strict=True)))
+        done = [
+            store.bulk_load(replace(spec, dim=g.dims[i], columns=columns, tags=g.tables[i]), shard)
+            for i, store in enumerate(self.stores)
+        ]
+        out = {k: sum(d[k] for d in done) for k in ("rows", "files", "bytes", "seconds")}
+        out["source_files"] = max(d["source_files"] for d in done)
+        return out
 
     def needs_compaction(self) -> bool:
         return any(s.needs_compaction() for s in self.stores)
