@@ -45,8 +45,7 @@ __all__ = [
     "key_tagging",
     "layout_of",
     "mixed_layouts",
-    "pipeline_refusal",
-    "refuse_for_pipeline",
+    "check_tables",
     "table_admission",
     "table_layouts",
     "tag_keys",
@@ -372,24 +371,11 @@ def layout_of(spec: TableSpec) -> tuple:
 
 def mixed_layouts(config: RowDefaults) -> bool:
     """Whether ``config``'s tables have rows of more than one layout (:func:`layout_of`): the
-    working set, the loans and the tiers then hold rows of the widest table's width."""
+    tiers then hold one store per layout, and rows cross between stages at the widest table's
+    width."""
     if len(config.tables) < 2:
         return False
     return len({layout_of(_resolve(spec, i, config)) for i, spec in enumerate(config.tables)}) > 1
-
-
-def pipeline_refusal(config: RowDefaults, n_slots: int, consistency: str = "bsp", n_devices: int = 1) -> str | None:
-    """Why the distributed pipeline cannot run ``config``'s tables (``None`` when it can). It
-    runs any tables, each with its own width, pooling, sparse optimizer, learning rate and
-    admission; tables of several row layouts (:func:`mixed_layouts`) under BSP with one device
-    per node (the relaxed modes and the device mesh exchange rows of one layout: not yet)."""
-    tables = Tables.of(config, n_slots)  # the tables' own checks, against the number of slots
-    if not mixed_layouts(config) or (consistency == "bsp" and n_devices == 1):
-        return None
-    return (
-        f"tables of their own dims or sparse optimizers ({tables.describe()}) train under "
-        f"consistency = 'bsp' with one device per node; got consistency = {consistency!r}, n_devices = {n_devices}"
-    )
 
 
 def table_admission(
@@ -456,12 +442,9 @@ def import_refusal(exported: Any, tables: Tables | None) -> str | None:
     return f"was exported with the tables {theirs}; this job's are {mine} (name, slots, dim): the keys' tags differ"
 
 
-def refuse_for_pipeline(config: RowDefaults, n_slots: int, where: str, sync: Any = None, devices: Any = None) -> None:
-    """Raise :class:`~hpsray.errors.ConfigError` (``where``, key ``tables``) with
-    :func:`pipeline_refusal`'s reason, if any; ``sync`` gives the ``consistency`` (a
-    ``SyncSettings`` or ``[cluster]``), ``devices`` the ``n_devices`` (``TrainerSettings`` or
-    ``[pipeline]``); ``None``: BSP, one device."""
-    consistency = str(getattr(sync, "consistency", "bsp"))
-    refusal = pipeline_refusal(config, n_slots, consistency, int(getattr(devices, "n_devices", 1)))
-    if refusal:
-        raise ConfigError(where, "tables", refusal)
+def check_tables(config: RowDefaults, n_slots: int) -> None:
+    """The tables' own checks against a source of ``n_slots`` slots, before Ray starts: raises
+    :class:`~hpsray.errors.ConfigError` naming the table. The pipeline runs any tables (each its
+    own width, pooling, sparse optimizer, learning rate and admission) in every consistency mode
+    and on any number of devices."""
+    Tables.of(config, n_slots)

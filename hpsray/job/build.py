@@ -16,7 +16,7 @@ from hpsray.job.jobconfig import JobConfig
 from hpsray.pipelines.pipeline import Pipeline
 from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import FileSource, SyntheticSource
-from hpsray.tables import import_refusal, refuse_for_pipeline
+from hpsray.tables import check_tables, import_refusal
 from hpsray.tiers.ssd.bulkload import TableImport
 
 __all__ = ["checkpoint", "cluster_kwargs", "eval_source", "init_from", "pipeline", "source", "stages"]
@@ -89,10 +89,10 @@ def exported_tables(directory: str) -> list | None:
 
 
 def cluster_kwargs(job: JobConfig) -> dict:
-    """Extra :class:`~hpsray.pipelines.Pipeline` arguments of ``[cluster]``; a job whose
-    ``[[tables]]`` the pipeline does not run yet is refused here, before Ray starts."""
+    """Extra :class:`~hpsray.pipelines.Pipeline` arguments of ``[cluster]``; ``[[tables]]``
+    that do not fit the source are refused here, before Ray starts."""
     if job.tables:
-        refuse_for_pipeline(job.train_config(), source(job).n_slots, job.where, job.cluster, job.pipeline)
+        check_tables(job.train_config(), source(job).n_slots)
     c = job.cluster
     if c.chunk_bytes < 4:
         raise ConfigError(job.where, "cluster.chunk_bytes", f"must be at least 4 bytes, got {c.chunk_bytes}")

@@ -60,7 +60,7 @@ from hpsray.pipelines.sources import PipelineSource
 from hpsray.pipelines.summary import run_report
 from hpsray.pipelines.tensorboard import TensorBoardLog
 from hpsray.report import RunReport
-from hpsray.tables import admits_late, key_tagging, refuse_for_pipeline
+from hpsray.tables import admits_late, check_tables, key_tagging
 
 
 class _EndPass(PrivateControlFlow):
@@ -159,7 +159,7 @@ class Pipeline:
             )
         self._aggregators: list | None = None
         self.config = self.trainer_settings.config
-        refuse_for_pipeline(self.config, source.n_slots, "Pipeline", self.sync, self.trainer_settings)
+        check_tables(self.config, source.n_slots)
         self._nodes: list[NodeActors] = []
         self._tmp: str | None = None
         self._started_ray = False

@@ -10,7 +10,7 @@ from hpsray.config import TrainConfig
 from hpsray.data.keys import hash_keys
 from hpsray.errors import ConfigError
 from hpsray.kernels.hashing import EMPTY_KEY
-from hpsray.tables import MAX_TABLES, TableSpec, pipeline_refusal
+from hpsray.tables import MAX_TABLES, TableSpec, check_tables
 
 
 @pytest.mark.parametrize(
@@ -135,12 +135,8 @@ def test_the_pipeline_runs_tables_of_any_width_and_optimizer():
         (TableSpec("all", (0, 1), 4, optimizer="adam"),),
         (TableSpec("a", (0,), 4), TableSpec("b", (1,), 4, sparse_params={"eps": 0.1})),
     ):
-        assert pipeline_refusal(TrainConfig(dim=4, tables=tables), 2) is None
-    mixed = TrainConfig(dim=4, tables=(TableSpec("a", (0,), 4), TableSpec("b", (1,), 8, optimizer="adam")))
-    for consistency, devices in (("ssp", 1), ("asp", 1), ("bsp", 2)):  # rows of one layout there: not yet
-        refusal = pipeline_refusal(mixed, 2, consistency, devices)
-        assert refusal is not None and "consistency = 'bsp' with one device per node" in refusal
-        assert "a (dim 4, sum), b (dim 8, sum)" in refusal
-    assert pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("a", (0,), 4),)), 1, "ssp", 2) is None
-    with pytest.raises(ConfigError, match="slot 2 is out of range"):  # the tables' own checks still run
-        pipeline_refusal(TrainConfig(dim=4, tables=(TableSpec("a", (0, 1, 2), 4),)), 2)
+        check_tables(TrainConfig(dim=4, tables=tables), 2)
+    # tables of several layouts in every mode: tests/cluster/test_tables_cluster.py
+    check_tables(TrainConfig(dim=4, tables=(TableSpec("a", (0,), 4), TableSpec("b", (1,), 8, optimizer="adam"))), 2)
+    with pytest.raises(ConfigError, match="slot 2 is out of range"):  # the tables' own checks
+        check_tables(TrainConfig(dim=4, tables=(TableSpec("a", (0, 1, 2), 4),)), 2)
