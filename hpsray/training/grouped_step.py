@@ -57,25 +57,53 @@ class GroupedArenaStep(ArenaStep):
         self.arenas, self.bases, self.groups = list(arenas), list(bases), groups
         self.optimizers, self.group_lr = tuple(optimizers), row_lr
         self._bounds = torch.as_tensor(self.bases[1:-1], dtype=torch.int64, device=arenas[0].device)
+        self._last: tuple[torch.Tensor, list] | None = None  # the last slots split, and their split
+        self._parts = [torch.empty((0, w), dtype=torch.float32, device=arenas[0].device) for w in groups.widths]
 
     @property
     def capacity(self) -> int:
         return self.bases[-1]
 
-    def _split(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per group, the positions of its slots among ``slots`` and its own (local) slots."""
-        group = torch.bucketize(slots, self._bounds, right=True)
-        out = []
-        for g, base in enumerate(self.bases[:-1]):
-            at = torch.nonzero(group == g).squeeze(1)
-            out.append((at, slots.index_select(0, at) - base))
+    def _split(self, slots: torch.Tensor) -> list[tuple[slice | torch.Tensor, torch.Tensor]]:
+        """Per group, where its slots are among ``slots`` (a slice when ``slots`` are sorted, as
+        a mini-batch's rows are when the trainer indexes the batch; else their positions) and its
+        own (local) slots. The last split is kept: a step gathers and updates the same slots."""
+        if self._last is not None and self._last[0] is slots:
+            return self._last[1]
+        out: list[tuple[slice | torch.Tensor, torch.Tensor]] = []
+        n = slots.shape[0]
+        if n < 2 or bool((slots[1:] >= slots[:-1]).all()):  # one read: ranges, no masks
+            cuts = [0, *torch.searchsorted(slots, self._bounds).tolist(), n]
+            for g, base in enumerate(self.bases[:-1]):
+                out.append((slice(cuts[g], cuts[g + 1]), slots[cuts[g] : cuts[g + 1]] - base))
+        else:
+            group = torch.bucketize(slots, self._bounds, right=True)
+            for g, base in enumerate(self.bases[:-1]):
+                at = torch.nonzero(group == g).squeeze(1)
+                out.append((at, slots.index_select(0, at) - base))
+        self._last = (slots, out)
         return out
 
     def _fill(self, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         out.zero_()
         for g, (at, local) in enumerate(self._split(slots)):
-            out[at, : self.groups.widths[g]] = self.arenas[g].index_select(0, local)
+            w = self.groups.widths[g]
+            if isinstance(at, slice):
+                torch.index_select(self.arenas[g], 0, local, out=self._part(g, local.shape[0]))
+                out[at, :w] = self._parts[g][: local.shape[0]]
+            else:
+                out[at, :w] = self.arenas[g].index_select(0, local)
         return out
+
+    def _part(self, g: int, n: int) -> torch.Tensor:
+        """Scratch of ``n`` rows of group ``g``'s width (grows, never shrinks)."""
+        if self._parts[g].shape[0] < n:
+            self._parts[g] = torch.empty(
+                (max(n, 2 * self._parts[g].shape[0]), self.groups.widths[g]),
+                dtype=torch.float32,
+                device=self._parts[g].device,
+            )
+        return self._parts[g][:n]
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows of ``rows`` (global slots) at the widest width, in scratch (valid until the
@@ -89,9 +117,13 @@ class GroupedArenaStep(ArenaStep):
         """Each group's rows of ``slots`` (``gathered``: their rows) stepped by the group's
         optimizer for their first ``dims[g]`` gradient columns, written back to its arena."""
         for g, (at, local) in enumerate(self._split(slots)):
-            if at.numel() == 0:
+            if local.numel() == 0:
                 continue
-            rows = gathered.index_select(0, at)[:, : self.groups.widths[g]].contiguous()
+            w, d = self.groups.widths[g], self.groups.dims[g]
+            if isinstance(at, slice):  # the group's rows in place in ``gathered``
+                rows, grad = gathered[at, :w], grads[at, :d]
+            else:
+                rows, grad = gathered.index_select(0, at)[:, :w], grads.index_select(0, at)[:, :d]
             lr = self.group_lr(g, local) if self.group_lr is not None else None
-            update_rows(rows, grads.index_select(0, at)[:, : self.groups.dims[g]], self.optimizers[g], step, lr)
+            update_rows(rows, grad, self.optimizers[g], step, lr)
             self.arenas[g].index_copy_(0, local, rows)

@@ -103,3 +103,37 @@ def test_the_trainers_working_set_holds_rows_at_their_tables_widths():
         w = GROUPS.widths[g]
         assert not np.any(after[at, w:])  # returned padded: zeros past the group's width
         assert not torch.equal(before[g], torch.as_tensor(np.asarray(engine.hbm.tables[g].rows)))
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_the_grouped_step_gathers_and_updates_each_groups_rows_in_any_slot_order(order):
+    """A mini-batch's slots come sorted from the trainer's own index (each group a range) and in
+    key order from the read stage's (positions): both give the bits of each group stepped alone
+    with its optimizer in its own arena."""
+    from hpsray.training.grouped_step import GroupedArenaStep
+    from hpsray.training.sparse_update import update_rows
+
+    tables = CONFIG.tables_for(4)
+    optimizers = [tables.optimizers[ts[0]] for ts in GROUPS.tables]
+    sizes = [50, 40, 30]
+    bases = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    rng = np.random.default_rng(4)
+    arenas = [torch.as_tensor(rng.random((n, w), dtype=np.float32)) for n, w in zip(sizes, GROUPS.widths, strict=True)]
+    want = [a.clone() for a in arenas]
+    step = GroupedArenaStep(arenas, bases, GROUPS, optimizers)
+    slots = torch.as_tensor(np.sort(rng.choice(bases[-1], 60, replace=False)))
+    if order == "shuffled":
+        slots = slots[torch.as_tensor(rng.permutation(60))]
+    grads = torch.as_tensor(rng.standard_normal((60, step.dim), dtype=np.float32))
+    gathered = step.gather(slots)
+    for i, s in enumerate(slots.tolist()):
+        g = int(np.searchsorted(bases, s, side="right")) - 1
+        w = GROUPS.widths[g]
+        assert torch.equal(gathered[i, :w], want[g][s - bases[g]]) and not gathered[i, w:].any()
+    step.update(slots, gathered, grads, 3)
+    for g, (base, d) in enumerate(zip(bases, GROUPS.dims, strict=False)):
+        mine = ((slots >= base) & (slots < bases[g + 1])).nonzero().squeeze(1)
+        rows = want[g][slots[mine] - base]
+        update_rows(rows, grads[mine, :d], optimizers[g], 3)
+        want[g][slots[mine] - base] = rows
+        assert torch.equal(arenas[g], want[g]), g
