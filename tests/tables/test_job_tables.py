@@ -148,6 +148,20 @@ lr = 0.002
     assert [t["dim"] for t in manifest["tables"]] == [4, 16, 8]
 
 
+def equal_to_reference(job, export, capsys) -> tuple[dict, object]:
+    """``hpsray train --reference JOB --export EXPORT``, then ``hpsray train JOB --compare
+    EXPORT --tolerance 0``: the run report (equal, asserted) and the second command's output."""
+    assert main(["train", "--reference", str(job), "--quiet", "--export", str(export)]) == 0
+    capsys.readouterr()
+    report = export.parent / f"{export.name}.json"
+    code = main(["train", str(job), "--compare", str(export), "--tolerance", "0", "--report", str(report), "--no-plan"])
+    out = capsys.readouterr()
+    assert code == 0, out.err[-3000:] + out.out[-3000:]
+    data = json.loads(report.read_text())
+    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    return data, out
+
+
 def test_hpsray_train_runs_tables_of_their_own_width_and_equals_the_reference_to_the_bit(tmp_path, capsys, ray_local):
     """The issue's three tables (dim-4 sum, dim-16 mean, dim-8 Adam) through ``hpsray train``:
     rows spilled to SSD-PS at each table's width, equal to ``--reference``'s export at tolerance 0;
@@ -167,26 +181,13 @@ def test_hpsray_train_runs_tables_of_their_own_width_and_equals_the_reference_to
     )
     path.write_text(body + tables)
     ref = tmp_path / "reference"
-    assert main(["train", "--reference", str(path), "--quiet", "--export", str(ref)]) == 0
-    capsys.readouterr()
-    report = tmp_path / "r.json"
-    code = main(["train", str(path), "--compare", str(ref), "--tolerance", "0", "--report", str(report), "--no-plan"])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-3000:] + out.out[-3000:]
-    data = json.loads(report.read_text())
-    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    data, out = equal_to_reference(path, ref, capsys)
     assert data["ssd"]["bytes_written"] > 0
     assert [t["row_bytes"] for t in data["tables"].values()] == [32, 128, 96]  # 4+4, 16+16, 8+16 floats
     again = tmp_path / "again.toml"
     again.write_text(path.read_text().replace("[tiers]\n", f'[tiers]\ninit_from = "{ref}"\n'))
     ref2 = tmp_path / "reference2"
-    assert main(["train", "--reference", str(again), "--quiet", "--export", str(ref2)]) == 0
-    capsys.readouterr()
-    code = main(["train", str(again), "--compare", str(ref2), "--tolerance", "0", "--report", str(report), "--no-plan"])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-3000:] + out.out[-3000:]
-    data = json.loads(report.read_text())
-    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    equal_to_reference(again, ref2, capsys)
     # the same job without the import is the first run: started from its rows, the rows differ
     (k1, r1, _), (k2, r2, _) = load_export(ref), load_export(ref2)
     o1, o2 = np.argsort(k1), np.argsort(k2)
@@ -208,27 +209,14 @@ def test_hpsray_train_runs_tables_of_one_width_and_equals_the_reference_to_the_b
         '[[tables]]\nname = "ids"\nslots = [3]\ndim = 4\nlr = 0.2\n'
     )
     ref = tmp_path / "reference"
-    assert main(["train", "--reference", str(path), "--quiet", "--export", str(ref)]) == 0
-    capsys.readouterr()
-    report = tmp_path / "r.json"
-    code = main(["train", str(path), "--compare", str(ref), "--tolerance", "0", "--report", str(report), "--no-plan"])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-3000:] + out.out[-3000:]
-    data = json.loads(report.read_text())
-    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    data, out = equal_to_reference(path, ref, capsys)
     assert data["ssd"]["bytes_written"] > 0 and list(data["tables"]) == ["small", "lists", "ids"]
     assert "table ids: " in out.out
     # the export starts a job of the same tables (init_from): the pipeline equals the reference from it
     again = tmp_path / "again.toml"
     again.write_text(path.read_text().replace("[tiers]\n", f'[tiers]\ninit_from = "{ref}"\n'))
     ref2 = tmp_path / "reference2"
-    assert main(["train", "--reference", str(again), "--quiet", "--export", str(ref2)]) == 0
-    capsys.readouterr()
-    code = main(["train", str(again), "--compare", str(ref2), "--tolerance", "0", "--report", str(report), "--no-plan"])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-3000:] + out.out[-3000:]
-    data = json.loads(report.read_text())
-    assert data["compare"]["equal"] and data["compare"]["max_abs_row_diff"] == 0.0
+    equal_to_reference(again, ref2, capsys)
     # tables in another order tag the keys otherwise: refused before Ray, naming both lists
     swapped = tmp_path / "swapped.toml"
     text = again.read_text()
