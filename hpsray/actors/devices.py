@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpsray.actors.ahead import trainer_actor
+
 
 def start_device_workers(trainer: type, args: tuple, placement: Any, name: str | None) -> list:
     """The node's ``trainer`` processes for devices ``1 .. D-1`` (``args``: the trainer's own
@@ -20,7 +22,7 @@ def start_device_workers(trainer: type, args: tuple, placement: Any, name: str |
         opts = device_options(d, placement, here)
         if name:
             opts["name"] = f"{name[:-1]}, device {d}]" if name.endswith("]") else f"{name}[device {d}]"
-        workers.append(ray.remote(trainer).options(**opts).remote(*args, device_index=d))
+        workers.append(trainer_actor(trainer).options(**opts).remote(*args, device_index=d))
     return workers
 
 

@@ -6,18 +6,20 @@ answers Ray; a batch is one call of the strategy."""
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import ray
 import torch
 
 from hpsray.actors import joining
+from hpsray.actors.ahead import AHEAD_GROUP, Ahead
 from hpsray.actors.devices import a_worker_died, start_device_workers
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import DevicePart, Returned, TrainData, TrainInputs, TrainOutcome, TrainReturns
 from hpsray.actors.timing import StageClock
-from hpsray.actors.working_set import fetch_keep_masks
+from hpsray.actors.working_set import fetch_keep_masks, fetch_upcoming, keep_masks
 from hpsray.cluster import faults
 from hpsray.cluster.mesh import rendezvous_address
 from hpsray.cluster.updates import crosses_batches
@@ -64,7 +66,8 @@ class Trainer:
     ) -> None:
         self.node, self.config = node, config  # first, so repr() works if the rest fails
         self.n_nodes, self.n_devices, self.device_index = n_nodes, n_devices, device_index
-        torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.threads = threads or os.cpu_count() or 1
+        torch.set_num_threads(self.threads)
         # with D devices, this process holds one device's share of the node's working set
         share = capacity if n_devices == 1 else int(np.ceil(capacity / n_devices * 1.25)) + 64
         self.workers: list[Any] = []  # device 0 starts the node's other D - 1 (actor handles)
@@ -77,6 +80,8 @@ class Trainer:
         self.strategy: Strategy = LocalSteps(self.engine, self.clock.timed)  # until join
         self.crosses_batches = False  # SSP/ASP: the clock runs across batch ends (from join)
         self._pending: list[Any] = []  # the other devices' parts of the batch in flight (refs)
+        self.ahead = Ahead()  # batches' inputs fetched on the second thread (fetch_ahead)
+        self.fetched_ahead = 0  # batches trained on inputs fetched ahead
         # the table's numba kernels compile here, before the pipeline's clock
         width, init = config.row_width, config.row_init()
         warm_trainer_step(HbmPS(256, width, init, 1, n_nodes, device), init, width, n_slots, n_dense)
@@ -141,7 +146,14 @@ class Trainer:
         Trainers of several nodes step through the same number of global mini-batches
         (``inputs.sizes``); if one lacks its inputs, all fail the batch together."""
         self._pending = [w.train_part.remote(batch_id, inputs) for w in self.workers]
-        got, keep = self._resolve(batch_id, inputs), self._keep(inputs)
+        if torch.get_num_threads() != self.threads:  # a threaded actor's calls may run on a new thread
+            torch.set_num_threads(self.threads)
+        ahead = self.ahead.take(batch_id)
+        if ahead is None:
+            got, keep = self._resolve(batch_id, inputs), self._keep(inputs)
+        else:
+            got, keep = ahead.inputs(), self._keep(inputs, ahead.upcoming)
+            self.fetched_ahead += 1
         try:
             result = self.strategy.run_batch(batch_id, got, inputs.sizes, keep)
         except Exception:
@@ -154,6 +166,14 @@ class Trainer:
         self.gauges.set(loss=result.loss, examples_per_s=per_s)
         self.gauges.set_sync(self.strategy.max_staleness, self.strategy.sent)
         return (*out, TrainOutcome(result.loss, result.examples))
+
+    @ray.method(concurrency_group=AHEAD_GROUP)
+    def fetch_ahead(self, batch_id: Hashable, inputs: TrainInputs) -> None:
+        """Fetch batch ``batch_id``'s inputs, then the next batch's keys, on this actor's second
+        thread while the batch before trains (:mod:`hpsray.actors.ahead`); :meth:`train` takes
+        them. Never raises: an error is kept for :meth:`train`, which reports it."""
+        fetch = self.ahead.start(batch_id)
+        fetch.run(lambda: self._resolve(batch_id, inputs), lambda: self._upcoming(inputs))
 
     def train_part(self, batch_id: Hashable, inputs: TrainInputs) -> DevicePart:
         """A device process's part of a batch (called by device 0 of its node)."""
@@ -169,11 +189,27 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - raised by the strategy, after telling the peers
             return e
 
-    def _keep(self, inputs: TrainInputs) -> KeepMasks:
-        """Per owner, which keys of this batch stay here at its end (``None``: none)."""
-        if self.n_nodes > 1 and (not inputs.must_return or self.crosses_batches):
+    def _keeps(self, inputs: TrainInputs) -> bool:
+        """Whether this node keeps rows the next batch needs (else an owner may need any back)."""
+        return not (self.n_nodes > 1 and (not inputs.must_return or self.crosses_batches))
+
+    def _upcoming(self, inputs: TrainInputs) -> Any:
+        """The next batch's keys and the keys owners need back (``fetch_upcoming``), when kept."""
+        return fetch_upcoming(inputs.next_batch, inputs.must_return) if self._keeps(inputs) else None
+
+    def _keep(self, inputs: TrainInputs, upcoming: Callable[[], Any] | None = None) -> KeepMasks:
+        """Per owner, which keys of this batch stay here at its end (``None``: none);
+        ``upcoming``: the next batch's keys fetched ahead (else fetched at the batch's end)."""
+        if not self._keeps(inputs):
             return lambda keys: None  # an owner may need any of them back
-        return lambda keys: fetch_keep_masks(inputs.next_batch, keys, inputs.must_return)
+        if upcoming is None:
+            return lambda keys: fetch_keep_masks(inputs.next_batch, keys, inputs.must_return)
+
+        def keep(keys: list[np.ndarray]) -> list[np.ndarray] | None:
+            got = upcoming()
+            return None if got is None else keep_masks(keys, *got)
+
+        return keep
 
     def settle(self, batch_id: Hashable) -> tuple[Returned, ...]:
         """The final barrier of a pass under SSP/ASP (after the last batch's ``train``): every
@@ -209,6 +245,7 @@ class Trainer:
         keeps this process); returns the step restored."""
         refs = [w.reset.remote(path) for w in self.workers]
         self.strategy.forget()
+        self.ahead.clear()
         return self._load_own_state(path, refs)
 
     def load_state(self, path: str) -> int:
@@ -237,6 +274,7 @@ class Trainer:
             "exchanged_bytes_per_step": float(np.mean(sent)) if sent else 0.0,
             **self.strategy.staleness(),
             "traffic": self.engine.traffic.snapshot(),
+            "fetched_ahead": self.fetched_ahead,
         }
 
 

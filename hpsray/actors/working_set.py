@@ -15,18 +15,16 @@ if TYPE_CHECKING:
 
     from hpsray.actors.messages import ReadBatch
 
-__all__ = ["Traffic", "fetch_keep_masks", "working_set_report"]
+__all__ = ["Traffic", "fetch_keep_masks", "fetch_upcoming", "keep_masks", "working_set_report"]
 
 
-def fetch_keep_masks(
-    next_batch: ObjectRef[ReadBatch] | None,
-    key_parts: list[np.ndarray],
-    must_return: Sequence[ObjectRef[np.ndarray]] = (),
-) -> list[np.ndarray] | None:
-    """:func:`keep_masks` of this batch's keys, fetched: per owner, which the trainer keeps, given a ref
-    to the next batch's ``ReadBatch`` and refs of each owner's keys needed back. ``None``
-    (return every row) without a next batch, when it is empty or could not be read (its
-    reader's error is the driver's to raise)."""
+def fetch_upcoming(
+    next_batch: ObjectRef[ReadBatch] | None, must_return: Sequence[ObjectRef[np.ndarray]] = ()
+) -> tuple[list[np.ndarray], list[np.ndarray] | None] | None:
+    """The next batch's keys per owner and the keys each owner needs back (``None``: none named),
+    given a ref to the next batch's ``ReadBatch`` and refs of the owners' keys; ``None`` without
+    a next batch, when it is empty or could not be read (its reader's error is the driver's to
+    raise)."""
     if next_batch is None:
         return None
     import ray
@@ -39,4 +37,15 @@ def fetch_keep_masks(
         needed = ray.get(list(must_return)) if must_return else None
     except Exception:  # noqa: BLE001 - the schedule raises it; here: keep nothing
         return None
-    return keep_masks(key_parts, next_keys, needed)
+    return next_keys, needed
+
+
+def fetch_keep_masks(
+    next_batch: ObjectRef[ReadBatch] | None,
+    key_parts: list[np.ndarray],
+    must_return: Sequence[ObjectRef[np.ndarray]] = (),
+) -> list[np.ndarray] | None:
+    """:func:`keep_masks` of this batch's keys, fetched: per owner, which the trainer keeps
+    (:func:`fetch_upcoming`; ``None``: return every row)."""
+    upcoming = fetch_upcoming(next_batch, must_return)
+    return None if upcoming is None else keep_masks(key_parts, *upcoming)

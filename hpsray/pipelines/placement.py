@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import ray
 
+from hpsray.actors.ahead import trainer_actor
 from hpsray.actors.cpu import yield_cores
 from hpsray.actors.memps import MemPSShard
 from hpsray.actors.reader import Reader
@@ -193,7 +194,7 @@ def start_trainer(pipeline: Placed, index: int, node: dict, n_nodes: int) -> Any
     opts, group = trainer_placement(_options(node["NodeID"]), t.device, node, t.n_devices, name)
     return _named(
         lambda: (
-            ray.remote(Trainer)
+            trainer_actor(Trainer)
             .options(name=name, **opts)
             .remote(
                 index,

@@ -71,6 +71,7 @@ class PassSchedule:
     loads: list[BoundedEdge] = field(init=False)  # by borrower
     write_backs: list[BoundedEdge] = field(init=False)  # by owner
     outcomes: list = field(init=False, default_factory=list)  # every TrainOutcome ref, to find a failure's root
+    fetches: list = field(init=False, default_factory=list)  # refs of Trainer.fetch_ahead calls not yet reaped
     examples_by_batch: dict[int, int] = field(init=False, default_factory=dict)
     _pending: deque[list[ObjectRef[ReadBatch]]] = field(init=False, default_factory=deque)  # read ahead, by node
     _training: _Training | None = field(init=False, default=None)
@@ -167,6 +168,7 @@ class PassSchedule:
             must = [[names[o][b] for o in range(n)] for b in range(n)]
         sizes = [r.examples for r in read]
         results = []
+        self.reap_fetches()
         for edge in self.write_backs:
             edge.wait_room()
         for b, node in enumerate(self.nodes):
@@ -180,6 +182,7 @@ class PassSchedule:
                 must[b],
                 read[b].layout,
             )
+            self.fetches.append(node.trainer.fetch_ahead.remote(self.first + t, inputs))  # while t-1 trains
             refs = node.trainer.train.options(num_returns=n + 1).remote(self.first + t, inputs)
             results.append(refs)
             self.outcomes.append(refs[-1])
@@ -245,6 +248,22 @@ class PassSchedule:
         """Wait until every submitted write-back is done (raises their errors)."""
         for edge in self.write_backs:
             edge.drain()
+        self.reap_fetches(wait=True)
+
+    def reap_fetches(self, wait: bool = False) -> None:
+        """Forget the trainers' finished ``fetch_ahead`` calls (``wait``: waiting up to 5 s for
+        the rest, done once their batches trained). They never fail but with their actor, which
+        ``train`` reports: so an error here is dropped, and none is left for Ray to report as
+        unhandled."""
+        if not self.fetches:
+            return
+        timeout = min(5.0, faults.fault_timeout()) if wait else 0
+        done, self.fetches = ray.wait(self.fetches, num_returns=len(self.fetches), timeout=timeout)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001,S110 - the trainer's death is train's to report
+                pass
 
     def flush_trainers(self) -> int:
         """Store the rows the trainers kept at the last batch's end (their owners' copies are

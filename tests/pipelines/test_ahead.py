@@ -1,0 +1,47 @@
+"""The trainer's fetches ahead (``hpsray.actors.ahead``): a batch's inputs are handed over as
+soon as they are fetched, before the next batch's keys are, and a fetch nobody took is dropped
+when a later batch takes its own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hpsray.actors.ahead import Ahead
+
+
+def test_the_inputs_are_handed_over_before_the_next_batchs_keys_arrive():
+    ahead = Ahead()
+    fetch = ahead.start(7)
+    keys_read = threading.Event()
+    thread = threading.Thread(target=fetch.run, args=(lambda: "inputs of 7", lambda: keys_read.wait(5) and "keys of 8"))
+    thread.start()
+    taken = ahead.take(7)
+    assert taken is fetch and taken.inputs() == "inputs of 7"  # while the keys' fetch still waits
+    assert thread.is_alive()
+    keys_read.set()
+    assert taken.upcoming() == "keys of 8"
+    thread.join()
+
+
+def test_an_error_is_kept_for_the_training_thread():
+    fetch = Ahead().start(1)
+    fetch.run(lambda: 1 / 0, lambda: "keys")  # never raises itself
+    with pytest.raises(ZeroDivisionError):
+        fetch.inputs()
+    assert fetch.upcoming() == "keys"
+
+
+def test_a_batch_takes_its_own_fetch_and_drops_older_ones():
+    ahead = Ahead()
+    for b in (3, 4, 5):
+        ahead.start(b)
+    assert ahead.take(9) is None  # never started: train fetches its inputs itself, nothing dropped
+    four = ahead.take(4)
+    assert four is not None
+    assert ahead.take(3) is None  # dropped: its batch will not train
+    assert ahead.take(5) is not None and ahead.take(5) is None
+    ahead.start(6)
+    ahead.clear()
+    assert ahead.take(6) is None
