@@ -27,15 +27,15 @@ def preload(trainer: ReferenceTrainer, spec: Any) -> None:
     ``TableImport`` the job's tables were checked against): each table's rows are the keys of
     its tag; tables of several widths read from the export's columns as wide as the widest
     table's parts (each row its own weights, then its own state)."""
+    from hpsray.tables import export_columns
     from hpsray.tiers.ssd.bulkload import narrow, read_table
 
     tables = trainer.tables
     if tables is None:
         trainer.store.preload(*read_table(spec.path, spec.dim, trainer.config.row_width, spec.state_value))
         return
-    dim = max(tables.dims)
-    width = dim + max(w - d for w, d in zip(tables.widths, tables.dims, strict=True))
-    keys, rows = read_table(spec.path, dim, width, spec.state_value)
+    dim, state = export_columns(tables.dims, tables.widths)
+    keys, rows = read_table(spec.path, dim, dim + state, spec.state_value)
     tag = tables.table_of(keys)
     for t, store in enumerate(trainer.stores):
         store.preload(keys[tag == t], narrow(rows[tag == t], dim, tables.dims[t], tables.widths[t]))

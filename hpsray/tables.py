@@ -46,6 +46,7 @@ __all__ = [
     "layout_of",
     "mixed_layouts",
     "check_tables",
+    "export_columns",
     "table_admission",
     "table_layouts",
     "tag_keys",
@@ -367,6 +368,12 @@ def layout_of(spec: TableSpec) -> tuple:
     """A resolved table's row layout: its dim, sparse optimizer and that optimizer's settings
     (tables of one layout share a row width and an initial row; learning rate and pooling aside)."""
     return (spec.dim, spec.optimizer, tuple(sorted((spec.sparse_params or {}).items())))
+
+
+def export_columns(dims: Sequence[int], widths: Sequence[int]) -> tuple[int, int]:
+    """The ``(weights, state)`` columns of an export of tables of ``dims`` and row ``widths``:
+    each as wide as the widest table's part (docs/export.md, "Tables")."""
+    return max(dims), max(w - d for w, d in zip(widths, dims, strict=True))
 
 
 def mixed_layouts(config: RowDefaults) -> bool:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpsray.config import TrainConfig
-from hpsray.tables import TAG_SHIFT, mixed_layouts, table_layouts
+from hpsray.tables import TAG_SHIFT, export_columns, mixed_layouts, table_layouts
+from hpsray.tiers.ssd.bulkload import narrow
 
 __all__ = ["ExportLayout"]
 
@@ -37,11 +38,11 @@ class ExportLayout:
 
     @property
     def dim(self) -> int:
-        return max(self.dims)
+        return export_columns(self.dims, self.widths)[0]
 
     @property
     def state_width(self) -> int:
-        return max(w - d for d, w in zip(self.dims, self.widths, strict=True))
+        return export_columns(self.dims, self.widths)[1]
 
     def _tables(self, keys: np.ndarray) -> list[np.ndarray]:
         tag = (np.asarray(keys, dtype=np.uint64) >> TAG_SHIFT).astype(np.int64)
@@ -61,6 +62,5 @@ class ExportLayout:
         """Exported rows of ``keys`` back as trained rows of ``width`` floats."""
         out = np.zeros((keys.size, width), np.float32)
         for at, d, w in zip(self._tables(keys), self.dims, self.widths, strict=True):
-            out[at, :d] = stored[at, :d]
-            out[at, d:w] = stored[at, self.dim : self.dim + w - d]
+            out[at, :w] = narrow(stored[at], self.dim, d, w)
         return out

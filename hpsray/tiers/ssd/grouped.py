@@ -19,6 +19,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from hpsray.kernels.table import as_keys
+from hpsray.tables import export_columns
 from hpsray.tiers.rowgroups import GroupedRows, RowGroups, sum_stats
 from hpsray.tiers.ssd.bulkload import TableImport
 from hpsray.tiers.ssd.compaction import space_ratio
@@ -97,7 +98,7 @@ class GroupedSSDPS:
         failure leaves the groups before the failing one loaded: the store must be removed before
         another import (the error of a second one says so)."""
         g = self.groups
-        columns = (max(g.dims), max(w - d for w, d in zip(g.widths, g.dims, strict=True)))
+        columns = export_columns(g.dims, g.widths)
         done = [
             store.bulk_load(replace(spec, dim=g.dims[i], columns=columns, tags=g.tables[i]), shard)
             for i, store in enumerate(self.stores)
