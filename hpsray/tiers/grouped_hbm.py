@@ -15,7 +15,6 @@ they hold from one :meth:`borrow` to the next.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -62,8 +61,9 @@ class GroupedHbmPS:
         """Group ``g``'s slots are ``[bases[g], bases[g + 1])``: the tables' capacities summed."""
         return np.concatenate([[0], np.cumsum([t.capacity for t in self.tables])]).tolist()
 
-    def _of(self, keys: npt.NDArray[np.uint64], g: int) -> npt.NDArray[np.uint64]:
-        return keys[self.groups.group_of(keys) == g]
+    def _by_group(self, keys: npt.NDArray[np.uint64]) -> list[npt.NDArray[np.uint64]]:
+        """``keys`` of each group, in group order."""
+        return [keys[at] for at in self.groups.split(keys)]
 
     def borrow(
         self,
@@ -77,21 +77,22 @@ class GroupedHbmPS:
         first ``widths[g]`` floats of their rows (``rows``: those of the keys not ``held``)."""
         keys = as_keys(keys)
         fresh = [(as_keys(k), np.asarray(r)) for k, r in refreshed]
+        fresh_at = [self.groups.split(k) for k, _ in fresh]  # per refresh, each group's positions
+        gone = None if stale is None else self._by_group(as_keys(stale))
         shipped = None if held is None else np.cumsum(~held) - 1  # each key's row among rows
         hits = 0
         for g, (part, at) in enumerate(zip(self.parts, self.groups.split(keys), strict=True)):
             w = self.groups.widths[g]
             h = None if held is None else held[at]
             take = at if shipped is None or h is None else shipped[at[~h]]
-            mine = [(k[m], r[m, :w]) for k, r in fresh for m in [self.groups.group_of(k) == g]]
-            gone = None if stale is None else self._of(stale, g)
-            hits += part.borrow(keys[at], np.ascontiguousarray(rows[take, :w]), mine, h, gone)
+            mine = [(k[a[g]], r[a[g], :w]) for (k, r), a in zip(fresh, fresh_at, strict=True)]
+            stale_g = None if gone is None else gone[g]
+            hits += part.borrow(keys[at], np.ascontiguousarray(rows[take, :w]), mine, h, stale_g)
         return hits
 
     def retain(self, keys: npt.ArrayLike) -> int:
         """Erase every resident key not in ``keys``; returns how many were erased."""
-        keys = as_keys(keys)
-        return sum(p.retain(self._of(keys, g)) for g, p in enumerate(self.parts))
+        return sum(p.retain(k) for p, k in zip(self.parts, self._by_group(as_keys(keys)), strict=True))
 
     def get(self, keys: npt.ArrayLike, columns: int | None = None) -> np.ndarray:
         """Rows of resident ``keys`` at the padded width (or their first ``columns``), on the host."""
@@ -111,8 +112,3 @@ class GroupedHbmPS:
                 slots = np.asarray(to_host(table.find(keys[at])), dtype=np.int64)
                 out[at] = np.where(slots >= 0, slots + base, -1)
         return out
-
-    def row_arrays(self) -> list[tuple[Any, Any]]:
-        """Per group, its table's ``(rows, row_keys)`` arrays (the device's array module)."""
-        tables: list[Any] = self.tables  # CpuHashTable or CudaHashTable: both expose them
-        return [(t.rows, t.row_keys) for t in tables]
