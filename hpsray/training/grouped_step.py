@@ -22,7 +22,7 @@ import torch
 from hpsray.kernels.optim import SparseOptimizer
 from hpsray.tiers.rowgroups import RowGroups
 from hpsray.training.sparse_update import update_rows
-from hpsray.training.step import ArenaStep
+from hpsray.training.step import ArenaStep, grown
 
 __all__ = ["GroupedArenaStep"]
 
@@ -87,23 +87,11 @@ class GroupedArenaStep(ArenaStep):
     def _fill(self, out: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         out.zero_()
         for g, (at, local) in enumerate(self._split(slots)):
-            w = self.groups.widths[g]
-            if isinstance(at, slice):
-                torch.index_select(self.arenas[g], 0, local, out=self._part(g, local.shape[0]))
-                out[at, :w] = self._parts[g][: local.shape[0]]
-            else:
-                out[at, :w] = self.arenas[g].index_select(0, local)
+            self._parts[g] = grown(self._parts[g], local.shape[0])  # group g's rows, gathered first
+            part = self._parts[g][: local.shape[0]]
+            torch.index_select(self.arenas[g], 0, local, out=part)
+            out[at, : self.groups.widths[g]] = part
         return out
-
-    def _part(self, g: int, n: int) -> torch.Tensor:
-        """Scratch of ``n`` rows of group ``g``'s width (grows, never shrinks)."""
-        if self._parts[g].shape[0] < n:
-            self._parts[g] = torch.empty(
-                (max(n, 2 * self._parts[g].shape[0]), self.groups.widths[g]),
-                dtype=torch.float32,
-                device=self._parts[g].device,
-            )
-        return self._parts[g][:n]
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows of ``rows`` (global slots) at the widest width, in scratch (valid until the

@@ -35,7 +35,15 @@ from hpsray.training.fused_update import fused_sparse_update
 from hpsray.training.layout import MiniBatchIndex
 from hpsray.training.sparse_update import update_rows
 
-__all__ = ["ArenaStep"]
+__all__ = ["ArenaStep", "grown"]
+
+
+def grown(buf: torch.Tensor, n: int) -> torch.Tensor:
+    """Scratch of at least ``n`` rows: ``buf``, or a new one of ``buf``'s width and device (twice
+    its rows, or ``n``). Scratch grows, never shrinks: large allocations fault pages in."""
+    if buf.shape[0] >= n:
+        return buf
+    return torch.empty((max(n, 2 * buf.shape[0]), buf.shape[1]), dtype=buf.dtype, device=buf.device)
 
 
 class ArenaStep:
@@ -75,10 +83,7 @@ class ArenaStep:
 
     def scratch(self, n: int) -> torch.Tensor:
         """``n`` rows of reusable scratch (valid until the next call)."""
-        if self._scratch.shape[0] < n:  # grows, never shrinks: large allocations fault pages in
-            self._scratch = torch.empty(
-                (max(n, 2 * self._scratch.shape[0]), self.width), dtype=torch.float32, device=self._scratch.device
-            )
+        self._scratch = grown(self._scratch, n)
         return self._scratch[:n]
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
