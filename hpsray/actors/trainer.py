@@ -19,7 +19,7 @@ from hpsray.actors.devices import a_worker_died, start_device_workers
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import DevicePart, Returned, TrainData, TrainInputs, TrainOutcome, TrainReturns
 from hpsray.actors.timing import StageClock
-from hpsray.actors.working_set import fetch_keep_masks, fetch_upcoming, keep_masks
+from hpsray.actors.working_set import fetch_upcoming, keep_masks
 from hpsray.cluster import faults
 from hpsray.cluster.mesh import rendezvous_address
 from hpsray.cluster.updates import crosses_batches
@@ -202,11 +202,10 @@ class Trainer:
         ``upcoming``: the next batch's keys fetched ahead (else fetched at the batch's end)."""
         if not self._keeps(inputs):
             return lambda keys: None  # an owner may need any of them back
-        if upcoming is None:
-            return lambda keys: fetch_keep_masks(inputs.next_batch, keys, inputs.must_return)
+        fetched = upcoming if upcoming is not None else lambda: self._upcoming(inputs)
 
         def keep(keys: list[np.ndarray]) -> list[np.ndarray] | None:
-            got = upcoming()
+            got = fetched()
             return None if got is None else keep_masks(keys, *got)
 
         return keep

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from hpsray.actors.messages import ReadBatch
 
-__all__ = ["Traffic", "fetch_keep_masks", "fetch_upcoming", "keep_masks", "working_set_report"]
+__all__ = ["Traffic", "fetch_upcoming", "keep_masks", "working_set_report"]
 
 
 def fetch_upcoming(
@@ -38,14 +38,3 @@ def fetch_upcoming(
     except Exception:  # noqa: BLE001 - the schedule raises it; here: keep nothing
         return None
     return next_keys, needed
-
-
-def fetch_keep_masks(
-    next_batch: ObjectRef[ReadBatch] | None,
-    key_parts: list[np.ndarray],
-    must_return: Sequence[ObjectRef[np.ndarray]] = (),
-) -> list[np.ndarray] | None:
-    """:func:`keep_masks` of this batch's keys, fetched: per owner, which the trainer keeps
-    (:func:`fetch_upcoming`; ``None``: return every row)."""
-    upcoming = fetch_upcoming(next_batch, must_return)
-    return None if upcoming is None else keep_masks(key_parts, *upcoming)
