@@ -128,11 +128,10 @@ def make_plan(
     history = dict(job.tiers.mem).get("history", 4.0)
     shard = keys.per_node_distinct
     hbm_cap = hbm_capacity(job, sample.n_slots)
-    hbm_bytes, hbm_rows = hbm_table_bytes(hbm_cap, width, p.n_devices, keys.hbm_working_set_max)
     space_ratio = dict(job.tiers.ssd).get("max_space_ratio", 2.0) or 2.0
     sizes = table_sizes(tables, keys, capacity) if tables is not None and len(tables) > 1 else None
     grouped = hbm_group_bytes(tables, keys, hbm_cap) if tables and sizes and p.n_devices == 1 else None
-    hbm_bytes, hbm_rows = grouped or (hbm_bytes, hbm_rows)
+    hbm_bytes, hbm_rows = grouped or hbm_table_bytes(hbm_cap, width, p.n_devices, keys.hbm_working_set_max)
     live = sum(t["ssd_live_bytes"] for t in sizes.values()) if sizes else ssd_live_bytes(shard, width)
     imported = import_rows(job.tiers.init_from) // nodes  # an import's rows, spread over the nodes
     ssd_rows = max(int(shard), imported)
