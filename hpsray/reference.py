@@ -32,12 +32,13 @@ import torch.nn.functional as F
 
 from hpsray.config import TrainConfig, check_admission
 from hpsray.data.batch import Batch
-from hpsray.kernels.init import RowInit, initial_rows
+from hpsray.first_order import bind
 from hpsray.kernels.optim import apply_to_rows
 from hpsray.models.kinds import build_model
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
+from hpsray.reference_store import SortedRowStore
 from hpsray.reference_tables import TableSplit, admission_of, predict_input, train_tables
 
 _NEVER = np.iinfo(np.int64).min  # "last seen" of a key not seen yet
@@ -116,93 +117,6 @@ class SeenCounts:
         return had_row
 
 
-class SortedRowStore:
-    """Every row in memory: keys kept sorted beside their row positions; rows appended."""
-
-    def __init__(self, width: int, init: RowInit) -> None:
-        self.width = width
-        self.init = init
-        self._keys = np.empty(0, dtype=np.uint64)  # sorted
-        self._pos = np.empty(0, dtype=np.int64)  # row of each sorted key
-        self._rows = np.empty((1024, width), dtype=np.float32)
-        self._n = 0  # rows appended (dropped ones included until the next compaction)
-
-    def __len__(self) -> int:
-        return int(self._keys.size)
-
-    def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        idx = np.searchsorted(self._keys, keys)
-        found = idx < self._keys.size
-        found[found] = self._keys[idx[found]] == keys[found]
-        return idx, found
-
-    def positions(self, unique_keys: np.ndarray) -> np.ndarray:
-        """Row positions of sorted distinct keys, creating initial rows for new ones."""
-        idx, found = self._locate(unique_keys)
-        new = unique_keys[~found]
-        if new.size:
-            need = self._n + new.size
-            if need > self._rows.shape[0]:
-                grown = np.empty((max(need, 2 * self._rows.shape[0]), self.width), dtype=np.float32)
-                grown[: self._n] = self._rows[: self._n]
-                self._rows = grown
-            self._rows[self._n : need] = initial_rows(new, self.width, self.init)
-            new_pos = np.arange(self._n, need, dtype=np.int64)
-            self._keys = np.insert(self._keys, idx[~found], new)
-            self._pos = np.insert(self._pos, idx[~found], new_pos)
-            self._n = need
-            idx, found = self._locate(unique_keys)
-        return self._pos[idx]
-
-    def peek(self, keys: np.ndarray) -> np.ndarray:
-        """Rows of ``keys`` without inserting; absent keys get their initial rows."""
-        keys = np.asarray(keys, dtype=np.uint64)
-        idx, found = self._locate(keys)
-        out = initial_rows(keys, self.width, self.init)
-        out[found] = self._rows[self._pos[idx[found]]]
-        return out
-
-    def preload(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Start from ``rows`` of distinct ``keys`` (e.g. an imported table) instead of their
-        initial rows; the store must be empty. Keys absent from them start as usual."""
-        if self._n:
-            raise ValueError("preload: the store already holds rows")
-        keys = np.asarray(keys, dtype=np.uint64)
-        order = np.argsort(keys, kind="stable")
-        self._keys = keys[order]
-        self._pos = np.arange(keys.size, dtype=np.int64)
-        self._rows = np.array(np.asarray(rows, dtype=np.float32)[order], copy=True)
-        self._n = int(keys.size)
-
-    def rows_at(self, pos: np.ndarray) -> np.ndarray:
-        return self._rows[pos]
-
-    def write(self, pos: np.ndarray, rows: np.ndarray) -> None:
-        self._rows[pos] = rows
-
-    def drop(self, keys: np.ndarray) -> int:
-        """Forget the rows of ``keys`` (absent ones are skipped); returns how many were held."""
-        keys = np.asarray(keys, dtype=np.uint64)
-        if keys.size == 0 or self._keys.size == 0:
-            return 0
-        idx, found = self._locate(keys)
-        gone = np.unique(idx[found])
-        if gone.size == 0:
-            return 0
-        self._keys = np.delete(self._keys, gone)
-        self._pos = np.delete(self._pos, gone)
-        if self._n - self._keys.size > max(1024, self._keys.size):  # reclaim the dropped rows
-            m = self._keys.size
-            self._rows[:m] = self._rows[self._pos]
-            self._pos = np.arange(m, dtype=np.int64)
-            self._n = m
-        return int(gone.size)
-
-    def export(self) -> tuple[np.ndarray, np.ndarray]:
-        """All ``(keys, rows)`` sorted by key."""
-        return self._keys.copy(), self._rows[self._pos].copy()
-
-
 @dataclass
 class EvalResult:
     """Metrics of a model over some examples."""
@@ -237,10 +151,12 @@ class ReferenceTrainer:
         admit_after: int = 0,
         expire_after_batches: int | None = None,
     ):
-        self.config = config or TrainConfig()
-        self.n_slots, self.n_dense = n_slots, n_dense
+        self.config = bind(config or TrainConfig(), n_slots)  # a model of first-order rows: their table added
+        self.n_dense = n_dense
         self.optimizer = self.config.optimizer()
         self.tables = self.config.tables_for(n_slots) if self.config.tables else None
+        self.n_slots = self.tables.n_slots if self.tables is not None else n_slots
+        """The model's slots: the data's, then any copied ones (a batch of the data's is expanded)."""
         if self.tables is None:
             self.store = SortedRowStore(self.config.row_width, self.config.row_init())
             self.stores = [self.store]
@@ -287,6 +203,13 @@ class ReferenceTrainer:
                 store.drop(admission.expire(self.batches))
         self.batches += 1
 
+    def _expand(self, batch: Batch) -> Batch:
+        """``batch`` with its copied slots appended (:mod:`hpsray.first_order`); checked."""
+        if self.tables is not None and batch.n_slots == self.tables.n_data_slots:
+            batch = self.tables.expand(batch)
+        self._check(batch)
+        return batch
+
     def _check(self, batch: Batch) -> None:
         if batch.n_slots != self.n_slots or batch.n_dense != self.n_dense:
             raise ValueError(
@@ -314,7 +237,7 @@ class ReferenceTrainer:
 
     def train_batch(self, batch: Batch) -> float:
         """Train on every mini-batch of ``batch`` in order; returns the mean loss."""
-        self._check(batch)
+        batch = self._expand(batch)
         t0 = time.perf_counter()
         self.model.train()
         loss = self.train_minibatches(list(batch.minibatches(self.config.minibatch_size)))
@@ -378,6 +301,7 @@ class ReferenceTrainer:
         """Train one batch given as its mini-batches, in order, or (several nodes) as its global
         mini-batches, each its nodes' shares (:func:`global_batches`, :meth:`train_shares`);
         returns the mean loss. Admission and expiry count the batch as one."""
+        minibatches = [_each(item, self._expand) for item in minibatches]
         flat = list(_batches_in(minibatches))
         rejected = self._begin_batch(flat)
         losses = []
@@ -407,7 +331,7 @@ class ReferenceTrainer:
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
         """Click probabilities of ``batch``'s examples (unseen keys use their initial rows)."""
-        self._check(batch)
+        batch = self._expand(batch)
         self.model.eval()
         out = []
         for mb in batch.minibatches(self.config.minibatch_size):
@@ -472,6 +396,11 @@ def global_batches(
             [_slices(b.slice(k * m, (k + 1) * m), n_devices) for b in present if k * m < len(b)]
             for k in range(max(-(-len(b) // m) for b in present))
         ]
+
+
+def _each(item: Any, f: Callable[[Batch], Batch]) -> Any:
+    """``item`` (a :class:`Batch` or nested lists of them) with ``f`` applied to every batch."""
+    return [_each(i, f) for i in item] if isinstance(item, list) else f(item)
 
 
 def _batches_in(items: list) -> Iterator[Batch]:

@@ -41,8 +41,8 @@ class TableSplit:
         self.tables = tables
         self.local = np.zeros(tables.n_slots, dtype=np.int32)  # a slot's number within its table
         self.sorted_slots = []
-        for spec in tables.specs:
-            slots = np.array(sorted(spec.slots), dtype=np.int64)
+        for t in range(len(tables.specs)):
+            slots = np.flatnonzero(tables.slot_table == t)  # model slots: a copy table's follow the data's
             self.local[slots] = np.arange(slots.size, dtype=np.int32)
             self.sorted_slots.append(slots)
 

@@ -38,7 +38,6 @@ __all__ = [
     "POOLINGS",
     "TAG_SHIFT",
     "TableSpec",
-    "SlotTables",
     "Tables",
     "TagKeys",
     "admits_late",
@@ -107,6 +106,9 @@ class TableSpec:
     sparse_params: Mapping[str, float] | None = None
     admit_after: int | None = None
     expire_after_batches: int | None = None
+    copy: bool = False
+    """A copy table (:mod:`hpsray.first_order`): its slots are held by a primary table too, each
+    key looked up in both; its keys are the copies' (model slots after the data's)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -152,8 +154,11 @@ class Tables:
 
     Per table ``t``: ``specs[t]`` (every setting filled in), ``dims[t]``, ``widths[t]`` (floats
     per stored row: weights then the optimizer's state, as ``TrainConfig.row_width``),
-    ``row_bytes[t]``, ``optimizers[t]`` and ``row_inits[t]``. ``slot_table[s]`` is slot ``s``'s
-    table, ``slot_dims[s]`` its width and ``mean_slots[s]`` whether it pools by the mean.
+    ``row_bytes[t]``, ``optimizers[t]`` and ``row_inits[t]``. Per model slot ``s``:
+    ``slot_table[s]`` is its table, ``slot_dims[s]`` its width and ``mean_slots[s]`` whether it
+    pools by the mean. ``n_slots`` counts the model's slots: the data's ``n_data_slots``, then
+    one per slot of each copy table (``copy_of[j]``: the data slot model slot ``n_data_slots + j``
+    copies; :mod:`hpsray.first_order`).
     """
 
     def __init__(self, specs: Sequence[TableSpec], n_slots: int, config: RowDefaults) -> None:
@@ -164,6 +169,7 @@ class Tables:
         owner: dict[int, int] = {}
         names: dict[str, int] = {}
         resolved = []
+        copies: list[tuple[int, int]] = []  # (data slot, table) of each copied slot, in model-slot order
         for i, spec in enumerate(specs):
             if not isinstance(spec, TableSpec):
                 raise ConfigError("Tables", f"tables[{i}]", f"must be a TableSpec, got {type(spec).__name__}")
@@ -177,6 +183,9 @@ class Tables:
                     raise ConfigError(
                         "Tables", f"tables[{i}].slots", f"table {spec.name!r}: slot {s} is out of range [0, {n_slots})"
                     )
+                if spec.copy:
+                    copies.append((s, i))
+                    continue
                 if s in owner:
                     other = specs[owner[s]].name
                     raise ConfigError(
@@ -190,8 +199,10 @@ class Tables:
                 "Tables", "tables", f"every slot must be in one table; slots {missing} are in none (of {n_slots})"
             )
         self.specs: tuple[TableSpec, ...] = tuple(resolved)
-        self.n_slots = int(n_slots)
-        self.slot_table = np.array([owner[s] for s in range(n_slots)], dtype=np.int64)
+        self.n_data_slots = int(n_slots)
+        self.n_slots = int(n_slots) + len(copies)
+        self.copy_of = np.array([s for s, _ in copies], dtype=np.int64)
+        self.slot_table = np.array([owner[s] for s in range(n_slots)] + [t for _, t in copies], dtype=np.int64)
         self.optimizers: tuple[SparseOptimizer, ...] = tuple(_optimizer(spec, i) for i, spec in enumerate(self.specs))
         self.dims = tuple(spec.dim for spec in self.specs)
         self.widths = tuple(d + opt.state_width(d) for d, opt in zip(self.dims, self.optimizers, strict=True))
@@ -206,6 +217,9 @@ class Tables:
     @classmethod
     def of(cls, config: RowDefaults, n_slots: int) -> Tables:
         """``config``'s tables for ``n_slots`` slots (its one default table when it gives none)."""
+        from hpsray.first_order import bind
+
+        config = bind(config, n_slots)
         specs = config.tables or (TableSpec("default", tuple(range(n_slots)), config.dim),)
         return cls(specs, n_slots, config)
 
@@ -230,9 +244,20 @@ class Tables:
     def names(self) -> tuple[str, ...]:
         return tuple(spec.name for spec in self.specs)
 
+    def expand(self, batch: Batch) -> Batch:
+        """``batch`` of the data's slots with the copied slots appended
+        (:func:`hpsray.first_order.expand`); itself without copy tables or when expanded already."""
+        from hpsray.first_order import expand
+
+        if batch.n_slots == self.n_slots:
+            return batch
+        if batch.n_slots != self.n_data_slots:
+            raise ValueError(f"batch has {batch.n_slots} slots; the tables take {self.n_data_slots}")
+        return expand(batch, self.copy_of)
+
     def tag(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """``keys`` (``uint64``, the (slot, value) mix) of ``slots`` with their table's index in
-        the top 8 bits; unchanged (the same array) with one table."""
+        """``keys`` (``uint64``, the (slot, value) mix) of (model) ``slots`` with their table's
+        index in the top 8 bits; unchanged (the same array) with one table."""
         keys = np.asarray(keys, dtype=np.uint64)
         return tag_keys(keys, slots, self.slot_table) if self.tagged else keys
 
@@ -248,9 +273,19 @@ class Tables:
         ]
 
     def manifest(self) -> list[dict]:
-        """What an export records of the tables (``name``, ``slots``, ``dim``, ``pooling``):
-        enough for serving to tag and pool as training did (:class:`SlotTables`)."""
-        return [{"name": s.name, "slots": list(s.slots), "dim": s.dim, "pooling": s.pooling} for s in self.specs]
+        """What an export records of the tables (``name``, ``slots``, ``dim``, ``pooling``, and
+        ``copy`` for a copy table): enough for serving to expand, tag and pool as training did
+        (:class:`~hpsray.serving.tables.SlotTables`)."""
+        return [
+            {
+                "name": s.name,
+                "slots": list(s.slots),
+                "dim": s.dim,
+                "pooling": s.pooling,
+                **({"copy": True} if s.copy else {}),
+            }
+            for s in self.specs
+        ]
 
     def table_of(self, keys: np.ndarray) -> np.ndarray:
         """``int64``: the table of each (tagged) key; zeros with one table."""
@@ -272,62 +307,6 @@ def tag_keys(keys: np.ndarray, slots: np.ndarray, slot_table: np.ndarray) -> np.
     return out
 
 
-@dataclass(frozen=True)
-class SlotTables:
-    """What serving needs of an export's tables (its manifest's ``tables``): each slot's table
-    (``slot_table``) and whether it pools by the mean (``mean_slots``)."""
-
-    slot_table: np.ndarray
-    mean_slots: np.ndarray
-    dims: tuple[int, ...] = ()
-    """Each table's dim, when the manifest gives them (an export before tables of their own
-    width has none: every table at the export's ``dim``)."""
-
-    @classmethod
-    def from_manifest(cls, entries: Any, n_slots: int, where: str) -> SlotTables | None:
-        """The tables of a manifest's ``tables`` entry (``None`` without one, or for one summed
-        table: keys and pooling as before tables); a malformed entry raises ``ValueError``
-        naming ``where``."""
-        if not entries:
-            return None
-        slot_table = np.full(n_slots, -1, dtype=np.int64)
-        mean = np.zeros(n_slots, dtype=bool)
-        dims: list[int] = []
-        try:
-            for t, entry in enumerate(entries):
-                if "dim" in entry:
-                    dims.append(int(entry["dim"]))
-                slots = np.asarray(entry["slots"], dtype=np.int64)
-                if slots.size == 0 or slots.min() < 0 or slots.max() >= n_slots or np.any(slot_table[slots] >= 0):
-                    raise ValueError(f"table {entry['name']!r}: slots {slots.tolist()} overlap or are out of range")
-                if entry["pooling"] not in POOLINGS:
-                    raise ValueError(f"table {entry['name']!r}: pooling {entry['pooling']!r} is not one of {POOLINGS}")
-                slot_table[slots], mean[slots] = t, entry["pooling"] == "mean"
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: tables: {e}") from None
-        if np.any(slot_table < 0):
-            raise ValueError(f"{where}: tables: slots {np.flatnonzero(slot_table < 0).tolist()} are in no table")
-        if len(entries) == 1 and not mean.any():
-            return None
-        return cls(slot_table, mean, tuple(dims) if len(dims) == len(entries) else ())
-
-    @property
-    def slot_dims(self) -> tuple[int, ...] | None:
-        """Each slot's dim when the tables' dims differ (the model then takes ``[B, sum of
-        them]``), else ``None``."""
-        if len(set(self.dims)) < 2:
-            return None
-        return tuple(self.dims[t] for t in self.slot_table.tolist())
-
-    @property
-    def tagged(self) -> bool:
-        return int(self.slot_table.max()) > 0
-
-    def tag(self, batch: Batch) -> Batch:
-        """``batch`` with its keys tagged as training tagged them."""
-        return replace(batch, keys=tag_keys(batch.keys, batch.slots, self.slot_table)) if self.tagged else batch
-
-
 def _resolve(spec: TableSpec, i: int, config: RowDefaults) -> TableSpec:
     """``spec`` with the settings it leaves out taken from ``config``."""
     own = spec.optimizer is not None and spec.optimizer != config.sparse_optimizer
@@ -342,6 +321,7 @@ def _resolve(spec: TableSpec, i: int, config: RowDefaults) -> TableSpec:
         params,
         spec.admit_after,
         spec.expire_after_batches,
+        spec.copy,
     )
 
 
@@ -404,13 +384,15 @@ def admits_late(config: RowDefaults, n_slots: int, admit_after: int) -> bool:
 
 
 class TagKeys:
-    """A reader transform (``Batch -> Batch``): the batch's keys tagged with their tables
-    (:meth:`Tables.tag`), as the pipeline's tiers, trainers and reports then hold them."""
+    """A reader transform (``Batch -> Batch``): the batch's copied slots appended
+    (:meth:`Tables.expand`) and its keys tagged with their tables (:meth:`Tables.tag`), as the
+    pipeline's tiers, trainers and reports then hold them."""
 
     def __init__(self, tables: Tables) -> None:
         self.tables = tables
 
     def __call__(self, batch: Batch) -> Batch:
+        batch = self.tables.expand(batch)
         return replace(batch, keys=self.tables.tag(batch.keys, batch.slots))
 
     def __repr__(self) -> str:
@@ -418,9 +400,8 @@ class TagKeys:
 
 
 def key_tagging(config: RowDefaults, n_slots: int) -> list[Callable[[Batch], Batch]]:
-    """The transform the pipeline's readers run last: ``[TagKeys]`` with several tables, else none."""
-    if not config.tables:
-        return []
+    """The transform the pipeline's readers run last: ``[TagKeys]`` with several tables (a copy
+    table among them: :mod:`hpsray.first_order`), else none."""
     tables = Tables.of(config, n_slots)
     return [TagKeys(tables)] if tables.tagged else []
 

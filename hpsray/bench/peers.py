@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hpsray.bench.baselines import PeerSpec
 from hpsray.bench.peer_process import CEILING
+from hpsray.first_order import FIRST_ORDER_KINDS
 from hpsray.models.kinds import MODEL_KINDS, ModelSpec
 
 HELP = "hpsray vs plain PyTorch, TorchRec and an in-memory sharded PS (same model, data, optimizers)"
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="mlp",
-        choices=MODEL_KINDS,
+        choices=[k for k in MODEL_KINDS if k not in FIRST_ORDER_KINDS],  # the peers have no first-order tables
         help="the dense model every system trains, with its kind's default settings (docs/models.md); "
         "TorchRec runs its own torchrec.models.dlrm.DLRM for dlrm",
     )

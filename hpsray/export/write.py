@@ -29,6 +29,7 @@ from hpsray.export.read import (
 )
 from hpsray.export.remote import fetch_export, is_uri, local_files, upload_export
 from hpsray.fileio import fsync_dir, write_json
+from hpsray.first_order import bind, needs_first_order
 from hpsray.models.kinds import model_spec
 
 DEFAULT_ROWS_PER_FILE = 1_000_000
@@ -166,6 +167,12 @@ def export(
         schema = schema if schema is not None else schema_of_source(source)
     keys = np.asarray(keys, dtype=np.uint64)
     rows = np.asarray(rows, dtype=np.float32)
+    if n_slots is not None:
+        config = bind(config, n_slots)  # a model of first-order rows: their table (hpsray.first_order)
+    elif needs_first_order(config):
+        raise ValueError(
+            f"export: a {config.model_kind} model's first-order rows need n_slots (the source's, or given)"
+        )
     dim, width = config.row_dim, config.row_width
     if rows.ndim != 2 or rows.shape != (keys.size, width):
         raise ValueError(

@@ -20,6 +20,7 @@ from hpsray.data.formats import get_format
 from hpsray.data.generate import SCHEMA_FILE
 from hpsray.errors import ConfigError
 from hpsray.evaluation import EvalSettings
+from hpsray.first_order import bind, needs_first_order
 from hpsray.job import validate as chk
 from hpsray.job.sections import (
     CheckpointSection,
@@ -142,7 +143,20 @@ class JobConfig:
     # -- what it describes ---------------------------------------------------------------------
 
     def train_config(self) -> TrainConfig:
-        """The :class:`TrainConfig` (model shape, optimizers, mini-batch, seed) of this job."""
+        """The :class:`TrainConfig` (model shape, optimizers, mini-batch, seed) of this job; a model
+        of first-order rows (DeepFM, Wide & Deep) with their table (:mod:`hpsray.first_order`)
+        when the job's slots are known."""
+        config = self._config()
+        if not needs_first_order(config):
+            return config
+        syn = self.data.synthetic
+        try:
+            schema = None if syn is not None else self.schema()
+        except ConfigError:  # named by whatever reads the data; bound there (Pipeline, the trainers)
+            return config
+        return bind(config, syn.slots if syn is not None else schema.n_slots)  # type: ignore[union-attr]
+
+    def _config(self) -> TrainConfig:
         return TrainConfig(
             dim=self.model.dim,
             hidden=self.model.hidden,

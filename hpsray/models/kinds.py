@@ -19,6 +19,7 @@ from torch import nn
 
 from hpsray.config import TrainConfig
 from hpsray.errors import ConfigError
+from hpsray.first_order import FIRST_ORDER_KINDS, bind
 from hpsray.models.dcn import DCN, STRUCTURES
 from hpsray.models.deepfm import DeepFM, WideDeep
 from hpsray.models.dlrm import DLRM
@@ -77,6 +78,7 @@ KINDS: dict[str, _Kind] = {
     ),
     "deepfm": _Kind({"hidden": (400, 400, 400)}, {"hidden": (_widths, _WIDTHS)}, _unseeded(DeepFM)),
     "wide_deep": _Kind({"hidden": (1024, 512, 256)}, {"hidden": (_widths, _WIDTHS)}, _unseeded(WideDeep)),
+    # deepfm and wide_deep take the keys' first-order rows as copied slots (hpsray.first_order)
 }
 MODEL_KINDS = tuple(KINDS)
 """The kinds ``[model] kind`` takes."""
@@ -121,13 +123,27 @@ class ModelSpec:
         object.__setattr__(self, "settings", {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()})
 
     def build(
-        self, n_slots: int, dim: int, n_dense: int, seed: int, slot_dims: tuple[int, ...] | None = None
+        self,
+        n_slots: int,
+        dim: int,
+        n_dense: int,
+        seed: int,
+        slot_dims: tuple[int, ...] | None = None,
+        first_order: int = 0,
     ) -> nn.Module:
         """The module, its weights drawn from ``seed`` alone; ``slot_dims`` (each slot's width,
-        for the kinds of :data:`MIXED_DIMS` only) when the slots' widths differ."""
+        for the kinds of :data:`MIXED_DIMS` and of first-order rows only) when the slots' widths
+        differ; ``first_order``: the last slots of ``n_slots`` that are first-order rows (the
+        kinds of :data:`~hpsray.first_order.FIRST_ORDER_KINDS` need them, the others take none)."""
         extra: dict[str, Any] = {}
+        if (self.kind in FIRST_ORDER_KINDS) != (first_order > 0):
+            raise ConfigError(
+                "ModelSpec", "model.kind", f"{self.kind!r} takes {first_order} first-order slots (hpsray.first_order)"
+            )
+        if first_order:
+            extra["first_order"] = first_order
         if slot_dims is not None:
-            if self.kind not in MIXED_DIMS:
+            if self.kind not in MIXED_DIMS and not first_order:
                 raise ConfigError("ModelSpec", "model.kind", f"{self.kind!r} needs one dim for every slot")
             extra["slot_dims"] = tuple(slot_dims)
         with torch.random.fork_rng(devices=[]):
@@ -164,21 +180,25 @@ def build_model(config: TrainConfig, n_slots: int, n_dense: int) -> nn.Module:
     :data:`MIXED_DIMS` over ``[B, sum of the slots' widths]`` and refuse the others with a
     :class:`~hpsray.errors.ConfigError` naming the tables and their dims."""
     spec = model_spec(config)
+    config = bind(config, n_slots)
     if not config.tables:
         return spec.build(n_slots, config.dim, n_dense, config.seed)
     tables = config.tables_for(n_slots)
+    copies = int(tables.copy_of.size)
     if tables.uniform_dim is not None:
-        return spec.build(n_slots, tables.uniform_dim, n_dense, config.seed)
+        return spec.build(tables.n_slots, tables.uniform_dim, n_dense, config.seed, first_order=copies)
     refusal = mixed_dims_refusal(spec.kind, tables)
     if refusal:
         raise ConfigError("ModelSpec", "model.kind", refusal)
-    return spec.build(n_slots, max(tables.dims), n_dense, config.seed, slot_dims=tables.slot_dims)
+    dim = max(tables.dims)
+    return spec.build(tables.n_slots, dim, n_dense, config.seed, slot_dims=tables.slot_dims, first_order=copies)
 
 
 def mixed_dims_refusal(kind: str, tables: Tables) -> str | None:
     """Why ``kind`` cannot take ``tables`` (``None`` when it can): the kinds outside
-    :data:`MIXED_DIMS` need one dim for every slot."""
-    if tables.uniform_dim is not None or kind in MIXED_DIMS:
+    :data:`MIXED_DIMS` need one dim for every slot (a first-order table's aside)."""
+    primary = {tables.dims[t] for t in tables.slot_table[: tables.n_data_slots].tolist()}
+    if tables.uniform_dim is not None or kind in MIXED_DIMS or len(primary) == 1:
         return None
     why = "its dot interaction pairs" if kind == "dlrm" else "its per-slot factors pair"
     return (

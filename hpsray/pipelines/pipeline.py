@@ -130,17 +130,14 @@ class Pipeline:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         check_passes(passes, evaluation, eval_source)
-        for edge, capacity in (
-            ("read_queue", read_queue),
-            ("pull_queue", pull_queue),
-            ("load_queue", load_queue),
-            ("write_back_queue", write_back_queue),
-        ):
+        queues = {"read_queue": read_queue, "pull_queue": pull_queue, "load_queue": load_queue}
+        for edge, capacity in {**queues, "write_back_queue": write_back_queue}.items():
             if capacity < 1:
                 raise ValueError(f"{edge} must be >= 1, got {capacity}")
         self.source = source
-        self.trainer_settings = trainer or TrainerSettings()
-        self.mem_settings = mem or MemPSSettings(capacity_rows=4 * batch_size * max(source.n_slots, 1))
+        self.trainer_settings = (trainer or TrainerSettings()).bound(source.n_slots)  # hpsray.first_order
+        slots = self.trainer_settings.config.tables_for(source.n_slots).n_slots  # the model's: copies too
+        self.mem_settings = mem or MemPSSettings(capacity_rows=4 * batch_size * max(slots, 1))
         self.ssd_settings = ssd or SSDPSSettings()
         self.transforms = list(transforms) + key_tagging(self.trainer_settings.config, source.n_slots)  # tags last
         self.batch_size = batch_size

@@ -31,7 +31,7 @@ from hpsray.data.batch import Batch
 from hpsray.errors import ConfigError
 from hpsray.pipelines.settings import MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import PipelineSource
-from hpsray.tables import table_admission
+from hpsray.tables import TagKeys, table_admission
 from hpsray.tiers.cache_policy import DEFAULT_HISTORY
 from hpsray.tiers.padded import group_capacities
 from hpsray.tiers.rowgroups import RowGroups
@@ -131,8 +131,9 @@ def group_shares(source: Any, config: Any, groups: RowGroups, batch_size: int) -
     groups. By the groups' slots when the source gives no batch."""
     tables = config.tables_for(source.n_slots)
     keys = []
+    tag = TagKeys(tables)  # as the readers tag them: copied slots appended first
     for batch in source.open(batch_size):
-        keys.append(np.unique(tables.tag(batch.keys, batch.slots)))
+        keys.append(np.unique(tag(batch).keys))
         if len(keys) == 3:
             break
     if not keys:
@@ -187,7 +188,7 @@ def start_trainer(pipeline: Placed, index: int, node: dict, n_nodes: int) -> Any
     """Node ``index``'s trainer actor on Ray node ``node`` (one GPU of it on CUDA), device 0 of
     the node's ``n_devices``; it starts the node's other device processes itself."""
     t, source = pipeline.trainer_settings, pipeline.source
-    capacity = t.hbm_capacity or 2 * pipeline.batch_size * max(source.n_slots, 1)
+    capacity = t.hbm_capacity or 2 * pipeline.batch_size * max(pipeline.config.tables_for(source.n_slots).n_slots, 1)
     cpus = int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1)
     threads = t.threads or max(1, cpus // t.n_devices)
     name = f"{pipeline.name}:Trainer[node {index}]"

@@ -88,6 +88,15 @@ class TrainerSettings:
         if self.index_stage not in INDEX_STAGES:
             raise ValueError(f"TrainerSettings.index_stage must be one of {INDEX_STAGES}, got {self.index_stage!r}")
 
+    def bound(self, n_slots: int) -> TrainerSettings:
+        """These settings for a source of ``n_slots`` slots: a model of first-order rows gets
+        their table (:func:`hpsray.first_order.bind`), so every stage holds it."""
+        from dataclasses import replace
+
+        from hpsray.first_order import bind
+
+        return replace(self, config=bind(self.config, n_slots))
+
     def index_in_read(self, node_cpus: float) -> bool:
         """Whether a node of ``node_cpus`` CPUs makes its batches' layouts in the read stage."""
         if self.n_devices > 1 or self.index_stage == "train":

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from hpsray.env import omp_threads_sleep
 from hpsray.errors import CapacityError
+from hpsray.first_order import bind
 from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, predict_rate
 from hpsray.plan.disk import cold_share, disk_s_per_row, load_bound
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
@@ -114,9 +115,10 @@ def make_plan(
     bs, p, cfg = job.pipeline.batch_size, job.pipeline, job.train_config()
     width = cfg.row_width
     sample = read_sample(job, max(int(sample_rows), 3 * bs * nodes))
+    cfg = bind(cfg, sample.n_slots)  # a model of first-order rows: their table too
     syn = job.data.synthetic
-    key_space = syn.slots * syn.keys if syn is not None else None
     tables = cfg.tables_for(sample.n_slots) if cfg.tables else None
+    key_space = syn.keys * (tables.n_slots if tables else syn.slots) if syn is not None else None
     table_space = [syn.keys * len(spec.slots) for spec in tables.specs] if tables and syn is not None else None
     keys = estimate_keys(sample, nodes, key_space, table_space)
     if keys.pairs == 0 and not sample.complete:

@@ -20,6 +20,7 @@ import numpy as np
 from hpsray.data import LENIENT, Batch, DataReader
 from hpsray.data.formats import RowCount
 from hpsray.data.readers import count_rows
+from hpsray.first_order import bind
 from hpsray.kernels.distinct import distinct_sorted
 from hpsray.tables import key_tagging
 
@@ -83,7 +84,7 @@ def read_sample(job: JobConfig, rows: int, keep_batches: int = 3) -> Sample:
     """Read at least ``rows`` examples (whole batches; all of them if the input is smaller)."""
     bs = job.pipeline.batch_size
     it, n_slots, n_dense = _source_batches(job, bs)
-    cfg = job.train_config()
+    cfg = bind(job.train_config(), n_slots)  # a model of first-order rows: their table too
     tagging = key_tagging(cfg, n_slots)
     keys: list[np.ndarray] = []
     examples: list[int] = []

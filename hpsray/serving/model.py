@@ -28,7 +28,7 @@ from hpsray.serving.layout import build_point_store
 from hpsray.serving.lookup import SSD_READS, MemoryLookup, TieredLookup, mem_rows_for
 from hpsray.serving.pointstore import PointStore
 from hpsray.serving.request import InputSpec, Limits, RequestParser
-from hpsray.tables import SlotTables
+from hpsray.serving.tables import SlotTables
 
 if TYPE_CHECKING:
     from hpsray.serving.baselines import EmbeddingBagLookup, RocksDBLookup
@@ -228,8 +228,9 @@ class ServableModel:
         state = torch.load(os.path.join(chain[-1], last["dense"]), map_location="cpu", weights_only=True)
         recorded = {k: v for k, v in shape.items() if k not in ("n_slots", "n_dense")}  # an older export: mlp
         slot_dims = tables.slot_dims if tables is not None else None
+        copies = int(tables.copy_of.size) if tables is not None else 0  # first-order slots after the data's
         dense = ModelSpec.from_dict(recorded).build(
-            n_slots, dim, n_dense, seed=0, slot_dims=slot_dims
+            n_slots + copies, dim, n_dense, seed=0, slot_dims=slot_dims, first_order=copies
         )  # weights: below
         dense.load_state_dict(state)
         dense.eval()
@@ -276,10 +277,11 @@ class ServableModel:
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
         """``float32[B]`` click probabilities of ``batch``'s examples."""
-        if batch.n_slots != self.dense.n_slots or batch.n_dense != self.dense.n_dense:
+        n_slots = int(self.dense.n_slots) - (self.tables.copy_of.size if self.tables is not None else 0)  # type: ignore[arg-type]
+        if batch.n_slots != n_slots or batch.n_dense != self.dense.n_dense:
             raise ServingError(
                 f"batch has {batch.n_slots} slots and {batch.n_dense} dense features; the model "
-                f"takes {self.dense.n_slots} and {self.dense.n_dense}"
+                f"takes {n_slots} and {self.dense.n_dense}"
             )
         if not len(batch):
             return np.empty(0, np.float32)

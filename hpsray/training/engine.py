@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import MissingRowsError
+from hpsray.first_order import bind
 from hpsray.kernels.arrays import to_host
 from hpsray.kernels.distinct import in_sorted
 from hpsray.kernels.optim import HP_LR
@@ -86,11 +87,14 @@ class TrainerEngine:
         device: str = "cpu",
         model: torch.nn.Module | None = None,
     ) -> None:
-        self.config, self.n_slots, self.n_dense = config, n_slots, n_dense
+        config = bind(config, n_slots)  # a model of first-order rows: their table added
+        self.config, self.n_dense = config, n_dense
         self.capacity, self.n_nodes = capacity, n_nodes
         self.device = StepDevice(device)
         self.optimizer = config.optimizer()
         tables = config.tables_for(n_slots) if config.tables else None
+        self.n_slots = tables.n_slots if tables is not None else n_slots
+        """The model's slots: the data's, then any copied ones (:mod:`hpsray.first_order`)."""
         groups = RowGroups.of(tables) if tables is not None else None
         # tables of several row layouts (own dim or sparse optimizer): the working set holds each
         # group's rows in its own table at its width, and each group steps with its own optimizer
@@ -106,7 +110,7 @@ class TrainerEngine:
         self.examples = 0
         self.traffic = Traffic(self.row_width * 4)
         self.losses: dict[Hashable, float] = {}  # per batch, its mean loss
-        self.empty = Batch.empty(n_slots, n_dense)  # an exhausted node's part of a batch
+        self.empty = Batch.empty(self.n_slots, n_dense)  # an exhausted node's part of a batch
         # the slots' widths differ: the model takes each slot's first dim columns of the pooled rows
         self.slot_cols = None
         if tables is not None and tables.uniform_dim is None:
@@ -117,7 +121,7 @@ class TrainerEngine:
             if tables is not None and self.groups is not None
             else ()
         )
-        means = tables.mean_slots if tables is not None else np.zeros(n_slots, bool)
+        means = tables.mean_slots if tables is not None else np.zeros(self.n_slots, bool)
         # the slots that pool by the mean (tables of their own), on the device; None: every slot sums
         self.mean_slots = torch.as_tensor(means, device=self.device.torch) if means.any() else None
         if groups is not None and len(groups) == 1:  # one layout: its optimizer (each table's lr below)

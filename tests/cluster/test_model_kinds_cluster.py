@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpsray.first_order import FIRST_ORDER_KINDS
 from hpsray.job import JobConfig, build
 from hpsray.reference_job import train_reference
 
@@ -27,7 +28,11 @@ def test_two_nodes_train_each_kind_over_passes_with_early_stopping_equal_to_the_
             "data": {"synthetic": {"rows": 2000, "eval_rows": 400, "slots": 4, "keys": 2000, "dense": 3, "seed": 2}},
             "model": {"kind": kind, "dim": 5, **KINDS[kind]},
             "optimizer": {"sparse": "adagrad", "sparse_lr": 0.5, "dense_lr": 0.01},
-            "tiers": {"mem_rows": 900, "ssd_path": str(tmp_path / "ssd"), "ssd": {"rows_per_file": 256}},
+            "tiers": {
+                "mem_rows": 1800 if kind in FIRST_ORDER_KINDS else 900,
+                "ssd_path": str(tmp_path / "ssd"),
+                "ssd": {"rows_per_file": 256},
+            },
             "pipeline": {"batch_size": 250, "minibatch_size": 125, "passes": 2},
             "eval": {"every_batches": 2, "early_stopping": {"metric": "logloss", "patience": 2}},
             "cluster": {"nodes": 2},

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hpsray.errors import ConfigError
+from hpsray.first_order import FIRST_ORDER_KINDS
 from hpsray.models.kinds import MODEL_KINDS, ModelSpec
 
 B, S, DIM, DENSE = 6, 4, 8, 3
@@ -19,15 +20,27 @@ def _inputs(n_dense: int = DENSE) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(B, S, DIM, generator=g), torch.randn(B, n_dense, generator=g)
 
 
+def _build(kind: str, n_dense: int = DENSE, seed: int = 0, settings: dict | None = None):
+    """``kind``'s model over ``S`` slots of ``DIM`` (and, for the kinds of first-order rows, the
+    ``S`` first-order slots after them), and a way to make its input from ``_inputs``'s."""
+    spec = ModelSpec(kind, settings or {})
+    if kind not in FIRST_ORDER_KINDS:
+        return spec.build(S, DIM, n_dense, seed=seed), lambda pooled: pooled
+    w = torch.randn(B, S, generator=torch.Generator().manual_seed(2))  # each slot's sum of first-order weights
+    m = spec.build(2 * S, DIM, n_dense, seed=seed, slot_dims=(DIM,) * S + (1,) * S, first_order=S)
+    return m, lambda pooled: torch.cat([pooled.reshape(B, -1), w], 1)
+
+
 @pytest.mark.parametrize("kind", MODEL_KINDS)
 @pytest.mark.parametrize("n_dense", [DENSE, 0])
 def test_each_kind_gives_one_logit_per_example_from_its_seed_alone(kind, n_dense):
     pooled, dense = _inputs(n_dense)
     torch.manual_seed(123)  # the global RNG must not matter
-    a = ModelSpec(kind).build(S, DIM, n_dense, seed=7)
+    a, x = _build(kind, n_dense, seed=7)
     torch.manual_seed(456)
-    b = ModelSpec(kind).build(S, DIM, n_dense, seed=7)
-    c = ModelSpec(kind).build(S, DIM, n_dense, seed=8)
+    b, _ = _build(kind, n_dense, seed=7)
+    c, _ = _build(kind, n_dense, seed=8)
+    pooled = x(pooled)
     out = a(pooled, dense)
     assert out.shape == (B,)
     assert torch.equal(out, b(pooled, dense))
@@ -65,16 +78,18 @@ def test_dcn_cross_layers_follow_x0_times_wx_plus_b_plus_x_with_low_rank_and_bot
     assert full.cross[0].w.weight.shape == (S * DIM + DENSE,) * 2
 
 
-@pytest.mark.parametrize("kind", ["deepfm", "wide_deep"])
-def test_deepfm_and_wide_deep_read_the_first_order_weight_from_the_rows_last_float(kind):
-    pooled, dense = _inputs()
-    m = ModelSpec(kind, {"hidden": [5]}).build(S, DIM, DENSE, seed=0)
-    v, w = pooled[..., :-1], pooled[..., -1]
+@pytest.mark.parametrize("kind", FIRST_ORDER_KINDS)
+def test_deepfm_and_wide_deep_take_the_first_order_weights_from_their_own_slots(kind):
+    v, dense = _inputs()
+    m, x = _build(kind, settings={"hidden": [5]})
+    pooled = x(v)
+    w = pooled[:, S * DIM :]  # the first-order slots: each a width-1 row's pooled sum
     expected = m.linear(dense).squeeze(1) + w.sum(1) + m.deep(torch.cat([v.reshape(B, -1), dense], 1)).squeeze(1)
     if kind == "deepfm":
         pairs = itertools.combinations(range(S), 2)
         expected = expected + sum((v[:, i] * v[:, j]).sum(1) for i, j in pairs)
     torch.testing.assert_close(m(pooled, dense), expected)
+    assert m.deep[0].in_features == S * DIM + DENSE  # every embedding float is a factor: none is w_i
 
 
 @pytest.mark.parametrize(
@@ -94,9 +109,13 @@ def test_a_bad_setting_is_a_config_error_naming_it(kind, settings, message):
     assert message in str(e.value)
 
 
-def test_deepfm_needs_a_factor_beside_the_first_order_weight():
-    with pytest.raises(ValueError, match="dim must be >= 2"):
-        ModelSpec("deepfm").build(S, 1, DENSE, seed=0)
+def test_deepfm_needs_first_order_slots_and_the_others_take_none():
+    with pytest.raises(ConfigError, match="'deepfm' takes 0 first-order slots"):
+        ModelSpec("deepfm").build(S, DIM, DENSE, seed=0)
+    with pytest.raises(ConfigError, match="'mlp' takes 2 first-order slots"):
+        ModelSpec("mlp").build(S, DIM, DENSE, seed=0, first_order=2)
+    with pytest.raises(ValueError, match="slot_dims must be 2 x 8 then 2 x 1"):
+        ModelSpec("wide_deep").build(S, DIM, DENSE, seed=0, slot_dims=(DIM,) * S, first_order=2)
 
 
 def test_the_recorded_spec_builds_the_same_model():
@@ -121,8 +140,9 @@ def test_the_default_kind_is_the_papers_mlp_with_the_same_weights():
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
 def test_each_kind_states_its_input_shape(kind):
-    m = ModelSpec(kind).build(S, DIM, DENSE, seed=0)
-    assert (m.n_slots, m.dim, m.n_dense) == (S, DIM, DENSE)  # serving checks requests against these
+    m, _ = _build(kind)
+    slots = 2 * S if kind in FIRST_ORDER_KINDS else S
+    assert (m.n_slots, m.dim, m.n_dense) == (slots, DIM, DENSE)  # serving checks requests against these
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"

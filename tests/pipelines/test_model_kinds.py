@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hpsray.export import export, load_export, schema_of_source
+from hpsray.first_order import FIRST_ORDER_KINDS
 from hpsray.job import JobConfig, build
 from hpsray.reference import ReferenceTrainer
 from hpsray.reference_job import train_reference
@@ -23,12 +24,13 @@ KINDS = {
 
 
 def _job(kind: str, tmp_path) -> JobConfig:
+    rows = 4000 if kind in FIRST_ORDER_KINDS else 2000  # deepfm, wide_deep: each key's rows in two tables
     return JobConfig.from_dict(
         {
             "data": {"synthetic": {"rows": 2000, "eval_rows": 500, "slots": 4, "keys": 3000, "dense": 3, "seed": 1}},
             "model": {"kind": kind, "dim": 5, **KINDS[kind]},
             "optimizer": {"sparse": "adagrad", "sparse_lr": 0.05},
-            "tiers": {"mem_rows": 2000, "ssd_path": str(tmp_path / "ssd"), "ssd": {"rows_per_file": 256}},
+            "tiers": {"mem_rows": rows, "ssd_path": str(tmp_path / "ssd"), "ssd": {"rows_per_file": 256}},
             "pipeline": {"batch_size": 500, "minibatch_size": 125},
             "cluster": {"nodes": 1},
         },
@@ -61,10 +63,18 @@ def test_each_kind_trains_through_the_pipeline_equal_to_the_reference_and_serves
         schema=schema_of_source(source),
     )
     assert manifest["model"]["kind"] == kind
+    if kind in FIRST_ORDER_KINDS:  # each key's w_i is a width-1 row of the first-order table
+        assert {e["name"]: e["dim"] for e in manifest["tables"]} == {"default": 5, "first_order": 1}
+        assert set((keys >> np.uint64(56)).tolist()) == {0, 1}
     served = ServableModel.load(str(tmp_path / "export"))
     batch = next(iter(source.open(125)))  # one of the reference's mini-batches: the same matmul shapes
     model = job.train_config()
     trained = ReferenceTrainer(4, 3, model)
-    trained.store.preload(*load_export(str(tmp_path / "export"))[:2])
+    if trained.tables is None:
+        trained.store.preload(*load_export(str(tmp_path / "export"))[:2])
+    else:  # deepfm, wide_deep: the first-order rows' table too (each row its own width)
+        for t, store in enumerate(trained.stores):
+            mine = trained.tables.table_of(keys) == t
+            store.preload(keys[mine], rows[mine, : trained.tables.widths[t]])
     trained.model.load_state_dict(ref_dense)
     np.testing.assert_array_equal(served.predict(batch), trained.predict(batch))

@@ -91,7 +91,7 @@ def test_hpsray_train_with_a_model_kind_passes_and_early_stopping_exports_what_t
         "data.synthetic": {"rows": 2000, "eval_rows": 500, "slots": 4, "keys": 3000, "dense": 3, "seed": 1},
         "model": {"kind": "deepfm", "dim": 5, "hidden": [8]},
         "optimizer": {"sparse": "adagrad", "sparse_lr": 0.5, "dense_lr": 0.01},
-        "tiers": {"mem_rows": 1500, "ssd_path": str(tmp_path / "ssd")},
+        "tiers": {"mem_rows": 3000, "ssd_path": str(tmp_path / "ssd")},  # each key's rows in two tables
         "pipeline": {"batch_size": 250, "minibatch_size": 125, "passes": 3},
         "eval": {"every_batches": 2},
         "eval.early_stopping": {"metric": "logloss", "patience": 2},

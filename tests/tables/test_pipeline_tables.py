@@ -151,7 +151,7 @@ def test_the_pipeline_trains_three_tables_through_ssd_and_equals_the_reference(r
 
 
 def test_serving_reads_the_tables_of_a_manifest_and_names_a_bad_one():
-    from hpsray.tables import SlotTables
+    from hpsray.serving.tables import SlotTables
 
     entries = config().tables_for(4).manifest()
     tables = SlotTables.from_manifest(entries, 4, "m.json")
