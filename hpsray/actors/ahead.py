@@ -1,7 +1,13 @@
-"""A batch's inputs fetched ahead (docs/architecture.md: The pipeline): while batch ``t`` trains,
-the trainer actor's second thread (Ray concurrency group :data:`AHEAD_GROUP`, one thread)
-fetches ``t+1``'s inputs from the object store, then the keys of the batch after it, so the
-training thread starts ``t+1`` on values instead of waiting for them.
+"""A batch's inputs fetched ahead and its rows handed back off the training thread
+(docs/architecture.md: The pipeline).
+
+While batch ``t`` trains, the trainer actor's second thread (Ray concurrency group
+:data:`AHEAD_GROUP`, one thread) fetches ``t+1``'s inputs from the object store, then the keys
+of the batch after it, so the training thread starts ``t+1`` on values instead of waiting for
+them. A third thread (:data:`RETURNS_GROUP`) hands each batch's rows back to their owners
+(``Trainer.returned``): the training thread leaves them in a :class:`Handover` and its call
+returns at once, so storing them in the object store (milliseconds for megabytes) overlaps the
+next batch's training instead of preceding it.
 
 :class:`Ahead` holds the fetches by batch id: :meth:`Ahead.start` registers one (the fetching
 thread), :meth:`Ahead.take` hands it to ``train`` (or ``None``: none was started, and ``train``
@@ -17,18 +23,23 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["AHEAD_GROUP", "Ahead", "Fetch", "trainer_actor"]
+__all__ = ["AHEAD_GROUP", "RETURNS_GROUP", "Ahead", "Fetch", "Handover", "trainer_actor"]
 
 AHEAD_GROUP = "ahead"
 """The trainer actor's concurrency group of ``Trainer.fetch_ahead``: one thread beside the one
 that trains (every other method runs on that one, in call order)."""
 
 
+RETURNS_GROUP = "returns"
+"""The concurrency group of ``Trainer.returned``: one thread that stores each batch's rows."""
+
+
 def trainer_actor(cls: type) -> Any:
-    """``cls`` (the trainer) as a Ray actor class with its :data:`AHEAD_GROUP` thread."""
+    """``cls`` (the trainer) as a Ray actor class with its :data:`AHEAD_GROUP` and
+    :data:`RETURNS_GROUP` threads."""
     import ray
 
-    return ray.remote(concurrency_groups={AHEAD_GROUP: 1})(cls)  # type: ignore[call-overload]
+    return ray.remote(concurrency_groups={AHEAD_GROUP: 1, RETURNS_GROUP: 1})(cls)  # type: ignore[call-overload]
 
 
 class Fetch:
@@ -83,3 +94,42 @@ class Ahead:
     def clear(self) -> None:
         with self._lock:
             self._fetches.clear()
+
+
+class Handover:
+    """Each batch's rows to return, by batch id: the training thread :meth:`give` s them (or the
+    error that stopped the batch), the returning thread :meth:`take` s them, whichever comes
+    first creating the entry. At most :data:`KEPT` given entries wait for a taker (a batch whose
+    ``returned`` call never came, after a failure): older ones are dropped."""
+
+    KEPT = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Hashable, Future] = OrderedDict()
+
+    def _entry(self, batch_id: Hashable) -> Future:
+        with self._lock:
+            if batch_id not in self._entries:
+                self._entries[batch_id] = Future()
+            return self._entries[batch_id]
+
+    def give(self, batch_id: Hashable, value: Any = None, error: BaseException | None = None) -> None:
+        entry = self._entry(batch_id)
+        if error is not None:
+            entry.set_exception(error)
+        else:
+            entry.set_result(value)
+        with self._lock:
+            given = [b for b, f in self._entries.items() if f.done()]
+            for b in given[: max(0, len(given) - self.KEPT)]:
+                del self._entries[b]
+
+    def take(self, batch_id: Hashable) -> Any:
+        """The rows of ``batch_id`` (waits for the batch's end; raises its error)."""
+        entry = self._entry(batch_id)
+        try:
+            return entry.result()
+        finally:
+            with self._lock:
+                self._entries.pop(batch_id, None)

@@ -16,7 +16,8 @@ Per batch ``t`` (docs/architecture.md: The pipeline; the verbs: Glossary)::
     SSDPSShard.load_missing(Pulled)  -> Loan        (the owner's rows of the borrower's keys it does not hold)
     MemPSShard.refresh               -> Refresh     (rows other borrowers changed since the loan)
     MemPSShard.must_return           -> keys        (several nodes: what a trainer returns though it keeps it)
-    Trainer.train(TrainInputs)       -> Returned per owner, then TrainOutcome   (TrainReturns)
+    Trainer.train(TrainInputs)       -> TrainOutcome
+    Trainer.returned(batch id)       -> Returned per owner                      (TrainReturns)
     Trainer.train_part(TrainInputs)  -> DevicePart  (D > 1 devices: device d's part, to device 0)
     MemPSShard.write_back(*Returned)
     Trainer.flush                    -> [Returned per owner]  (rows it kept across a batch end: before a
@@ -123,7 +124,7 @@ class TrainOutcome:
     examples: int
 
 
-TrainReturns = tuple["Returned | TrainOutcome", ...]
-"""What ``Trainer.train`` returns: one :class:`Returned` per owner node (in node order), then the
-batch's :class:`TrainOutcome`; Ray hands each out as its own ref (``num_returns = n_nodes + 1``),
-so each owner's write-back fetches only its rows."""
+TrainReturns = tuple["Returned", ...]
+"""What ``Trainer.returned`` gives for several nodes: one :class:`Returned` per owner node (in
+node order); Ray hands each out as its own ref (``num_returns = n_nodes``), so each owner's
+write-back fetches only its rows."""

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from hpsray.actors import joining
-from hpsray.actors.ahead import AHEAD_GROUP, Ahead
+from hpsray.actors.ahead import AHEAD_GROUP, RETURNS_GROUP, Ahead, Handover
 from hpsray.actors.devices import a_worker_died, start_device_workers
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import DevicePart, Returned, TrainData, TrainInputs, TrainOutcome, TrainReturns
@@ -81,6 +81,7 @@ class Trainer:
         self.crosses_batches = False  # SSP/ASP: the clock runs across batch ends (from join)
         self._pending: list[Any] = []  # the other devices' parts of the batch in flight (refs)
         self.ahead = Ahead()  # batches' inputs fetched on the second thread (fetch_ahead)
+        self.handover = Handover()  # batches' rows, stored by the third thread (returned)
         self.fetched_ahead = 0  # batches trained on inputs fetched ahead
         # the table's numba kernels compile here, before the pipeline's clock
         width, init = config.row_width, config.row_init()
@@ -139,12 +140,27 @@ class Trainer:
         )
         return self.node * self.n_devices + self.device_index  # its rank in the mesh
 
-    def train(self, batch_id: Hashable, inputs: TrainInputs) -> TrainReturns:
-        """Train a batch on its working set and return its rows to their owners: one
-        :class:`Returned` per owner, then a :class:`TrainOutcome` (call with
-        ``.options(num_returns=n_nodes + 1)`` so each owner's write-back fetches only its part).
+    def train(self, batch_id: Hashable, inputs: TrainInputs) -> TrainOutcome:
+        """Train a batch on its working set; its rows go back to their owners through
+        :meth:`returned` (another thread), so this returns the :class:`TrainOutcome` alone.
         Trainers of several nodes step through the same number of global mini-batches
         (``inputs.sizes``); if one lacks its inputs, all fail the batch together."""
+        try:
+            out, outcome = self._train(batch_id, inputs)
+        except BaseException as e:
+            self.handover.give(batch_id, error=e)
+            raise
+        self.handover.give(batch_id, out[0] if len(out) == 1 else tuple(out))
+        return outcome
+
+    @ray.method(concurrency_group=RETURNS_GROUP)
+    def returned(self, batch_id: Hashable) -> TrainReturns | Returned:
+        """Batch ``batch_id``'s rows to their owners, one :class:`Returned` per owner node (call
+        with ``.options(num_returns=n_nodes)``, so each owner's write-back fetches only its part),
+        once its :meth:`train` ends; raises the error that ended it."""
+        return self.handover.take(batch_id)
+
+    def _train(self, batch_id: Hashable, inputs: TrainInputs) -> tuple[list[Returned], TrainOutcome]:
         self._pending = [w.train_part.remote(batch_id, inputs) for w in self.workers]
         if torch.get_num_threads() != self.threads:  # a threaded actor's calls may run on a new thread
             torch.set_num_threads(self.threads)
@@ -165,7 +181,7 @@ class Trainer:
         per_s = result.examples / max(self.clock.per_batch[batch_id], 1e-9)
         self.gauges.set(loss=result.loss, examples_per_s=per_s)
         self.gauges.set_sync(self.strategy.max_staleness, self.strategy.sent)
-        return (*out, TrainOutcome(result.loss, result.examples))
+        return out, TrainOutcome(result.loss, result.examples)
 
     @ray.method(concurrency_group=AHEAD_GROUP)
     def fetch_ahead(self, batch_id: Hashable, inputs: TrainInputs) -> None:

@@ -2,7 +2,7 @@
 
 Contract: per batch ``t`` the driver submits, on every node::
 
-    read(t + read_queue) ; train(t) ; pull(t+1) ; load(t+1) ; write_back(t) ; refresh(t+1)
+    read(t + read_queue) ; train(t), returned(t) ; pull(t+1) ; load(t+1) ; write_back(t) ; refresh(t+1)
 
 each stage an actor running one caller's calls in submission order, joined by four bounded
 edges (:class:`BoundedEdge`) so a slow stage stalls its producer; ``train(t)`` also gets batch
@@ -183,7 +183,9 @@ class PassSchedule:
                 read[b].layout,
             )
             self.fetches.append(node.trainer.fetch_ahead.remote(self.first + t, inputs))  # while t-1 trains
-            refs = node.trainer.train.options(num_returns=n + 1).remote(self.first + t, inputs)
+            outcome = node.trainer.train.remote(self.first + t, inputs)
+            back = node.trainer.returned.options(num_returns=n).remote(self.first + t)  # stored off train's thread
+            refs = [*(back if n > 1 else [back]), outcome]
             results.append(refs)
             self.outcomes.append(refs[-1])
             self.loads[b].taken([refs[-1]])

@@ -1,14 +1,15 @@
 """The trainer's fetches ahead (``hpsray.actors.ahead``): a batch's inputs are handed over as
 soon as they are fetched, before the next batch's keys are, and a fetch nobody took is dropped
-when a later batch takes its own."""
+when a later batch takes its own; a batch's rows reach the thread that returns them."""
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
-from hpsray.actors.ahead import Ahead
+from hpsray.actors.ahead import Ahead, Handover
 
 
 def test_the_inputs_are_handed_over_before_the_next_batchs_keys_arrive():
@@ -45,3 +46,29 @@ def test_a_batch_takes_its_own_fetch_and_drops_older_ones():
     ahead.start(6)
     ahead.clear()
     assert ahead.take(6) is None
+
+
+def test_a_batchs_rows_reach_the_returning_thread_whichever_side_comes_first():
+    """``Trainer.returned`` may start before or after its ``train`` ends: it gets that batch's
+    rows either way, or the error that ended the batch (so no write-back stores them)."""
+    handover = Handover()
+    got: list = []
+    waiting = threading.Thread(target=lambda: got.append(handover.take(2)))
+    waiting.start()  # returned(2) before train(2) ends
+    handover.give(1, "rows of 1")
+    assert handover.take(1) == "rows of 1"  # train(1) ended before returned(1)
+    assert waiting.is_alive()
+    handover.give(2, "rows of 2")
+    waiting.join(5)
+    assert got == ["rows of 2"]
+    handover.give(3, error=ZeroDivisionError("batch 3 failed"))
+    with pytest.raises(ZeroDivisionError, match="batch 3 failed"):
+        handover.take(3)
+
+
+def test_rows_nobody_takes_are_not_kept_beyond_a_few_batches():
+    handover = Handover()
+    for b in range(10):  # returned() never called (the driver failed between the calls)
+        handover.give(b, np.zeros(1000))
+    assert len(handover._entries) == Handover.KEPT
+    assert handover.take(9) is not None
