@@ -99,20 +99,16 @@ class Ahead:
 class Handover:
     """Each batch's rows to return, by batch id: the training thread :meth:`give` s them (or the
     error that stopped the batch), the returning thread :meth:`take` s them, whichever comes
-    first creating the entry. At most :data:`KEPT` given entries wait for a taker (a batch whose
-    ``returned`` call never came, after a failure): older ones are dropped."""
-
-    KEPT = 4
+    first creating the entry. The driver calls ``returned(t)`` with every ``train(t)``, so every
+    entry is taken; :meth:`clear` (a reset after a failure) forgets any that were not."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, Future] = OrderedDict()
+        self._entries: dict[Hashable, Future] = {}
 
     def _entry(self, batch_id: Hashable) -> Future:
         with self._lock:
-            if batch_id not in self._entries:
-                self._entries[batch_id] = Future()
-            return self._entries[batch_id]
+            return self._entries.setdefault(batch_id, Future())
 
     def give(self, batch_id: Hashable, value: Any = None, error: BaseException | None = None) -> None:
         entry = self._entry(batch_id)
@@ -120,10 +116,6 @@ class Handover:
             entry.set_exception(error)
         else:
             entry.set_result(value)
-        with self._lock:
-            given = [b for b, f in self._entries.items() if f.done()]
-            for b in given[: max(0, len(given) - self.KEPT)]:
-                del self._entries[b]
 
     def take(self, batch_id: Hashable) -> Any:
         """The rows of ``batch_id`` (waits for the batch's end; raises its error)."""
@@ -133,3 +125,11 @@ class Handover:
         finally:
             with self._lock:
                 self._entries.pop(batch_id, None)
+
+    def clear(self) -> None:
+        """Forget the rows given and never taken (a take under way keeps waiting for its batch)."""
+        with self._lock:
+            self._entries = {b: f for b, f in self._entries.items() if not f.done()}
+
+    def __len__(self) -> int:
+        return len(self._entries)

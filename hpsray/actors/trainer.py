@@ -261,6 +261,7 @@ class Trainer:
         refs = [w.reset.remote(path) for w in self.workers]
         self.strategy.forget()
         self.ahead.clear()
+        self.handover.clear()
         return self._load_own_state(path, refs)
 
     def load_state(self, path: str) -> int:

@@ -5,6 +5,7 @@ when a later batch takes its own; a batch's rows reach the thread that returns t
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -66,9 +67,18 @@ def test_a_batchs_rows_reach_the_returning_thread_whichever_side_comes_first():
         handover.take(3)
 
 
-def test_rows_nobody_takes_are_not_kept_beyond_a_few_batches():
+def test_a_reset_forgets_the_rows_nobody_took():
     handover = Handover()
-    for b in range(10):  # returned() never called (the driver failed between the calls)
+    for b in range(3):  # returned() never called for them (a failure between the calls)
         handover.give(b, np.zeros(1000))
-    assert len(handover._entries) == Handover.KEPT
-    assert handover.take(9) is not None
+    waiting = threading.Thread(target=handover.take, args=(5,))
+    waiting.start()  # returned(5) waits for train(5)
+    for _ in range(500):
+        if len(handover) == 4:
+            break
+        time.sleep(0.01)
+    handover.clear()
+    assert len(handover) == 1  # the rows nobody took are gone, the wait for batch 5 is not
+    handover.give(5, "rows of 5")
+    waiting.join(5)
+    assert not waiting.is_alive() and len(handover) == 0
