@@ -12,12 +12,13 @@ copies' keys); :class:`~hpsray.tables.TagKeys` runs it before tagging, so every 
 reference trainer and serving see the same model slots, and the copies' keys carry the copy
 table's tag: a key of the first-order table never meets its embedding row's key.
 
-**Binding.** :func:`bind` adds the first-order table to a config whose ``model_kind`` needs it
-(:data:`FIRST_ORDER_KINDS`): the job's tables (or the one default table of every slot) plus the
-copy of every slot at ``dim = 1``, with the job's sparse optimizer and learning rate. It is
-idempotent, and runs where a config meets its source's slot count (:meth:`Tables.of
-<hpsray.tables.Tables.of>`, the pipeline, the engine, the reference trainer, the job file), so
-every tier, trainer, checkpoint and export holds the first-order rows as one more table.
+**Binding.** :func:`~hpsray.tables.with_first_order` adds the first-order table to a config whose
+``model_kind`` needs it (:data:`FIRST_ORDER_KINDS`): the job's tables (or the one default table
+of every slot) plus the copy of every slot at ``dim = 1``, with the job's sparse optimizer and
+learning rate. It is idempotent, and runs where a config meets its source's slot count
+(:meth:`Tables.of <hpsray.tables.Tables.of>`, the pipeline, the engine, the reference trainer,
+the job file), so every tier, trainer, checkpoint and export holds the first-order rows as one
+more table. This module imports nothing of :mod:`hpsray.tables`, which builds on it.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import numpy as np
 if TYPE_CHECKING:
     from hpsray.data.batch import Batch
 
-__all__ = ["FIRST_ORDER", "FIRST_ORDER_KINDS", "bind", "expand", "needs_first_order"]
+__all__ = ["FIRST_ORDER", "FIRST_ORDER_KINDS", "expand", "needs_first_order"]
 
 FIRST_ORDER = "first_order"
-"""The name of the first-order table :func:`bind` adds (reserved: a job's table may not take it)."""
+"""The name of the first-order table :func:`~hpsray.tables.with_first_order` adds (reserved: a
+job's table may not take it)."""
 FIRST_ORDER_KINDS = ("deepfm", "wide_deep")
 """The model kinds whose keys need a first-order weight of their own."""
 
@@ -41,27 +43,6 @@ FIRST_ORDER_KINDS = ("deepfm", "wide_deep")
 def needs_first_order(config: Any) -> bool:
     """Whether ``config``'s model kind takes first-order rows."""
     return getattr(config, "model_kind", "mlp") in FIRST_ORDER_KINDS
-
-
-def bind(config: Any, n_slots: int) -> Any:
-    """``config`` (a :class:`~hpsray.config.TrainConfig`) with the first-order table of its
-    ``n_slots`` data slots added when its model kind needs one; itself otherwise, or when it has
-    one already."""
-    from hpsray.tables import TableSpec
-
-    if not needs_first_order(config) or any(spec.copy for spec in config.tables):
-        return config
-    if any(spec.name == FIRST_ORDER for spec in config.tables):
-        from hpsray.errors import ConfigError
-
-        raise ConfigError(
-            "Tables",
-            "tables",
-            f"{FIRST_ORDER!r} names the first-order table of kind {config.model_kind!r}; rename yours",
-        )
-    every = tuple(range(n_slots))
-    primary = config.tables or (TableSpec("default", every, config.dim),)
-    return replace(config, tables=(*primary, TableSpec(FIRST_ORDER, every, 1, copy=True)))
 
 
 def expand(batch: Batch, copy_of: np.ndarray) -> Batch:

@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from hpsray.config import TrainConfig, check_admission
 from hpsray.data.batch import Batch
-from hpsray.first_order import bind
 from hpsray.kernels.optim import apply_to_rows
 from hpsray.models.kinds import build_model
 from hpsray.models.metrics import auc, logloss
@@ -40,6 +39,7 @@ from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
 from hpsray.reference_store import SortedRowStore
 from hpsray.reference_tables import TableSplit, admission_of, predict_input, train_tables
+from hpsray.tables import with_first_order
 
 _NEVER = np.iinfo(np.int64).min  # "last seen" of a key not seen yet
 
@@ -151,7 +151,9 @@ class ReferenceTrainer:
         admit_after: int = 0,
         expire_after_batches: int | None = None,
     ):
-        self.config = bind(config or TrainConfig(), n_slots)  # a model of first-order rows: their table added
+        self.config = with_first_order(
+            config or TrainConfig(), n_slots
+        )  # a model of first-order rows: their table added
         self.n_dense = n_dense
         self.optimizer = self.config.optimizer()
         self.tables = self.config.tables_for(n_slots) if self.config.tables else None

@@ -26,6 +26,7 @@ import numpy as np
 
 from hpsray.admission_rules import check_admission
 from hpsray.errors import ConfigError
+from hpsray.first_order import FIRST_ORDER, expand, needs_first_order
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit
 from hpsray.kernels.optim import SPARSE_OPTIMIZERS, SparseOptimizer, make_optimizer
@@ -49,6 +50,7 @@ __all__ = [
     "table_admission",
     "table_layouts",
     "tag_keys",
+    "with_first_order",
 ]
 
 
@@ -217,9 +219,7 @@ class Tables:
     @classmethod
     def of(cls, config: RowDefaults, n_slots: int) -> Tables:
         """``config``'s tables for ``n_slots`` slots (its one default table when it gives none)."""
-        from hpsray.first_order import bind
-
-        config = bind(config, n_slots)
+        config = with_first_order(config, n_slots)
         specs = config.tables or (TableSpec("default", tuple(range(n_slots)), config.dim),)
         return cls(specs, n_slots, config)
 
@@ -247,8 +247,6 @@ class Tables:
     def expand(self, batch: Batch) -> Batch:
         """``batch`` of the data's slots with the copied slots appended
         (:func:`hpsray.first_order.expand`); itself without copy tables or when expanded already."""
-        from hpsray.first_order import expand
-
         if batch.n_slots == self.n_slots:
             return batch
         if batch.n_slots != self.n_data_slots:
@@ -331,6 +329,21 @@ def _optimizer(spec: TableSpec, i: int) -> SparseOptimizer:
         return make_optimizer(spec.optimizer, lr=spec.lr, **spec.sparse_params)
     except (TypeError, ValueError) as e:
         raise ConfigError("Tables", f"tables[{i}].sparse_params", f"table {spec.name!r}: {e}") from None
+
+
+def with_first_order(config: Any, n_slots: int) -> Any:
+    """``config`` (a :class:`~hpsray.config.TrainConfig`) with the first-order table of its
+    ``n_slots`` data slots added when its model kind needs one (:mod:`hpsray.first_order`);
+    itself otherwise, or when it has one already."""
+    if not needs_first_order(config) or any(spec.copy for spec in config.tables):
+        return config
+    if any(spec.name == FIRST_ORDER for spec in config.tables):
+        raise ConfigError(
+            "Tables", "tables", f"{FIRST_ORDER!r} names the first-order table of kind {config.model_kind!r}; rename it"
+        )
+    every = tuple(range(n_slots))
+    primary = config.tables or (TableSpec("default", every, config.dim),)
+    return replace(config, tables=(*primary, TableSpec(FIRST_ORDER, every, 1, copy=True)))
 
 
 def table_layouts(config: RowDefaults) -> list[tuple[int, int, SparseOptimizer]]:

@@ -29,8 +29,9 @@ from hpsray.export.read import (
 )
 from hpsray.export.remote import fetch_export, is_uri, local_files, upload_export
 from hpsray.fileio import fsync_dir, write_json
-from hpsray.first_order import bind, needs_first_order
+from hpsray.first_order import needs_first_order
 from hpsray.models.kinds import model_spec
+from hpsray.tables import with_first_order
 
 DEFAULT_ROWS_PER_FILE = 1_000_000
 
@@ -168,7 +169,7 @@ def export(
     keys = np.asarray(keys, dtype=np.uint64)
     rows = np.asarray(rows, dtype=np.float32)
     if n_slots is not None:
-        config = bind(config, n_slots)  # a model of first-order rows: their table (hpsray.first_order)
+        config = with_first_order(config, n_slots)  # a model of first-order rows: their table (hpsray.first_order)
     elif needs_first_order(config):
         raise ValueError(
             f"export: a {config.model_kind} model's first-order rows need n_slots (the source's, or given)"

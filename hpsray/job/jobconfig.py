@@ -20,7 +20,7 @@ from hpsray.data.formats import get_format
 from hpsray.data.generate import SCHEMA_FILE
 from hpsray.errors import ConfigError
 from hpsray.evaluation import EvalSettings
-from hpsray.first_order import bind, needs_first_order
+from hpsray.first_order import needs_first_order
 from hpsray.job import validate as chk
 from hpsray.job.sections import (
     CheckpointSection,
@@ -42,7 +42,7 @@ from hpsray.job.sections import (
     parse_tiers,
 )
 from hpsray.job.tables import parse_tables, resolve_tables
-from hpsray.tables import Tables, TableSpec
+from hpsray.tables import Tables, TableSpec, with_first_order
 
 __all__ = ["JobConfig"]
 
@@ -154,7 +154,7 @@ class JobConfig:
             schema = None if syn is not None else self.schema()
         except ConfigError:  # named by whatever reads the data; bound there (Pipeline, the trainers)
             return config
-        return bind(config, syn.slots if syn is not None else schema.n_slots)  # type: ignore[union-attr]
+        return with_first_order(config, syn.slots if syn is not None else schema.n_slots)  # type: ignore[union-attr]
 
     def _config(self) -> TrainConfig:
         return TrainConfig(

@@ -19,12 +19,12 @@ from torch import nn
 
 from hpsray.config import TrainConfig
 from hpsray.errors import ConfigError
-from hpsray.first_order import FIRST_ORDER_KINDS, bind
+from hpsray.first_order import FIRST_ORDER_KINDS
 from hpsray.models.dcn import DCN, STRUCTURES
 from hpsray.models.deepfm import DeepFM, WideDeep
 from hpsray.models.dlrm import DLRM
 from hpsray.models.dnn import DNN
-from hpsray.tables import Tables
+from hpsray.tables import Tables, with_first_order
 
 _WIDTHS = "a list of integers >= 1"
 
@@ -180,7 +180,7 @@ def build_model(config: TrainConfig, n_slots: int, n_dense: int) -> nn.Module:
     :data:`MIXED_DIMS` over ``[B, sum of the slots' widths]`` and refuse the others with a
     :class:`~hpsray.errors.ConfigError` naming the tables and their dims."""
     spec = model_spec(config)
-    config = bind(config, n_slots)
+    config = with_first_order(config, n_slots)
     if not config.tables:
         return spec.build(n_slots, config.dim, n_dense, config.seed)
     tables = config.tables_for(n_slots)

@@ -90,12 +90,12 @@ class TrainerSettings:
 
     def bound(self, n_slots: int) -> TrainerSettings:
         """These settings for a source of ``n_slots`` slots: a model of first-order rows gets
-        their table (:func:`hpsray.first_order.bind`), so every stage holds it."""
+        their table (:func:`hpsray.tables.with_first_order`), so every stage holds it."""
         from dataclasses import replace
 
-        from hpsray.first_order import bind
+        from hpsray.tables import with_first_order
 
-        return replace(self, config=bind(self.config, n_slots))
+        return replace(self, config=with_first_order(self.config, n_slots))
 
     def index_in_read(self, node_cpus: float) -> bool:
         """Whether a node of ``node_cpus`` CPUs makes its batches' layouts in the read stage."""

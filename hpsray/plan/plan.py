@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from hpsray.env import omp_threads_sleep
 from hpsray.errors import CapacityError
-from hpsray.first_order import bind
 from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, predict_rate
 from hpsray.plan.disk import cold_share, disk_s_per_row, load_bound
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
@@ -24,6 +23,7 @@ from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, m
 from hpsray.plan.pipeline_cost import StageCosts
 from hpsray.plan.sample import InputSize, read_sample
 from hpsray.plan.tables import by_table, hbm_group_bytes, table_sizes
+from hpsray.tables import with_first_order
 from hpsray.tiers.mem import rows_for_bytes
 from hpsray.tiers.ssd.probe import DiskBound
 
@@ -115,7 +115,7 @@ def make_plan(
     bs, p, cfg = job.pipeline.batch_size, job.pipeline, job.train_config()
     width = cfg.row_width
     sample = read_sample(job, max(int(sample_rows), 3 * bs * nodes))
-    cfg = bind(cfg, sample.n_slots)  # a model of first-order rows: their table too
+    cfg = with_first_order(cfg, sample.n_slots)  # a model of first-order rows: their table too
     syn = job.data.synthetic
     tables = cfg.tables_for(sample.n_slots) if cfg.tables else None
     key_space = syn.keys * (tables.n_slots if tables else syn.slots) if syn is not None else None

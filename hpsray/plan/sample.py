@@ -20,9 +20,8 @@ import numpy as np
 from hpsray.data import LENIENT, Batch, DataReader
 from hpsray.data.formats import RowCount
 from hpsray.data.readers import count_rows
-from hpsray.first_order import bind
 from hpsray.kernels.distinct import distinct_sorted
-from hpsray.tables import key_tagging
+from hpsray.tables import key_tagging, with_first_order
 
 if TYPE_CHECKING:
     from hpsray.job import JobConfig
@@ -84,7 +83,7 @@ def read_sample(job: JobConfig, rows: int, keep_batches: int = 3) -> Sample:
     """Read at least ``rows`` examples (whole batches; all of them if the input is smaller)."""
     bs = job.pipeline.batch_size
     it, n_slots, n_dense = _source_batches(job, bs)
-    cfg = bind(job.train_config(), n_slots)  # a model of first-order rows: their table too
+    cfg = with_first_order(job.train_config(), n_slots)  # a model of first-order rows: their table too
     tagging = key_tagging(cfg, n_slots)
     keys: list[np.ndarray] = []
     examples: list[int] = []

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from hpsray.config import TrainConfig
 from hpsray.data.batch import Batch
 from hpsray.errors import MissingRowsError
-from hpsray.first_order import bind
 from hpsray.kernels.arrays import to_host
 from hpsray.kernels.distinct import in_sorted
 from hpsray.kernels.optim import HP_LR
@@ -30,6 +29,7 @@ from hpsray.models.device import StepDevice
 from hpsray.models.kinds import build_model
 from hpsray.models.pooling import BagLayout, bag_divisor, pool_sum, slot_columns
 from hpsray.models.step import DenseReplicas
+from hpsray.tables import with_first_order
 from hpsray.tiers.grouped_hbm import GroupedHbmPS
 from hpsray.tiers.hbm import HbmPS
 from hpsray.tiers.loans import Loan, Refresh
@@ -87,7 +87,7 @@ class TrainerEngine:
         device: str = "cpu",
         model: torch.nn.Module | None = None,
     ) -> None:
-        config = bind(config, n_slots)  # a model of first-order rows: their table added
+        config = with_first_order(config, n_slots)  # a model of first-order rows: their table added
         self.config, self.n_dense = config, n_dense
         self.capacity, self.n_nodes = capacity, n_nodes
         self.device = StepDevice(device)

@@ -9,10 +9,10 @@ from hpsray.data import PlantedCTR
 from hpsray.data.batch import Batch
 from hpsray.data.keys import hash_keys
 from hpsray.errors import ConfigError
-from hpsray.first_order import FIRST_ORDER, bind, expand
+from hpsray.first_order import FIRST_ORDER, expand
 from hpsray.reference import ReferenceTrainer
 from hpsray.serving.tables import SlotTables
-from hpsray.tables import TAG_SHIFT, Tables, TableSpec, TagKeys
+from hpsray.tables import TAG_SHIFT, Tables, TableSpec, TagKeys, with_first_order
 
 GEN = PlantedCTR(n_slots=3, keys_per_slot=40, nnz_per_slot=PlantedCTR.spread_nnz(3, 5), n_dense=2, seed=4)
 
@@ -45,20 +45,20 @@ def test_expand_appends_each_examples_copied_keys_after_its_own():
     assert expand(plain, np.empty(0, np.int64)) is plain
 
 
-def test_bind_adds_the_first_order_table_to_the_kinds_that_need_it_once():
+def test_with_first_order_adds_the_first_order_table_to_the_kinds_that_need_it_once():
     plain = TrainConfig(dim=4, model_kind="deepfm")
-    bound = bind(plain, 3)
+    bound = with_first_order(plain, 3)
     assert [(s.name, s.slots, s.dim, s.copy) for s in bound.tables] == [
         ("default", (0, 1, 2), 4, False),
         (FIRST_ORDER, (0, 1, 2), 1, True),
     ]
-    assert bind(bound, 3) is bound  # idempotent
-    assert bind(TrainConfig(dim=4), 3).tables == ()  # mlp: no first-order rows
+    assert with_first_order(bound, 3) is bound  # idempotent
+    assert with_first_order(TrainConfig(dim=4), 3).tables == ()  # mlp: no first-order rows
     own = TrainConfig(dim=4, model_kind="wide_deep", tables=(TableSpec("a", (0, 2), 4), TableSpec("b", (1,), 4)))
-    assert [s.name for s in bind(own, 3).tables] == ["a", "b", FIRST_ORDER]
+    assert [s.name for s in with_first_order(own, 3).tables] == ["a", "b", FIRST_ORDER]
     mine = TrainConfig(dim=4, model_kind="deepfm", tables=(TableSpec(FIRST_ORDER, (0, 1, 2), 4),))
     with pytest.raises(ConfigError, match="'first_order' names the first-order table of kind 'deepfm'"):
-        bind(mine, 3)
+        with_first_order(mine, 3)
 
 
 def test_the_copies_keys_carry_the_first_order_tables_tag():
