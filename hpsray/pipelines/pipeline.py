@@ -136,8 +136,8 @@ class Pipeline:
                 raise ValueError(f"{edge} must be >= 1, got {capacity}")
         self.source = source
         self.trainer_settings = (trainer or TrainerSettings()).bound(source.n_slots)  # hpsray.first_order
-        slots = self.trainer_settings.config.tables_for(source.n_slots).n_slots  # the model's: copies too
-        self.mem_settings = mem or MemPSSettings(capacity_rows=4 * batch_size * max(slots, 1))
+        self.model_slots = self.trainer_settings.config.tables_for(source.n_slots).n_slots  # copied slots too
+        self.mem_settings = mem or MemPSSettings(capacity_rows=4 * batch_size * self.model_slots)
         self.ssd_settings = ssd or SSDPSSettings()
         self.transforms = list(transforms) + key_tagging(self.trainer_settings.config, source.n_slots)  # tags last
         self.batch_size = batch_size

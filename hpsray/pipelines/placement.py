@@ -65,6 +65,8 @@ class Placed(Protocol):
     @property
     def source(self) -> PipelineSource: ...
     @property
+    def model_slots(self) -> int: ...
+    @property
     def transforms(self) -> list[Callable[[Batch], Batch]]: ...
     @property
     def mem_settings(self) -> MemPSSettings: ...
@@ -188,7 +190,7 @@ def start_trainer(pipeline: Placed, index: int, node: dict, n_nodes: int) -> Any
     """Node ``index``'s trainer actor on Ray node ``node`` (one GPU of it on CUDA), device 0 of
     the node's ``n_devices``; it starts the node's other device processes itself."""
     t, source = pipeline.trainer_settings, pipeline.source
-    capacity = t.hbm_capacity or 2 * pipeline.batch_size * max(pipeline.config.tables_for(source.n_slots).n_slots, 1)
+    capacity = t.hbm_capacity or 2 * pipeline.batch_size * pipeline.model_slots
     cpus = int(node.get("Resources", {}).get("CPU", 0)) or (os.cpu_count() or 1)
     threads = t.threads or max(1, cpus // t.n_devices)
     name = f"{pipeline.name}:Trainer[node {index}]"
