@@ -37,7 +37,6 @@ from hpsray.pipelines.placement import (
     release_placements,
     scan_rows,
     stop_actors,
-    wait_ready,
 )
 from hpsray.pipelines.progress import Progress, known_examples
 from hpsray.pipelines.progress import progress_seconds as progress_seconds_of
@@ -356,14 +355,15 @@ class Pipeline:
                 try:
                     for node in nodes:  # a resumed pass skips the batches already trained
                         self._open_reader(node, self.source, node.index, len(nodes), self._next_batch - first)
-                    # the actors' processes start (seconds, on the first pass) before the clock does
-                    ready = wait_ready(nodes)
+                    # the actors' processes start (seconds, on the first pass) before the clock does;
+                    # the fill overlaps the trainers' start unless a checkpoint comes first
+                    due = self._checkpoints is not None and self._checkpointed != self._next_batch
+                    ready, t0 = schedule.begin(prefill=not due)
                     if not acc["startup"]:
                         self.start_s.update(ready)
-                    t0 = time.perf_counter()
                     acc["startup"] += t0 - t_start
                     bar.begin()  # the first interval starts with the pass, not with the actors
-                    if self._checkpoints is not None and self._checkpointed != self._next_batch:
+                    if due:
                         self._checkpoint(self._next_batch)  # where a failure before the first interval returns
                     schedule.run(bar)
                 except _EndPass:

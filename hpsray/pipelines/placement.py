@@ -375,14 +375,17 @@ def release_placements(prefix: str) -> None:
 _STAGES = ("read", "pull", "load", "train")
 
 
-def wait_ready(nodes: list[NodeActors]) -> dict[str, float]:
-    """Wait until every stage actor's process is up; returns the seconds until each stage's
-    slowest actor was (read, pull, load, train), the start's breakdown in the report."""
-    t0 = time.perf_counter()
+def wait_ready(
+    nodes: list[NodeActors], stages: tuple[str, ...] = _STAGES, since: float | None = None
+) -> dict[str, float]:
+    """Wait until the stage actors of ``stages`` are up; returns the seconds from ``since`` (a
+    ``time.perf_counter()``; default: this call) until each stage's slowest actor was, the
+    start's breakdown in the report."""
+    t0 = time.perf_counter() if since is None else since
     stage = {}
     for node in nodes:
         for name, actor in zip(_STAGES, (node.reader, node.mem, node.ssd, node.trainer)):
-            if actor is not None:
+            if actor is not None and name in stages:
                 stage[actor.__ray_ready__.remote()] = name
     ready: dict[str, float] = {}
     pending = list(stage)

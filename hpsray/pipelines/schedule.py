@@ -15,6 +15,7 @@ One batch across nodes, The trainer's working set and Consistency (invariants 2 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from hpsray.cluster import faults
 from hpsray.cluster.updates import crosses_batches
 from hpsray.errors import PeerFailedError, caused_by
 from hpsray.pipelines.edge import BoundedEdge
-from hpsray.pipelines.placement import NodeActors
+from hpsray.pipelines.placement import NodeActors, wait_ready
 from hpsray.pipelines.progress import Progress
 from hpsray.pipelines.settings import SyncSettings
 
@@ -75,6 +76,7 @@ class PassSchedule:
     examples_by_batch: dict[int, int] = field(init=False, default_factory=dict)
     _pending: deque[list[ObjectRef[ReadBatch]]] = field(init=False, default_factory=deque)  # read ahead, by node
     _training: _Training | None = field(init=False, default=None)
+    _first: tuple[list[ReadBatch], list[list]] | None = field(init=False, default=None)  # batch 0 read and lent
 
     def __post_init__(self) -> None:
         n = len(self.nodes)
@@ -193,15 +195,42 @@ class PassSchedule:
             edge.put([refs[-1] for refs in results])
         return results
 
-    def run(self, progress: Progress | None = None) -> None:
-        """Train every batch the readers yield (raises the first error; see :meth:`salvage`)."""
-        n = len(self.nodes)
+    def start(self) -> None:
+        """The pipeline's fill: submit the first ``read_queue`` reads and, once batch 0 is read,
+        its pulls and loads. :meth:`run` calls it unless :meth:`begin` did; raises a reader's
+        error, or ``ValueError`` when the source yields no examples."""
+        if self._first is not None:
+            return
         for k in range(self.read_queue):
             self._read(k)
         read, _ = self._next_read()
         if sum(r.examples for r in read) == 0:
             raise ValueError("the source produced no examples")
-        t, loans = 0, self._lend(0, read)
+        self._first = (read, self._lend(0, read))
+
+    def begin(self, prefill: bool) -> tuple[dict[str, float], float]:
+        """Wait until the stage actors are up: ``(seconds until each stage was, from this call;
+        the pass's clock origin, a time.perf_counter())``. With ``prefill`` the fill
+        (:meth:`start`) is submitted as soon as the readers and owners are up, while the trainers
+        may still be starting: the clock starts when they are up, or where the fill started if
+        they were up before it ended (docs/architecture.md, The pipeline)."""
+        t = time.perf_counter()
+        if not prefill:
+            return wait_ready(self.nodes, since=t), time.perf_counter()
+        ready = wait_ready(self.nodes, ("read", "pull", "load"), since=t)
+        probes = [node.trainer.__ray_ready__.remote() for node in self.nodes]
+        filled_from = time.perf_counter()
+        self.start()
+        done, _ = ray.wait(probes, num_returns=len(probes), timeout=0)
+        ready.update(wait_ready(self.nodes, ("train",), since=t))
+        return ready, filled_from if len(done) == len(probes) else time.perf_counter()
+
+    def run(self, progress: Progress | None = None) -> None:
+        """Train every batch the readers yield (raises the first error; see :meth:`salvage`)."""
+        n = len(self.nodes)
+        self.start()
+        assert self._first is not None
+        (read, loans), t = self._first, 0
         # a later pass under admission: the last pass's rows are still resident in the trainers
         refreshed = self._refresh(0) if self.refresh_alone and self.first > 0 else None
         while True:

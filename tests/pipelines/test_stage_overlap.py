@@ -3,6 +3,7 @@ and back, the load of batch ``t+1`` runs on the SSD-PS actor while ``t`` trains,
 ``t+2`` runs beside both; every edge stays within its capacity; the result is the reference's."""
 
 import copy
+import os
 import sys
 import time
 
@@ -102,3 +103,45 @@ def test_the_load_stage_intervals_are_the_ssd_actor_s_and_dumps_are_written_behi
     assert loads == set(range(6))
     assert ssd["dump"]["per_batch"] and ssd["loaded"] == report["cache"]["loaded"] > 0
     assert report["cache"]["dumps_in_flight_max"] >= 1
+
+
+class SlowToLoad(torch.nn.Module):
+    """A linear model that takes ``delay_s`` to unpickle in another process (a large model's
+    load in the trainer's process), then writes the time it finished to ``stamp``."""
+
+    def __init__(self, n_in: int, delay_s: float, stamp: str) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(n_in, 1)
+        self.delay_s, self.stamp, self.made_in = delay_s, stamp, os.getpid()
+
+    def forward(self, pooled, dense):
+        return self.linear(torch.cat([pooled.flatten(1), dense], 1)).squeeze(1)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if os.getpid() != self.made_in:
+            time.sleep(self.delay_s)
+            with open(self.stamp, "w") as f:
+                f.write(repr(time.time()))
+
+
+def test_the_first_batch_is_read_pulled_and_loaded_while_the_trainer_starts(ray_local, tmp_path):
+    """The pipeline's fill overlaps the trainers' start (docs/architecture.md, The pipeline):
+    batch 0's read, pull and load are done before a trainer that is slow to start is up, and
+    the run's clock starts when it is: its start counts as the start, not as training."""
+    cfg = TrainConfig(dim=8, hidden=(8,), minibatch_size=1000)
+    stamp = tmp_path / "trainer-up"
+    model = SlowToLoad(GEN.n_slots * cfg.dim + GEN.n_dense, 3.0, os.fspath(stamp))
+    with small_pipeline(
+        SyntheticSource(GEN, rows=3 * BATCH), cfg, batch_size=BATCH, trainer=dict(model=model), mem_rows=100_000
+    ) as p:
+        report = p.fit(progress=False)
+        ended = time.time()
+        actors = p.actors()
+        stages = ray.get([actors["SSDPS[node 0]"].stats.remote(), actors["Trainer[node 0]"].stats.remote()])
+    up = float(stamp.read_text())
+    loaded = max(end for _, end, b in stages[0]["events"] if b == 0)
+    first_train = min(start for start, _, b in stages[1]["events"] if b == 0)
+    assert loaded < up < first_train, (loaded, up, first_train)
+    assert report["batches"] == 3 and report["startup_s"] >= 3.0
+    assert report["wall_s"] <= ended - up  # the clock started once the trainer was up
