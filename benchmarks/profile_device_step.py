@@ -1,14 +1,16 @@
 """The trainer's step alone against plain PyTorch's, same mini-batches, same process (a profile).
 
-    python benchmarks/profile_device_step.py --device cpu --keys-per-example 26[,100] [--json] [--out F]
-        [--graph] [--profile]
+    python benchmarks/profile_device_step.py --device cpu --keys-per-example 26[,100] [--model KIND]
+        [--json] [--out F] [--graph] [--profile]
 
 hpsray: a :class:`~hpsray.training.engine.TrainerEngine` holding every row of the data in its
 working set, timed over whole batches: the batch's find-once index plus its mini-batch steps
 (torch ops on the arena); and the same steps with the layout made before the clock, as the
 read stage makes it (``hpsray_read_index_examples_per_s``: the trainer finds the distinct keys
 and gathers their slots). Plain PyTorch: ``nn.EmbeddingBag(sparse=True)`` + sparse Adagrad
-under the same seeded DNN (:mod:`hpsray.bench.baselines.plain_torch`), its key-to-row mapping
+under the same seeded model (``--model``: the MLP 512-256-128 by default, or a kind of the zoo
+with its default settings, as ``hpsray bench peers --model``;
+:mod:`hpsray.bench.baselines.plain_torch`), its key-to-row mapping
 done before the clock as any integer-encoded data set has it. Both alternate over ``--repeat``
 rounds; the best round of each counts. ``--profile`` adds the engine's aten ops by self time
 (on CUDA, with the kernels' device time).
@@ -37,6 +39,7 @@ from hpsray.bench.baselines.plain_torch import IndexedBatch, PlainTorchTrainer
 from hpsray.config import TrainConfig
 from hpsray.data import PlantedCTR
 from hpsray.kernels.init import initial_rows
+from hpsray.models.kinds import ModelSpec
 from hpsray.tiers.loans import Loan
 from hpsray.training.engine import TrainerEngine
 from hpsray.training.layout import index_positions
@@ -125,7 +128,14 @@ def measure(args: argparse.Namespace, keys_per_example: int) -> tuple[dict, Call
         seed=0,
         nnz_per_slot=PlantedCTR.spread_nnz(26, keys_per_example),
     )
-    cfg = TrainConfig(dim=16, hidden=(512, 256, 128), minibatch_size=args.minibatch)
+    model = ModelSpec(args.model).to_dict() if args.model != "mlp" else {"kind": "mlp"}
+    cfg = TrainConfig(
+        dim=16,
+        hidden=(512, 256, 128),
+        minibatch_size=args.minibatch,
+        model_kind=model["kind"],
+        model_settings={k: v for k, v in model.items() if k != "kind"},
+    )
     batches = [gen.generate(args.minibatch * args.minibatches_per_batch) for _ in range(args.batches)]
     keys = np.unique(np.concatenate([b.keys for b in batches]))
     rows = initial_rows(keys, cfg.row_width, cfg.row_init())
@@ -182,6 +192,7 @@ def measure(args: argparse.Namespace, keys_per_example: int) -> tuple[dict, Call
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "keys_per_example": keys_per_example,
+        "model": model,
         "minibatch": args.minibatch,
         "examples": examples,
         "hpsray_examples_per_s": examples / hp[best],
@@ -225,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--keys-per-example", default="26", help="one count or several, comma-separated (26,100)")
     ap.add_argument("--keys-per-slot", type=int, default=100_000)
+    ap.add_argument("--model", default="mlp", choices=("mlp", "dlrm", "dcn"), help="the dense model (default mlp)")
     ap.add_argument("--minibatch", type=int, default=4096)
     ap.add_argument("--minibatches-per-batch", type=int, default=4)
     ap.add_argument("--batches", type=int, default=3)

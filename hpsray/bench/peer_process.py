@@ -6,6 +6,7 @@ local Ray, the in-memory sharded PS, or an in-process peer) and writes its resul
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
@@ -83,9 +84,12 @@ def run_hpsray(spec: PeerSpec) -> dict:
         del train
         src = lambda refs: PreparedSource(refs, spec.batch, spec.n_slots, spec.n_dense)  # noqa: E731
         capacity = spec.mem_capacity_rows or spec.vocabulary_rows + 1024
+        trainer = TrainerSettings(cfg, threads=spec.threads, device=spec.device)
+        if spec.extra.get("stage_niceness") is not None:  # --stage-niceness
+            trainer = dataclasses.replace(trainer, stage_niceness=int(spec.extra["stage_niceness"]))
         with Pipeline(
             src(warm),
-            TrainerSettings(cfg, threads=spec.threads, device=spec.device),
+            trainer,
             MemPSSettings(capacity_rows=capacity),
             batch_size=spec.batch,
         ) as p:

@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="niceness of the Ray actors of hpsray and sharded_ps (Ray's own default is 15, "
         "below the other peers' processes); -1 keeps Ray's default",
     )
+    parser.add_argument(
+        "--stage-niceness",
+        type=int,
+        default=None,
+        help="hpsray's TrainerSettings.stage_niceness: its read, pull and load actors this many "
+        "steps nicer than its trainer (default: the setting's default)",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds one system may take")
     parser.add_argument(
         "--report-dir",
@@ -152,7 +159,10 @@ def run(args: argparse.Namespace) -> dict:
         shards=args.shards,
         torchrec_optimizer=args.torchrec_optimizer,
         model=ModelSpec(args.model).to_dict() if args.model != "mlp" else {},
-        extra={"ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness},
+        extra={
+            "ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness,
+            "stage_niceness": args.stage_niceness,
+        },
     )
     base.train_config()  # validates
     out: dict = {"config": _config(base, args, systems), "by_keys_per_example": {}}
@@ -230,6 +240,7 @@ def _config(base: PeerSpec, args: argparse.Namespace, systems: list[str]) -> dic
         "cpus": os.cpu_count(),
         "seed": base.seed,
         "ray_worker_niceness": base.extra["ray_worker_niceness"],
+        "stage_niceness": base.extra["stage_niceness"],
         "ssd_mem_fraction": args.ssd_mem_fraction,
         "shards": base.shards,
         "torchrec_optimizer": base.torchrec_optimizer,
