@@ -90,8 +90,9 @@ class Lender:
         same, so they are resident, never missing, and have their slots for the return."""
         lease = (batch_id, self.node if borrower is None else borrower)
         held = self._held(lease, keys) if skip_held else None
+        compact = self.admission is None and held is not None  # the held rows are never gathered
         if self.admission is None:
-            rows, missing = self.mem.pull(lease, keys, held)
+            rows, missing = self.mem.pull(lease, keys, held, compact=compact)
         else:
             rows, missing = self._lend_admitted(lease, keys, held)
         self.lent[lease] = keys
@@ -106,7 +107,7 @@ class Lender:
             return Pulled(rows, missing, keys[missing], self.init)
         missing = missing[~held[missing]]  # a held key's row is on the trainer: never loaded again
         position = np.cumsum(~held) - 1  # of each key among those shipped
-        return Pulled(rows[~held], position[missing], keys[missing], self.init, held)
+        return Pulled(rows if compact else rows[~held], position[missing], keys[missing], self.init, held)
 
     def _held(self, lease: Lease, keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_] | None:
         """Which of ``keys`` (sorted, distinct) the borrower of ``lease`` was lent for the batch

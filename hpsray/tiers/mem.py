@@ -177,7 +177,7 @@ class MemPS:
     # -- the batch cycle -----------------------------------------------------------------
 
     def pull(
-        self, batch_id: Hashable, keys: ArrayLike, held: np.ndarray | None = None
+        self, batch_id: Hashable, keys: ArrayLike, held: np.ndarray | None = None, compact: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
         """Pin the distinct sorted ``keys`` for ``batch_id``: ``(rows, missing)``, where
         ``rows[missing]`` are zeros the caller must fill with the store's rows (initial rows for
@@ -192,13 +192,21 @@ class MemPS:
         ``pull`` names it missing again. Keys whose dump or delete the store still has in
         flight (``store.in_flight``) are not missing: their rows come from there. Resident keys
         flagged ``held`` (their borrower holds the newest row) are never missing: they count
-        as hits.
+        as hits. With ``compact`` (and ``held``), ``rows`` are only those of the keys not held,
+        in key order (``missing`` still counts positions among all ``keys``): a held row is
+        never gathered.
         """
         keys = as_keys(keys)
         if not is_sorted_distinct(keys):
             raise ValueError("pull: keys must be sorted and distinct")
         with self._lock:
             slots, missing = self._take(batch_id, keys, held)
+            if compact and held is not None:
+                shipped = ~held
+                rows = self._table.gather(slots[shipped])
+                if missing.size:  # a held key is never missing
+                    rows[(np.cumsum(shipped) - 1)[missing]] = 0.0
+                return rows, missing
             rows = self._table.gather(slots)
             if missing.size:
                 rows[missing] = 0.0
@@ -290,7 +298,7 @@ class MemPS:
                     f"write_back: {int(bad.sum())} of {keys.size} keys were not pulled by batch {batch_id!r} "
                     f"(first: {int(keys[np.argmax(bad)])})"
                 )
-            self._table.insert_or_assign(keys, rows)
+            self._table.put(slots, rows)  # found above: no second probe
             self._dirty[slots] = True
             self._reserved[slots] = False
             self._totals["write_backs"] += 1

@@ -244,3 +244,27 @@ def test_belady_beats_online_policies_on_a_small_trace():
         pull_loaded(mem, t, keys)
         mem.unpin(t)
     assert 0 < mem.stats["hit_rate"] <= opt + 1e-12
+
+
+def test_a_compact_pull_ships_the_rows_a_full_pull_would_and_never_gathers_held_ones():
+    """``pull(..., held, compact=True)`` gives exactly the not-held rows of the full pull, with
+    the same missing positions (the load stage fills them), from the same state."""
+    rng = np.random.default_rng(5)
+    results = []
+    for compact in (False, True):
+        store = DictStore()
+        mem = MemPS(60, W, store, INIT)
+        first = np.unique(rng.integers(0, 50, 30, dtype=np.uint64)) if not results else results[0][0]
+        rows = pull_loaded(mem, 0, first)
+        mem.write_back(0, first, rows + 1.0)
+        mem.unpin(0)
+        mem.pull(1, first[:5])  # pinned by another batch: resident
+        keys = np.unique(np.concatenate([first[::2], np.arange(60, 70, dtype=np.uint64)]))  # 10 not resident
+        held = np.isin(keys, first[::4])
+        got, missing = mem.pull(2, keys, held, compact=compact)
+        results.append((first, keys, held, got, missing))
+    (_, keys, held, full, missing), (_, _, _, compact_rows, compact_missing) = results
+    np.testing.assert_array_equal(compact_missing, missing)
+    assert missing.size == 10 and not held[missing].any()
+    assert compact_rows.shape == (int((~held).sum()), W)
+    np.testing.assert_array_equal(compact_rows, full[~held])
