@@ -213,7 +213,7 @@ class PassSchedule:
         the pass's clock origin, a time.perf_counter())``. With ``prefill`` the fill
         (:meth:`start`) is submitted as soon as the readers and owners are up, while the trainers
         may still be starting: the clock starts when they are up, or where the fill started if
-        they were up before it ended (docs/architecture.md, The pipeline)."""
+        they were up by the time batch 0 was read and lent (docs/architecture.md, The pipeline)."""
         t = time.perf_counter()
         if not prefill:
             return wait_ready(self.nodes, since=t), time.perf_counter()
