@@ -123,11 +123,12 @@ class PaddedMemPS:
         return self.size
 
     def pull(
-        self, batch_id: Hashable, keys: ArrayLike, held: np.ndarray | None = None
+        self, batch_id: Hashable, keys: ArrayLike, held: np.ndarray | None = None, compact: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
         keys = as_keys(keys)
         rows, missing = self.grouped.pull(batch_id, keys, held)
-        return pad(rows, keys.size, self.width), missing
+        padded = pad(rows, keys.size, self.width)
+        return (padded[~held] if compact and held is not None else padded), missing
 
     def write_back(self, batch_id: Hashable, keys: ArrayLike, rows: ArrayLike) -> None:
         keys = as_keys(keys)
