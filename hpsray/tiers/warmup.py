@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hpsray.data.batch import Batch
+from hpsray.kernels.batch_index import index_slots
 from hpsray.kernels.init import RowInit, initial_rows
 
 __all__ = ["warm_cpu_table", "warm_mem_ps", "warm_ssd_ps", "warm_trainer_step", "tiny_batch"]
@@ -152,7 +153,8 @@ def tiny_batch(n_slots: int, n_dense: int, examples: int = 24, seed: int = 0) ->
 def warm_trainer_step(hbm_like: Any, init: RowInit, width: int, n_slots: int, n_dense: int) -> None:
     """What a batch's boundary asks of a trainer's table, with writable and read-only arrays,
     on a throwaway working set: insert, retain, erase, find, get and assign; and the step's
-    fused sparse update (its other ops are torch's, which compile nothing). ``hbm_like`` is a
+    fused sparse update and the batch's index on the CPU (the step's other ops are torch's,
+    which compile nothing). ``hbm_like`` is a
     fresh, empty HBM-PS of the same shape as the trainer's."""
     from hpsray.training.fused_update import warm_fused_update
 
@@ -173,3 +175,6 @@ def warm_trainer_step(hbm_like: Any, init: RowInit, width: int, n_slots: int, n_
     hbm_like.tables[0].find(batch.keys)
     hbm_like.insert_or_assign(keys[:7], hbm_like.get(keys[:7]))
     hbm_like.insert_or_assign(_frozen(keys[:7]), _frozen(hbm_like.get(_frozen(keys[:7]))))
+    slots = np.searchsorted(keys, batch.keys)
+    for offsets, bag_slots in ((batch.offsets, batch.slots), (_frozen(batch.offsets), _frozen(batch.slots))):
+        index_slots(slots, offsets, bag_slots, n_slots, 8, keys.size)  # the batch's index on the CPU

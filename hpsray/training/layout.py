@@ -3,10 +3,12 @@
 :func:`index_batch` runs once when a batch's rows are resident (docs/architecture.md: The
 mini-batch step). It asks the HBM-PS table for the slot of every key occurrence in one
 ``find``, then with a handful of torch ops on the step's device (one stable sort over
-``(mini-batch, slot)``) lays out every mini-batch of the batch: its distinct rows, where each
-occurrence reads its row from, the pooling bags, and the order in which a row's gradient sums
-its bags. A mini-batch step is then slices of these arrays: no hash probe, no dedupe, no host
-work and no read-back. On CUDA the only host reads are the mini-batch bounds, once per batch.
+``(mini-batch, slot)``: :func:`index_batch_sorted`) lays out every mini-batch of the batch: its
+distinct rows, where each occurrence reads its row from, the pooling bags, and the order in
+which a row's gradient sums its bags. On the CPU a numba kernel computes the same arrays in two
+passes over the occurrences, without the sort (:mod:`hpsray.kernels.batch_index`). A
+mini-batch step is then slices of these arrays: no hash probe, no dedupe, no host work and no
+read-back. On CUDA the only host reads are the mini-batch bounds, once per batch.
 
 Orders (what makes the step bit-equal to the reference on the CPU): a bag sums its keys in
 batch order (keys sorted by bag, stable, as :class:`~hpsray.models.pooling.BagLayout` does);
@@ -23,9 +25,18 @@ import numpy as np
 import torch
 
 from hpsray.data.batch import Batch
+from hpsray.kernels.batch_index import in_bag_order, index_slots
 from hpsray.tiers.partition import owner_of
 
-__all__ = ["BatchIndex", "MiniBatchIndex", "index_batch", "index_positions", "keys_as_tensor", "positions_of"]
+__all__ = [
+    "BatchIndex",
+    "MiniBatchIndex",
+    "index_batch",
+    "index_batch_sorted",
+    "index_positions",
+    "keys_as_tensor",
+    "positions_of",
+]
 
 
 # a mini-batch's inverse, bag_offsets, grad_bags, grad_offsets, dense and labels
@@ -225,6 +236,21 @@ def index_batch(
     # a mini-batch's positions are int32 (half the index's memory and traffic)
     if batch.nnz and int(np.max(np.diff(np.append(batch.offsets[::minibatch_size], batch.nnz)))) >= 2**31:
         raise ValueError(f"a mini-batch of {minibatch_size} examples holds 2**31 keys or more")
+    if device.type == "cpu" and in_bag_order(batch.offsets, batch.slots):
+        return _index_on_cpu(batch, minibatch_size, find, capacity, with_keys)
+    return index_batch_sorted(batch, minibatch_size, find, capacity, device, with_keys)
+
+
+def index_batch_sorted(
+    batch: Batch,
+    minibatch_size: int,
+    find: Callable[[np.ndarray, torch.Tensor | None], torch.Tensor],
+    capacity: int,
+    device: torch.device,
+    with_keys: bool = True,
+) -> BatchIndex:
+    """:func:`index_batch` by torch ops on ``device`` around one stable sort (the path off the
+    CPU, for batches out of bag order, and the CPU kernel's twin)."""
     n, n_slots, nnz = len(batch), batch.n_slots, batch.nnz
     m = minibatch_size
     counts = np.diff(batch.offsets)
@@ -275,6 +301,47 @@ def index_batch(
     for k in range(n_mb):
         lo, hi = int(occ[k]), int(occ[k + 1])
         e0, e1 = int(ex_bounds[k]), int(ex_bounds[k + 1])
+        out.append(
+            MiniBatchIndex(
+                rows=rows[g[k] : g[k + 1]],
+                keys=row_keys[g[k] : g[k + 1]] if row_keys is not None else None,
+                inverse=inverse[lo:hi],
+                bag_offsets=bag_offsets[e0 * n_slots : e1 * n_slots],
+                grad_bags=grad_bags[lo:hi],
+                grad_offsets=grad_offsets[g[k] : g[k + 1]],
+                dense=dense[e0:e1],
+                labels=labels[e0:e1],
+                n_examples=e1 - e0,
+                n_slots=n_slots,
+            )
+        )
+    return BatchIndex(out, rows, n, tuple(g))
+
+
+def _index_on_cpu(
+    batch: Batch,
+    m: int,
+    find: Callable[[np.ndarray, torch.Tensor | None], torch.Tensor],
+    capacity: int,
+    with_keys: bool,
+) -> BatchIndex:
+    """:func:`index_batch` on the CPU for a batch in bag order: the same index from two passes
+    over the occurrences (:func:`~hpsray.kernels.batch_index.index_slots`) instead of the sort."""
+    on = keys_as_tensor(batch.keys, torch.device("cpu")) if with_keys else None
+    slots = find(batch.keys, on)
+    ix = index_slots(slots.numpy(), batch.offsets, batch.slots, batch.n_slots, m, capacity)
+    assert ix is not None  # in bag order: the caller checked
+    rows = torch.from_numpy(ix["rows"])
+    row_keys = on.index_select(0, torch.from_numpy(ix["first"])) if on is not None else None
+    inverse, grad_bags = torch.from_numpy(ix["inverse"]), torch.from_numpy(ix["grad_bags"])
+    grad_offsets, bag_offsets = torch.from_numpy(ix["grad_offsets"]), torch.from_numpy(ix["bag_start"])
+    cpu = torch.device("cpu")
+    dense, labels = _tensor(batch.dense, cpu), _tensor(batch.labels, cpu)
+    n, n_slots, g, occ = len(batch), batch.n_slots, ix["bounds"].tolist(), batch.offsets
+    out = []
+    for k in range(len(g) - 1):
+        e0, e1 = k * m, min((k + 1) * m, n)
+        lo, hi = int(occ[e0]), int(occ[e1])
         out.append(
             MiniBatchIndex(
                 rows=rows[g[k] : g[k + 1]],
