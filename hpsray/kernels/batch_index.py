@@ -137,7 +137,7 @@ def index_slots(
     grad_offsets = np.empty(nnz, np.int32)
     first = np.empty(nnz, np.int64)
     counts = np.empty(n_mb, np.int64)
-    out = {
+    out: dict[str, np.ndarray] = {
         "inverse": np.empty(nnz, np.int32),
         "grad_bags": np.empty(nnz, np.int32),
         "bag_start": np.empty(n * n_slots, np.int32),
