@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 
 def distinct_sorted(keys: np.ndarray) -> np.ndarray:
@@ -18,13 +19,53 @@ def distinct_sorted(keys: np.ndarray) -> np.ndarray:
     return s[keep]
 
 
+MERGE_MIN = 4096  # values from which ascending uint64 values are merged, not searched
+
+
 def in_sorted(values: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
     """``bool[len(values)]``: which of ``values`` occur in the ascending array ``sorted_keys``
-    (a binary search per value; ``np.isin`` sorts both sides first)."""
+    (a binary search per value; ``np.isin`` sorts both sides first). Ascending ``uint64``
+    values (a batch's keys against another batch's) are merged in one pass instead
+    (:func:`_merge_in`), from :data:`MERGE_MIN` of them on."""
     if not sorted_keys.size or not values.size:
         return np.zeros(values.size, bool)
+    if (
+        values.size >= MERGE_MIN
+        and values.dtype == sorted_keys.dtype == np.uint64
+        and values.ndim == sorted_keys.ndim == 1
+        and bool(np.all(values[1:] >= values[:-1]))
+    ):
+        out = np.empty(values.size, bool)
+        _merge_in(_readonly(values), _readonly(sorted_keys), out)
+        return out
     at = np.minimum(np.searchsorted(sorted_keys, values), sorted_keys.size - 1)
     return np.asarray(sorted_keys[at] == values)
+
+
+@njit(cache=True, nogil=True)
+def _merge_in(values, sorted_keys, out):
+    """``out[i]``: whether ascending ``values[i]`` is in ascending ``sorted_keys``."""
+    j, n = 0, sorted_keys.size
+    for i in range(values.size):
+        v = values[i]
+        while j < n and sorted_keys[j] < v:
+            j += 1
+        out[i] = j < n and sorted_keys[j] == v
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only view: one compiled :func:`_merge_in` for writable arrays and the
+    object store's read-only ones (as :func:`hpsray.kernels.table.readonly`)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def warm_in_sorted() -> None:
+    """Compile :func:`in_sorted`'s merge before the clock (a stage's warm-up)."""
+    keys = np.arange(MERGE_MIN, dtype=np.uint64)
+    in_sorted(keys, keys[::3])
 
 
 def is_sorted_distinct(keys: np.ndarray) -> bool:

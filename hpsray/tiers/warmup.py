@@ -21,6 +21,7 @@ import numpy as np
 
 from hpsray.data.batch import Batch
 from hpsray.kernels.batch_index import index_slots
+from hpsray.kernels.distinct import warm_in_sorted
 from hpsray.kernels.init import RowInit, initial_rows
 
 __all__ = ["warm_cpu_table", "warm_mem_ps", "warm_ssd_ps", "warm_trainer_step", "tiny_batch"]
@@ -83,11 +84,13 @@ def warm_cpu_table() -> None:
 
 def warm_mem_ps(width: int, init: RowInit, **options: Any) -> None:
     """Pull (the load stage filling the misses), write back, evict and flush through a
-    throwaway :class:`~hpsray.tiers.mem.MemPS` built with the real one's options."""
+    throwaway :class:`~hpsray.tiers.mem.MemPS` built with the real one's options; the
+    lender's merge of sorted keys."""
     from hpsray.tiers.loans import Pulled
     from hpsray.tiers.mem import MemPS
 
     warm_cpu_table()
+    warm_in_sorted()  # the lender's held keys
     options = {k: v for k, v in options.items() if k != "capacity_bytes"}
     keys = _keys()
     half = keys.size // 2
@@ -159,6 +162,7 @@ def warm_trainer_step(hbm_like: Any, init: RowInit, width: int, n_slots: int, n_
     from hpsray.training.fused_update import warm_fused_update
 
     warm_fused_update()
+    warm_in_sorted()  # the working set's stale and kept keys
     batch = tiny_batch(n_slots, n_dense)
     keys = np.unique(batch.keys)
     half = keys.size // 2
