@@ -16,9 +16,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["MAX_LANES", "in_bag_order", "index_slots"]
+__all__ = ["MAX_LANES", "SCRATCH_ROWS_PER_OCCURRENCE", "in_bag_order", "index_slots", "pays"]
 
 MAX_LANES = 4  # mini-batches indexed at once: each holds 8 bytes of scratch per working-set row
+SCRATCH_ROWS_PER_OCCURRENCE = 16  # beyond this working set per occurrence the sort is cheaper
 
 _DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
 # _CTZ[(lowbit * _DEBRUIJN) >> 58] is the index of lowbit's one set bit
@@ -47,7 +48,7 @@ def _minibatch(
     ``grad_offsets`` and ``first`` alike). Returns its rows' count, ``-1`` for a slot outside
     ``[0, capacity)``. ``state[s]``: slot ``s``'s count, then its row's index within the
     mini-batch (column 0), and its first occurrence, then its next place (column 1); ``bits``
-    and ``state`` are zero before and after."""
+    and column 0 are zero before and after."""
     n = example_offsets.size - 1
     e0, e1 = k * m, min((k + 1) * m, n)
     lo, hi = example_offsets[e0], example_offsets[e1]
@@ -55,10 +56,7 @@ def _minibatch(
     for i in range(lo, hi):  # pass 1: count each slot, mark it present
         s = slots[i]
         if s < 0 or s >= state.shape[0]:
-            for j in range(lo, i):  # leave the scratch zero
-                bits[slots[j] >> 6] = 0
-                state[slots[j], 0] = 0
-            return -1
+            return -1  # the caller raises, and stops using this scratch
         if state[s, 0] == 0:
             state[s, 1] = i
             w = s >> 6
@@ -113,6 +111,15 @@ def _index(
                 k, slots, example_offsets, bag_slots, n_slots, m, ctz, bits[t], state[t], rows, inverse, grad_bags,
                 grad_offsets, first, bag_start,
             )  # fmt: skip
+            if counts[k] < 0:
+                break  # its scratch is not zero now: no later mini-batch of this lane may use it
+
+
+def pays(nnz: int, capacity: int) -> bool:
+    """Whether the kernel beats the sort for ``nnz`` occurrences in a working set of
+    ``capacity`` rows: its scratch (8 bytes a row, zeroed per batch) stays within a small
+    multiple of the occurrences."""
+    return capacity <= SCRATCH_ROWS_PER_OCCURRENCE * nnz + 2**16
 
 
 def index_slots(

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hpsray.data.batch import Batch
-from hpsray.kernels.batch_index import in_bag_order, index_slots
+from hpsray.kernels.batch_index import in_bag_order, index_slots, pays
 from hpsray.tiers.partition import owner_of
 
 __all__ = [
@@ -236,7 +236,7 @@ def index_batch(
     # a mini-batch's positions are int32 (half the index's memory and traffic)
     if batch.nnz and int(np.max(np.diff(np.append(batch.offsets[::minibatch_size], batch.nnz)))) >= 2**31:
         raise ValueError(f"a mini-batch of {minibatch_size} examples holds 2**31 keys or more")
-    if device.type == "cpu" and in_bag_order(batch.offsets, batch.slots):
+    if device.type == "cpu" and pays(batch.nnz, capacity) and in_bag_order(batch.offsets, batch.slots):
         return _index_on_cpu(batch, minibatch_size, find, capacity, with_keys)
     return index_batch_sorted(batch, minibatch_size, find, capacity, device, with_keys)
 
@@ -296,11 +296,28 @@ def index_batch_sorted(
     np.cumsum(bag_counts[:-1], out=bag_start[1:])
     bag_start -= np.repeat(occ[:-1], np.minimum(m, n - ex_bounds[:-1]) * n_slots)
     bag_offsets = torch.from_numpy(bag_start.astype(np.int32)).to(device)
+    return _cut(batch, m, g, rows, row_keys, (inverse, bag_offsets, grad_bags, grad_offsets), device)
+
+
+def _cut(
+    batch: Batch,
+    m: int,
+    g: list[int],
+    rows: torch.Tensor,
+    row_keys: torch.Tensor | None,
+    arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    device: torch.device,
+) -> BatchIndex:
+    """The batch's index cut into mini-batches of ``m`` examples: mini-batch ``k``'s rows
+    (and keys, and gradient offsets) are ``g[k]:g[k + 1]``; ``arrays``: the batch's ``inverse``,
+    ``bag_offsets``, ``grad_bags`` and ``grad_offsets``."""
+    inverse, bag_offsets, grad_bags, grad_offsets = arrays
+    n, n_slots, occ = len(batch), batch.n_slots, batch.offsets
     dense, labels = _tensor(batch.dense, device), _tensor(batch.labels, device)
     out = []
-    for k in range(n_mb):
-        lo, hi = int(occ[k]), int(occ[k + 1])
-        e0, e1 = int(ex_bounds[k]), int(ex_bounds[k + 1])
+    for k in range(len(g) - 1):
+        e0, e1 = k * m, min((k + 1) * m, n)
+        lo, hi = int(occ[e0]), int(occ[e1])
         out.append(
             MiniBatchIndex(
                 rows=rows[g[k] : g[k + 1]],
@@ -334,29 +351,8 @@ def _index_on_cpu(
     rows = torch.from_numpy(ix["rows"])
     row_keys = on.index_select(0, torch.from_numpy(ix["first"])) if on is not None else None
     inverse, grad_bags = torch.from_numpy(ix["inverse"]), torch.from_numpy(ix["grad_bags"])
-    grad_offsets, bag_offsets = torch.from_numpy(ix["grad_offsets"]), torch.from_numpy(ix["bag_start"])
-    cpu = torch.device("cpu")
-    dense, labels = _tensor(batch.dense, cpu), _tensor(batch.labels, cpu)
-    n, n_slots, g, occ = len(batch), batch.n_slots, ix["bounds"].tolist(), batch.offsets
-    out = []
-    for k in range(len(g) - 1):
-        e0, e1 = k * m, min((k + 1) * m, n)
-        lo, hi = int(occ[e0]), int(occ[e1])
-        out.append(
-            MiniBatchIndex(
-                rows=rows[g[k] : g[k + 1]],
-                keys=row_keys[g[k] : g[k + 1]] if row_keys is not None else None,
-                inverse=inverse[lo:hi],
-                bag_offsets=bag_offsets[e0 * n_slots : e1 * n_slots],
-                grad_bags=grad_bags[lo:hi],
-                grad_offsets=grad_offsets[g[k] : g[k + 1]],
-                dense=dense[e0:e1],
-                labels=labels[e0:e1],
-                n_examples=e1 - e0,
-                n_slots=n_slots,
-            )
-        )
-    return BatchIndex(out, rows, n, tuple(g))
+    arrays = (inverse, torch.from_numpy(ix["bag_start"]), grad_bags, torch.from_numpy(ix["grad_offsets"]))
+    return _cut(batch, m, ix["bounds"].tolist(), rows, row_keys, arrays, torch.device("cpu"))
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:

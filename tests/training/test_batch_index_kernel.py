@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hpsray.data.batch import Batch
+from hpsray.kernels.batch_index import SCRATCH_ROWS_PER_OCCURRENCE, index_slots
 from hpsray.training import layout as layout_module
 from hpsray.training.layout import BatchIndex, index_batch, index_batch_sorted
 
@@ -54,6 +55,25 @@ def _assert_same(a: BatchIndex, b: BatchIndex) -> None:
         assert (x.n_examples, x.n_slots) == (y.n_examples, y.n_slots)
 
 
+def _assert_kernel_is(batch: Batch, m: int, slots: np.ndarray, capacity: int, sort: BatchIndex) -> None:
+    """``index_slots`` gives the arrays of the sorted index ``sort``."""
+    ix = index_slots(slots, batch.offsets, batch.slots, batch.n_slots, m, capacity)
+    assert ix is not None
+    assert tuple(ix["bounds"].tolist()) == sort.bounds
+    np.testing.assert_array_equal(ix["rows"], sort.rows.numpy())
+    for k, mb in enumerate(sort.minibatches):
+        lo, hi = batch.offsets[k * m], batch.offsets[min((k + 1) * m, len(batch))]
+        g0, g1 = sort.bounds[k], sort.bounds[k + 1]
+        np.testing.assert_array_equal(ix["inverse"][lo:hi], mb.inverse.numpy())
+        np.testing.assert_array_equal(ix["grad_bags"][lo:hi], mb.grad_bags.numpy())
+        np.testing.assert_array_equal(ix["grad_offsets"][g0:g1], mb.grad_offsets.numpy())
+        np.testing.assert_array_equal(
+            ix["bag_start"][k * m * batch.n_slots :][: mb.bag_offsets.numel()], mb.bag_offsets
+        )
+        if mb.keys is not None:  # each row's key: its first occurrence's
+            np.testing.assert_array_equal(batch.keys[ix["first"][g0:g1]].view(np.int64), mb.keys.numpy())
+
+
 @pytest.mark.parametrize(
     ("seed", "n", "m", "n_keys", "capacity"),
     [
@@ -71,9 +91,9 @@ def test_the_cpu_kernel_lays_out_a_batch_as_the_sort_does(seed, n, m, n_keys, ca
     slot_of = rng.permutation(capacity)[: n_keys + 1]  # any injective map of keys to slots
     slot_of[np.argmax(slot_of)] = capacity - 1
     find = _find_of(slot_of)
-    kernel = index_batch(batch, m, find, capacity, CPU, with_keys)
     sort = index_batch_sorted(batch, m, find, capacity, CPU, with_keys)
-    _assert_same(kernel, sort)
+    _assert_kernel_is(batch, m, slot_of[batch.keys.astype(np.int64)], capacity, sort)
+    _assert_same(index_batch(batch, m, find, capacity, CPU, with_keys), sort)  # whichever path it takes
 
 
 def test_the_kernel_runs_on_the_cpu_and_the_sort_on_batches_out_of_bag_order(monkeypatch):
@@ -92,7 +112,10 @@ def test_the_kernel_runs_on_the_cpu_and_the_sort_on_batches_out_of_bag_order(mon
     assert not calls  # in bag order: the kernel, no sort
     swapped = Batch(batch.labels, batch.dense, batch.keys, batch.offsets, batch.slots[::-1].copy(), batch.n_slots)
     index_batch(swapped, 8, find, 100, CPU)
-    assert calls  # an example's slots descending: the sort puts them in bag order
+    assert len(calls) == 1  # an example's slots descending: the sort puts them in bag order
+    huge = SCRATCH_ROWS_PER_OCCURRENCE * batch.nnz + 2**16 + 1
+    index_batch(batch, 8, find, huge, CPU)
+    assert len(calls) == 2  # a working set far larger than the batch: the kernel's scratch would cost more
 
 
 def test_a_slot_outside_the_working_set_is_an_error_not_a_stray_write():
