@@ -69,7 +69,8 @@ class Reader:
 
     def _warm_up(self, source: ShardedSource, index: int, count: int) -> None:
         """Read the first few rows of the share through a separate pass and drop them, so the
-        format's numba decoders compile before the pipeline's clock starts. Transforms do not
+        format's numba decoders (and the layout's index kernel, where this reader makes it)
+        compile before the pipeline's clock starts. Transforms do not
         run; an error here is left for the real pass to raise in its place and order."""
         data_log = logging.getLogger("hpsray.data")  # its bad rows: the real pass reports them, once
         was, data_log.disabled = data_log.disabled, True
@@ -79,6 +80,11 @@ class Reader:
             if batch is not None:
                 keys = distinct_sorted(batch.keys)
                 owner_of(keys, max(self.n_nodes, 1))
+                if self.minibatch_size is not None:  # this reader makes the layout: its index kernel too
+                    from hpsray.training.layout import index_positions, positions_of
+
+                    parts, positions = positions_of(batch.keys, max(self.n_nodes, 1))
+                    index_positions(batch, self.minibatch_size, positions, sum(map(len, parts)))
         except Exception:  # noqa: BLE001,S110 - the real read reports it, as it always did
             pass
         finally:

@@ -135,7 +135,8 @@ def index_slots(
     per occurrence ``inverse`` (its row's index within its mini-batch), ``grad_bags`` (per
     mini-batch, the occurrences' bags within it grouped by row, in bag order), per row
     ``grad_offsets`` (its first place in ``grad_bags`` within the mini-batch) and ``first`` (its
-    first occurrence), and ``bag_start`` (each bag's first occurrence within its mini-batch)."""
+    first occurrence), and ``bag_start`` (each bag's first occurrence within its mini-batch).
+    A slot outside ``[0, capacity)`` raises :class:`ValueError`."""
     nnz, n = int(slots.size), int(example_offsets.size - 1)
     n_mb = max(-(-n // m), 0)
     if not in_bag_order(example_offsets, bag_slots):
