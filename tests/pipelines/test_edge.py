@@ -46,5 +46,6 @@ def test_drain_counts_the_batches_it_waited_for(ray_local):
         edge.put([_value.remote(k)])
         edge.taken([_value.remote(10 + k)])
     edge.put([_value.remote(2)])  # no consumer yet: stays
-    assert edge.drain() == [10, 11]
+    # batch 0 may have left already, at the second put (its consumer done by then): counted there
+    assert edge.drain() in ([10, 11], [11])
     assert edge.left == 2 and len(edge) == 1
