@@ -17,6 +17,7 @@ from hpsray.tiers.partition import owner_of
 
 if TYPE_CHECKING:
     from hpsray.reference import ShardedSource
+    from hpsray.training.layout import BatchIndex
 
 Transform = Callable[[Batch], Batch]
 
@@ -81,14 +82,20 @@ class Reader:
                 keys = distinct_sorted(batch.keys)
                 owner_of(keys, max(self.n_nodes, 1))
                 if self.minibatch_size is not None:  # this reader makes the layout: its index kernel too
-                    from hpsray.training.layout import index_positions, positions_of
-
-                    parts, positions = positions_of(batch.keys, max(self.n_nodes, 1))
-                    index_positions(batch, self.minibatch_size, positions, sum(map(len, parts)))
+                    self._layout(batch)
         except Exception:  # noqa: BLE001,S110 - the real read reports it, as it always did
             pass
         finally:
             data_log.disabled = was
+
+    def _layout(self, batch: Batch) -> tuple[list[np.ndarray], BatchIndex]:
+        """The batch's distinct keys per owner and its layout over their positions."""
+        # imported here: a reader that makes no layout never loads torch (seconds of import)
+        from hpsray.training.layout import index_positions, positions_of
+
+        assert self.minibatch_size is not None
+        parts, positions = positions_of(batch.keys, max(self.n_nodes, 1))
+        return parts, index_positions(batch, self.minibatch_size, positions, sum(map(len, parts)))
 
     def read(self, batch_id: int | None) -> ReadBatch:
         """The next batch of the share (``batch_id`` tags its busy time; ``None``: not a
@@ -106,11 +113,8 @@ class Reader:
             self.examples += len(batch)
             layout = None
             if self.minibatch_size is not None and batch_id is not None:  # the trainer's index but its slots
-                # imported here: a reader that makes no layout never loads torch (seconds of import)
-                from hpsray.training.layout import index_positions, positions_of
-
-                parts, positions = positions_of(batch.keys, self.n_nodes)
-                layout = ray.put(index_positions(batch, self.minibatch_size, positions, sum(map(len, parts))))
+                parts, index = self._layout(batch)
+                layout = ray.put(index)
             else:
                 keys = distinct_sorted(batch.keys)
                 if self.n_nodes == 1:

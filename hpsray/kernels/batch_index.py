@@ -124,11 +124,11 @@ def pays(nnz: int, capacity: int) -> bool:
 
 def index_slots(
     slots: np.ndarray, example_offsets: np.ndarray, bag_slots: np.ndarray, n_slots: int, m: int, capacity: int
-) -> dict[str, np.ndarray] | None:
+) -> dict[str, np.ndarray]:
     """The index of a batch whose ``nnz`` occurrences (``example_offsets``: each example's,
     ``bag_slots``: each one's feature slot) read the working-set rows ``slots`` (``int64``, each
-    in ``[0, capacity)``), in mini-batches of ``m`` examples; ``None`` when the occurrences are
-    not in bag order (an example's slots not ascending: the caller sorts them).
+    in ``[0, capacity)``), in mini-batches of ``m`` examples. The occurrences must be in bag
+    order (:func:`in_bag_order`: the caller checks, and sorts them where they are not).
 
     Returns ``rows`` (``int64``: each mini-batch's distinct slots, ascending, one mini-batch
     after the other), ``bounds`` (mini-batch ``k``'s rows are ``bounds[k]:bounds[k + 1]``),
@@ -139,8 +139,6 @@ def index_slots(
     A slot outside ``[0, capacity)`` raises :class:`ValueError`."""
     nnz, n = int(slots.size), int(example_offsets.size - 1)
     n_mb = max(-(-n // m), 0)
-    if not in_bag_order(example_offsets, bag_slots):
-        return None
     rows = np.empty(nnz, np.int64)
     grad_offsets = np.empty(nnz, np.int32)
     first = np.empty(nnz, np.int64)

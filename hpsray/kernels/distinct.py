@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from hpsray.kernels.table import readonly
+
 
 def distinct_sorted(keys: np.ndarray) -> np.ndarray:
     """The distinct values of ``keys``, ascending: ``np.unique(keys)`` computed by a sort and a
@@ -36,7 +38,7 @@ def in_sorted(values: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
         and bool(np.all(values[1:] >= values[:-1]))
     ):
         out = np.empty(values.size, bool)
-        _merge_in(_readonly(values), _readonly(sorted_keys), out)
+        _merge_in(readonly(values), readonly(sorted_keys), out)
         return out
     at = np.minimum(np.searchsorted(sorted_keys, values), sorted_keys.size - 1)
     return np.asarray(sorted_keys[at] == values)
@@ -51,15 +53,6 @@ def _merge_in(values, sorted_keys, out):
         while j < n and sorted_keys[j] < v:
             j += 1
         out[i] = j < n and sorted_keys[j] == v
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """``a`` as a read-only view: one compiled :func:`_merge_in` for writable arrays and the
-    object store's read-only ones (as :func:`hpsray.kernels.table.readonly`)."""
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a
 
 
 def warm_in_sorted() -> None:

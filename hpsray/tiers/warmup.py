@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from hpsray.data.batch import Batch
-from hpsray.kernels.batch_index import index_slots
+from hpsray.kernels.batch_index import in_bag_order, index_slots
 from hpsray.kernels.distinct import warm_in_sorted
 from hpsray.kernels.init import RowInit, initial_rows
 
@@ -181,4 +181,5 @@ def warm_trainer_step(hbm_like: Any, init: RowInit, width: int, n_slots: int, n_
     hbm_like.insert_or_assign(_frozen(keys[:7]), _frozen(hbm_like.get(_frozen(keys[:7]))))
     slots = np.searchsorted(keys, batch.keys)
     for offsets, bag_slots in ((batch.offsets, batch.slots), (_frozen(batch.offsets), _frozen(batch.slots))):
-        index_slots(slots, offsets, bag_slots, n_slots, 8, keys.size)  # the batch's index on the CPU
+        in_bag_order(offsets, bag_slots)  # the batch's index on the CPU
+        index_slots(slots, offsets, bag_slots, n_slots, 8, keys.size)

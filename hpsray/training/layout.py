@@ -346,8 +346,7 @@ def _index_on_cpu(
     over the occurrences (:func:`~hpsray.kernels.batch_index.index_slots`) instead of the sort."""
     on = keys_as_tensor(batch.keys, torch.device("cpu")) if with_keys else None
     slots = find(batch.keys, on)
-    ix = index_slots(slots.numpy(), batch.offsets, batch.slots, batch.n_slots, m, capacity)
-    assert ix is not None  # in bag order: the caller checked
+    ix = index_slots(slots.numpy(), batch.offsets, batch.slots, batch.n_slots, m, capacity)  # in bag order: checked
     rows = torch.from_numpy(ix["rows"])
     row_keys = on.index_select(0, torch.from_numpy(ix["first"])) if on is not None else None
     inverse, grad_bags = torch.from_numpy(ix["inverse"]), torch.from_numpy(ix["grad_bags"])

@@ -58,7 +58,6 @@ def _assert_same(a: BatchIndex, b: BatchIndex) -> None:
 def _assert_kernel_is(batch: Batch, m: int, slots: np.ndarray, capacity: int, sort: BatchIndex) -> None:
     """``index_slots`` gives the arrays of the sorted index ``sort``."""
     ix = index_slots(slots, batch.offsets, batch.slots, batch.n_slots, m, capacity)
-    assert ix is not None
     assert tuple(ix["bounds"].tolist()) == sort.bounds
     np.testing.assert_array_equal(ix["rows"], sort.rows.numpy())
     for k, mb in enumerate(sort.minibatches):
