@@ -234,6 +234,7 @@ def run(args: argparse.Namespace) -> dict:
         got = np.load(files["touched"] + ".rows.npy")
         order = np.searchsorted(ref_keys, touched)
         rows_equal = bool(np.array_equal(got, ref_rows[order]))
+        differing = np.flatnonzero((got != ref_rows[order]).any(axis=1)) if got.shape == ref_rows[order].shape else None
         sample_equal = bool(
             np.array_equal(np.load(files["sample"] + ".rows.npy"), table_rows(untouched, job.dim, width))
         )
@@ -276,6 +277,10 @@ def run(args: argparse.Namespace) -> dict:
                 "equal": rows_equal and sample_equal and dense_equal,
                 "touched_rows": int(touched.size),
                 "touched_rows_equal": rows_equal,
+                "touched_rows_differing": None if differing is None else int(differing.size),
+                "touched_rows_max_abs_diff": (
+                    float(np.abs(got - ref_rows[order]).max()) if differing is not None and differing.size else 0.0
+                ),
                 "untouched_sampled": int(untouched.size),
                 "untouched_equal_to_table": sample_equal,
                 "dense_equal": dense_equal,
