@@ -152,20 +152,6 @@ def _scatter(rows, slots, values, add, n_threads):
 
 
 @njit(parallel=True, cache=True)
-def _put_picked(rows, slots, picked, values, n_threads):
-    """``rows[slots[i]] = values[i]`` for each ``i`` in ``picked`` (owner computes, in ``picked``'s
-    order: the last duplicate wins)."""
-    width = values.shape[1]
-    for t in prange(n_threads):
-        for p in range(picked.size):
-            i = picked[p]
-            s = slots[i]
-            if s % n_threads == t:
-                for j in range(width):
-                    rows[s, j] = values[i, j]
-
-
-@njit(parallel=True, cache=True)
 def _apply_distinct(rows, slots, grads, kind, hp):
     """:func:`_apply_gradients` for slots known to be distinct: nothing to sum first."""
     dim = grads.shape[1]
@@ -253,40 +239,10 @@ class CpuHashTable(HashTable):
         """Slots of ``keys``, inserting the absent ones with their initial rows (``initialise=False``:
         rows left as they are, for a caller that overwrites them right away)."""
         keys = as_keys(keys)
-        out, _, new_slots = self._insert_absent(keys)
-        if initialise and new_slots.size:
-            init = self.init
-            _init_rows(
-                self._rows,
-                self._row_keys,
-                new_slots,
-                init.dim,
-                np.float32(init.scale),
-                np.uint64(init.seed),
-                np.float32(init.state_value),
-            )
-        return out
-
-    def insert_new(self, keys: npt.ArrayLike, values: npt.ArrayLike) -> int:
-        """One probe of each key (the base class's finds, then inserts): the absent keys are
-        inserted with their rows of ``values``; present ones keep theirs."""
-        keys = as_keys(keys)
-        values = as_rows(values, keys.size, self.width, "insert_new values")
-        out, miss, new_slots = self._insert_absent(keys)
-        if miss.size:
-            _put_picked(self._rows, readonly(out), readonly(miss), readonly(values), self._threads())
-        return int(new_slots.size)
-
-    def _insert_absent(
-        self, keys: npt.NDArray[np.uint64]
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """``(slots of keys, positions of the keys that were absent, their new slots)``: the
-        absent keys inserted, their rows not written. Raises :class:`TableFullError` with the
-        table unchanged."""
         out = self.find(keys)
         miss = np.flatnonzero(out < 0)
         if miss.size == 0:
-            return out, miss, miss
+            return out
         new_slots = np.empty(miss.size, dtype=np.int64)
         n_new = _insert_misses(
             self._buckets, self._mask, self._row_keys, self._free, self._state, readonly(keys), miss, out, new_slots
@@ -300,7 +256,19 @@ class CpuHashTable(HashTable):
                 f"hash table full: capacity {self.capacity} rows, {self.size} used, "
                 f"this call needs {distinct} more; nothing was inserted"
             )
-        return out, miss, new_slots[:n_new]
+        if not initialise:
+            return out
+        init = self.init
+        _init_rows(
+            self._rows,
+            self._row_keys,
+            new_slots[:n_new],
+            init.dim,
+            np.float32(init.scale),
+            np.uint64(init.seed),
+            np.float32(init.state_value),
+        )
+        return out
 
     def _checked_slots(self, slots: npt.ArrayLike, op: str) -> npt.NDArray[np.int64]:
         """``slots`` as int64, each a row of this table (an absent key's -1 is refused)."""

@@ -3,8 +3,7 @@
 A table maps ``uint64`` keys to rows of a fixed-capacity arena ``float32[capacity, width]``.
 Lookups return *slots* (row indices into the arena, ``int64``; -1 when absent). A key keeps its
 slot until it is erased. The verbs are HierarchicalKV's: ``find``, ``find_or_insert``,
-``insert_or_assign`` (absent keys are inserted), ``insert_new`` (absent keys only),
-``assign`` (present keys only), ``erase``,
+``insert_or_assign`` (absent keys are inserted), ``assign`` (present keys only), ``erase``,
 ``export``; by slot, ``gather`` and ``put``; and the sums ``scatter_add`` and
 ``apply_gradients`` (present keys only). Every operation takes arrays of keys and is correct
 when a call holds the same key several times:
@@ -12,7 +11,7 @@ when a call holds the same key several times:
 * ``find_or_insert``: each distinct key is inserted once;
 * ``scatter_add`` and ``apply_gradients``: the values of duplicates are summed (in input
   order) before they are applied, so a row sees one update per call;
-* ``assign``, ``insert_or_assign``, ``insert_new`` and ``put``: the last occurrence wins.
+* ``assign``, ``insert_or_assign`` and ``put``: the last occurrence wins.
 
 The arena is the capacity limit: inserting past it raises :class:`TableFullError` without
 changing the table. Probing, bucket load and why: docs/architecture.md, section "Hash table".
@@ -169,18 +168,6 @@ class HashTable(ABC):
     @abstractmethod
     def insert_or_assign(self, keys: Keys, values: Values) -> None:
         """Set the rows of ``keys`` to ``values``, inserting absent keys (last duplicate wins)."""
-
-    def insert_new(self, keys: Keys, values: Values) -> int:
-        """Insert the absent ``keys`` with their rows of ``values`` (last duplicate wins); keys
-        already present keep their rows. Returns how many keys were inserted. This default finds,
-        then inserts the misses; a backend may do both in one probe of each key.
-
-        Raises :class:`TableFullError` (and leaves the table unchanged) if they do not fit."""
-        keys = as_keys(keys)
-        new = np.flatnonzero(self.find(keys) < 0)
-        if new.size:
-            self.insert_or_assign(keys[new], np.asarray(values)[new])
-        return int(np.unique(keys[new]).size)
 
     @abstractmethod
     def erase(self, keys: Keys) -> int:

@@ -98,12 +98,13 @@ class HbmPS:
         keys = as_keys(keys)
         new_total = 0
         for d, table, pos in self._parts(keys):
-            k, r = (keys, rows) if pos is None else (keys[pos], rows[pos])
-            if table.size + k.size > table.capacity:  # they may not fit: count the new ones first
-                need = int(np.count_nonzero(to_host(table.find(k)) < 0))
-                if table.size + need > table.capacity:
-                    self._grow(d, need)
-            new_total += self.tables[d].insert_new(k, r)
+            k = keys if pos is None else keys[pos]
+            new = np.flatnonzero(table.find(k) < 0)
+            if new.size:
+                if table.size + new.size > table.capacity:
+                    self._grow(d, new.size)
+                self.tables[d].insert_or_assign(k[new], rows[new if pos is None else pos[new]])
+                new_total += new.size
         return new_total
 
     def erase(self, keys: npt.ArrayLike) -> int:

@@ -62,12 +62,10 @@ class Pulled:
         self, load: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
     ) -> tuple[npt.NDArray[np.float32], int]:
         """``(rows, loaded)``: the rows shipped, the missing ones from ``load(keys) -> (rows,
-        found)`` (a store's), initial rows where not found; ``loaded`` counts the rows found.
-        With nothing missing ``rows`` is ``self.rows`` itself, not a copy (read-only when it came
-        from the object store: the rows are only read from here on)."""
-        if not self.missing.size:
-            return self.rows, 0
+        found)`` (a store's), initial rows where not found; ``loaded`` counts the rows found."""
         rows = np.array(self.rows)  # a writable copy (an object-store array is read-only)
+        if not self.missing.size:
+            return rows, 0
         got, found = load(self.missing_keys)
         loaded = int(np.count_nonzero(found))
         if loaded < found.size:

@@ -216,23 +216,6 @@ def assign_last_duplicate_wins():
 
 
 @case
-def insert_new_keeps_present_rows():
-    rng = np.random.default_rng(27)
-    c, p = pair(200, 3)
-    keys = rng.choice(300, 60, replace=False).astype(np.uint64)
-    v = rng.standard_normal((60, 3)).astype(np.float32)
-    c.insert_or_assign(keys, v)
-    p.insert_or_assign(keys, v)
-    keys2 = np.r_[keys[:20], rng.integers(400, 430, 40).astype(np.uint64)]  # duplicates among the new
-    v2 = rng.standard_normal((60, 3)).astype(np.float32)
-    n = c.insert_new(keys2, v2)
-    eq(n, p.insert_new(keys2, v2), "new keys counted")
-    eq(n, np.unique(keys2[20:]).size, "new keys")
-    same_table(c, p, "after insert_new")
-    eq(c.get(keys[:20]), v[:20], "present rows kept")
-
-
-@case
 def assign_present_keys_and_put_by_slot():
     rng = np.random.default_rng(26)
     c, p = pair(200, 3)

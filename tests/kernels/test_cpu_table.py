@@ -11,7 +11,6 @@ from hpsray.kernels.cpu import CpuHashTable
 from hpsray.kernels.hashing import EMPTY_KEY
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.kernels.optim import SGD, Adagrad, Adam, apply_to_rows
-from hpsray.kernels.table import HashTable
 
 INIT = RowInit(dim=3, scale=0.5, seed=11, state_value=0.25)
 WIDTH = 5
@@ -77,19 +76,6 @@ def test_assign_upserts_and_last_duplicate_wins():
     np.testing.assert_array_equal(t.get(u64([5, 6])), [[3, 3], [2, 2]])
     with pytest.raises(ValueError, match=r"expected shape \(1, 2\)"):
         t.insert_or_assign(u64([5]), np.ones((1, 3), np.float32))
-
-
-@pytest.mark.parametrize("backend", ["cpu", "base"])
-def test_insert_new_writes_absent_keys_only_last_duplicate_wins(backend):
-    t = CpuHashTable(16, 2)
-    t.insert_or_assign(u64([5, 6]), np.array([[1, 1], [2, 2]], np.float32))
-    insert_new = t.insert_new if backend == "cpu" else lambda k, v: HashTable.insert_new(t, k, v)
-    rows = np.array([[9, 9], [7, 7], [8, 8], [3, 3], [4, 4]], np.float32)
-    read_only = rows.copy()
-    read_only.flags.writeable = False  # as an object-store array comes
-    assert insert_new(u64([6, 7, 5, 8, 7]), read_only) == 2
-    np.testing.assert_array_equal(t.get(u64([5, 6, 7, 8])), [[1, 1], [2, 2], [4, 4], [3, 3]])
-    assert t.size == 4 and insert_new(u64([]), np.empty((0, 2), np.float32)) == 0
 
 
 def test_erase_then_reinsert_reuses_the_row_and_reinitialises_it():
@@ -258,19 +244,6 @@ class TableVersusDict(RuleBasedStateMachine):
         self.t.insert_or_assign(keys, vals)
         for k, v in zip(keys.tolist(), vals):
             self.model[k] = v
-
-    @rule(keys=keys_st)
-    def insert_new(self, keys):
-        new = set(keys.tolist()) - set(self.model)
-        vals = np.arange(keys.size * 2, dtype=np.float32).reshape(-1, 2) - 0.5
-        if len(self.model) + len(new) > self.CAP:
-            with pytest.raises(TableFullError):
-                self.t.insert_new(keys, vals)
-            return
-        assert self.t.insert_new(keys, vals) == len(new)
-        for k, v in zip(keys.tolist(), vals):
-            if k in new:
-                self.model[k] = v
 
     @invariant()
     def same_contents(self):
