@@ -74,10 +74,13 @@ class _Stop(PrivateControlFlow):
 
 
 _RECEIVED: list[int] = []  # the signals that arrived: a _Stop raised where Ray catches it is not lost
+_DEFERRING: list[bool] = []  # non-empty while Ray starts its processes: a first signal is only recorded
 
 
 def _raise_stop(signum: int, frame: object) -> None:
     _RECEIVED.append(signum)
+    if _DEFERRING and len(_RECEIVED) == 1:  # raised inside ray.init, its C++ side may abort (SIGABRT)
+        return
     raise _Stop(signum)
 
 
@@ -147,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
     _on_signals()
     try:
         print(f"hpsray serve: deploying {args.model_dir} ...", file=sys.stderr, flush=True)
-        local = connect_ray(args.address) and args.address is None
+        _DEFERRING.append(True)  # a first signal while Ray starts stops it once it is up; a second, at once
+        try:
+            local = connect_ray(args.address) and args.address is None
+        finally:
+            _DEFERRING.clear()
         _on_signals()  # again: starting Ray installed its own SIGTERM handler (a C++ stack dump)
         _stop_if_signalled()
         start(args.model_dir, options, address=args.address)

@@ -160,6 +160,34 @@ def test_a_signal_during_a_fork_stops_serve_without_exception_ignored(mode):
         assert "Exception ignored" in done.stderr, done.stderr
 
 
+def test_a_first_signal_while_ray_starts_is_held_until_it_is_up_and_a_second_stops_at_once():
+    """Raised inside ``ray.init`` a Ctrl-C can abort Ray's C++ side (exit -6, no clean stop): while
+    Ray starts, the first signal is only recorded (raised by ``_stop_if_signalled`` once Ray is
+    up); a second one is raised at once."""
+    from hpsray.cli import serve
+
+    old = signal.getsignal(signal.SIGINT)
+    serve._RECEIVED.clear()
+    try:
+        serve._on_signals()
+        serve._DEFERRING.append(True)
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at the next bytecode
+        time.sleep(0.05)
+        assert serve._RECEIVED == [int(signal.SIGINT)]
+        with pytest.raises(serve._Stop):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        serve._DEFERRING.clear()
+        with pytest.raises(serve._Stop, match="SIGINT"):
+            serve._stop_if_signalled()
+    finally:
+        serve._DEFERRING.clear()
+        serve._RECEIVED.clear()
+        signal.signal(signal.SIGINT, old)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.unraisablehook = sys.__unraisablehook__
+
+
 def test_hpsray_train_export_serves_raw_criteo_text(tmp_path):
     """``hpsray train JOB --reference --export DIR`` records the Criteo schema; raw TSV fields sent
     as JSON (hex strings, numbers) give the keys and predictions of the file read by the readers."""
