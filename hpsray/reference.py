@@ -21,8 +21,10 @@ The oracle stands apart from the system under test: it imports nothing from ``hp
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -139,6 +141,10 @@ class ReferenceTrainer:
             ``admit_after``-th time on (counting batches; ``0``: every key).
         expire_after_batches: rows of keys not seen for this many batches are dropped
             (``None``: never). A table's own (``config.tables``) replace either for its rows.
+        threads: torch's intra-op threads while it trains (default: the machine's cores, as the
+            pipeline's trainer). A dense layer's weight gradient sums over the mini-batch in
+            chunks per thread, so results are bit-equal only at the same count (docs/architecture.md,
+            Invariants, 1).
     """
 
     def __init__(
@@ -150,7 +156,9 @@ class ReferenceTrainer:
         *,
         admit_after: int = 0,
         expire_after_batches: int | None = None,
+        threads: int | None = None,
     ):
+        self.threads = threads or os.cpu_count() or 1
         self.config = with_first_order(
             config or TrainConfig(), n_slots
         )  # a model of first-order rows: their table added
@@ -307,12 +315,13 @@ class ReferenceTrainer:
         flat = list(_batches_in(minibatches))
         rejected = self._begin_batch(flat)
         losses = []
-        for item in minibatches:
-            if isinstance(item, list):
-                losses.append(self.train_shares(item))
-            else:
-                self._check(item)
-                losses.append(self.train_minibatch(item))
+        with torch_threads(self.threads):
+            for item in minibatches:
+                if isinstance(item, list):
+                    losses.append(self.train_shares(item))
+                else:
+                    self._check(item)
+                    losses.append(self.train_minibatch(item))
         self._end_batch(rejected)
         return float(np.mean(losses)) if losses else float("nan")
 
@@ -372,6 +381,19 @@ class ReferenceTrainer:
         if self.tables is None:
             return {"default": self.store.export()}
         return {spec.name: store.export() for spec, store in zip(self.tables.specs, self.stores, strict=True)}
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside the block, restored after it."""
+    before = torch.get_num_threads()
+    if before != n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def global_batches(

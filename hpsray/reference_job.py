@@ -59,6 +59,7 @@ def train_reference(job: JobConfig, quiet: bool) -> tuple[RunReport, tuple]:
         job.train_config(),
         admit_after=job.tiers.admit_after,
         expire_after_batches=job.tiers.expire_after_batches,
+        threads=job.pipeline.threads,  # the trainer's: a dense gradient's sums depend on them
     )
     if job.tiers.init_from:  # the same start as the pipeline's: the imported rows
         preload(trainer, build.init_from(job)["init_from"])

@@ -222,3 +222,31 @@ def test_the_references_own_admission_rule_decides_as_the_owners_table(admit_aft
     assert ref.stats == owner.stats and ref.stats["admitted"] > 0
     with pytest.raises(ValueError, match="admit_after"):
         SeenCounts(-1)
+
+
+def _fit(threads: int | None) -> tuple[np.ndarray, np.ndarray, dict]:
+    gen = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=2, seed=3)
+    ref = ReferenceTrainer(4, 2, TrainConfig(dim=8, hidden=(8,), minibatch_size=1000), threads=threads)
+    ref.fit(gen.batches(6000, 2000))
+    return ref.export()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two torch threads")
+def test_the_reference_trains_with_its_own_threads_whatever_the_caller_set():
+    """The pipeline's trainer uses the machine's cores; the reference trains with as many
+    whatever this process set (a test before it set 1, and CI's bigger-than-memory run differed
+    in 20 rows), and leaves the caller's setting as it was. At one thread a dense weight's
+    gradient sums in another order: the fault this guards against."""
+    cores = torch.get_num_threads()
+    _, rows, dense = _fit(None)
+    torch.set_num_threads(1)
+    try:
+        _, rows_caller_1, dense_caller_1 = _fit(None)
+        assert torch.get_num_threads() == 1  # restored
+        _, rows_1, dense_1 = _fit(1)
+    finally:
+        torch.set_num_threads(cores)
+    assert np.array_equal(rows, rows_caller_1)
+    assert all(torch.equal(dense[k], v) for k, v in dense_caller_1.items())
+    differs = not np.array_equal(rows, rows_1) or not all(torch.equal(dense[k], v) for k, v in dense_1.items())
+    assert differs, "one thread summed a dense gradient as two do: the guard above shows nothing"
