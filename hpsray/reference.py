@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +38,7 @@ from hpsray.models.kinds import build_model
 from hpsray.models.metrics import auc, logloss
 from hpsray.models.pooling import BagLayout, pool_sum
 from hpsray.models.step import DenseReplicas
+from hpsray.models.threads import torch_threads
 from hpsray.reference_store import SortedRowStore
 from hpsray.reference_tables import TableSplit, admission_of, predict_input, train_tables
 from hpsray.tables import with_first_order
@@ -381,19 +381,6 @@ class ReferenceTrainer:
         if self.tables is None:
             return {"default": self.store.export()}
         return {spec.name: store.export() for spec, store in zip(self.tables.specs, self.stores, strict=True)}
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` inside the block, restored after it."""
-    before = torch.get_num_threads()
-    if before != n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
 
 
 def global_batches(

@@ -31,44 +31,43 @@ def in_process(
     device_fraction: float = 0.01,
 ) -> dict:
     """Examples/s of each system's predict() on the same parsed batches (no HTTP, no JSON)."""
-    import torch
-
+    from hpsray.models.threads import torch_threads
     from hpsray.serving import ServableModel
     from hpsray.serving.layout import read_meta
 
-    torch.set_num_threads(1)
-    rows = int(read_meta(os.path.join(model_dir, "point"))["rows"])
-    models: dict[str, ServableModel] = {}
-    best: dict[str, float] = {}
-    for system in systems:
-        opts = load_options(system, mem_fraction, device, device_fraction, rows)
-        models[system] = ServableModel.load(model_dir, opts)
-    batches = [models[systems[0]].parser.parse_body(b) for b in bodies]
-    for model in models.values():
-        for b in batches:  # warm the cache, as the HTTP runs do
-            model.predict(b)
-    n = sum(len(b) for b in batches)
-    for _ in range(repeat):
-        for system, model in models.items():
-            t0 = time.perf_counter()
-            for b in batches:
+    with torch_threads(1):  # the caller's count restored after
+        rows = int(read_meta(os.path.join(model_dir, "point"))["rows"])
+        models: dict[str, ServableModel] = {}
+        best: dict[str, float] = {}
+        for system in systems:
+            opts = load_options(system, mem_fraction, device, device_fraction, rows)
+            models[system] = ServableModel.load(model_dir, opts)
+        batches = [models[systems[0]].parser.parse_body(b) for b in bodies]
+        for model in models.values():
+            for b in batches:  # warm the cache, as the HTTP runs do
                 model.predict(b)
-            best[system] = max(best.get(system, 0.0), n / (time.perf_counter() - t0))
-    keep = (
-        "hit_rate",
-        "ssd_reads",
-        "rows_in_memory",
-        "rows_on_device",
-        "device_hits",
-        "host_hits",
-        "reads_per_missed_row",
-        "row_bytes_in_memory",
-        "ssd_read",
-        "transfers",
-    )
-    return {
-        s: {"examples_per_s": best[s], **{k: v for k, v in models[s].stats().items() if k in keep}} for s in systems
-    }
+        n = sum(len(b) for b in batches)
+        for _ in range(repeat):
+            for system, model in models.items():
+                t0 = time.perf_counter()
+                for b in batches:
+                    model.predict(b)
+                best[system] = max(best.get(system, 0.0), n / (time.perf_counter() - t0))
+        keep = (
+            "hit_rate",
+            "ssd_reads",
+            "rows_in_memory",
+            "rows_on_device",
+            "device_hits",
+            "host_hits",
+            "reads_per_missed_row",
+            "row_bytes_in_memory",
+            "ssd_read",
+            "transfers",
+        )
+        return {
+            s: {"examples_per_s": best[s], **{k: v for k, v in models[s].stats().items() if k in keep}} for s in systems
+        }
 
 
 def _evict(path: str, maps: list) -> None:
@@ -92,42 +91,42 @@ def ssd_read(model_dir: str, bodies: list[bytes], mem_fraction: float, repeat: i
     """The tiered model's predict() with misses read from the mapped file (``mmap``) and in merged
     ranges by parallel ``preadv`` (``blocks``), warm (rows file in the page cache) and cold (evicted
     before every batch): examples/s, best of ``repeat``, the two alternating."""
-    import torch
-
+    from hpsray.models.threads import torch_threads
     from hpsray.serving import LoadOptions, ServableModel
 
-    torch.set_num_threads(1)
-    models = {
-        m: ServableModel.load(model_dir, LoadOptions(mem_fraction=mem_fraction, ssd_read=m)) for m in ("mmap", "blocks")
-    }
-    batches = [models["mmap"].parser.parse_body(b) for b in bodies]
-    n = sum(len(b) for b in batches)
-    rows_file = os.path.join(_tiered(models["mmap"]).store.directory, "rows.f32")
-    maps = [_tiered(m).store._map for m in models.values()]
-    out: dict = {m: {} for m in models}
-    for model in models.values():
-        for b in batches:
-            model.predict(b)
-    for cond in ("warm", "cold"):
-        best = dict.fromkeys(models, 0.0)
-        for _ in range(repeat):
-            for name, model in models.items():
-                spent = 0.0
-                for b in batches:
-                    if cond == "cold":
-                        _evict(rows_file, maps)
-                    t0 = time.perf_counter()
-                    model.predict(b)
-                    spent += time.perf_counter() - t0
-                best[name] = max(best[name], n / spent)
+    with torch_threads(1):  # the caller's count restored after
+        models = {
+            m: ServableModel.load(model_dir, LoadOptions(mem_fraction=mem_fraction, ssd_read=m))
+            for m in ("mmap", "blocks")
+        }
+        batches = [models["mmap"].parser.parse_body(b) for b in bodies]
+        n = sum(len(b) for b in batches)
+        rows_file = os.path.join(_tiered(models["mmap"]).store.directory, "rows.f32")
+        maps = [_tiered(m).store._map for m in models.values()]
+        out: dict = {m: {} for m in models}
+        for model in models.values():
+            for b in batches:
+                model.predict(b)
+        for cond in ("warm", "cold"):
+            best = dict.fromkeys(models, 0.0)
+            for _ in range(repeat):
+                for name, model in models.items():
+                    spent = 0.0
+                    for b in batches:
+                        if cond == "cold":
+                            _evict(rows_file, maps)
+                        t0 = time.perf_counter()
+                        model.predict(b)
+                        spent += time.perf_counter() - t0
+                    best[name] = max(best[name], n / spent)
+            for name in models:
+                out[name][f"{cond}_examples_per_s"] = best[name]
         for name in models:
-            out[name][f"{cond}_examples_per_s"] = best[name]
-    for name in models:
-        out[name]["reads_per_missed_row"] = models[name].stats()["reads_per_missed_row"]
-    out["blocks_vs_mmap"] = {
-        c: out["blocks"][f"{c}_examples_per_s"] / out["mmap"][f"{c}_examples_per_s"] for c in ("warm", "cold")
-    }
-    return out
+            out[name]["reads_per_missed_row"] = models[name].stats()["reads_per_missed_row"]
+        out["blocks_vs_mmap"] = {
+            c: out["blocks"][f"{c}_examples_per_s"] / out["mmap"][f"{c}_examples_per_s"] for c in ("warm", "cold")
+        }
+        return out
 
 
 def follow_delta(
