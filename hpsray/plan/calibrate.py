@@ -148,9 +148,9 @@ class _TimedStore:
 def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, float, int]:
     """``(wall, cpu)`` seconds per example of the trainer's step on a sampled batch, and the
     dense parameters."""
-    import torch  # here: a plan without calibration (``hpsray train``'s check) needs no torch
-
+    # here: a plan without calibration (``hpsray train``'s check) needs no torch
     from hpsray.models.kinds import build_model
+    from hpsray.models.threads import torch_threads
     from hpsray.training.engine import TrainerEngine
 
     cfg = job.train_config()
@@ -166,17 +166,13 @@ def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, fl
         engine.close_batch(engine.train_local(engine.index(batch)))
         engine.rows(k)
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # as the trainer actor sets them
-    try:
+    with torch_threads(threads):  # as the trainer actor sets them
         for b, k in zip(batches, keys):  # warm-up: numba loads its kernels (per array type), torch allocates
             one(b, k)
         wall, cpu = _least(lambda: one(batches[-1], keys[-1]), TRAIN_REPEATS)
-        if threads > 1:  # on a busy machine threads wait for each other: one thread's CPU seconds
-            torch.set_num_threads(1)  # bound the step's wall seconds with them (threads only help)
+    if threads > 1:  # on a busy machine threads wait for each other: one thread's CPU seconds
+        with torch_threads(1):  # bound the step's wall seconds with them (threads only help)
             wall = min(wall, _least(lambda: one(batches[-1], keys[-1]))[1])
-    finally:
-        torch.set_num_threads(before)
     n = max(len(batches[-1]), 1)
     return wall / n, cpu / n, sum(q.numel() for q in model.parameters())
 
