@@ -128,7 +128,8 @@ class TiersSection:
     """``[tiers]``: the MEM-PS budget (``mem_rows`` or ``mem_bytes``), the SSD-PS directory, and
     engine options in ``[tiers.mem]`` (``lru_fraction``, ``aging``, ``history``) and ``[tiers.ssd]``
     (``rows_per_file``, ``stale_threshold``, ``compact_trigger``, ``max_space_ratio``,
-    ``background``, ``io_threads``, ``compact_pass_bytes``); feature admission and expiry
+    ``background``, ``io_threads``, ``compact_pass_bytes``, ``merge_small_files``); feature
+    admission and expiry
     (``admit_after``: a key gets a row from the ``admit_after``-th batch it is seen in;
     ``expire_after_batches``: rows not seen for that many batches are dropped; both off by default);
     ``dumps_in_flight``: evictions written to SSD-PS behind MEM-PS's back at most at once;
@@ -346,6 +347,7 @@ def parse_tiers(t: chk.Table, base: str) -> TiersSection:
             ("background", chk.boolean),
             ("io_threads", chk.integer(1)),
             ("compact_pass_bytes", chk.size),
+            ("merge_small_files", chk.integer(2)),
         ):
             v = ssd_t.take(k, check, chk.UNSET)
             if v is not chk.UNSET:

@@ -68,6 +68,7 @@ def test_the_message_names_file_key_and_reason():
         (with_("tiers", mem_bytes="lots"), "tiers.mem_bytes", "byte count"),
         (with_("tiers", mem={"lru_fraction": 1.5}), "tiers.mem.lru_fraction", "must be in [0, 1], got 1.5"),
         (with_("tiers", ssd={"stale_threshold": 1.0}), "tiers.ssd.stale_threshold", "must be in (0, 1)"),
+        (with_("tiers", ssd={"merge_small_files": 1}), "tiers.ssd.merge_small_files", "an integer >= 2, got 1"),
         (with_("pipeline", device="tpu"), "pipeline.device", "must be one of cpu, cuda"),
         (with_("pipeline", read_queue=0), "pipeline.read_queue", "must be a positive integer, got 0"),
         (with_("pipeline", load_queue=0), "pipeline.load_queue", "must be a positive integer, got 0"),

@@ -17,6 +17,7 @@ from hpsray.tiers.ssd.paramfile import (
     file_name,
     record_bytes,
 )
+from hpsray.tiers.ssd.store import MERGE_SMALL_FILES
 
 W = 6
 
@@ -144,6 +145,31 @@ def test_small_dumps_are_merged_into_full_files(tmp_path):
         sizes = [f["rows"] for f in s.file_stats()]
         assert sum(n < 50 for n in sizes) < 4 and len(sizes) <= 6, sizes  # from 30 files of 7 rows
         assert s.stats["compactions"] > 0
+        model.check(s)
+
+
+def test_small_files_are_left_alone_until_there_are_many_of_them(tmp_path):
+    """Merging rewrites live rows only to make files bigger: with the default
+    ``merge_small_files``, dozens of small dumps of new rows (nothing stale) compact nothing;
+    at MERGE_SMALL_FILES small files they are merged (docs/tiers.md, Compaction)."""
+    model = Model()
+    with SSDPS(tmp_path / "s", W, rows_per_file=100) as s:
+
+        def dump(i: int) -> None:
+            k = np.arange(i * 7, i * 7 + 7, dtype=np.uint64)
+            s.dump(k, rows_for(k, i))
+            model.dump(k, rows_for(k, i))
+
+        for i in range(40):
+            dump(i)
+        assert s.wait_compaction(timeout=30)
+        assert s.stats["compactions"] == 0 and s.stats["compaction_bytes_read"] == 0
+        assert len(s.file_stats()) == 40
+        for i in range(40, MERGE_SMALL_FILES):
+            dump(i)
+        assert s.wait_compaction(timeout=60)
+        assert s.stats["compactions"] > 0
+        assert sum(f["rows"] < 50 for f in s.file_stats()) < MERGE_SMALL_FILES
         model.check(s)
 
 

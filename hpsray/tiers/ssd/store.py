@@ -28,13 +28,20 @@ from hpsray.tiers.ssd.reads import Reads
 from hpsray.tiers.ssd.snapshot import restore_snapshot, take_snapshot
 from hpsray.tiers.ssd.state import StoreState
 
-__all__ = ["DEFAULT_FILE_BYTES", "SSDPS", "default_rows_per_file"]
+__all__ = ["DEFAULT_FILE_BYTES", "MERGE_SMALL_FILES", "SSDPS", "default_rows_per_file"]
 
 DEFAULT_FILE_BYTES = 16 << 20
 """Target size of a parameter file when ``rows_per_file`` is not given. Measured with
 ``hpsray bench ssd --sweep`` (docs/tiers.md): a whole-file read costs about one device request
 plus a fixed latency, so small files waste bandwidth; beyond a few MiB the gain flattens while
 sparse batches read ever more unneeded rows."""
+
+MERGE_SMALL_FILES = 256
+"""Small files (under half of ``rows_per_file`` rows: every dump of an eviction batch) that
+compaction lets accumulate before it merges them. Merging rewrites live rows, so at 16 it
+copied nearly every dumped byte a second time (`hpsray bench outofcore`: 1.6 GB compacted for
+1.6 GB dumped, 0.78-0.83x in memory); a partial load reads a small file's blocks as cheaply as
+a big one's; 256 small files are one partial round's descriptors at most (docs/tiers.md)."""
 
 
 def default_rows_per_file(width: int, file_bytes: int = DEFAULT_FILE_BYTES) -> int:
@@ -80,7 +87,7 @@ class SSDPS:
         background: bool = True,
         io_threads: int = 4,
         compact_pass_bytes: int = 256 << 20,
-        merge_small_files: int = 16,
+        merge_small_files: int = MERGE_SMALL_FILES,
         partial_read_share: float = 0.25,
         write: Writer = os.write,
     ) -> None:
