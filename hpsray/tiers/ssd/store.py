@@ -37,11 +37,10 @@ plus a fixed latency, so small files waste bandwidth; beyond a few MiB the gain 
 sparse batches read ever more unneeded rows."""
 
 MERGE_SMALL_FILES = 256
-"""Small files (under half of ``rows_per_file`` rows: every dump of an eviction batch) that
-compaction lets accumulate before it merges them. Merging rewrites live rows, so at 16 it
-copied nearly every dumped byte a second time (`hpsray bench outofcore`: 1.6 GB compacted for
-1.6 GB dumped, 0.78-0.83x in memory); a partial load reads a small file's blocks as cheaply as
-a big one's; 256 small files are one partial round's descriptors at most (docs/tiers.md)."""
+"""Default ``merge_small_files``. Merging rewrites live rows only to make files bigger, and a
+partial load reads a small file's blocks as cheaply as a big one's, so compaction lets many
+accumulate (at most one partial round's descriptors); why not 16: docs/benchmarks.md, "Small
+files merged later"."""
 
 
 def default_rows_per_file(width: int, file_bytes: int = DEFAULT_FILE_BYTES) -> int:
@@ -70,8 +69,8 @@ class SSDPS:
         compact_pass_bytes: most input bytes one compaction pass rewrites (the most stale
             files first), so a pass, and a dump waiting on it, stays short.
         merge_small_files: once this many files hold fewer than ``rows_per_file / 2`` rows
-            (small dumps write them), compaction merges them into full-size files, so that
-            loads keep reading files of a good size.
+            (dumps write them), compaction merges them into full-size files (fewer files to
+            open and list; whole-file reads of a good size).
         write: ``os.write``-compatible function used for all writes (fault injection in tests).
     """
 
