@@ -148,7 +148,7 @@ class _TimedStore:
 def _time_train(job: JobConfig, sample: Sample, threads: int) -> tuple[float, float, int]:
     """``(wall, cpu)`` seconds per example of the trainer's step on a sampled batch, and the
     dense parameters."""
-    # here: a plan without calibration (``hpsray train``'s check) needs no torch
+    # imported here: a plan without calibration (``hpsray train``'s check) needs no torch
     from hpsray.models.kinds import build_model
     from hpsray.models.threads import torch_threads
     from hpsray.training.engine import TrainerEngine

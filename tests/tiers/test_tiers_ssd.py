@@ -134,13 +134,19 @@ def test_background_compaction_bounds_disk_after_every_dump(tmp_path):
         model.check(s)
 
 
+def dump_small(s, model, i: int) -> None:
+    """Dump 7 new rows (keys ``7i .. 7i+6``, version ``i``) into ``s`` and ``model``: an
+    eviction of a few rows, a small file."""
+    k = np.arange(i * 7, i * 7 + 7, dtype=np.uint64)
+    s.dump(k, rows_for(k, i))
+    model.dump(k, rows_for(k, i))
+
+
 def test_small_dumps_are_merged_into_full_files(tmp_path):
     model = Model()
     with SSDPS(tmp_path / "s", W, rows_per_file=100, merge_small_files=4) as s:
         for i in range(30):  # evictions of a few rows at a time
-            k = np.arange(i * 7, i * 7 + 7, dtype=np.uint64)
-            s.dump(k, rows_for(k, i))
-            model.dump(k, rows_for(k, i))
+            dump_small(s, model, i)
         assert s.wait_compaction(timeout=30)
         sizes = [f["rows"] for f in s.file_stats()]
         assert sum(n < 50 for n in sizes) < 4 and len(sizes) <= 6, sizes  # from 30 files of 7 rows
@@ -154,19 +160,13 @@ def test_small_files_are_left_alone_until_there_are_many_of_them(tmp_path):
     at MERGE_SMALL_FILES small files they are merged (docs/tiers.md, Compaction)."""
     model = Model()
     with SSDPS(tmp_path / "s", W, rows_per_file=100) as s:
-
-        def dump(i: int) -> None:
-            k = np.arange(i * 7, i * 7 + 7, dtype=np.uint64)
-            s.dump(k, rows_for(k, i))
-            model.dump(k, rows_for(k, i))
-
         for i in range(40):
-            dump(i)
+            dump_small(s, model, i)
         assert s.wait_compaction(timeout=30)
         assert s.stats["compactions"] == 0 and s.stats["compaction_bytes_read"] == 0
         assert len(s.file_stats()) == 40
         for i in range(40, MERGE_SMALL_FILES):
-            dump(i)
+            dump_small(s, model, i)
         assert s.wait_compaction(timeout=60)
         assert s.stats["compactions"] > 0
         assert sum(f["rows"] < 50 for f in s.file_stats()) < MERGE_SMALL_FILES

@@ -24,7 +24,7 @@ from hpsray.tiers.ssd.bulkload import TableImport, bulk_load
 from hpsray.tiers.ssd.compaction import Compaction, space_ratio
 from hpsray.tiers.ssd.files import remove_files
 from hpsray.tiers.ssd.paramfile import FLAG_COMPACTED, FLAG_TOMBSTONE, HEADER_BYTES, read_file, record_bytes
-from hpsray.tiers.ssd.reads import Reads
+from hpsray.tiers.ssd.reads import PARTIAL_ROUND_FILES, Reads
 from hpsray.tiers.ssd.snapshot import restore_snapshot, take_snapshot
 from hpsray.tiers.ssd.state import StoreState
 
@@ -36,11 +36,11 @@ DEFAULT_FILE_BYTES = 16 << 20
 plus a fixed latency, so small files waste bandwidth; beyond a few MiB the gain flattens while
 sparse batches read ever more unneeded rows."""
 
-MERGE_SMALL_FILES = 256
+MERGE_SMALL_FILES = PARTIAL_ROUND_FILES  # 256
 """Default ``merge_small_files``. Merging rewrites live rows only to make files bigger, and a
-partial load reads a small file's blocks as cheaply as a big one's, so compaction lets many
-accumulate (at most one partial round's descriptors); why not 16: docs/benchmarks.md, "Small
-files merged later"."""
+partial load reads a small file's blocks as cheaply as a big one's, so compaction lets as many
+accumulate as one partial round opens; why not 16: docs/benchmarks.md, "Small files merged
+later"."""
 
 
 def default_rows_per_file(width: int, file_bytes: int = DEFAULT_FILE_BYTES) -> int:
