@@ -53,16 +53,96 @@ def test_read_ranges_reads_cached_and_uncached_ranges_in_parallel(tmp_path):
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(4) as pool:
-            short = read_ranges(pool, 4, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
-        assert short == 0
+            short, mapped = read_ranges(pool, 4, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
+        assert short == 0 and mapped == 0
         for r in range(n):
             assert np.array_equal(out[at[r] : at[r + 1]], data[f[r]][off[r] : off[r] + length[r]])
         end = np.asarray([(1 << 20) - 10])
-        past = read_ranges(None, 1, np.asarray(fds[:1]), np.asarray([out.ctypes.data]), end, np.asarray([20]))
+        past, _ = read_ranges(None, 1, np.asarray(fds[:1]), np.asarray([out.ctypes.data]), end, np.asarray([20]))
         assert past == 1  # a range past the end of its file is a short read
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_read_ranges_copies_the_resident_ranges_of_mapped_files_and_reads_the_rest(tmp_path):
+    import mmap
+
+    data = [np.random.default_rng(i).integers(0, 256, 1 << 18, dtype=np.uint8) for i in range(3)]
+    fds, maps = [], []
+    for i, d in enumerate(data):
+        (tmp_path / f"f{i}").write_bytes(d.tobytes())
+        fds.append(os.open(tmp_path / f"f{i}", os.O_RDONLY))
+        os.fsync(fds[-1])  # clean pages, which the hint below drops
+    _drop(tmp_path)  # file 1 leaves the page cache; files 0 and 2 are read back into it
+    for i in (0, 2):
+        os.pread(fds[i], 1 << 18, 0)
+    try:
+        for i in (0, 1):  # file 2 is not mapped: read as before
+            maps.append(mmap.mmap(fds[i], 1 << 18, prot=mmap.PROT_READ))
+        base = np.asarray([np.frombuffer(m, np.uint8).ctypes.data for m in maps] + [0], np.uint64)
+        rng = np.random.default_rng(4)
+        f = np.repeat(np.arange(3), 40)
+        off = np.concatenate([np.sort(rng.integers(0, (1 << 18) - 3000, 40)) for _ in range(3)])
+        length = rng.integers(1, 3000, f.size)
+        at = np.zeros(f.size + 1, np.int64)
+        np.cumsum(length, out=at[1:])
+        out = np.zeros(int(at[-1]), np.uint8)
+        sizes = np.full(3, 1 << 18, np.int64)
+        short, copied = read_ranges(
+            None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length, (base[f], sizes[f])
+        )
+        assert short == 0 and copied == 40  # file 0's ranges; file 1's pages were not resident
+        for r in range(f.size):
+            assert np.array_equal(out[at[r] : at[r + 1]], data[f[r]][off[r] : off[r] + length[r]])
+        short, copied = read_ranges(
+            None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length, (base[f], sizes[f])
+        )
+        assert short == 0 and copied == 80  # file 1's ranges are resident now
+        end, one = np.asarray([(1 << 18) - 10]), np.asarray([0])
+        past, copied = read_ranges(
+            None, 1, np.asarray(fds[:1]), np.asarray([out.ctypes.data]), end, np.asarray([20]), (base[one], sizes[one])
+        )
+        assert (past, copied) == (1, 0)  # past the mapping: not copied, a short read
+    finally:
+        for m in maps:
+            m.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _mapped_from(directory) -> list[str]:
+    """This process's mappings of files under ``directory`` (``/proc/self/maps`` lines)."""
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if str(directory) in line]
+
+
+def test_partial_loads_copy_resident_blocks_from_kept_mappings_and_let_retired_files_go(tmp_path):
+    br = block_rows_for(W)
+    rpf = 64 * br
+    keys = np.arange(1, 12 * rpf + 1, dtype=np.uint64)
+    want = keys[:: 5 * br]  # a fifth of the blocks of every file: read partially
+    with SSDPS(tmp_path / "s", W, rows_per_file=rpf, background=False) as s:
+        for part in np.array_split(keys, 12):
+            s.dump(part, rows_for(part))
+    with SSDPS(tmp_path / "s", background=False) as s:
+        _drop(tmp_path / "s")
+        got, found = s.load(want)  # nothing resident: every range read from the files
+        assert found.all() and np.array_equal(got, rows_for(want))
+        cold = s.stats
+        assert cold["reads_mapped"] == 0 and cold["files_read_partially"] == 12
+        got, found = s.load(want)  # resident now: every range copied from a mapping
+        assert found.all() and np.array_equal(got, rows_for(want))
+        hot = s.stats
+        assert hot["reads_mapped"] == hot["reads_issued"] - cold["reads_issued"] > 0
+        assert len(_mapped_from(tmp_path / "s")) == 12
+        s.dump(keys, rows_for(keys) + 1)  # every row superseded: compaction retires the old files
+        s.compact(full=True)
+        assert all(line.endswith("(deleted)") for line in _mapped_from(tmp_path / "s"))
+        got, _ = s.load(want)  # the next load lets the retired files' mappings go
+        assert np.array_equal(got, rows_for(want) + 1)
+        assert not any(line.endswith("(deleted)") for line in _mapped_from(tmp_path / "s"))
+    assert _mapped_from(tmp_path / "s") == []  # closed: nothing mapped
 
 
 def test_partial_loads_of_many_files_equal_the_rows_cold_and_cached(tmp_path):
@@ -101,6 +181,13 @@ def test_a_truncated_file_is_named_by_a_partial_load(tmp_path):
     rows, _ = s.load(keys[[5, 9]])  # the other file is still served
     assert np.array_equal(rows, rows_for(keys[[5, 9]]))
     s.close()
+    with SSDPS(tmp_path / "t", W, rows_per_file=rpf, background=False) as s:  # truncated after a load mapped it
+        s.dump(keys, rows_for(keys))
+        first = tmp_path / "t" / file_name(s.file_stats()[0]["file_no"])
+        assert np.array_equal(s.load(keys[[5, 9]])[0], rows_for(keys[[5, 9]]))
+        os.truncate(first, 4096)
+        with pytest.raises(CorruptFileError, match="short reads.*truncated|checksum mismatch"):
+            s.load(keys[[9, rpf - 1]])
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ key). Linear probing at 0.8 takes ~3 probes to find a key, ~13 to find it absent
 GROWTH = 1.5
 
 _EMPTY = np.uint64(EMPTY_KEY)  # as_keys refuses it as a key
+_AHEAD = 32  # keys looked up ahead: their slots are prefetched, so cache misses overlap
 _MIN_CAPACITY = 1024
 
 
@@ -74,7 +75,10 @@ def _next(b, cap):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _find(tkeys, cap, keys, out):
-    for i in numba.prange(keys.size):
+    n = keys.size
+    for i in numba.prange(n):
+        if i + _AHEAD < n:
+            _prefetch(tkeys, _home(keys[i + _AHEAD], cap))
         k = keys[i]
         b = _home(k, cap)
         while True:
@@ -86,9 +90,6 @@ def _find(tkeys, cap, keys, out):
                 out[i] = -1
                 break
             b = _next(b, cap)
-
-
-_AHEAD = 32  # keys looked up ahead: their slots are prefetched, so cache misses overlap
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -119,7 +120,13 @@ def _locate(tkeys, tfs, tpos, cap, keys, fs, ps):
 def _place(tkeys, tfs, tpos, cap, keys, fs, pos, out):
     """Find or insert each key, then set its location; returns the keys inserted."""
     new = 0
-    for i in range(keys.size):
+    n = keys.size
+    for i in range(n):
+        if i + _AHEAD < n:
+            h = _home(keys[i + _AHEAD], cap)
+            _prefetch(tkeys, h)
+            _prefetch(tfs, h)
+            _prefetch(tpos, h)
         k = keys[i]
         b = _home(k, cap)
         while True:

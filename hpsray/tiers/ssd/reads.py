@@ -5,10 +5,12 @@ A load looks every key up once (in parallel), groups the found keys by file and 
 counting sort), and reads each file holding a requested key once: whole (every checksum verified
 and the rows picked a cache-sized chunk at a time, :mod:`~hpsray.tiers.ssd.wholeread`), or, when the
 requested rows lie in few checksummed blocks, only those blocks: the touched blocks of many files
-are sorted by file and offset, adjacent blocks merged into one range, every range hinted to the
-kernel (``WILLNEED``, so the device sees them all at once) and read with ``pread`` from numba
-loops on the I/O threads into one staging buffer (:mod:`hpsray.blockio`, shared with serving),
-then each block's checksum is verified and the rows picked out, with no Python per row or block.
+are sorted by file and offset, adjacent blocks merged into one range; the ranges the page cache
+holds are copied from the files' mappings, kept across loads (:mod:`~hpsray.tiers.ssd.maps`),
+every other range hinted to the kernel (``WILLNEED``, so the device sees them all at once) and
+read with ``pread`` from numba loops on the I/O threads, all into one staging buffer
+(:mod:`hpsray.blockio`, shared with serving); then each block's checksum is verified and the
+rows picked out, with no Python per row or block.
 Files are opened in rounds under the store's lock, so a compaction that retires a file a moment
 later cannot take it away from a round in flight; later rounds look again the rows of files a
 compaction retired meanwhile.
@@ -25,6 +27,7 @@ import numpy as np
 from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
 from hpsray.tiers.ssd.blockpick import pick_known, pick_staged, touched_blocks, touched_blocks_upto
+from hpsray.tiers.ssd.maps import FileMaps
 from hpsray.tiers.ssd.outbuf import OutputPool
 from hpsray.tiers.ssd.paramfile import read_file
 from hpsray.tiers.ssd.readplan import group_keys, pick_rows, plan_blocks
@@ -58,6 +61,7 @@ class Reads:
         self.round_files = int(min(MAX_OPEN_FILES, max(2, ROUND_BYTES // (state.record * state.rows_per_file))))
         self.chunk_rows = chunk_rows_for(state.width)  # whole files are verified and picked a chunk at a time
         self.outputs = OutputPool()  # the memory of released outputs, for the next loads
+        self.maps = FileMaps()  # partial loads copy resident blocks from these
 
     def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
         """Rows of ``keys``, the found mask, and the load's counters (see :meth:`SSDPS.load`)."""
@@ -71,7 +75,9 @@ class Reads:
         prefetch: list = []
         gone: list[np.ndarray] = []  # keys deleted between the lookup and their round
         n_files = n_bytes = n_reads = 0
-        n_partial = 0
+        n_partial = n_mapped = 0
+        with st.lock:
+            self.maps.begin(st.files.slot_of)
         try:
             with st.lock:
                 files, kmap = st.files, st.keys
@@ -117,9 +123,10 @@ class Reads:
                     n_reads += sum(self._whole_reads(m) for m in metas if m[1] is None)
                 if blocky:
                     picked = ([tasks[t] for t in blocky], [fds[t] for t in blocky], [metas[t] for t in blocky])
-                    got, ranges = self._read_blocks(keys, out, *picked)
+                    got, ranges, mapped = self._read_blocks(keys, out, *picked)
                     n_bytes += got
                     n_reads += ranges
+                    n_mapped += mapped
                     n_partial += len(blocky)
                 n_files += len(tasks)
             # Whole files: rounds of a few files (ROUND_BYTES), opened under the lock: an open
@@ -154,6 +161,7 @@ class Reads:
             wait(prefetch)  # before their descriptors close
             for _, fds, _ in opened:
                 self.close_all(fds)
+            self.maps.end()
         if gone:
             lost = np.concatenate(gone)
             found[lost] = False
@@ -167,6 +175,7 @@ class Reads:
             "files_read_partially": n_partial,
             "bytes_read": n_bytes,
             "reads_issued": n_reads,
+            "reads_mapped": n_mapped,
         }
         return out, found, counts
 
@@ -286,12 +295,13 @@ class Reads:
 
     def _read_blocks(
         self, keys: np.ndarray, out: np.ndarray, tasks: list, fds: list[int], metas: list
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
         """Read the touched blocks of the files ``tasks`` (open as ``fds``; ``metas``: rows and
-        block table of each) in merged ranges, all hinted then read on the I/O threads into one
-        staging buffer; verify each block's checksum and the key at each position (one-row
-        blocks: the checksum over the key asked for and the row read, no key read), and place the
-        rows. Returns the bytes read and the reads (merged ranges) issued."""
+        block table of each) in merged ranges into one staging buffer: those the page cache
+        holds copied from the files' mappings, the rest hinted then read on the I/O threads;
+        verify each block's checksum and the key at each position (one-row blocks: the checksum
+        over the key asked for and the row read, no key read), and place the rows. Returns the
+        bytes read, the reads (merged ranges) issued and how many of them were mapped copies."""
         st = self.state
         sizes = np.fromiter((t[0].size for t in tasks), np.int64, len(tasks))
         tstart = np.zeros(len(tasks) + 1, np.int64)
@@ -323,7 +333,10 @@ class Reads:
         for t, (_, table) in enumerate(metas):
             a, b = bstart[t], bstart[t + 1]
             expected[a:b] = table[blk_b[a:b]]
-        short = read_ranges(st.pool, st.io_threads, r_fd, dest, r_off, r_len)
+        bases, lengths = self.maps.addresses([t[2] for t in tasks], fds)
+        by_fd = np.argsort(tfd)
+        r_task = by_fd[np.searchsorted(tfd[by_fd], r_fd)]
+        short, mapped = read_ranges(st.pool, st.io_threads, r_fd, dest, r_off, r_len, (bases[r_task], lengths[r_task]))
         if short:
             raise CorruptFileError(
                 f"{short} short reads of blocks in {len(tasks)} parameter files "
@@ -360,4 +373,4 @@ class Reads:
             raise CorruptFileError(
                 f"{st.path(tasks[t][2])}: row {int(pos[j])} does not hold key {int(keys[idx[j]])} as the mapping says"
             )
-        return int(r_len.sum()), int(r_len.size)
+        return int(r_len.sum()), int(r_len.size), mapped

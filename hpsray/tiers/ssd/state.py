@@ -44,6 +44,7 @@ STAT_NAMES = (
     "load_seconds",
     "files_read_partially",
     "reads_issued",
+    "reads_mapped",
     "load_cpu_seconds",
     "compactions",
     "files_compacted",
@@ -59,7 +60,9 @@ STAT_NAMES = (
 )
 """The store's counters (``SSDPS.stats``); all start at 0. ``reads_issued``: the positioned reads
 loads made (a partial load's merged ranges, a whole file's header, index, chunks and table);
-``load_cpu_seconds``: this process's CPU seconds (all its threads) while loads ran."""
+``reads_mapped``: of a partial load's ranges, those the page cache held, copied from the file's
+mapping without a system call (:mod:`~hpsray.tiers.ssd.maps`); ``load_cpu_seconds``: this
+process's CPU seconds (all its threads) while loads ran."""
 
 
 def _no_hook(point: str) -> None:

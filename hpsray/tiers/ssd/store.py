@@ -399,6 +399,7 @@ class SSDPS:
                 self.state.pool.shutdown(wait=True)
                 self.state.manifest.close()
             self._reads.outputs.clear()
+            self._reads.maps.close()
 
     def __enter__(self):
         return self
