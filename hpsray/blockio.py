@@ -28,10 +28,10 @@ __all__ = [
     "IOV_MAX",
     "MINCORE_GAP_PAGES",
     "MIN_RANGES_PER_THREAD",
+    "copy_mapped",
     "hinted_pread_ranges",
     "pread_ranges",
     "preadv_ranges",
-    "copy_mapped",
     "read_parallel",
     "read_ranges",
 ]
@@ -94,13 +94,13 @@ def hinted_pread_ranges(fds, buf_addr, dest, offsets, lengths, lo, hi):
 
 @nb.njit(nogil=True, cache=True)
 def _read_cached(fds, iov_addr, offsets, lengths, flags, done):
-    """One ``preadv2(flags)`` per range not yet ``done`` (``iov_addr``: one 16-byte vector entry
-    each); marks in ``done`` the ranges read whole; returns how many are done now."""
+    """One ``preadv2(flags)`` per range whose ``done`` is 0 (``iov_addr``: one 16-byte vector
+    entry each); marks in ``done`` the ranges read whole (1); returns how many are done now."""
     n = 0
     for r in range(fds.size):
         if done[r] == 0 and _preadv2(fds[r], iov_addr + 16 * r, 1, offsets[r], flags) == lengths[r]:
             done[r] = 1
-        n += done[r]
+        n += done[r] == 1
     return n
 
 
@@ -109,9 +109,10 @@ def copy_mapped(order, bases, sizes, offsets, lengths, dest, page, done):
     """Copy the ranges whose file is mapped (``bases[r]``: the mapping's address, 0 for none;
     ``sizes[r]``: its length) and whose pages are all resident: one ``mincore`` per cluster of
     ranges of one mapping at most :data:`MINCORE_GAP_PAGES` apart, taken in ``order`` (by mapping,
-    then offset), instead of a read per range; ``page``: the page size. Marks them in ``done``;
-    returns how many. A page evicted between the check and the copy is read by the fault
-    (correct, only slower)."""
+    then offset), instead of a read per range; ``page``: the page size. Marks them in ``done``
+    (1), and the ranges with a page not resident 2 (no use trying the page cache for them);
+    returns how many were copied. A page evicted between the check and the copy is read by the
+    fault (correct, only slower)."""
     n = order.size
     copied = 0
     vec = np.empty(0, np.uint8)
@@ -141,6 +142,8 @@ def copy_mapped(order, bases, sizes, offsets, lengths, dest, page, done):
                         _memcpy(dest[q], base + offsets[q], lengths[q])
                         done[q] = 1
                         copied += 1
+                    else:
+                        done[q] = 2
         i = e
     return copied
 
@@ -188,7 +191,7 @@ def read_ranges(
     iov[:, 1] = lengths
     if _read_cached(fds, iov.ctypes.data, offsets, lengths, _NOWAIT, done) == n:
         return 0, copied
-    rest = np.flatnonzero(done == 0)
+    rest = np.flatnonzero(done != 1)
     fds, dest, offsets, lengths = fds[rest], dest[rest], offsets[rest], lengths[rest]
     args = (fds, 0, dest, offsets, lengths)
     return read_parallel(pool, threads, hinted_pread_ranges, args, int(rest.size)), copied

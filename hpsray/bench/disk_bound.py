@@ -5,7 +5,9 @@
 the size of one checksummed block of rows, page-rounded (what a partial load reads per touched
 block); :func:`load_vs_bound` turns the store's counters over some loads (``SSDPS.stats``
 differences) into the load stage's reads/s and bytes/s and their ratios to the bound at the
-store's queue depth (its I/O threads): ``load_reads_vs_disk_bound`` and ``load_bytes_vs_disk_bound``.
+store's queue depth (its I/O threads): ``load_reads_vs_disk_bound`` and ``load_bytes_vs_disk_bound``
+(the reads counted include those the page cache served: ``reads_mapped_share`` of them were
+copied from a mapping).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hpsray.tiers.ssd.probe import DEPTHS, DiskBound, probe
 
 __all__ = ["COUNTERS", "block_bytes", "delta", "load_vs_bound", "store_bound"]
 
-COUNTERS = ("loads", "rows_loaded", "bytes_read", "reads_issued", "files_read", "files_read_partially")
+COUNTERS = ("loads", "rows_loaded", "bytes_read", "reads_issued", "reads_mapped", "files_read", "files_read_partially")
 COUNTERS_S = ("load_seconds", "load_cpu_seconds")
 
 
@@ -57,6 +59,7 @@ def load_vs_bound(counts: dict, bound: DiskBound, depth: int) -> dict:
         "seconds_per_load": secs / loads,
         "bytes_per_row": counts["bytes_read"] / rows,
         "reads_per_row": counts["reads_issued"] / rows,
+        "reads_mapped_share": counts.get("reads_mapped", 0) / max(int(counts["reads_issued"]), 1),
         "files_read_partially_share": counts["files_read_partially"] / max(int(counts["files_read"]), 1),
         "reads_per_s": reads_s,
         "bytes_per_s": bytes_s,
