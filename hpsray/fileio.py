@@ -28,6 +28,7 @@ from hpsray.errors import SSDFullError
 __all__ = [
     "FULL_ERRNOS",
     "Writer",
+    "drop_cache",
     "free_bytes",
     "put_file",
     "fsync_dir",
@@ -65,6 +66,17 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def drop_cache(paths: Iterable[str | os.PathLike]) -> None:
+    """Evict files from the page cache (they must be clean: written and fsynced; pages mapped
+    into a process stay)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def fsync_dir(directory: str) -> None:

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from hpsray.bench.disk_bound import delta, load_vs_bound, store_bound
+from hpsray.fileio import drop_cache
 from hpsray.tiers.ssd import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
 from hpsray.tiers.ssd.paramfile import SUFFIX, file_bytes, record_bytes
 
@@ -52,16 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disk-probe-seconds", type=float, default=2.0, help="seconds of random reads per queue depth (the disk bound)"
     )
-
-
-def drop_cache(paths: list[str]) -> None:
-    """Evict files from the page cache (they must be clean: written and fsynced)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _param_files(directory: str) -> list[str]:

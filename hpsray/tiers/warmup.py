@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from hpsray.data.batch import Batch
+from hpsray.fileio import drop_cache
 from hpsray.kernels.batch_index import in_bag_order, index_slots
 from hpsray.kernels.distinct import warm_in_sorted
 from hpsray.kernels.init import RowInit, initial_rows
@@ -112,16 +113,6 @@ def warm_mem_ps(width: int, init: RowInit, **options: Any) -> None:
     mem.flush()
 
 
-def _drop_cached(directory: str) -> None:
-    """Evict the (written, fsynced) files under ``directory`` from the page cache."""
-    for name in os.listdir(directory):
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def warm_ssd_ps(width: int, **options: Any) -> None:
     """Dump, load (partial files from the device and from the page cache, whole files) and scan
     through a throwaway SSD-PS in a temporary directory built with the real one's options."""
@@ -135,7 +126,8 @@ def warm_ssd_ps(width: int, **options: Any) -> None:
         try:
             store.dump(keys, rows)
             store.dump(_frozen(keys[: keys.size // 3]), _frozen(rows[: keys.size // 3] + 1))  # a stale row count
-            _drop_cached(directory)  # the first partial loads read blocks the page cache lacks
+            # the first partial loads read blocks the page cache lacks
+            drop_cache(os.path.join(directory, name) for name in os.listdir(directory))
             for asked in (keys[::97], keys[::7], keys):
                 store.load(asked)
                 store.load(_frozen(asked))

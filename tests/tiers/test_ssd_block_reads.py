@@ -10,6 +10,7 @@ import pytest
 
 from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
+from hpsray.fileio import drop_cache
 from hpsray.tiers.ssd import SSDPS
 from hpsray.tiers.ssd.paramfile import block_rows_for, file_name
 
@@ -24,12 +25,7 @@ def rows_for(keys: np.ndarray) -> np.ndarray:
 
 
 def _drop(directory) -> None:
-    for name in os.listdir(directory):
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_cache(os.path.join(directory, name) for name in os.listdir(directory))
 
 
 def test_read_ranges_reads_cached_and_uncached_ranges_in_parallel(tmp_path):
