@@ -1,8 +1,8 @@
 """Read-only mappings of the live parameter files, kept across partial loads.
 
 A partial load copies the blocks the page cache holds straight from a mapping of their file
-(:func:`hpsray.blockio.copy_mapped`: one ``mincore`` per file instead of a ``preadv2`` per
-range); blocks not resident are read as before. Parameter files never change once written, so
+(:func:`hpsray.blockio.copy_mapped`: one ``mincore`` per cluster of nearby ranges instead of a
+``preadv2`` per range); blocks not resident are read as before. Parameter files never change once written, so
 a mapping never goes stale; a file is mapped the first time a partial load reads it, and its
 mapping is dropped once the file has left the live set (compaction retired it) and no load is
 running, since a mapping keeps an unlinked file's disk space until it is dropped.

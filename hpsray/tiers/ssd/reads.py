@@ -159,9 +159,9 @@ class Reads:
             for futures in pending:  # an error left reads running: they use the descriptors
                 wait(futures)
             wait(prefetch)  # before their descriptors close
+            self.maps.end()  # no read of this load runs any more
             for _, fds, _ in opened:
                 self.close_all(fds)
-            self.maps.end()
         if gone:
             lost = np.concatenate(gone)
             found[lost] = False
