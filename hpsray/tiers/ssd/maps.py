@@ -2,10 +2,10 @@
 
 A partial load copies the blocks the page cache holds straight from a mapping of their file
 (:func:`hpsray.blockio.copy_mapped`: one ``mincore`` per cluster of nearby ranges instead of a
-``preadv2`` per range); blocks not resident are read as before. Parameter files never change once written, so
-a mapping never goes stale; a file is mapped the first time a partial load reads it, and its
-mapping is dropped once the file has left the live set (compaction retired it) and no load is
-running, since a mapping keeps an unlinked file's disk space until it is dropped.
+``preadv2`` per range); blocks not resident are read as before. Parameter files never change
+once written, so a mapping never goes stale; a file is mapped the first time a partial load
+reads it, and its mapping is dropped once the file has left the live set (compaction retired
+it) and no load is running, since a mapping keeps an unlinked file's disk space until then.
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ class FileMaps:
         self._maps: dict[int, tuple[mmap.mmap, int, int]] = {}  # file number -> (mapping, address, length)
         self._lock = threading.Lock()
         self._active = 0
-
-    def __len__(self) -> int:
-        return len(self._maps)
 
     def begin(self, live: Container[int]) -> None:
         """A load starts; when none other runs, first drop the mappings of files not in ``live``."""

@@ -184,6 +184,11 @@ class Reads:
         index, its chunks of rows, and its block table (``meta[1]``) where it has one."""
         return 2 + -(-meta[0] // self.chunk_rows) + (meta[1] is not None)
 
+    def close(self) -> None:
+        """Release the kept output memory and every file mapping (no load may be running)."""
+        self.outputs.clear()
+        self.maps.close()
+
     def close_all(self, fds: list[int]) -> None:
         """Close the descriptors of a round."""
         for fd in fds:

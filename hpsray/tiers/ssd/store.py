@@ -398,8 +398,7 @@ class SSDPS:
             with self.state.compaction_lock:
                 self.state.pool.shutdown(wait=True)
                 self.state.manifest.close()
-            self._reads.outputs.clear()
-            self._reads.maps.close()
+            self._reads.close()
 
     def __enter__(self):
         return self
