@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hpsray.config import DENSE_OPTIMIZERS
+from hpsray.models.vml import warm_vml
 
 __all__ = ["DenseOptimizer"]
 
@@ -37,12 +38,14 @@ def _count_step(steps: list[torch.Tensor]) -> None:
 
 
 class DenseOptimizer:
-    """``name``'s update of ``params`` (those with a gradient at each :meth:`step`) at rate ``lr``."""
+    """``name``'s update of ``params`` (those with a gradient at each :meth:`step`) at rate ``lr``;
+    its process's VML kernels are chosen before its first step (:mod:`hpsray.models.vml`)."""
 
     def __init__(self, name: str, params: Iterable[torch.nn.Parameter], lr: float) -> None:
         name = name.lower()
         if name not in DENSE_OPTIMIZERS:
             raise ValueError(f"unknown dense optimizer {name!r}; choose adam, adagrad or sgd")
+        warm_vml()  # Adam's sqrt runs on every thread at once from its first step
         self.name, self.lr = name, float(lr)
         self.params: list[torch.Tensor] = list(params)
         self.state: list[dict[str, torch.Tensor]] = [{} for _ in self.params]

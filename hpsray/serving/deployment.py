@@ -79,7 +79,10 @@ class Predictor:
     ) -> None:
         import torch
 
+        from hpsray.models.vml import warm_vml
+
         torch.set_num_threads(torch_threads)  # one batch at a time; more threads only contend
+        warm_vml()  # with more than one thread, a model's first float op may meet VML's first call
         self._root = os.fspath(model_dir)
         self._load = _options(load or {})
         self._model = ServableModel.load(self._root, self._load)
