@@ -1,17 +1,13 @@
 """MKL's vector math (VML) resolved once per process, before any call runs on several threads.
 
-torch's CPU build sends the float unary ops below to MKL VML, each intra-op thread calling it on
-its chunk. MKL picks each function's kernel on that function's first call; when the first call
-runs on two threads at once, one thread can run a low-accuracy kernel over its whole chunk
-(pytorch/pytorch#188792: up to ~4,000 ulp off for ``sqrt``). Measured here (torch 2.13.0, 2
-threads, a fresh process's first ``sqrt`` of 429,312 floats, as Adam's first step of a
-256 x 1,677 layer): 7 of 40 processes wrong in one half, 0 of 40 after :func:`warm_vml`. A dense
-step that meets it differs from the same step in another process, so the trainer and the
-reference would part at their first Adam step in some runs and not others.
-
-:func:`warm_vml` calls each of them once on a few elements (one thread: below torch's grain), so
-every later call finds its kernel chosen. :class:`~hpsray.models.dense_optim.DenseOptimizer` calls it,
-so every trainer and the reference have before their first step.
+torch's CPU build hands the float unary ops of :data:`VML_OPS` to MKL VML, each intra-op thread
+calling it on its chunk, and MKL picks a function's kernel at its first call: when that call runs
+on two threads at once, one of them can run a low-accuracy kernel over its whole chunk
+(pytorch/pytorch#188792; for Adam's first ``sqrt``, thousands of ulp off in some fresh
+processes: docs/benchmarks.md). :func:`warm_vml` calls each op once on a few elements (one
+thread: below torch's grain), so every later call finds its kernel chosen.
+:class:`~hpsray.models.dense_optim.DenseOptimizer` calls it, so every trainer and the reference
+have before their first step.
 """
 
 from __future__ import annotations
