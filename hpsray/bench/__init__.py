@@ -7,6 +7,7 @@ the JSON report. Every benchmark measures its baseline in the same run and repor
 BENCHMARKS = {
     "kernels": "hpsray.bench.kernels",
     "ssd": "hpsray.bench.ssd",
+    "layout": "hpsray.bench.layout",
     "cache": "hpsray.bench.cache",
     "ingest": "hpsray.bench.ingest",
     "e2e": "hpsray.bench.e2e",

@@ -19,7 +19,16 @@ from hpsray.tiers.ssd.probe import DEPTHS, DiskBound, probe
 
 __all__ = ["COUNTERS", "block_bytes", "delta", "load_vs_bound", "store_bound"]
 
-COUNTERS = ("loads", "rows_loaded", "bytes_read", "reads_issued", "reads_mapped", "files_read", "files_read_partially")
+COUNTERS = (
+    "loads",
+    "rows_loaded",
+    "bytes_read",
+    "reads_issued",
+    "reads_mapped",
+    "pages_read",
+    "files_read",
+    "files_read_partially",
+)
 COUNTERS_S = ("load_seconds", "load_cpu_seconds")
 
 
@@ -59,6 +68,7 @@ def load_vs_bound(counts: dict, bound: DiskBound, depth: int) -> dict:
         "seconds_per_load": secs / loads,
         "bytes_per_row": counts["bytes_read"] / rows,
         "reads_per_row": counts["reads_issued"] / rows,
+        "pages_per_row": counts.get("pages_read", 0) / rows,
         "reads_mapped_share": counts.get("reads_mapped", 0) / max(int(counts["reads_issued"]), 1),
         "files_read_partially_share": counts["files_read_partially"] / max(int(counts["files_read"]), 1),
         "reads_per_s": reads_s,

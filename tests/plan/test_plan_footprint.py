@@ -95,7 +95,8 @@ def test_a_job_whose_key_map_cannot_fit_is_refused_before_ray_starts(tmp_path):
     node = json.loads(out.stdout)["per_node"]
     assert node["ssd_ps"]["rows"] == 3_000_000 and node["ssd_ps"]["imported_rows"] == 3_000_000
     m = node["memory"]
-    assert m["key_map_bytes"] == node["ssd_ps"]["key_map_bytes"] + node["ssd_ps"]["block_table_bytes"]
+    ssd = node["ssd_ps"]
+    assert m["key_map_bytes"] == ssd["key_map_bytes"] + ssd["block_table_bytes"] + ssd["heat_bytes"]
     # a node that holds everything but half the key map: the key map is what cannot fit
     try:
         group = Cgroup(f"hpsray-test-plan-{os.getpid()}", m["total_bytes"] - m["key_map_bytes"] // 2)

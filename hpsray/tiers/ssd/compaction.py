@@ -7,6 +7,10 @@ while the pass ran are counted stale in the outputs, never mapped to them. The t
 disk bytes pass ``compact_trigger`` × live bytes (or small files accumulate); a dump that leaves
 more than ``max_space_ratio`` × live bytes waits for it (backpressure). A step (:meth:`Compaction.step`)
 is a pass plus the retirement of tombstone files nothing older depends on any more.
+
+Layout: with the store's load heat (:mod:`~hpsray.tiers.ssd.heat`) a pass writes its rows
+hottest first (ties by key), so the rows that loads keep wanting share pages instead of each
+taking a page among cold rows; :meth:`Compaction.relayout` rewrites the whole store that way.
 """
 
 from __future__ import annotations
@@ -73,15 +77,24 @@ class Compaction:
             over = st.files.disk_bytes > limit * st.live_bytes()
             return over and st.files.stale_slots(st.record, st.stale_threshold).size > 0
 
-    def run_pass(self, full: bool = False) -> int:
-        """One compaction pass; returns the files it rewrote (0: nothing to do)."""
+    def run_pass(self, full: bool = False, older_than: int | None = None) -> int:
+        """One compaction pass; returns the files it rewrote (0: nothing to do). ``older_than``:
+        rewrite the files numbered below it, stale or not (a relayout, :meth:`relayout`)."""
         st = self.state
         with self.lock:
             t0 = time.perf_counter()
             f, kmap = st.files, st.keys
             with st.lock:
+                skip = np.fromiter(st.tombstones, dtype=np.int64, count=len(st.tombstones))
                 victims = f.victims(
-                    st.record, st.stale_threshold, st.rows_per_file, st.merge_small_files, st.compact_pass_bytes, full
+                    st.record,
+                    st.stale_threshold,
+                    st.rows_per_file,
+                    st.merge_small_files,
+                    st.compact_pass_bytes,
+                    full,
+                    older_than,
+                    skip,
                 )
                 victim_nos = f.no[victims].tolist()
             if victims.size == 0:
@@ -101,6 +114,11 @@ class Compaction:
             src_slot = np.concatenate([p[3] for p in parts]).astype(np.int32)
             src_pos = np.concatenate([p[4] for p in parts]).astype(np.int32)
             del parts
+            heat = st.heat
+            if heat is not None and keys.size > 1:  # hot rows first, so rows missed together share pages
+                order = np.lexsort((keys, -heat.estimate(keys)))
+                keys, vers, rows = keys[order], vers[order], rows[order]
+                src_slot, src_pos = src_slot[order], src_pos[order]
             st.hook("compaction:read")
             rpf = st.rows_per_file
             n_out = -(-keys.size // rpf)
@@ -131,6 +149,16 @@ class Compaction:
                 stats["compaction_seconds"] += time.perf_counter() - t0
             st.manifest.maybe_rewrite()
             return len(victim_nos)
+
+    def relayout(self) -> int:
+        """Rewrite every file there is now (not tombstones), a pass at a time, each pass's rows
+        hottest first by the load heat; returns the files rewritten."""
+        with self.state.lock:
+            end = self.state.next_file_no
+        done = 0
+        while (n := self.run_pass(older_than=end)) > 0:
+            done += n
+        return done
 
     def step(self, full: bool = False) -> int:
         """One pass (:meth:`run_pass`), then the retirement of tombstone files

@@ -40,7 +40,8 @@ MAX_OPEN_FILES = 64  # files opened per whole-file round: bounds descriptors...
 ROUND_BYTES = 128 << 20  # ...and the bytes read ahead of the rows being picked
 PARTIAL_ROUND_FILES = 256  # most files whose blocks one partial round reads (their ranges all in flight)...
 PARTIAL_ROUND_BYTES = 32 << 20  # ...and about the most bytes of blocks it stages (one file's blocks at least)
-MERGE_GAP_BYTES = 4096  # blocks of a file closer than this (a page) are read in one range, the gap too
+PAGE_BYTES = 4096  # what the device and the page cache read at the least
+MERGE_GAP_BYTES = PAGE_BYTES  # blocks of a file closer than this (a page) are read in one range, the gap too
 
 
 def _will_need(fds: list[int]) -> None:
@@ -76,6 +77,7 @@ class Reads:
         gone: list[np.ndarray] = []  # keys deleted between the lookup and their round
         n_files = n_bytes = n_reads = 0
         n_partial = n_mapped = 0
+        partial_bytes = partial_pages = 0
         with st.lock:
             self.maps.begin(st.files.slot_of)
         try:
@@ -123,8 +125,10 @@ class Reads:
                     n_reads += sum(self._whole_reads(m) for m in metas if m[1] is None)
                 if blocky:
                     picked = ([tasks[t] for t in blocky], [fds[t] for t in blocky], [metas[t] for t in blocky])
-                    got, ranges, mapped = self._read_blocks(keys, out, *picked)
+                    got, ranges, mapped, pages = self._read_blocks(keys, out, *picked)
                     n_bytes += got
+                    partial_bytes += got
+                    partial_pages += pages
                     n_reads += ranges
                     n_mapped += mapped
                     n_partial += len(blocky)
@@ -176,6 +180,7 @@ class Reads:
             "bytes_read": n_bytes,
             "reads_issued": n_reads,
             "reads_mapped": n_mapped,
+            "pages_read": partial_pages + -(-(n_bytes - partial_bytes) // PAGE_BYTES),
         }
         return out, found, counts
 
@@ -300,13 +305,14 @@ class Reads:
 
     def _read_blocks(
         self, keys: np.ndarray, out: np.ndarray, tasks: list, fds: list[int], metas: list
-    ) -> tuple[int, int, int]:
+    ) -> tuple[int, int, int, int]:
         """Read the touched blocks of the files ``tasks`` (open as ``fds``; ``metas``: rows and
         block table of each) in merged ranges into one staging buffer: those the page cache
         holds copied from the files' mappings, the rest hinted then read on the I/O threads;
         verify each block's checksum and the key at each position (one-row blocks: the checksum
         over the key asked for and the row read, no key read), and place the rows. Returns the
-        bytes read, the reads (merged ranges) issued and how many of them were mapped copies."""
+        bytes read, the reads (merged ranges) issued, how many of them were mapped copies and
+        the pages they span."""
         st = self.state
         sizes = np.fromiter((t[0].size for t in tasks), np.int64, len(tasks))
         tstart = np.zeros(len(tasks) + 1, np.int64)
@@ -378,4 +384,5 @@ class Reads:
             raise CorruptFileError(
                 f"{st.path(tasks[t][2])}: row {int(pos[j])} does not hold key {int(keys[idx[j]])} as the mapping says"
             )
-        return int(r_len.sum()), int(r_len.size), mapped
+        pages = int(((r_off + r_len - 1) // PAGE_BYTES - r_off // PAGE_BYTES + 1).sum())
+        return int(r_len.sum()), int(r_len.size), mapped, pages

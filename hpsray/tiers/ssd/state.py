@@ -24,6 +24,7 @@ import numpy as np
 from hpsray.errors import SSDError
 from hpsray.fileio import Writer, fsync_path, unlink_quiet
 from hpsray.tiers.ssd.files import FileTable, write_files
+from hpsray.tiers.ssd.heat import LoadHeat
 from hpsray.tiers.ssd.keymap import KeyMap, recover
 from hpsray.tiers.ssd.manifest import Manifest
 from hpsray.tiers.ssd.paramfile import block_rows_for, file_name, record_bytes
@@ -45,6 +46,7 @@ STAT_NAMES = (
     "files_read_partially",
     "reads_issued",
     "reads_mapped",
+    "pages_read",
     "load_cpu_seconds",
     "compactions",
     "files_compacted",
@@ -61,7 +63,9 @@ STAT_NAMES = (
 """The store's counters (``SSDPS.stats``); all start at 0. ``reads_issued``: the positioned reads
 loads made (a partial load's merged ranges, a whole file's header, index, chunks and table);
 ``reads_mapped``: of a partial load's ranges, those the page cache held, copied from the file's
-mapping without a system call (:mod:`~hpsray.tiers.ssd.maps`); ``load_cpu_seconds``: this
+mapping without a system call (:mod:`~hpsray.tiers.ssd.maps`); ``pages_read``: the 4 KiB pages
+those reads span (a whole-file read's bytes in pages), what the device reads at the least when
+the page cache holds none of them; ``load_cpu_seconds``: this
 process's CPU seconds (all its threads) while loads ran."""
 
 
@@ -91,6 +95,7 @@ class StoreState:
         partial_read_share: float,
         io_threads: int,
         write: Writer,
+        heat_counters: int | None = None,
     ) -> None:
         self.directory = directory
         self.stale_threshold = stale_threshold
@@ -102,6 +107,8 @@ class StoreState:
         self.write = write
         self.hook: Callable[[str], None] = _no_hook
         """Test seam: called at named points of the write protocol (see the crash tests)."""
+        self.heat = LoadHeat(heat_counters) if heat_counters else None
+        """Loads per key (:mod:`~hpsray.tiers.ssd.heat`): compaction writes hotter rows first."""
 
         self.lock = threading.RLock()
         self.dump_lock = threading.Lock()

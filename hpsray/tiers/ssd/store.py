@@ -23,6 +23,7 @@ from hpsray.kernels.table import as_keys, as_rows
 from hpsray.tiers.ssd.bulkload import TableImport, bulk_load
 from hpsray.tiers.ssd.compaction import Compaction, space_ratio
 from hpsray.tiers.ssd.files import remove_files
+from hpsray.tiers.ssd.heat import DEFAULT_HEAT_COUNTERS
 from hpsray.tiers.ssd.paramfile import FLAG_COMPACTED, FLAG_TOMBSTONE, HEADER_BYTES, read_file, record_bytes
 from hpsray.tiers.ssd.reads import PARTIAL_ROUND_FILES, Reads
 from hpsray.tiers.ssd.snapshot import restore_snapshot, take_snapshot
@@ -71,6 +72,10 @@ class SSDPS:
         merge_small_files: once this many files hold fewer than ``rows_per_file / 2`` rows
             (dumps write them), compaction merges them into full-size files (fewer files to
             open and list; whole-file reads of a good size).
+        heat_counters: counters per row of the sketch that counts the loads of each key
+            (:mod:`~hpsray.tiers.ssd.heat`; 8 bytes of memory per counter); compaction writes
+            the rows loads want most first, so rows missed together share pages (0: off, rows
+            keep the order compaction reads them in).
         write: ``os.write``-compatible function used for all writes (fault injection in tests).
     """
 
@@ -88,6 +93,7 @@ class SSDPS:
         compact_pass_bytes: int = 256 << 20,
         merge_small_files: int = MERGE_SMALL_FILES,
         partial_read_share: float = 0.25,
+        heat_counters: int = DEFAULT_HEAT_COUNTERS,
         write: Writer = os.write,
     ) -> None:
         if rows_per_file is not None and rows_per_file < 1:
@@ -98,6 +104,8 @@ class SSDPS:
             raise ValueError(f"compact_trigger must be >= 1, got {compact_trigger}")
         if width is not None and width < 0:
             raise ValueError(f"width must be >= 0, got {width}")
+        if heat_counters < 0:
+            raise ValueError(f"heat_counters must be >= 0, got {heat_counters}")
         if merge_small_files < 2:
             raise ValueError(f"merge_small_files must be >= 2, got {merge_small_files}")
         self.directory = os.fspath(directory)
@@ -115,6 +123,7 @@ class SSDPS:
             partial_read_share=float(partial_read_share),
             io_threads=io_threads,
             write=write,
+            heat_counters=heat_counters,
         )
         """The state the store's parts share (:class:`~hpsray.tiers.ssd.state.StoreState`)."""
         self.width = self.state.width
@@ -149,6 +158,8 @@ class SSDPS:
         self.state.check_open()
         t0, c0 = time.perf_counter(), time.process_time()
         out, found, counts = self._reads.load(keys)
+        if self.state.heat is not None:
+            self.state.heat.count(keys[found])
         with self.state.lock:
             st = self.state.stats
             st["loads"] += 1
@@ -281,6 +292,13 @@ class SSDPS:
             if n == 0:
                 return done
             done += n
+
+    def relayout(self) -> int:
+        """Rewrite every parameter file there is now, in compaction passes, each pass's rows
+        hottest first by how many loads wanted them (``heat_counters``); returns the files
+        rewritten. Placement only: what loads return is the same before and after."""
+        self.state.check_open()
+        return self._compaction.relayout()
 
     def _compact_pass(self, full: bool = False) -> int:
         return self._compaction.step(full)
