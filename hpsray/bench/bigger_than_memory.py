@@ -260,6 +260,9 @@ def run(args: argparse.Namespace) -> dict:
         load_stage["planned_disk_s_per_load"] = load_stage["rows_per_load"] * disk_s_per_row(
             bound, job.io_threads, cold, job.width
         )
+        load_stage["planned_vs_measured_load_s"] = load_stage["planned_disk_s_per_load"] / max(
+            load_stage["seconds_per_load"], 1e-9
+        )
         device = trained["device"]
         if device is not None:
             rows = max(trained["load_counts"]["rows_loaded"], 1)

@@ -3,9 +3,9 @@ adds to the load stage of a job bigger than memory.
 
 A missed row the page cache does not hold costs the load stage :func:`reads_per_missed_row`
 random reads of the disk (a partial load reads the touched block's keys and its rows, or only
-the row of a one-row block, :mod:`~hpsray.tiers.ssd.reads`), issued by the store's
-``io_threads``: ``reads / bound(io_threads)`` seconds, on top of the engine's own seconds (the
-calibration's store is small and cached). The share of missed rows read from the disk
+the row of a one-row block, :mod:`~hpsray.tiers.ssd.reads`), hinted all at once by the store's
+``io_threads``: ``reads / bound(deepest depth probed)`` seconds, on top of the engine's own
+seconds (the calibration's store is small and cached). The share of missed rows read from the disk
 (:func:`cold_share`) is what the page cache cannot hold: the store's bytes beyond the memory the
 plan leaves to the cache.
 
@@ -37,6 +37,7 @@ __all__ = [
     "disk_key",
     "disk_s_per_row",
     "load_bound",
+    "load_depth",
     "measure_bound",
     "reads_per_missed_row",
     "save_bound",
@@ -128,9 +129,18 @@ def cold_share(store_bytes: float, cache_bytes: float) -> float:
     return max(0.0, 1.0 - max(cache_bytes, 0.0) / store_bytes)
 
 
+def load_depth(bound: DiskBound, io_threads: int) -> int:
+    """The reads in flight a load's misses see: the deepest depth ``bound`` probed, or
+    ``io_threads`` if deeper (see :func:`disk_s_per_row`)."""
+    return max(1, io_threads, *bound.reads_per_s)
+
+
 def disk_s_per_row(bound: DiskBound, io_threads: int, share: float, width: int = 0) -> float:
     """Disk seconds per missed row: ``share`` of the rows read from the disk, each
-    :func:`reads_per_missed_row` random reads at ``io_threads`` in flight (``width`` 0: two)."""
-    rate = bound.at(max(1, io_threads))
+    :func:`reads_per_missed_row` random reads (``width`` 0: two) at the bound's deepest probed
+    depth, or ``io_threads`` if deeper: each I/O thread hints its whole share of a load's ranges
+    before reading them (:mod:`hpsray.blockio`), so the device sees far more reads in flight
+    than there are threads."""
+    rate = bound.at(load_depth(bound, io_threads))
     reads = reads_per_missed_row(width) if width else READS_PER_MISSED_ROW
     return share * reads / rate if rate > 0 else 0.0

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from hpsray.env import omp_threads_sleep
 from hpsray.errors import CapacityError
 from hpsray.plan.calibrate import Calibration, bottleneck, calibrate, node_cores, predict_rate
-from hpsray.plan.disk import cold_share, disk_s_per_row, load_bound
+from hpsray.plan.disk import cold_share, disk_s_per_row, load_bound, load_depth
 from hpsray.plan.estimate import KeyEstimate, estimate_keys
 from hpsray.plan.footprint import RUNTIME_BYTES, disk_high_water, import_rows, memory_limit, ssd_memory
 from hpsray.plan.pipeline_cost import StageCosts
@@ -209,7 +209,7 @@ def make_plan(
             "free_bytes": free,
             "rows_per_batch": ssd_rows_per_batch,
             "cold_share": cold,
-            "disk_reads_per_s": bound.at(io_threads) if bound is not None else None,
+            "disk_reads_per_s": bound.at(load_depth(bound, io_threads)) if bound is not None else None,
             "disk_s_per_batch": ssd_rows_per_batch * disk_row_s,
         },
         "object_store_bytes": int(in_flight),
@@ -254,9 +254,11 @@ def _disk_note(disk: DiskBound | None, io_threads: int, cold: float, seconds: fl
             "rate: no random-read bound of the SSD-PS disk (hpsray plan --calibrate measures it): "
             "rows missed by MEM-PS and the page cache cost the engine's seconds only"
         )
+    depth = load_depth(disk, io_threads)
     return (
-        f"rate: SSD-PS disk {disk.at(io_threads):,.0f} random reads/s of {disk.read_bytes} bytes at depth "
-        f"{io_threads} (measured {disk.measured_at}, load {disk.load_average:.1f}); {cold:.0%} of missed rows "
+        f"rate: SSD-PS disk {disk.at(depth):,.0f} random reads/s of {disk.read_bytes} bytes at depth {depth} "
+        f"({io_threads} I/O threads hinting their reads; measured {disk.measured_at}, load "
+        f"{disk.load_average:.1f}); {cold:.0%} of missed rows "
         f"beyond the page cache: +{seconds * 1000:.0f} ms per batch in the load stage"
     )
 

@@ -37,14 +37,16 @@ CAL = Calibration(
 )
 
 
-def test_missed_rows_beyond_the_page_cache_cost_random_reads_at_the_stores_depth():
+def test_missed_rows_beyond_the_page_cache_cost_random_reads_at_the_deepest_depth():
     assert cold_share(10e9, 4e9) == pytest.approx(0.6)  # the cache holds 4 of the store's 10 GB
     assert cold_share(1e9, 4e9) == 0.0 and cold_share(1e9, -5.0) == 1.0 and cold_share(0, 1) == 0.0
-    assert disk_s_per_row(BOUND, 4, 1.0) == pytest.approx(READS_PER_MISSED_ROW / 4000.0)
-    assert disk_s_per_row(BOUND, 6, 0.5) == pytest.approx(0.5 * READS_PER_MISSED_ROW / 6000.0)  # interpolated
+    # a load's ranges are hinted at once: the device sees more in flight than the 4 I/O threads
+    assert disk_s_per_row(BOUND, 4, 1.0) == pytest.approx(READS_PER_MISSED_ROW / 8000.0)
+    assert disk_s_per_row(BOUND, 6, 0.5) == pytest.approx(0.5 * READS_PER_MISSED_ROW / 8000.0)
+    assert disk_s_per_row(BOUND, 16, 1.0) == pytest.approx(READS_PER_MISSED_ROW / 8000.0)  # clamped: not probed
     _, bare = predict_rate(CAL, 1000, 1000, 500)
     _, disk = predict_rate(CAL, 1000, 1000, 500, disk_s_per_row=disk_s_per_row(BOUND, 4, 1.0))
-    assert disk["load"] - bare["load"] == pytest.approx(500 * 2 / 4000.0)  # 1,000 reads at 4,000/s
+    assert disk["load"] - bare["load"] == pytest.approx(500 * 2 / 8000.0)  # 1,000 reads at 8,000/s
     assert disk["train"] == bare["train"]
 
 
@@ -85,14 +87,14 @@ def test_a_plan_says_what_the_disk_adds_to_the_load_stage(tmp_path, monkeypatch)
     assert any("no random-read bound of the SSD-PS disk" in n for n in plan.notes)
     plan = make_plan(job, 8_000, disk_bound=BOUND)
     ssd = plan.per_node["ssd_ps"]
-    assert ssd["disk_reads_per_s"] == 4000.0  # the store's 4 I/O threads
+    assert ssd["disk_reads_per_s"] == 8000.0  # the deepest depth probed, not the store's 4 I/O threads
     assert ssd["cold_share"] == 0.0 and ssd["disk_s_per_batch"] == 0.0  # a small store: the page cache holds it
-    assert any("SSD-PS disk 4,000 random reads/s of 4096 bytes at depth 4" in n for n in plan.notes)
+    assert any("SSD-PS disk 8,000 random reads/s of 4096 bytes at depth 8 (4 I/O threads" in n for n in plan.notes)
 
 
 def test_a_one_row_block_costs_one_read_a_wider_block_two():
     from hpsray.plan.disk import reads_per_missed_row
 
     assert reads_per_missed_row(128) == 1.0 and reads_per_missed_row(32) == READS_PER_MISSED_ROW == 2.0
-    assert disk_s_per_row(BOUND, 4, 1.0, 128) == pytest.approx(1 / 4000.0)
-    assert disk_s_per_row(BOUND, 4, 1.0, 32) == pytest.approx(2 / 4000.0)
+    assert disk_s_per_row(BOUND, 4, 1.0, 128) == pytest.approx(1 / 8000.0)
+    assert disk_s_per_row(BOUND, 4, 1.0, 32) == pytest.approx(2 / 8000.0)
