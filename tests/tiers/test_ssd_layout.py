@@ -11,7 +11,7 @@ import pytest
 from hpsray.bench import BENCHMARKS, layout
 from hpsray.kernels.hashing import mix64_array
 from hpsray.tiers.ssd import SSDPS
-from hpsray.tiers.ssd.heat import LoadHeat
+from hpsray.tiers.ssd.heat import AGE_EVERY, LoadHeat
 from hpsray.tiers.ssd.paramfile import HEADER_BYTES
 
 
@@ -76,6 +76,18 @@ def test_load_heat_never_undercounts():
     assert LoadHeat(1 << 20).estimate(keys).sum() == 0
     with pytest.raises(ValueError, match="heat counters"):
         LoadHeat(0)
+
+
+def test_load_heat_ages_so_keys_hot_long_ago_cool():
+    h = LoadHeat(1 << 6)  # 64 counters a row: halves after 640 keys counted
+    assert AGE_EVERY * 64 == 640
+    old, new = mix64_array(np.arange(8, dtype=np.uint64)), mix64_array(np.arange(8, 16, dtype=np.uint64))
+    for _ in range(8):
+        h.count(old)  # 64 keys counted
+    assert (h.estimate(old) >= 8).all()
+    for _ in range(72):
+        h.count(new)  # 576 more: 640 in all, one halving
+    assert (h.estimate(old) == 4).all() and (h.estimate(new) == 36).all()  # 8 and 72, halved
 
 
 def test_a_partial_load_counts_the_pages_its_reads_span(tmp_path):
