@@ -95,7 +95,7 @@ def test_parameter_files_hold_each_tables_rows_at_its_width(groups, tmp_path):
     assert stats["live_rows"] == keys.size and len(stats["groups"]) == 3
 
 
-def test_overwrites_deletes_compaction_and_a_reopen_keep_every_groups_rows(groups, tmp_path):
+def test_overwrites_deletes_compaction_a_relayout_and_a_reopen_keep_every_groups_rows(groups, tmp_path):
     keys = keys_of(2000, 2)
     with GroupedSSDPS(tmp_path / "ssd", groups, rows_per_file=128, background=False) as store:
         store.dump(keys, rows_of(groups, keys, 0.0))
@@ -104,6 +104,8 @@ def test_overwrites_deletes_compaction_and_a_reopen_keep_every_groups_rows(group
         gone = keys[1::7]
         assert store.delete(gone) == gone.size
         assert store.compact(full=True) > 0
+        store.load(keys[::5])  # some load heat
+        assert store.relayout() > 0  # every file rewritten, the tombstones left alone
     with GroupedSSDPS(tmp_path / "ssd", groups, rows_per_file=128, background=False) as store:
         got, found = store.load(keys)
         assert store.verify() > 0

@@ -53,6 +53,21 @@ def test_relayout_writes_the_most_loaded_rows_first_and_together(tmp_path):
     again.close()
 
 
+def test_a_relayout_leaves_tombstones_alone_and_deleted_keys_deleted(tmp_path):
+    s, keys, rows = _store(tmp_path)
+    gone = keys[::7]
+    assert s.delete(gone) == gone.size
+    assert s.stats["tombstone_files"] == 1
+    s.load(keys[1::50])
+    assert s.relayout() == 5  # the five parameter files, not the tombstone file
+    s.close()
+    again = SSDPS(tmp_path / "ssd")
+    got, found = again.load(keys)
+    kept = ~np.isin(keys, gone)
+    assert np.array_equal(found, kept) and np.array_equal(got[kept], rows[kept])
+    again.close()
+
+
 def test_without_load_heat_a_relayout_keeps_the_order_it_reads(tmp_path):
     s, keys, rows = _store(tmp_path, heat_counters=0)
     assert s.state.heat is None

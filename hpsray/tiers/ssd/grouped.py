@@ -114,6 +114,10 @@ class GroupedSSDPS:
         """Compact every group's store (:meth:`SSDPS.compact`); returns files rewritten."""
         return sum(s.compact(full) for s in self.stores)
 
+    def relayout(self) -> int:
+        """Relay out every group's store (:meth:`SSDPS.relayout`); returns files rewritten."""
+        return sum(s.relayout() for s in self.stores)
+
     def wait_compaction(self, timeout: float | None = None) -> bool:
         return all(s.wait_compaction(timeout) for s in self.stores)
 
