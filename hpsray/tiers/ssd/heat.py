@@ -36,7 +36,7 @@ class LoadHeat:
         self._counted = 0  # keys counted since the last halving
 
     def count(self, keys: np.ndarray) -> None:
-        """One more load wanted each of ``keys`` (distinct ``uint64``)."""
+        """One more load wanted each of ``keys`` (``uint64``; a key given twice counts once)."""
         if keys.size == 0:
             return
         with self._lock:
