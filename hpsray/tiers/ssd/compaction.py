@@ -85,7 +85,6 @@ class Compaction:
             t0 = time.perf_counter()
             f, kmap = st.files, st.keys
             with st.lock:
-                skip = np.fromiter(st.tombstones, dtype=np.int64, count=len(st.tombstones))
                 victims = f.victims(
                     st.record,
                     st.stale_threshold,
@@ -94,7 +93,6 @@ class Compaction:
                     st.compact_pass_bytes,
                     full,
                     older_than,
-                    skip,
                 )
                 victim_nos = f.no[victims].tolist()
             if victims.size == 0:

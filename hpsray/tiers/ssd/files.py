@@ -127,28 +127,23 @@ class FileTable:
         pass_bytes: int,
         full: bool,
         older_than: int | None = None,
-        skip: np.ndarray | None = None,
     ) -> np.ndarray:
         """The slots one compaction pass rewrites: files over the stale ``threshold`` (``full``:
         any stale row), most stale first, then, once ``merge_small_files`` small files (or with
         ``full`` two) have accumulated, the small ones oldest first; at most ``pass_bytes`` of
         input, but at least one file. ``older_than``: every file numbered below it instead,
-        oldest first, but those numbered in ``skip`` (a relayout)."""
+        oldest first, tombstone files aside (a relayout)."""
         if older_than is not None:
-            ok = (self.no >= 0) & (self.no < older_than)
-            if skip is not None and skip.size:
-                ok &= ~np.isin(self.no, skip)
+            ok = (self.no >= 0) & (self.no < older_than) & ((self.flags & FLAG_TOMBSTONE) == 0)
             cand = np.flatnonzero(ok)
             cand = cand[np.argsort(self.no[cand], kind="stable")]
-            within = np.cumsum(self.size[cand]) <= pass_bytes
-            within[:1] = True
-            return cand[within]
-        cand = self.stale_slots(record, None if full else threshold)
-        cand = cand[np.argsort(self.live[cand] / self.n[cand], kind="stable")]  # most stale first
-        small = self.small_slots(rows_per_file)
-        if small.size >= merge_small_files or (full and small.size > 1):
-            small = small[np.argsort(self.no[small], kind="stable")]  # oldest first
-            cand = np.concatenate([cand, small[~np.isin(small, cand)]])
+        else:
+            cand = self.stale_slots(record, None if full else threshold)
+            cand = cand[np.argsort(self.live[cand] / self.n[cand], kind="stable")]  # most stale first
+            small = self.small_slots(rows_per_file)
+            if small.size >= merge_small_files or (full and small.size > 1):
+                small = small[np.argsort(self.no[small], kind="stable")]  # oldest first
+                cand = np.concatenate([cand, small[~np.isin(small, cand)]])
         within = np.cumsum(self.size[cand]) <= pass_bytes
         within[:1] = True
         return cand[within]
