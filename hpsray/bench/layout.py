@@ -131,9 +131,10 @@ def oracle_pages_per_row(missed: list[np.ndarray], universe: int, record: int) -
     frequency layout can gain on these misses."""
     by_rank = mix64_array(np.arange(universe, dtype=np.uint64))
     order = np.argsort(by_rank)
+    ascending = by_rank[order]
     pages = rows = 0
     for k in missed:
-        rank = order[np.searchsorted(by_rank[order], k)].astype(np.int64)
+        rank = order[np.searchsorted(ascending, k)].astype(np.int64)
         first, last = rank * record // PAGE_BYTES, ((rank + 1) * record - 1) // PAGE_BYTES
         pages += np.unique(np.concatenate([first, last])).size
         rows += k.size

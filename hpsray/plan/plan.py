@@ -153,8 +153,9 @@ def make_plan(
     dense_bytes = 0
     io_threads = int(dict(job.tiers.ssd).get("io_threads", 4))
     limit, limit_from = memory_limit()
+    ssd_held = ssd_mem["key_map_bytes"] + ssd_mem["block_table_bytes"] + ssd_mem["heat_bytes"]  # SSD-PS's memory
     # the page cache gets what the node's other memory leaves (the trainer's dense bytes aside)
-    held = RUNTIME_BYTES + ssd_mem["key_map_bytes"] + ssd_mem["block_table_bytes"] + ssd_mem["heat_bytes"]
+    held = RUNTIME_BYTES + ssd_held
     held += mem_bytes_for_rows(capacity, width, history) + int(in_flight)
     cold = cold_share(disk["expected_bytes"], limit - held)
     disk_row_s = disk_s_per_row(bound, io_threads, cold, width) if bound is not None else 0.0
@@ -218,7 +219,7 @@ def make_plan(
         per_node["tables"] = sizes
     memory = {
         "runtime_bytes": RUNTIME_BYTES,
-        "key_map_bytes": ssd_mem["key_map_bytes"] + ssd_mem["block_table_bytes"] + ssd_mem["heat_bytes"],
+        "key_map_bytes": ssd_held,
         "mem_ps_bytes": mem_bytes_for_rows(capacity, width, history),
         "object_store_bytes": int(in_flight),
         "trainer_bytes": hbm_bytes + dense_bytes if p.device == "cpu" else 0,
