@@ -13,7 +13,7 @@ Writing and plotting it: :mod:`hpsray.pipelines.report`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 __all__ = [
@@ -164,7 +164,8 @@ class Demo:
 @dataclass(kw_only=True)
 class RunReport:
     """The report of one run. ``examples_per_s`` and ``pipeline_efficiency`` (the busiest
-    stage's share of wall time) are derived from the other fields at construction.
+    stage's share of wall time: of its busy seconds, those ``busy_in_wall`` counts inside the
+    timed wall where given, else ``stage_busy_s``; at most 1 then) are derived at construction.
 
     Per-batch maps are keyed by the batch id as a string (as JSON has them); ``cache``,
     ``working_set``, ``bad_input``, ``checkpoints``, ``recovery``, ``reshaped``, ``evaluations``, ``export``,
@@ -213,10 +214,13 @@ class RunReport:
     compare: dict[str, Any] | None = _optional()
     demo: Demo | None = _optional()
 
-    def __post_init__(self) -> None:
+    busy_in_wall: InitVar[dict[str, float] | None] = None
+
+    def __post_init__(self, busy_in_wall: dict[str, float] | None) -> None:
         wall = self.wall_s
         self.examples_per_s = self.examples / wall if wall > 0 else 0.0
-        self.pipeline_efficiency = max(self.stage_busy_s.values(), default=0.0) / wall if wall > 0 else 0.0
+        busy = self.stage_busy_s if busy_in_wall is None else busy_in_wall
+        self.pipeline_efficiency = max(busy.values(), default=0.0) / wall if wall > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data (the module docstring's rules); a new dict each call."""

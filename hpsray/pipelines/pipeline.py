@@ -56,7 +56,7 @@ from hpsray.pipelines.recovery import (
 from hpsray.pipelines.schedule import PassSchedule
 from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
 from hpsray.pipelines.sources import PipelineSource
-from hpsray.pipelines.summary import run_report
+from hpsray.pipelines.summary import close_window, run_report
 from hpsray.pipelines.tensorboard import TensorBoardLog
 from hpsray.report import RunReport
 from hpsray.tables import admits_late, check_tables, key_tagging
@@ -274,7 +274,7 @@ class Pipeline:
         recovery: list[dict] = []
         self.recovery = recovery  # grows while fit() runs: one entry per recovery
         self._costs = CheckpointCosts()
-        acc: dict[str, Any] = {"startup": 0.0, "wall": 0.0, "examples": {}}
+        acc: dict[str, Any] = {"startup": 0.0, "wall": 0.0, "examples": {}, "windows": []}
         self._interrupted = False
         previous = catch_interrupt(self)
         stopped = False
@@ -308,6 +308,7 @@ class Pipeline:
             checkpoints=self._costs.summary(acc["wall"]) if checkpointed else None,
             recovery=recovery if checkpointed else None,
             reshaped=self.reshaped if checkpointed else None,
+            windows=acc["windows"],
         )
         if self.evaluations is not None:
             self.report.evaluations = {**self.evaluations.track.as_dict(), "seconds": self.evaluations.seconds}
@@ -369,11 +370,11 @@ class Pipeline:
                 except _EndPass:
                     stopped = True
                 except Exception as e:
-                    acc["wall"] += time.perf_counter() - t0
+                    close_window(acc, t0)
                     acc["examples"].update(schedule.examples_by_batch)
                     self._recover_or_stop(e, schedule, recovery, self._next_batch + schedule.batches)
                     continue
-                acc["wall"] += time.perf_counter() - t0
+                close_window(acc, t0)
                 acc["examples"].update(schedule.examples_by_batch)
                 self._next_batch += schedule.batches
                 bar.pass_end()

@@ -6,10 +6,14 @@ batch and in all) are those of its busiest node, so ``pipeline_efficiency`` is t
 (stage, node) over wall time; ``per_node`` keeps every node's own figures. The ``load`` stage's
 seconds are its SSD-PS actor's: the loads plus the writes MEM-PS handed down (dumps, deletes).
 ``queues`` gives every edge's capacity, deepest fill and stalls; ``overlap`` how often the
-stages ran on consecutive batches at once.
+stages ran on consecutive batches at once. ``pipeline_efficiency`` counts a stage's busy time
+inside the timed windows only: the fill a pass submits while its trainers are still starting
+(before its clock) is in ``stage_busy_s`` and ``per_batch_s``, not in the share of the wall.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import ray
@@ -64,6 +68,27 @@ def _spans(events: list, batches: set) -> dict:
     return out
 
 
+def close_window(acc: dict, t0: float) -> None:
+    """Add the pass segment timed from ``t0`` (a ``time.perf_counter``) to ``acc["wall"]`` and
+    its wall-clock interval to ``acc["windows"]``."""
+    now, now_t = time.perf_counter(), time.time()
+    acc["wall"] += now - t0
+    acc.setdefault("windows", []).append((now_t - (now - t0), now_t))
+
+
+def busy_within(clocks: list[dict], batches: set, windows: list[tuple[float, float]]) -> float:
+    """Seconds of ``windows`` (wall-clock intervals) in which any of ``clocks`` (one stage's
+    clock snapshots on one node) was busy with ``batches``: the union of their calls, so calls
+    that overlap (two clocks of one actor, a call's threads) count once."""
+    merged: list[list[float]] = []
+    for start, end in sorted((s, e) for clock in clocks for s, e, b in clock["events"] if b in batches):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return float(sum(max(0.0, min(e, we) - max(s, ws)) for s, e in merged for ws, we in windows))
+
+
 def overlap(per_node: list[tuple[dict, dict, dict]], batches: set) -> Overlap:
     """How often the four-stage pipeline ran as the paper draws it, from the stage clocks'
     intervals (reader, SSD-PS, trainer stats of each node): of the batches ``t`` with a
@@ -102,6 +127,7 @@ def run_report(
     checkpoints: dict | None = None,
     recovery: list[dict] | None = None,
     reshaped: dict | None = None,
+    windows: list[tuple[float, float]] | None = None,
 ) -> RunReport:
     """The report of the ``batches`` one ``fit()`` trained in ``wall`` seconds, after
     ``startup_s`` seconds of starting actors; with ``started_at`` (a ``time.time()``),
@@ -109,7 +135,9 @@ def run_report(
     and its breakdown ``start``, whose seconds (``ray_init_s`` and each stage's) are taken out of
     ``start_s`` (a later ``fit()`` reports its own). ``checkpoints``, ``recovery`` and
     ``reshaped``: the pipeline's checkpoint costs, recoveries and re-partition, where it has them;
-    ``settings``: the trainers' (devices per node; the model's tables, each with its figures)."""
+    ``settings``: the trainers' (devices per node; the model's tables, each with its figures);
+    ``windows``: the wall-clock intervals ``wall`` sums (:func:`close_window`), which the
+    efficiency's busy seconds are counted within (without them, every busy second counts)."""
     stats = ray.get(
         [
             ref
@@ -125,9 +153,12 @@ def run_report(
     )
     per_node = [stats[5 * i : 5 * i + 5] for i in range(len(nodes))]
     mine = set(batches)
-    node_busy, node_per_batch, node_cpu = [], [], []
+    node_busy, node_per_batch, node_cpu, node_within = [], [], [], []
     for reader, mem, ssd, trainer, _ in per_node:
         stages = {s["stage"]: s for s in (reader, mem, ssd, trainer)}
+        if windows is not None:
+            clocks = {name: [s, ssd["dump"]] if s is ssd else [s] for name, s in stages.items()}
+            node_within.append({name: busy_within(c, mine, windows) for name, c in clocks.items()})
         pb = {name: {b: v for b, v in s["per_batch"].items() if b in mine} for name, s in stages.items()}
         for b, v in ssd["dump"]["per_batch"].items():  # the SSD-PS's busy time: loads and writes
             if b in mine:
@@ -138,6 +169,7 @@ def run_report(
         cpu["load"] += _cpu_in(ssd["dump"], mine)
         node_cpu.append(cpu)
     busy = {name: max(nb[name] for nb in node_busy) for name in node_busy[0]}
+    within = {name: max(nw[name] for nw in node_within) for name in node_within[0]} if node_within else None
     cpu_s = {name: max(nc[name] for nc in node_cpu) for name in node_cpu[0]}
     per_batch = {
         name: {b: max(pb[name].get(b, 0.0) for pb in node_per_batch) for b in sorted(mine)}
@@ -171,6 +203,7 @@ def run_report(
         examples=examples,
         wall_s=wall,
         stage_busy_s=busy,
+        busy_in_wall=within,
         stage_cpu_s=cpu_s,
         per_batch_s={name: {str(k): v for k, v in pb.items()} for name, pb in per_batch.items()},
         cache_hit_rate={str(k): v for k, v in hit_rate.items()},

@@ -164,7 +164,8 @@ def test_the_report_of_a_real_fit_has_exactly_todays_keys(ray_local):
     start = report["start"]  # counted from the fit() call: the start's parts are inside it
     assert report["time_to_first_batch_s"] >= start["ray_init_s"] + start["actors_s"]
     assert set(report["stage_busy_s"]) == set(report["per_batch_s"]) == {"read", "pull", "load", "train"}
-    assert report["pipeline_efficiency"] == pytest.approx(max(report["stage_busy_s"].values()) / report["wall_s"])
+    # the busy seconds inside the timed wall: a fill before the clock counts in stage_busy_s only
+    assert 0 < report["pipeline_efficiency"] <= min(1.0, max(report["stage_busy_s"].values()) / report["wall_s"]) + 1e-9
     busy, cpu = report["stage_busy_s"], report["stage_cpu_s"]
     assert set(cpu) == set(busy) and cpu["train"] > 0
     for stage, seconds in cpu.items():  # a process's threads use at most every core while it is busy
