@@ -200,8 +200,9 @@ class RequestParser:
         keys = mix64_array(values ^ self._salts).reshape(-1)
         keys[keys == EMPTY_KEY] = EMPTY_KEY - np.uint64(1)
         x = np.empty((n, len(dense)), np.float32)
-        for j, a in enumerate(dense):
-            x[:, j] = a.to_numpy()
+        with np.errstate(over="ignore"):  # a value past float32 becomes inf, found just below
+            for j, a in enumerate(dense):
+                x[:, j] = a.to_numpy()
         if not np.isfinite(x).all():
             return None  # the converter names the bad value
         if self.spec.dense_transform == "log1p" and x.size:
