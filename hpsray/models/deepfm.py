@@ -12,6 +12,7 @@ optimizer state: ``adagrad_row``'s accumulator of ``w_i`` is its own, not shared
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -58,7 +59,9 @@ class WideDeep(nn.Module):
                 f"{type(self).__name__}: slot_dims must be {self.n_emb} x {dim} then {first_order} x 1, "
                 f"got {tuple(slot_dims)}"
             )
-        self.linear = nn.Linear(n_dense, 1)  # the dense features' first-order weights and the bias
+        with warnings.catch_warnings():  # no dense features (Avazu's logs): a weight of no element, the bias kept
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors", UserWarning)
+            self.linear = nn.Linear(n_dense, 1)  # the dense features' first-order weights and the bias
         self.deep = mlp(self.n_emb * dim + n_dense, hidden, out=1)
 
     def split(self, pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
