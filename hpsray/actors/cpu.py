@@ -3,8 +3,9 @@
 The train stage is the one the others feed, so on a node where every stage wants the CPU at
 once the read, pull and load actors can run ``TrainerSettings.stage_niceness`` steps nicer than the
 trainer: the scheduler then gives the trainer's threads the larger share (at 4 steps about
-2.4 : 1) while any stage may use a core the others leave idle. Raising one's niceness needs
-no privilege.
+2.4 : 1) while any stage may use a core the others leave idle. With ``TrainerSettings.stage_idle``
+their threads run under ``SCHED_IDLE`` instead: a core only where nothing else wants it, never
+preempting the trainer's threads (nor anything else of the machine's). Neither needs privilege.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["nicer", "thread_niceness", "yield_cores"]
+__all__ = ["idle", "idle_threads", "nicer", "thread_niceness", "yield_cores"]
 
 
 def nicer(steps: int) -> None:
@@ -26,6 +27,29 @@ def nicer(steps: int) -> None:
             continue
 
 
+def idle() -> None:
+    """Run every thread of this process under ``SCHED_IDLE`` (Linux; elsewhere nothing
+    changes): it gets a core only when no other thread wants it. Threads started later inherit it."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return
+    for tid in _threads():
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            continue
+
+
+def idle_threads() -> list[bool]:
+    """Whether each thread of this process runs under ``SCHED_IDLE``."""
+    out = []
+    for tid in _threads():
+        try:
+            out.append(hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(tid) == os.SCHED_IDLE)
+        except ProcessLookupError:
+            continue
+    return out
+
+
 def thread_niceness() -> list[int]:
     """The niceness of every thread of this process."""
     out = []
@@ -37,9 +61,12 @@ def thread_niceness() -> list[int]:
     return out
 
 
-def yield_cores(actor: Any, steps: int) -> None:
-    """:func:`nicer` for an actor's ``__ray_call__`` (Ray passes the actor instance first)."""
+def yield_cores(actor: Any, steps: int, idle_policy: bool = False) -> None:
+    """:func:`nicer` by ``steps``, then :func:`idle` if ``idle_policy``, for an actor's
+    ``__ray_call__`` (Ray passes the actor instance first)."""
     nicer(steps)
+    if idle_policy:
+        idle()
 
 
 def _threads() -> list[int]:

@@ -87,6 +87,7 @@ def run_hpsray(spec: PeerSpec) -> dict:
         trainer = TrainerSettings(cfg, threads=spec.threads, device=spec.device)
         if spec.extra.get("stage_niceness") is not None:  # --stage-niceness
             trainer = dataclasses.replace(trainer, stage_niceness=int(spec.extra["stage_niceness"]))
+        trainer = dataclasses.replace(trainer, stage_idle=bool(spec.extra.get("stage_idle")))  # --stage-idle
         with Pipeline(
             src(warm),
             trainer,

@@ -118,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hpsray's TrainerSettings.stage_niceness: its read, pull and load actors this many "
         "steps nicer than its trainer (default: the setting's default)",
     )
+    parser.add_argument(
+        "--stage-idle",
+        action="store_true",
+        help="hpsray's TrainerSettings.stage_idle: its read, pull and load actors under SCHED_IDLE",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds one system may take")
     parser.add_argument(
         "--report-dir",
@@ -162,6 +167,7 @@ def run(args: argparse.Namespace) -> dict:
         extra={
             "ray_worker_niceness": None if args.ray_worker_niceness < 0 else args.ray_worker_niceness,
             "stage_niceness": args.stage_niceness,
+            "stage_idle": args.stage_idle,
         },
     )
     base.train_config()  # validates
@@ -241,6 +247,7 @@ def _config(base: PeerSpec, args: argparse.Namespace, systems: list[str]) -> dic
         "seed": base.seed,
         "ray_worker_niceness": base.extra["ray_worker_niceness"],
         "stage_niceness": base.extra["stage_niceness"],
+        "stage_idle": base.extra["stage_idle"],
         "ssd_mem_fraction": args.ssd_mem_fraction,
         "shards": base.shards,
         "torchrec_optimizer": base.torchrec_optimizer,

@@ -82,10 +82,11 @@ def _options(node_id: str) -> dict:
 
 def _yielding(pipeline: Placed, actor: Any) -> Any:
     """``actor`` (a read, pull or load stage), made ``stage_niceness`` steps nicer than the
-    trainer once it is up (its first call after construction; not waited for)."""
-    steps = pipeline.trainer_settings.stage_niceness
-    if steps:
-        actor.__ray_call__.remote(yield_cores, steps)
+    trainer, and ``SCHED_IDLE`` with ``stage_idle``, once it is up (its first call after
+    construction; not waited for)."""
+    steps, idle = pipeline.trainer_settings.stage_niceness, pipeline.trainer_settings.stage_idle
+    if steps or idle:
+        actor.__ray_call__.remote(yield_cores, steps, idle)
     return actor
 
 

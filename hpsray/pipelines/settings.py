@@ -67,7 +67,9 @@ class TrainerSettings:
     :data:`INDEX_IN_READ_CPUS` CPUs or more). ``stage_niceness``: how many steps nicer than the
     trainer the node's read, pull and load actors run, so that the train stage gets the cores
     when every stage wants them (:mod:`hpsray.actors.cpu`; 0, the default: equal shares; the
-    measurements so far disagree, docs/benchmarks.md: The trainer's cores)."""
+    measurements so far disagree, docs/benchmarks.md: The trainer's cores). ``stage_idle``: those
+    actors' threads under ``SCHED_IDLE`` (a core only when nothing else of the machine wants it;
+    for a node the job has to itself: beside any other busy process they all but stop)."""
 
     config: TrainConfig = field(default_factory=TrainConfig)
     model: torch.nn.Module | None = None
@@ -77,6 +79,7 @@ class TrainerSettings:
     hbm_capacity: int | None = None  # rows; estimated from the batch when None
     index_stage: str = "auto"
     stage_niceness: int = 0
+    stage_idle: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
