@@ -15,7 +15,7 @@ from hpsray.actors.cpu import idle_threads, yield_cores
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 
 CHILD = """
-import threading, time
+import threading
 from hpsray.actors import cpu
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()

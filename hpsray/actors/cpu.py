@@ -11,7 +11,10 @@ preempting the trainer's threads (nor anything else of the machine's). Neither n
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 __all__ = ["idle", "idle_threads", "nicer", "thread_niceness", "yield_cores"]
 
@@ -20,45 +23,28 @@ def nicer(steps: int) -> None:
     """Make every thread of this process ``steps`` nicer (at most 19): on Linux niceness is a
     thread's, and the threads a stage started before (numba's, torch's, its I/O threads) keep
     theirs unless each is changed; threads started later inherit it."""
-    for tid in _threads():
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            continue
+    _each_thread(
+        lambda tid: os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
+    )
 
 
 def idle() -> None:
     """Run every thread of this process under ``SCHED_IDLE`` (Linux; elsewhere nothing
     changes): it gets a core only when no other thread wants it. Threads started later inherit it."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return
-    for tid in _threads():
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            continue
+    if hasattr(os, "SCHED_IDLE"):
+        _each_thread(lambda tid: os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0)))
 
 
 def idle_threads() -> list[bool]:
     """Whether each thread of this process runs under ``SCHED_IDLE``."""
-    out = []
-    for tid in _threads():
-        try:
-            out.append(hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(tid) == os.SCHED_IDLE)
-        except ProcessLookupError:
-            continue
-    return out
+    if not hasattr(os, "SCHED_IDLE"):
+        return [False] * len(_threads())
+    return _each_thread(lambda tid: os.sched_getscheduler(tid) == os.SCHED_IDLE)
 
 
 def thread_niceness() -> list[int]:
     """The niceness of every thread of this process."""
-    out = []
-    for tid in _threads():
-        try:
-            out.append(os.getpriority(os.PRIO_PROCESS, tid))
-        except ProcessLookupError:
-            continue
-    return out
+    return _each_thread(lambda tid: os.getpriority(os.PRIO_PROCESS, tid))
 
 
 def yield_cores(actor: Any, steps: int, idle_policy: bool = False) -> None:
@@ -67,6 +53,18 @@ def yield_cores(actor: Any, steps: int, idle_policy: bool = False) -> None:
     nicer(steps)
     if idle_policy:
         idle()
+
+
+def _each_thread(fn: Callable[[int], T]) -> list[T]:
+    """``fn(tid)`` for every thread of this process, those that ended meanwhile (or refuse the
+    change) left out."""
+    out = []
+    for tid in _threads():
+        try:
+            out.append(fn(tid))
+        except (ProcessLookupError, PermissionError):
+            continue
+    return out
 
 
 def _threads() -> list[int]:

@@ -73,7 +73,7 @@ def close_window(acc: dict, t0: float) -> None:
     its wall-clock interval to ``acc["windows"]``."""
     now, now_t = time.perf_counter(), time.time()
     acc["wall"] += now - t0
-    acc.setdefault("windows", []).append((now_t - (now - t0), now_t))
+    acc["windows"].append((now_t - (now - t0), now_t))
 
 
 def busy_within(clocks: list[dict], batches: set, windows: list[tuple[float, float]]) -> float:
