@@ -217,10 +217,11 @@ class ReferenceTrainer:
         """``batch`` with its copied slots appended (:mod:`hpsray.first_order`); checked."""
         if self.tables is not None and batch.n_slots == self.tables.n_data_slots:
             batch = self.tables.expand(batch)
-        self._check(batch)
+        self.check(batch)
         return batch
 
-    def _check(self, batch: Batch) -> None:
+    def check(self, batch: Batch) -> None:
+        """``ValueError`` for a batch of other slots or dense features than the trainer's."""
         if batch.n_slots != self.n_slots or batch.n_dense != self.n_dense:
             raise ValueError(
                 f"batch has {batch.n_slots} slots and {batch.n_dense} dense features; "
@@ -282,7 +283,7 @@ class ReferenceTrainer:
         for node in nodes:
             node_sum: list[torch.Tensor] | None = None
             for s in node:
-                self._check(s)
+                self.check(s)
                 layout = BagLayout.of(s)
                 at = np.searchsorted(keys, layout.unique_keys)
                 leaf = torch.from_numpy(rows[at, :dim]).requires_grad_(True)
@@ -320,7 +321,7 @@ class ReferenceTrainer:
                 if isinstance(item, list):
                     losses.append(self.train_shares(item))
                 else:
-                    self._check(item)
+                    self.check(item)
                     losses.append(self.train_minibatch(item))
         self._end_batch(rejected)
         return float(np.mean(losses)) if losses else float("nan")

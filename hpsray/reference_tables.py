@@ -14,9 +14,9 @@ Like :mod:`hpsray.reference`, it imports nothing from ``hpsray.tiers``, ``hpsray
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,10 +25,9 @@ import torch.nn.functional as F
 from hpsray.data.batch import Batch
 from hpsray.kernels.optim import apply_to_rows
 from hpsray.models.pooling import BagLayout, pool_sum
+from hpsray.models.step import DenseReplicas
+from hpsray.reference_store import SortedRowStore
 from hpsray.tables import Tables
-
-if TYPE_CHECKING:
-    from hpsray.reference import ReferenceTrainer
 
 __all__ = ["TableSplit", "admission_of", "assemble", "pool", "predict_input", "train_tables"]
 
@@ -101,8 +100,27 @@ def assemble(pooled: list[torch.Tensor], split: TableSplit) -> torch.Tensor:
     return torch.cat(pieces, dim=1)
 
 
+class TableTrainer(Protocol):
+    """What this module reads and steps of the :class:`~hpsray.reference.ReferenceTrainer`: its
+    split, one store per table, the model and its dense optimizer, the shape check, and the step and
+    example counts it advances."""
+
+    step: int
+    examples: int
+
+    @property
+    def split(self) -> TableSplit: ...
+    @property
+    def stores(self) -> Sequence[SortedRowStore]: ...
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def dense(self) -> DenseReplicas: ...
+    def check(self, batch: Batch) -> None: ...
+
+
 def forward_input(
-    trainer: ReferenceTrainer, batch: Batch, rows_of: Callable[[int, np.ndarray], torch.Tensor]
+    trainer: TableTrainer, batch: Batch, rows_of: Callable[[int, np.ndarray], torch.Tensor]
 ) -> tuple[torch.Tensor, list]:
     """``(model input, per table (layout, leaf))`` of ``batch``; ``rows_of(t, unique_keys)`` gives
     table ``t``'s weights ``float32[U, dim]`` (a leaf that requires grad where training)."""
@@ -117,14 +135,14 @@ def forward_input(
     return assemble(pooled, split), leaves
 
 
-def predict_input(trainer: ReferenceTrainer, batch: Batch) -> torch.Tensor:
+def predict_input(trainer: TableTrainer, batch: Batch) -> torch.Tensor:
     """The model's input for ``batch`` from the stored rows (unseen keys: their initial rows)."""
     dims = trainer.split.tables.dims
     x, _ = forward_input(trainer, batch, lambda t, k: torch.from_numpy(trainer.stores[t].peek(k)[:, : dims[t]]))
     return x
 
 
-def train_tables(trainer: ReferenceTrainer, nodes: list[list[Batch]]) -> float:
+def train_tables(trainer: TableTrainer, nodes: list[list[Batch]]) -> float:
     """One step over a global mini-batch (its nodes' shares, each a list of device slices) with
     tables of their own; the order of the sums is :meth:`ReferenceTrainer.train_shares`'s."""
     tables = trainer.split.tables
@@ -149,7 +167,7 @@ def train_tables(trainer: ReferenceTrainer, nodes: list[list[Batch]]) -> float:
     for node in nodes:
         node_sum: list[torch.Tensor] | None = None
         for s in node:
-            trainer._check(s)
+            trainer.check(s)
             trainer.model.zero_grad(set_to_none=True)
             x, leaves = forward_input(trainer, s, rows_of)
             logits = trainer.model(x, torch.from_numpy(np.array(s.dense)))

@@ -6,21 +6,38 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from hpsray.actors.timing import StageClock
 from hpsray.training.devices import DevicePart, DeviceSteps
+from hpsray.training.engine import TrainerEngine
 from hpsray.training.relaxed import RelaxedSteps
 from hpsray.training.strategies import BspSteps, DenseReduce, LocalSteps, Strategy
 
-if TYPE_CHECKING:
-    from hpsray.actors.trainer import Trainer
+
+class Joining(Protocol):
+    """What joining reads of the :class:`~hpsray.actors.trainer.Trainer` that joins: its node,
+    its device on the node, its engine and clock, and the strategy it trained with so far."""
+
+    @property
+    def node(self) -> int: ...
+    @property
+    def n_devices(self) -> int: ...
+    @property
+    def device_index(self) -> int: ...
+    @property
+    def engine(self) -> TrainerEngine: ...
+    @property
+    def clock(self) -> StageClock: ...
+    @property
+    def strategy(self) -> Strategy: ...
 
 
 def join_group(
-    trainer: Trainer, world: int, name: str, sync: Any, aggregators: Sequence[Any] | None, board: Any
+    trainer: Joining, world: int, name: str, sync: Any, aggregators: Sequence[Any] | None, board: Any
 ) -> Strategy:
     """One device per node: the collective group (with ``world > 1``), then the strategy of
     ``sync.consistency``: BSP, or a relaxed mode with its update exchange (push and pull start
@@ -31,7 +48,7 @@ def join_group(
 
 
 def _join_group(
-    trainer: Trainer, world: int, name: str, sync: Any, aggregators: Sequence[Any] | None, board: Any
+    trainer: Joining, world: int, name: str, sync: Any, aggregators: Sequence[Any] | None, board: Any
 ) -> Strategy:
     from hpsray.cluster.collective import CollectiveGroup
 
@@ -63,7 +80,7 @@ def _join_group(
 
 
 def join_mesh(
-    trainer: Trainer,
+    trainer: Joining,
     address: str,
     n_nodes: int,
     chunked: bool,

@@ -16,13 +16,12 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from hpsray.data.bad_input import BadInputPolicy, BadInputReport
     from hpsray.data.batch import Batch
-    from hpsray.data.schema import Schema
-    from hpsray.data.sources import Split
+    from hpsray.data.split import Split
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -38,6 +37,18 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 4 << 20  # bytes a streaming reader parses at a time
 
 
+class Named(Protocol):
+    """A schema as the registry sees it: the name of its format."""
+
+    @property
+    def format(self) -> str: ...
+
+
+S = TypeVar("S", bound=Named)
+"""The schema type a format reads with (:class:`hpsray.data.schema.Schema` for every built-in one;
+a type variable so that this module does not import the schema, which names its format here)."""
+
+
 @dataclass(frozen=True)
 class RowCount:
     """How many rows an input holds: ``rows``, ``exact`` (counted) or estimated from bytes, over
@@ -51,25 +62,25 @@ class RowCount:
 
 
 @dataclass(frozen=True)
-class SplitRead:
+class SplitRead(Generic[S]):
     """One split to read: its ``schema``, the bad-input ``policy`` and the ``report`` bad input
     goes to, the bytes a streaming reader parses at a time and the rows a reader's batch holds."""
 
     split: Split
-    schema: Schema
+    schema: S
     policy: BadInputPolicy
     report: BadInputReport
     block_size: int = DEFAULT_BLOCK_SIZE
     batch_size: int = 65536
 
 
-class Format(ABC):
+class Format(ABC, Generic[S]):
     """A file layout: reading, splitting, counting rows and checking a schema (module docstring)."""
 
     name: str = ""
 
     @abstractmethod
-    def read(self, r: SplitRead) -> Iterator[Batch]:
+    def read(self, r: SplitRead[S]) -> Iterator[Batch]:
         """The good rows of ``r.split`` in file order as variable-size batches; bad rows and files
         go to ``r.report`` under ``r.policy`` (strict mode raises a ``DataError`` naming file and
         line/row)."""
@@ -80,25 +91,25 @@ class Format(ABC):
         read separately; ``False``: the file is read whole by one reader."""
 
     @abstractmethod
-    def count_rows(self, files: Sequence[Split], schema: Schema) -> RowCount:
+    def count_rows(self, files: Sequence[Split], schema: S) -> RowCount:
         """The rows of ``files`` (whole-file splits of listed, readable files): counted where the
         format records them, else estimated from bytes; never reads more than a bounded prefix."""
 
-    def validate(self, schema: Schema) -> None:  # noqa: B027 - most formats accept every schema
+    def validate(self, schema: S) -> None:  # noqa: B027 - most formats accept every schema
         """Raise ``ValueError("schema.<key>: why")`` for a schema this format cannot read."""
 
-    def file_columns(self, split: Split, schema: Schema) -> list[str] | None:
+    def file_columns(self, split: Split, schema: S) -> list[str] | None:
         """The column names the file of ``split`` declares (a header line, a Parquet schema), to
         check the schema against before reading; ``None`` when the file declares none. Raises
         ``OSError``/``pyarrow.ArrowException`` when the file cannot be read."""
         return None
 
-    def column_names(self, schema: Schema) -> list[str] | None:
+    def column_names(self, schema: S) -> list[str] | None:
         """The file's column names when the schema alone gives them (a headerless text file's
         ``c0, c1, …``), else ``None`` (the file names its columns)."""
         return None
 
-    def preset(self) -> Schema | None:
+    def preset(self) -> S | None:
         """The schema a job gets when it names only this format (Criteo's), else ``None``."""
         return None
 
@@ -109,10 +120,10 @@ _BUILTIN = {
     "parquet": "hpsray.data.parquet:PARQUET",
     "jsonl": "hpsray.data.jsonl:JSONL",
 }
-_registered: dict[str, Format] = {}
+_registered: dict[str, Format[Any]] = {}
 
 
-def register(fmt: Format) -> None:
+def register(fmt: Format[Any]) -> None:
     """Make ``fmt`` known under ``fmt.name`` (replacing a format of that name)."""
     if not fmt.name:
         raise ValueError("a Format needs a name")
@@ -124,7 +135,7 @@ def format_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*_BUILTIN, *_registered]))
 
 
-def get_format(name: str) -> Format:
+def get_format(name: str) -> Format[Any]:
     """The format called ``name``; ``ValueError`` naming the known ones otherwise."""
     fmt = _registered.get(name)
     if fmt is not None:
@@ -138,6 +149,6 @@ def get_format(name: str) -> Format:
     return fmt
 
 
-def format_of(schema: Schema) -> Format:
+def format_of(schema: Named) -> Format[Any]:
     """The format that reads files under ``schema``."""
     return get_format(schema.format)

@@ -253,12 +253,12 @@ class _JsonLinesSplitReader:
         return pa.table(dict(zip(self.conv.used, arrays))), np.asarray(line_of, np.int64)[keep], present
 
 
-class JsonLinesFormat(Format):
+class JsonLinesFormat(Format[Schema]):
     """JSON lines: one object per line, columns by name (module docstring)."""
 
     name = "jsonl"
 
-    def read(self, r: SplitRead) -> Iterator[Batch]:
+    def read(self, r: SplitRead[Schema]) -> Iterator[Batch]:
         return iter(_JsonLinesSplitReader(r.split, r.schema, r.policy, r.report, r.block_size))
 
     def splits(self, path: str, compression: str) -> bool:

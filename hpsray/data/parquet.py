@@ -113,12 +113,12 @@ def read_parquet_split(
         f.close()
 
 
-class ParquetFormat(Format):
+class ParquetFormat(Format[Schema]):
     """Parquet: typed columns by name, split at row groups, rows counted from the file metadata."""
 
     name = "parquet"
 
-    def read(self, r: SplitRead) -> Iterator[Batch]:
+    def read(self, r: SplitRead[Schema]) -> Iterator[Batch]:
         return read_parquet_split(r.split, r.schema, r.policy, r.report, r.batch_size)
 
     def splits(self, path: str, compression: str) -> bool:

@@ -21,7 +21,6 @@ import os
 import posixpath
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -29,6 +28,7 @@ import pyarrow.fs as pafs
 
 from hpsray.data.bad_input import UNREADABLE_PATH
 from hpsray.data.formats import get_format
+from hpsray.data.split import Split
 from hpsray.errors import DataError
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -36,36 +36,6 @@ _ARROW_SCHEMES = {"file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss"}
 _EXT_CODECS = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2"}
 MAX_SPLIT_BYTES = 256 << 20
 MIN_SPLIT_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class Split:
-    """Bytes ``[start, end)`` of one file (``end=None``: to the end of the file).
-
-    ``uri`` names the file in messages; ``path`` is its path inside ``filesystem``. ``size`` is
-    ``None`` when the file could not be listed (reading it reports ``unreadable_path``).
-    """
-
-    uri: str
-    path: str
-    filesystem: pafs.FileSystem
-    start: int = 0
-    end: int | None = None
-    size: int | None = None
-
-    @property
-    def whole(self) -> bool:
-        return self.start == 0 and (self.end is None or (self.size is not None and self.end >= self.size))
-
-    @property
-    def nbytes(self) -> int:
-        if self.size is None:
-            return 0
-        return (self.size if self.end is None else self.end) - self.start
-
-    def __repr__(self) -> str:
-        rng = "" if self.whole else f"[{self.start}:{self.end}]"
-        return f"Split({self.uri}{rng})"
 
 
 def compression_of(path: str, declared: str = "auto") -> str | None:

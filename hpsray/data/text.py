@@ -314,13 +314,13 @@ def estimate_lines(files: Sequence[Split], compression: str, header_lines: int =
     return RowCount(max(rows, 0), exact, len(files), total, how)
 
 
-class TextFormat(Format):
+class TextFormat(Format[Schema]):
     """Delimited text, one row per line: ``csv`` (the schema's columns) and ``criteo`` (its preset)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def read(self, r: SplitRead) -> Iterator[Batch]:
+    def read(self, r: SplitRead[Schema]) -> Iterator[Batch]:
         return read_text_split(r.split, r.schema, r.policy, r.report, r.block_size)
 
     def splits(self, path: str, compression: str) -> bool:

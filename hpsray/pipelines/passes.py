@@ -15,7 +15,8 @@ import shutil
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import ray
@@ -23,15 +24,25 @@ import ray
 from hpsray.evaluation import EvalPoint, EvalSettings, EvalTrack
 from hpsray.fileio import replacing
 from hpsray.models.metrics import auc, logloss
+from hpsray.pipelines.placement import NodeActors, Placed, start_reader
 
 if TYPE_CHECKING:
-    from hpsray.pipelines.pipeline import Pipeline
-    from hpsray.pipelines.placement import NodeActors
+    from hpsray.pipelines.settings import CheckpointSettings
     from hpsray.pipelines.sources import PipelineSource
     from hpsray.pipelines.tensorboard import TensorBoardLog
 
 BEST = "best"
 """The folder, under ``[checkpoint] dir``, that holds the best model as an export."""
+
+
+class Evaluated(Placed, Protocol):
+    """What an evaluation reads of the :class:`~hpsray.pipelines.Pipeline` whose model it scores:
+    what placement reads (to start its reader), where checkpoints go, and the trained model."""
+
+    @property
+    def checkpoint_settings(self) -> CheckpointSettings | None: ...
+    def export_rows(self) -> tuple[np.ndarray, np.ndarray]: ...
+    def dense_state(self) -> dict: ...
 
 
 def check_passes(passes: int, evaluation: EvalSettings | None, eval_source: PipelineSource | None) -> None:
@@ -60,11 +71,9 @@ class Evaluations:
         """The newest evaluation (``None`` before the first)."""
         return self.track.points[-1] if self.track.points else None
 
-    def _reader(self, pipe: Pipeline, nodes: list[NodeActors]) -> Any:
+    def _reader(self, pipe: Evaluated, nodes: list[NodeActors]) -> Any:
         """This evaluation's reader, opened on the held-out source (started on first use, and again
         after a recovery replaced node 0)."""
-        from hpsray.pipelines.placement import start_reader
-
         node = nodes[0]
         if self.reader is None or self._node_id != node.node_id:
             self.reader = start_reader(pipe, node, self.source, 0, 1, len(nodes), role="EvalReader")
@@ -86,7 +95,7 @@ class Evaluations:
     def due(self, batches_in_pass: int) -> bool:
         return self.track.due(batches_in_pass)
 
-    def evaluate(self, pipe: Pipeline, nodes: list[NodeActors], batches: int, pass_index: int) -> EvalPoint:
+    def evaluate(self, pipe: Evaluated, nodes: list[NodeActors], batches: int, pass_index: int) -> EvalPoint:
         """Score ``pipe``'s model (stage actors ``nodes``) after ``batches`` batches, its rows
         written back and flushed already; record it and keep it when it is the best (a second call
         at the same ``batches``, a pass end that was due anyway, scores nothing)."""
@@ -103,7 +112,7 @@ class Evaluations:
         self.seconds += time.perf_counter() - t0
         return point
 
-    def _keep(self, pipe: Pipeline) -> None:
+    def _keep(self, pipe: Evaluated) -> None:
         keys, rows = pipe.export_rows()
         self.best_model = (keys, rows, pipe.dense_state())
         directory = pipe.checkpoint_settings.directory if pipe.checkpoint_settings is not None else None
@@ -143,14 +152,14 @@ def score(nodes: list[NodeActors], reader: Any) -> dict:
     return {"auc": auc(y, p), "logloss": logloss(y, p), "examples": int(y.size)}
 
 
-def catch_interrupt(pipeline: Pipeline) -> Any:
-    """In the main thread, make the first Ctrl-C ask ``pipeline`` to stop at the next batch
-    boundary (a second one interrupts at once); returns the handler it replaced."""
+def catch_interrupt(interrupt: Callable[[], None]) -> Any:
+    """In the main thread, make the first Ctrl-C call ``interrupt`` (the pipeline's: stop at the
+    next batch boundary) and a second one interrupt at once; returns the handler it replaced."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def ask_to_stop(signum, frame):
-        pipeline._interrupted = True
+        interrupt()
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     return signal.signal(signal.SIGINT, ask_to_stop)

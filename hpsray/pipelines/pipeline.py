@@ -38,6 +38,7 @@ from hpsray.pipelines.placement import (
     scan_rows,
     stop_actors,
 )
+from hpsray.pipelines.preflight import preflight
 from hpsray.pipelines.progress import Progress, known_examples
 from hpsray.pipelines.progress import progress_seconds as progress_seconds_of
 from hpsray.pipelines.recovery import (
@@ -172,9 +173,8 @@ class Pipeline:
         self.report: RunReport | None = None  # the last fit()'s
         self.progress_seconds = progress_seconds_of(progress_seconds)  # ValueError: a negative one
         self._checkpoint_path: str | None = None
-        # wall-clock (time.time) origin of the next fit()'s time_to_first_batch_s: its call unless
-        # a caller sets it before (hpsray train: the command's start)
-        self.started_at: float | None = None
+        # time.time() origin of the next fit()'s time_to_first_batch_s: its call, unless set before
+        self.started_at: float | None = None  # (hpsray train sets the command's start)
         self.start_s: dict[str, float] = {}  # the start's seconds: ray_init_s, actors_s
         self.preflight = preflight  # the first fit() checks what hpsray train checks
         self.passes = passes
@@ -263,8 +263,6 @@ class Pipeline:
         """
         called_at = time.time()  # time_to_first_batch_s counts the start (Ray, the actors) too
         if self.preflight and not self._nodes:
-            from hpsray.pipelines.preflight import preflight
-
             preflight(self)  # before any actor starts: ConfigError, CheckpointError, CapacityError
             self.preflight = False
         self._start()
@@ -276,7 +274,7 @@ class Pipeline:
         self._costs = CheckpointCosts()
         acc: dict[str, Any] = {"startup": 0.0, "wall": 0.0, "examples": {}, "windows": []}
         self._interrupted = False
-        previous = catch_interrupt(self)
+        previous = catch_interrupt(self.interrupt)
         stopped = False
         if self._pass_index >= self._pass_goal:  # a later fit(): as many passes again
             self._pass_goal = self._pass_index + self.passes
@@ -461,6 +459,10 @@ class Pipeline:
         each key's row looked up at its owner): ``{"auc", "logloss", "examples"}``."""
         self._start()
         return score(self._nodes, self._open_reader(self._nodes[0], source, 0, 1))
+
+    def interrupt(self) -> None:
+        """Stop at the next batch boundary, checkpointed or flushed (what the first Ctrl-C does)."""
+        self._interrupted = True
 
     def export_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Every trained row ``(keys sorted, rows)``: MEM-PS is flushed, then SSD-PS scanned."""

@@ -17,13 +17,15 @@ import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from hpsray.errors import CapacityError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
+    from hpsray.config import TrainConfig
     from hpsray.job import JobConfig
-    from hpsray.pipelines.pipeline import Pipeline
+    from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, TrainerSettings
+    from hpsray.pipelines.sources import PipelineSource
 
 __all__ = [
     "clear_checkpoints",
@@ -114,8 +116,34 @@ def earlier_checkpoints(directory: str, keep: int, fingerprint: str, resume_hint
     raise CheckpointError(directory, f"holds checkpoints of {what[0]} (newest: {committed[0].name}); {what[1]}")
 
 
-def job_of(pipeline: Pipeline) -> JobConfig | None:
-    """The job a :class:`Pipeline` trains, as ``hpsray plan`` reads one (``None`` for a source
+class Preflighted(Protocol):
+    """What the checks read of the :class:`~hpsray.pipelines.Pipeline` about to start (a protocol,
+    so that the CLI's checks import none of the pipeline's modules)."""
+
+    @property
+    def source(self) -> PipelineSource: ...
+    @property
+    def config(self) -> TrainConfig: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def mem_settings(self) -> MemPSSettings: ...
+    @property
+    def ssd_settings(self) -> SSDPSSettings: ...
+    @property
+    def trainer_settings(self) -> TrainerSettings: ...
+    @property
+    def read_queue(self) -> int: ...
+    @property
+    def n_nodes(self) -> int | None: ...
+    @property
+    def checkpoint_settings(self) -> CheckpointSettings | None: ...
+    @property
+    def fingerprint(self) -> str: ...
+
+
+def job_of(pipeline: Preflighted) -> JobConfig | None:
+    """The job a pipeline trains, as ``hpsray plan`` reads one (``None`` for a source
     that is neither a :class:`SyntheticSource` of :class:`~hpsray.data.PlantedCTR` nor a
     :class:`FileSource`: its input cannot be sampled the way the plan does)."""
     from hpsray.data import PlantedCTR
@@ -190,7 +218,7 @@ def python_fix(message: str) -> str:
     return message
 
 
-def preflight(pipeline: Pipeline) -> None:
+def preflight(pipeline: Preflighted) -> None:
     """The CLI's checks for a Python-built pipeline (see the module docstring); raises
     :class:`ConfigError`, :class:`CheckpointError` or :class:`CapacityError` naming the fix."""
     from hpsray.job.inputs import check_sources

@@ -147,7 +147,7 @@ def test_a_job_checkpointed_to_s3_resumes_on_empty_local_disks_equal_to_the_refe
         def stop_after_a_checkpoint() -> None:
             while (p._checkpointed or 0) < 6:
                 time.sleep(0.05)
-            p._interrupted = True  # as the first Ctrl-C does: stop, checkpoint, at the next batch end
+            p.interrupt()  # as the first Ctrl-C does: stop, checkpoint, at the next batch end
 
         threading.Thread(target=stop_after_a_checkpoint, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):

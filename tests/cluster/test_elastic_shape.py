@@ -113,7 +113,7 @@ def test_resume_on_another_shape_equals_the_reference(three_nodes_cluster, tmp_p
     """2 nodes → 1 node of 2 devices (n_devices changes too), 1 node → 3 nodes."""
     with pipeline(tmp_path, old) as p:
         # as Ctrl-C: checkpoint at the batch's end and stop (3 nodes have 3 batches each: stop early)
-        at_batch_end(p, 1 if old == 2 else 0, lambda: setattr(p, "_interrupted", True))
+        at_batch_end(p, 1 if old == 2 else 0, p.interrupt)
         with pytest.raises(KeyboardInterrupt):
             p.fit(progress=False)
     ckpt = Checkpoints(tmp_path / "ckpt").latest()

@@ -46,7 +46,7 @@ def test_lost_local_disks_resume_from_s3_equal_to_an_uninterrupted_run(
     uri = s3_uri(*s3_before_cluster, f"cluster-{new}")
     monkeypatch.setenv("HPSRAY_CHECKPOINT_CACHE", str(tmp_path / "cache"))
     with pipeline(uri, str(tmp_path / "ssd"), 2) as p:
-        at_batch_end(p, 1, lambda: setattr(p, "_interrupted", True))  # as Ctrl-C: checkpoint, stop
+        at_batch_end(p, 1, p.interrupt)  # as Ctrl-C: checkpoint, stop
         with pytest.raises(KeyboardInterrupt):
             p.fit(progress=False)
         checkpoints = p._checkpoints

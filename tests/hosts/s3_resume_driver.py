@@ -27,7 +27,7 @@ def main(uri: str, ssd: str, cache: str) -> dict:
     fs, path = pafs.FileSystem.from_uri(uri)
     fs.create_dir(path.split("/")[0])
     with pipeline(uri, ssd, 2) as p:
-        at_batch_end(p, 1, lambda: setattr(p, "_interrupted", True))
+        at_batch_end(p, 1, p.interrupt)
         sent: list[dict] = []
         checkpoint = p._checkpoint
 
