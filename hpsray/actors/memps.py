@@ -16,7 +16,7 @@ from hpsray.actors.messages import Pulled, Refresh, Returned
 from hpsray.actors.timing import StageClock
 from hpsray.kernels.init import RowInit
 from hpsray.tiers.admission import Admission
-from hpsray.tiers.lending import Lender
+from hpsray.tiers.lending import Lender, RowCache
 from hpsray.tiers.mem import MemPS
 from hpsray.tiers.padded import PaddedMemPS
 from hpsray.tiers.rowgroups import RowGroups
@@ -180,7 +180,7 @@ class MemPSShard:
             admission = Admission(admit_after, expire_after_batches, per_table=per_table_admission)
             if admission_from is not None:
                 admission.load(admission_from)
-            mem: Any
+            mem: RowCache
             if groups is None:
                 mem = MemPS(capacity_rows, width, self.store, init, capacity_bytes=capacity_bytes, **options)
             else:  # tables of several row layouts: one cache per group, each row at its width

@@ -155,19 +155,14 @@ def run_report(
     mine = set(batches)
     node_busy, node_per_batch, node_cpu, node_within = [], [], [], []
     for reader, mem, ssd, trainer, _ in per_node:
-        stages = {s["stage"]: s for s in (reader, mem, ssd, trainer)}
+        clocks = {s["stage"]: [s] for s in (reader, mem, ssd, trainer)}
+        clocks[ssd["stage"]].append(ssd["dump"])  # the SSD-PS's busy time: its loads and its writes
         if windows is not None:
-            clocks = {name: [s, ssd["dump"]] if s is ssd else [s] for name, s in stages.items()}
             node_within.append({name: busy_within(c, mine, windows) for name, c in clocks.items()})
-        pb = {name: {b: v for b, v in s["per_batch"].items() if b in mine} for name, s in stages.items()}
-        for b, v in ssd["dump"]["per_batch"].items():  # the SSD-PS's busy time: loads and writes
-            if b in mine:
-                pb["load"][b] = pb["load"].get(b, 0.0) + v
+        pb = {name: _per_batch(c, mine) for name, c in clocks.items()}
         node_per_batch.append(pb)
         node_busy.append({name: float(sum(v.values())) for name, v in pb.items()})
-        cpu = {name: _cpu_in(s, mine) for name, s in stages.items()}
-        cpu["load"] += _cpu_in(ssd["dump"], mine)
-        node_cpu.append(cpu)
+        node_cpu.append({name: sum(_cpu_in(clock, mine) for clock in c) for name, c in clocks.items()})
     busy = {name: max(nb[name] for nb in node_busy) for name in node_busy[0]}
     within = {name: max(nw[name] for nw in node_within) for name in node_within[0]} if node_within else None
     cpu_s = {name: max(nc[name] for nc in node_cpu) for name in node_cpu[0]}
@@ -260,6 +255,16 @@ def table_figures(config: TrainConfig, mems: list[dict], ssds: list[dict]) -> di
             ssd_live_rows=int(live[t]),
             ssd_live_bytes=int(live[t]) * record,
         )
+    return out
+
+
+def _per_batch(clocks: list[dict], batches: set) -> dict[int, float]:
+    """Busy seconds per batch of ``batches`` of one stage on one node, its ``clocks`` added up."""
+    out: dict[int, float] = {}
+    for clock in clocks:
+        for b, v in clock["per_batch"].items():
+            if b in batches:
+                out[b] = out.get(b, 0.0) + v
     return out
 
 

@@ -12,7 +12,8 @@ held in ``t`` was lent for ``t+1`` before ``t``'s write-back: stale. The borrowe
 ``t`` stay resident in its HBM-PS and are fresh; rows other borrowers changed are sent again by
 :meth:`Lender.refresh` after the write-back of ``t``.
 
-:class:`Lender` holds that logic over a :class:`~hpsray.tiers.mem.MemPS`; the Ray actor
+:class:`Lender` holds that logic over a :class:`RowCache` (a :class:`~hpsray.tiers.mem.MemPS`,
+or a :class:`~hpsray.tiers.padded.PaddedMemPS` over tables of several row layouts); the Ray actor
 ``MemPSShard`` only adds timing, metrics and the remote store.
 
 With an :class:`~hpsray.tiers.admission.Admission` (docs/architecture.md: Admission and expiry)
@@ -26,20 +27,45 @@ SSD-PS at the first loan of the next batch (before it is counted) and again at t
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
+from numpy.typing import ArrayLike
 
 from hpsray.kernels.distinct import in_sorted
 from hpsray.kernels.init import RowInit, initial_rows
 from hpsray.tiers.admission import Admission
 from hpsray.tiers.loans import Pulled, Refresh, Returned
-from hpsray.tiers.mem import BackingStore, DeletingStore, MemPS
+from hpsray.tiers.mem import BackingStore, DeletingStore
 from hpsray.tiers.tagcount import N_TAGS, by_tag
 
-__all__ = ["Lease", "Lender"]
+__all__ = ["Lease", "Lender", "RowCache"]
 
 Lease = tuple[Hashable, int]  # (batch id, borrower node)
+
+
+class RowCache(Protocol):
+    """What a lender and its actor use of a node's MEM-PS (:class:`~hpsray.tiers.mem.MemPS`'s
+    methods, which state the contracts)."""
+
+    @property
+    def width(self) -> int: ...
+    @property
+    def ssd(self) -> BackingStore: ...
+    @property
+    def stats(self) -> dict: ...
+    def pull(
+        self, batch_id: Hashable, keys: ArrayLike, held: np.ndarray | None = None, compact: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    def write_back(self, batch_id: Hashable, keys: ArrayLike, rows: ArrayLike) -> None: ...
+    def store_kept(self, keys: ArrayLike, rows: ArrayLike) -> np.ndarray: ...
+    def unpin(self, batch_id: Hashable) -> None: ...
+    def drop(self, keys: ArrayLike) -> int: ...
+    def has_rows(self, keys: ArrayLike) -> np.ndarray: ...
+    def peek(self, keys: ArrayLike) -> np.ndarray: ...
+    def batch_stats(self, batch_id: Hashable) -> dict: ...
+    def flush(self) -> int: ...
 
 
 class Lender:
@@ -53,7 +79,7 @@ class Lender:
             every key gets a row and none expires). Expiry needs a store that deletes.
     """
 
-    def __init__(self, mem: MemPS, node: int, init: RowInit, admission: Admission | None = None) -> None:
+    def __init__(self, mem: RowCache, node: int, init: RowInit, admission: Admission | None = None) -> None:
         self.mem, self.node, self.init = mem, node, init
         self.admission = admission if admission is not None and admission.enabled else None
         if (
