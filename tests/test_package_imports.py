@@ -136,7 +136,7 @@ def test_hpsray_has_no_import_cycle():
 
 def test_no_import_cycle_even_through_type_hints_or_functions():
     """Also the imports only a type checker or a later call runs: a part that needs another's type
-    takes a protocol of what it reads of it (``passes.Evaluated``, ``joining.Joining``,
+    takes a protocol of what it reads of it (``pipelines.views``, ``joining.Joining``,
     ``reference_tables.TableTrainer``), so a module reads without the modules above it."""
     cycles = find_cycles(import_graph(every=True))
     assert not cycles, "import cycles in hpsray:\n" + "\n".join(" <-> ".join(c) for c in cycles)

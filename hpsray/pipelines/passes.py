@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -24,25 +24,15 @@ import ray
 from hpsray.evaluation import EvalPoint, EvalSettings, EvalTrack
 from hpsray.fileio import replacing
 from hpsray.models.metrics import auc, logloss
-from hpsray.pipelines.placement import NodeActors, Placed, start_reader
+from hpsray.pipelines.placement import NodeActors, start_reader
+from hpsray.pipelines.views import Evaluated
 
 if TYPE_CHECKING:
-    from hpsray.pipelines.settings import CheckpointSettings
     from hpsray.pipelines.sources import PipelineSource
     from hpsray.pipelines.tensorboard import TensorBoardLog
 
 BEST = "best"
 """The folder, under ``[checkpoint] dir``, that holds the best model as an export."""
-
-
-class Evaluated(Placed, Protocol):
-    """What an evaluation reads of the :class:`~hpsray.pipelines.Pipeline` whose model it scores:
-    what placement reads (to start its reader), where checkpoints go, and the trained model."""
-
-    @property
-    def checkpoint_settings(self) -> CheckpointSettings | None: ...
-    def export_rows(self) -> tuple[np.ndarray, np.ndarray]: ...
-    def dense_state(self) -> dict: ...
 
 
 def check_passes(passes: int, evaluation: EvalSettings | None, eval_source: PipelineSource | None) -> None:

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import ray
@@ -26,11 +26,10 @@ from hpsray.actors.reader import Reader
 from hpsray.actors.ssdps import SSDPSShard
 from hpsray.actors.trainer import Trainer
 from hpsray.cluster.runtime import on_node
-from hpsray.config import TrainConfig
-from hpsray.data.batch import Batch
 from hpsray.errors import ConfigError
-from hpsray.pipelines.settings import MemPSSettings, SSDPSSettings, SyncSettings, TrainerSettings
+from hpsray.pipelines.settings import SyncSettings
 from hpsray.pipelines.sources import PipelineSource
+from hpsray.pipelines.views import Placed
 from hpsray.tables import TagKeys, table_admission
 from hpsray.tiers.cache_policy import DEFAULT_HISTORY
 from hpsray.tiers.padded import group_capacities
@@ -51,29 +50,6 @@ class NodeActors:
 
     def stage_actors(self) -> list:
         return [self.ssd, self.mem, self.trainer, *([self.reader] if self.reader is not None else [])]
-
-
-class Placed(Protocol):
-    """What placement reads of the :class:`~hpsray.pipelines.Pipeline` whose actors it starts."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def config(self) -> TrainConfig: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def source(self) -> PipelineSource: ...
-    @property
-    def model_slots(self) -> int: ...
-    @property
-    def transforms(self) -> list[Callable[[Batch], Batch]]: ...
-    @property
-    def mem_settings(self) -> MemPSSettings: ...
-    @property
-    def ssd_settings(self) -> SSDPSSettings: ...
-    @property
-    def trainer_settings(self) -> TrainerSettings: ...
 
 
 def _options(node_id: str) -> dict:

@@ -17,15 +17,13 @@ import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from hpsray.errors import CapacityError, CheckpointError, ConfigError
+from hpsray.pipelines.views import Preflighted
 
 if TYPE_CHECKING:
-    from hpsray.config import TrainConfig
     from hpsray.job import JobConfig
-    from hpsray.pipelines.settings import CheckpointSettings, MemPSSettings, SSDPSSettings, TrainerSettings
-    from hpsray.pipelines.sources import PipelineSource
 
 __all__ = [
     "clear_checkpoints",
@@ -114,32 +112,6 @@ def earlier_checkpoints(directory: str, keep: int, fingerprint: str, resume_hint
     else:
         what = "another job (or of this job file before a change)", f"choose another directory, or {fresh_hint}"
     raise CheckpointError(directory, f"holds checkpoints of {what[0]} (newest: {committed[0].name}); {what[1]}")
-
-
-class Preflighted(Protocol):
-    """What the checks read of the :class:`~hpsray.pipelines.Pipeline` about to start (a protocol,
-    so that the CLI's checks import none of the pipeline's modules)."""
-
-    @property
-    def source(self) -> PipelineSource: ...
-    @property
-    def config(self) -> TrainConfig: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def mem_settings(self) -> MemPSSettings: ...
-    @property
-    def ssd_settings(self) -> SSDPSSettings: ...
-    @property
-    def trainer_settings(self) -> TrainerSettings: ...
-    @property
-    def read_queue(self) -> int: ...
-    @property
-    def n_nodes(self) -> int | None: ...
-    @property
-    def checkpoint_settings(self) -> CheckpointSettings | None: ...
-    @property
-    def fingerprint(self) -> str: ...
 
 
 def job_of(pipeline: Preflighted) -> JobConfig | None:
