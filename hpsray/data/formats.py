@@ -46,7 +46,7 @@ class Named(Protocol):
 
 S = TypeVar("S", bound=Named)
 """The schema type a format reads with (:class:`hpsray.data.schema.Schema` for every built-in one;
-a type variable so that this module does not import the schema, which names its format here)."""
+a type variable, so that this module does not import the schema module, which imports this one)."""
 
 
 @dataclass(frozen=True)
