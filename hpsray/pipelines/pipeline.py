@@ -161,6 +161,7 @@ class Pipeline:
         self._tmp: str | None = None
         self._started_ray = False
         self._next_batch = 0  # batch ids continue across fit() calls
+        self._interrupted = False  # interrupt(): stop at the next batch end (cleared there)
         self._pass_first: int | None = None  # first batch id of a pass in progress (a resume's)
         self.checkpoint_settings = checkpoint
         self._checkpoints = open_checkpoints(checkpoint.directory, checkpoint.keep) if checkpoint else None
@@ -273,7 +274,6 @@ class Pipeline:
         self.recovery = recovery  # grows while fit() runs: one entry per recovery
         self._costs = CheckpointCosts()
         acc: dict[str, Any] = {"startup": 0.0, "wall": 0.0, "examples": {}, "windows": []}
-        self._interrupted = False
         previous = catch_interrupt(self.interrupt)
         stopped = False
         if self._pass_index >= self._pass_goal:  # a later fit(): as many passes again
@@ -381,11 +381,11 @@ class Pipeline:
             bar.close()
 
     def _after_batch(self, batch_id: int, schedule: PassSchedule) -> None:
-        """Checkpoint every ``every_batches`` batches of the pass (after the write-backs); after
-        a Ctrl-C, checkpoint (or flush, without checkpoints) and stop."""
+        """Checkpoint every ``every_batches`` batches, after the write-backs; interrupted: checkpoint or flush, stop."""
         stage = self.checkpoint_settings
         done = batch_id + 1
         if self._interrupted:
+            self._interrupted = False  # honoured: a later fit() trains on
             schedule.drain()
             schedule.flush_trainers()
             self._next_batch = done
@@ -461,7 +461,7 @@ class Pipeline:
         return score(self._nodes, self._open_reader(self._nodes[0], source, 0, 1))
 
     def interrupt(self) -> None:
-        """Stop at the next batch boundary, checkpointed or flushed (what the first Ctrl-C does)."""
+        """Stop at the next batch end (before ``fit()``: its first), checkpointed or flushed, as a Ctrl-C does."""
         self._interrupted = True
 
     def export_rows(self) -> tuple[np.ndarray, np.ndarray]:

@@ -94,6 +94,26 @@ def test_later_passes_reuse_the_reader_and_stay_lossless(ray_local):
         np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_an_interrupt_before_fit_stops_its_first_batch_and_the_next_fit_trains_on_losslessly(ray_local):
+    """``Pipeline.interrupt()`` (what the first Ctrl-C calls) before ``fit()``: it stops at the first
+    batch's end, rows written back; honoured once, so the next ``fit()`` trains the pass's other
+    batches and the result is the reference's."""
+    cfg = small_config(hidden=(16,), minibatch_size=200)
+    with small_pipeline(SOURCE, cfg, mem_rows=20000, batch_size=BATCH) as p:
+        p.interrupt()
+        with pytest.raises(KeyboardInterrupt, match="stopped after 1 batches trained"):
+            p.fit(progress=False)
+        report = p.fit(progress=False)
+        keys, rows = p.export_rows()
+        dense = p.dense_state()
+    assert report["batches"] == 5 and report["examples"] == 5000
+    ref_keys, ref_rows, ref_dense = reference_of(cfg)
+    np.testing.assert_array_equal(keys, ref_keys)
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
+    for name, value in ref_dense.items():
+        np.testing.assert_allclose(dense[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 # Models defined here travel to Ray workers by value (workers cannot import test modules).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
