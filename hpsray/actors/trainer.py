@@ -5,6 +5,7 @@ answers Ray; a batch is one call of the strategy."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -199,9 +200,12 @@ class Trainer:
         return steps.run_part(batch_id, self._resolve(batch_id, inputs), inputs.sizes, self._keep(inputs))
 
     def _resolve(self, batch_id: Hashable, inputs: TrainInputs) -> TrainData | Exception:
-        """The batch's inputs, or the error getting them (the strategy tells the peers, raises it)."""
+        """The batch's inputs, or the error getting them (the strategy tells the peers, raises it);
+        the read stage's layout staged for the upload here (off the training thread when
+        fetched ahead: :meth:`fetch_ahead`)."""
         try:
-            return inputs.resolve(lambda refs: faults.get(refs, f"batch {batch_id}'s inputs"))
+            data = inputs.resolve(lambda refs: faults.get(refs, f"batch {batch_id}'s inputs"))
+            return data if data.layout is None else dataclasses.replace(data, layout=self.engine.stage(data.layout))
         except Exception as e:  # noqa: BLE001 - raised by the strategy, after telling the peers
             return e
 

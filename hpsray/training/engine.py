@@ -234,6 +234,11 @@ class TrainerEngine:
         order = torch.argsort(on)
         return on.index_select(0, order), slots.index_select(0, order)
 
+    def stage(self, layout: BatchIndex) -> BatchIndex:
+        """``layout`` (the read stage's) made ready for :meth:`index` to upload with no host work
+        (:meth:`BatchIndex.staged`); on any thread, before the batch's turn."""
+        return layout.staged(self.device.torch)
+
     def index(self, batch: Batch, layout: BatchIndex | None = None) -> BatchIndex:
         """``batch`` resolved against the working set: find once per batch. ``layout``: the
         batch's layout over the positions of the keys just borrowed (:func:`index_positions`,

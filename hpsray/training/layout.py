@@ -18,6 +18,7 @@ a row's gradient sums the gradients of its occurrences in that same order, start
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from hpsray.tiers.partition import owner_of
 __all__ = [
     "BatchIndex",
     "MiniBatchIndex",
+    "Staged",
     "index_batch",
     "index_batch_sorted",
     "index_positions",
@@ -75,9 +77,20 @@ class BatchIndex:
     rows: torch.Tensor  # int64[R]: every mini-batch's distinct rows, one after the other
     n_examples: int
     bounds: tuple[int, ...] = ()
+    staging: Staged | None = None  # the host arrays put together for an upload (:meth:`staged`)
 
     def __len__(self) -> int:
         return len(self.minibatches)
+
+    def staged(self, device: torch.device) -> BatchIndex:
+        """This index (over positions: :func:`index_positions`) with its host arrays put
+        together for ``device`` (:class:`Staged`, pinned on a CUDA device), so that
+        :meth:`at_slots` there is two asynchronous copies and no host work: the trainer stages a
+        batch on the thread that fetches it ahead while the batch before trains. On the CPU (no
+        upload to make): this index."""
+        if device.type == "cpu" or self.staging is not None:
+            return self
+        return dataclasses.replace(self, staging=self._stage(device.type == "cuda" and torch.cuda.is_available()))
 
     def at_slots(
         self, slots: torch.Tensor, keys: torch.Tensor | None, device: torch.device, pack: bool | None = None
@@ -88,12 +101,11 @@ class BatchIndex:
         batch; the layout's orders are kept (a row's place within a mini-batch changes nothing
         the step sums: each bag and each row sums its own occurrences in bag order).
 
-        ``pack`` (default: off the CPU) moves the layout as two buffers — every ``int32`` array
-        of every mini-batch (positions included) in one, the dense features and labels in the
-        other — each staged in pinned host memory where the device has it, instead of a copy per
-        array (25 for 4 mini-batches); the mini-batches are views of them on the device."""
+        ``pack`` (default: off the CPU, or when :meth:`staged`) moves the layout as the two
+        buffers of :class:`Staged` instead of a copy per array (25 for 4 mini-batches); the
+        mini-batches are views of them on the device."""
         if pack is None:
-            pack = device.type != "cpu"
+            pack = device.type != "cpu" or self.staging is not None
         pos, arrays = self._packed(device) if pack else self._copied(device)
         rows = slots.index_select(0, pos)
         row_keys = keys.index_select(0, pos) if keys is not None else None
@@ -132,8 +144,8 @@ class BatchIndex:
         ]
         return self.rows.to(device), arrays
 
-    def _packed(self, device: torch.device) -> tuple[torch.Tensor, list[_Arrays]]:
-        """:meth:`_copied` through two packed buffers (see :meth:`at_slots`): views of them."""
+    def _stage(self, pinned: bool) -> Staged:
+        """The host arrays in the two buffers of :class:`Staged` (``pinned``: in pinned memory)."""
         if self.rows.numel() >= 2**31:
             raise ValueError(f"a batch of {self.rows.numel()} positions does not fit int32")
         ints = [self.rows.to(torch.int32)]
@@ -141,8 +153,14 @@ class BatchIndex:
         for mb in self.minibatches:
             ints += [mb.inverse, mb.bag_offsets, mb.grad_bags, mb.grad_offsets]
             floats += [mb.dense.reshape(-1), mb.labels]
-        cut = iter(_views(_upload(ints, torch.int32, device), ints))
-        fcut = iter(_views(_upload(floats, torch.float32, device), floats))
+        return Staged(*_together(ints, torch.int32, pinned), *_together(floats, torch.float32, pinned), pinned)
+
+    def _packed(self, device: torch.device) -> tuple[torch.Tensor, list[_Arrays]]:
+        """:meth:`_copied` through the two buffers of :class:`Staged` (:meth:`staged`, else
+        staged now): views of them on ``device``."""
+        st = self.staging or self._stage(device.type == "cuda" and torch.cuda.is_available())
+        cut = iter(_views(st.ints.to(device, non_blocking=st.pinned), st.int_spans))
+        fcut = iter(_views(st.floats.to(device, non_blocking=st.pinned), st.float_spans))
         pos = next(cut)
         arrays = [
             (next(cut), next(cut), next(cut), next(cut), next(fcut).view(mb.dense.shape), next(fcut))
@@ -151,18 +169,43 @@ class BatchIndex:
         return pos, arrays
 
 
-def _upload(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``parts`` (1-d host tensors of ``dtype``) in one buffer on ``device``: put together in
-    pinned host memory when ``device`` is a CUDA device (so the copy is asynchronous), once."""
-    pinned = device.type == "cuda" and torch.cuda.is_available()
-    buf = torch.empty(sum(t.numel() for t in parts), dtype=dtype, pin_memory=pinned)
-    torch.cat([t.reshape(-1) for t in parts], out=buf)
-    return buf.to(device, non_blocking=pinned)
+ALIGN = 16
+"""Each array in a :class:`Staged` buffer starts at a multiple of this many elements (64 bytes:
+the device's vector loads see aligned arrays, as with arrays of their own)."""
 
 
-def _views(buf: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``buf`` cut into views of ``parts``' sizes, in order."""
-    return list(torch.split(buf, [t.numel() for t in parts]))
+@dataclass(frozen=True)
+class Staged:
+    """A :class:`BatchIndex`'s host arrays in two buffers, each array at ``ALIGN`` elements:
+    ``ints`` every ``int32`` array (the positions, then each mini-batch's ``inverse``,
+    ``bag_offsets``, ``grad_bags``, ``grad_offsets``), ``floats`` each mini-batch's dense
+    features (flat) and labels; ``*_spans``: each array's ``(start, length)`` in its buffer;
+    ``pinned``: in pinned host memory (so the copies to the device are asynchronous)."""
+
+    ints: torch.Tensor
+    int_spans: tuple[tuple[int, int], ...]
+    floats: torch.Tensor
+    float_spans: tuple[tuple[int, int], ...]
+    pinned: bool
+
+
+def _together(
+    parts: list[torch.Tensor], dtype: torch.dtype, pinned: bool
+) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
+    """``parts`` (host tensors of ``dtype``) copied into one buffer, each at a multiple of
+    :data:`ALIGN` elements (in pinned memory where ``pinned``), and their spans in it."""
+    sizes = [t.numel() for t in parts]
+    starts = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])])
+    buf = torch.empty(int(starts[-1]), dtype=dtype, pin_memory=pinned)
+    spans = tuple((int(a), n) for a, n in zip(starts[:-1], sizes, strict=True))
+    for (a, n), t in zip(spans, parts, strict=True):
+        buf[a : a + n].copy_(t.reshape(-1))
+    return buf, spans
+
+
+def _views(buf: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> list[torch.Tensor]:
+    """``buf`` cut at ``spans`` (views)."""
+    return [buf.narrow(0, a, n) for a, n in spans]
 
 
 def index_positions(batch: Batch, minibatch_size: int, positions: np.ndarray, n_positions: int) -> BatchIndex:

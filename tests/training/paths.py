@@ -88,7 +88,7 @@ def path(
 ) -> tuple[Callable[[], None], list[Strategy]]:
     """``(train the next batch, the strategies)`` of path ``name`` (one per node or device).
     ``layouts``: each batch comes with its layout over key positions, as the read stage makes
-    it; ``returned``: gets each rank's ``BatchResult`` of each batch, in rank order."""
+    it, staged as the trainer stages it; ``returned``: gets each rank's ``BatchResult`` of each batch, in rank order."""
     cfg = config(optimizer)
     strategies = _strategies(name, cfg, device)
     parts: queue.Queue[DevicePart] = queue.Queue()
@@ -104,6 +104,8 @@ def path(
         loan = Loan(initial_rows(keys, cfg.row_width, cfg.row_init()))
         steps = strategies[rank]
         layout = index_positions(batch, MINIBATCH, positions_of(batch.keys, 1)[1], keys.size) if layouts else None
+        if layout is not None:  # staged for the upload as the trainer actor stages it (a no-op on the CPU)
+            layout = steps.engine.stage(layout)
         got = Inputs(batch, [keys], [loan], layout=layout)
         sizes = [len(s[t[0]]) for s in shares]
         if isinstance(steps, DeviceSteps) and rank > 0:

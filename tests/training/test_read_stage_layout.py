@@ -12,7 +12,7 @@ from paths import MINIBATCH, path  # tests/training/paths.py
 from hpsray.data import PlantedCTR
 from hpsray.tiers.partition import owner_of
 from hpsray.training import engine as engine_module
-from hpsray.training.layout import index_positions, positions_of
+from hpsray.training.layout import ALIGN, index_positions, positions_of
 
 
 def _run(name: str, optimizer: str, layouts: bool) -> tuple[list, list]:
@@ -63,9 +63,12 @@ def test_a_layout_names_each_occurrence_by_its_keys_position():
         assert [by_slot[s] for s in mb.rows.numpy()] == list(mb.keys.numpy().view(np.uint64))
 
 
-def test_the_packed_upload_gives_the_same_index():
+@pytest.mark.parametrize("how", ["packed", "staged"])
+def test_the_packed_upload_gives_the_same_index(how):
     """``at_slots(pack=True)`` (off the CPU by default: two buffers instead of a copy per array)
-    gives every mini-batch the same arrays as one copy per array."""
+    and a layout staged ahead for a device (``staged``: those buffers put together before the
+    batch's turn; here for a device other than the CPU, then read on it) give every mini-batch
+    the same arrays as one copy per array; each array starts aligned in its buffer."""
     batch = PlantedCTR(n_slots=4, keys_per_slot=50, n_dense=3, seed=2).generate(1000)
     parts, positions = positions_of(batch.keys, 2)
     together = np.concatenate(parts)
@@ -73,7 +76,15 @@ def test_the_packed_upload_gives_the_same_index():
     slots = torch.from_numpy(np.random.default_rng(1).permutation(together.size).astype(np.int64))
     keys = torch.from_numpy(together.view(np.int64))
     plain = layout.at_slots(slots, keys, torch.device("cpu"), pack=False)
-    packed = layout.at_slots(slots, keys, torch.device("cpu"), pack=True)
+    if how == "staged":
+        assert layout.staged(torch.device("cpu")) is layout  # on the CPU: nothing to stage
+        layout = layout.staged(torch.device("meta"))
+        assert layout.staging is not None and not layout.staging.pinned
+        spans = layout.staging.int_spans + layout.staging.float_spans
+        assert len(spans) == 1 + 6 * len(layout) and all(start % ALIGN == 0 for start, _ in spans)
+        packed = layout.at_slots(slots, keys, torch.device("cpu"))  # the staged buffers, by default
+    else:
+        packed = layout.at_slots(slots, keys, torch.device("cpu"), pack=True)
     assert len(plain) == len(packed) >= 3 and packed.bounds == plain.bounds
     assert torch.equal(packed.rows, plain.rows)
     for a, b in zip(plain.minibatches, packed.minibatches, strict=True):
