@@ -296,20 +296,24 @@ def index_batch_sorted(
     CPU, for batches out of bag order, and the CPU kernel's twin)."""
     n, n_slots, nnz = len(batch), batch.n_slots, batch.nnz
     m = minibatch_size
-    counts = np.diff(batch.offsets)
-    example = np.repeat(np.arange(n, dtype=np.int64), counts)
-    bag = example * n_slots + batch.slots
-    keys = batch.keys
-    if nnz > 1 and np.any(bag[1:] < bag[:-1]):  # keys of an example not in slot order (as _bag_order)
-        order = np.argsort(bag, kind="stable")
-        bag, keys, example = bag[order], keys[order], example[order]
+    # every array over the occurrences is made on the device from the offsets and slots: on
+    # the host only the order check (one pass) and, for a batch out of bag order, its sort
+    keys, order = batch.keys, None if in_bag_order(batch.offsets, batch.slots) else _bag_order(batch)
+    offsets = torch.from_numpy(np.ascontiguousarray(batch.offsets, dtype=np.int64)).to(device)
+    example = torch.repeat_interleave(torch.arange(n, device=device), torch.diff(offsets), output_size=nnz)
+    bag = example * n_slots + torch.from_numpy(np.ascontiguousarray(batch.slots, dtype=np.int32)).to(device)
+    if order is not None:  # keys of an example not in slot order: sorted by bag, stably
+        keys, to_order = keys[order], torch.from_numpy(order).to(device)
+        bag, example = bag.index_select(0, to_order), example.index_select(0, to_order)
     on = keys_as_tensor(keys, device) if with_keys or device.type != "cpu" else None
     slots = find(keys, on)
     n_mb = -(-n // m)
     # one stable sort by (mini-batch, slot); int32 when the composite fits (half the work)
     narrow = n_mb * (capacity + 1) < 2**31
-    mb_of = torch.from_numpy((example // m).astype(np.int32 if narrow else np.int64)).to(device)
-    composite = slots.to(torch.int32 if narrow else torch.int64).add_(mb_of * (capacity + 1))
+    mb_of = torch.div(example, m, rounding_mode="floor")
+    composite = slots.to(torch.int32 if narrow else torch.int64).add_(
+        mb_of.to(torch.int32 if narrow else torch.int64) * (capacity + 1)
+    )
     sorted_c, perm = torch.sort(composite, stable=True)
     new = torch.ones(nnz, dtype=torch.bool, device=device)
     if nnz > 1:
@@ -318,15 +322,14 @@ def index_batch_sorted(
     group = torch.cumsum(new, 0, dtype=torch.int64)  # 1 + each sorted position's group (a distinct row)
     ex_bounds = np.minimum(np.arange(n_mb + 1, dtype=np.int64) * m, n)
     occ = batch.offsets[ex_bounds]  # each mini-batch's occurrences: [occ[k], occ[k + 1])
-    occ_t = torch.from_numpy(occ).to(device)
+    occ_t = torch.from_numpy(np.ascontiguousarray(occ, dtype=np.int64)).to(device)
     first_group = torch.searchsorted(starts, occ_t)  # each mini-batch's groups: [g[k], g[k + 1])
     g = first_group.tolist()  # the batch's one read-back on CUDA
-    per_mb = torch.from_numpy(np.diff(occ)).to(device)  # sorted by mini-batch first: runs of each
+    per_mb = torch.diff(occ_t)  # sorted by mini-batch first: runs of each
     before_mb = torch.repeat_interleave(first_group[:-1] + 1, per_mb, output_size=nnz)
     group.sub_(before_mb)  # now the group within its mini-batch
     inverse = torch.empty(nnz, dtype=torch.int32, device=device).index_copy_(0, perm, group.to(torch.int32))
-    local_bag = torch.from_numpy((bag - (example // m) * (m * n_slots)).astype(np.int32)).to(device)
-    grad_bags = local_bag.index_select(0, perm)
+    grad_bags = (bag - mb_of * (m * n_slots)).to(torch.int32).index_select(0, perm)  # bags within the mini-batch
     groups_per_mb = torch.diff(first_group)
     grad_offsets = (starts - torch.repeat_interleave(occ_t[:-1], groups_per_mb, output_size=starts.numel())).int()
     mb_of_group = torch.repeat_interleave(
@@ -334,11 +337,10 @@ def index_batch_sorted(
     )
     rows = (sorted_c.index_select(0, starts) - mb_of_group * (capacity + 1)).long()  # sorted within a mini-batch
     row_keys = on.index_select(0, perm.index_select(0, starts)) if on is not None and with_keys else None
-    bag_counts = np.bincount(bag, minlength=n * n_slots) if nnz else np.zeros(n * n_slots, np.int64)
-    bag_start = np.zeros(n * n_slots, dtype=np.int64)
-    np.cumsum(bag_counts[:-1], out=bag_start[1:])
-    bag_start -= np.repeat(occ[:-1], np.minimum(m, n - ex_bounds[:-1]) * n_slots)
-    bag_offsets = torch.from_numpy(bag_start.astype(np.int32)).to(device)
+    # each bag's first occurrence (the occurrences are in bag order), from its mini-batch's first
+    all_bags = torch.arange(n * n_slots, device=device)
+    bag_start = torch.searchsorted(bag, all_bags) - occ_t.index_select(0, all_bags // (m * n_slots))
+    bag_offsets = bag_start.to(torch.int32)
     return _cut(batch, m, g, rows, row_keys, (inverse, bag_offsets, grad_bags, grad_offsets), device)
 
 
