@@ -164,7 +164,10 @@ def run_report(
         node_busy.append({name: float(sum(v.values())) for name, v in pb.items()})
         node_cpu.append({name: sum(_cpu_in(clock, mine) for clock in c) for name, c in clocks.items()})
     busy = {name: max(nb[name] for nb in node_busy) for name in node_busy[0]}
-    within = {name: max(nw[name] for nw in node_within) for name in node_within[0]} if node_within else None
+    # inside the windows at most all of it: the two sums round apart by a few ulps
+    within = None
+    if node_within:
+        within = {name: min(max(nw[name] for nw in node_within), busy[name]) for name in node_within[0]}
     cpu_s = {name: max(nc[name] for nc in node_cpu) for name in node_cpu[0]}
     per_batch = {
         name: {b: max(pb[name].get(b, 0.0) for pb in node_per_batch) for b in sorted(mine)}
