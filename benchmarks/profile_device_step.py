@@ -162,8 +162,8 @@ def measure(args: argparse.Namespace, keys_per_example: int) -> tuple[dict, Call
     # the read stage's layout (index_stage "read", the default on nodes of >= 4 cores), made
     # before the clock as the read stage makes it off the trainer; the trainer then finds the
     # borrowed keys (here all three batches' keys: more than a batch's, so conservative) and gathers
-    # and staged for the upload as the trainer actor stages it on the thread that fetches the
-    # batch ahead (``unstaged``: put together on the training thread, inside the clock)
+    # their slots. The layout is staged for the upload before the clock too, as the trainer actor
+    # stages it on the thread that fetches the batch ahead (``unstaged``: staged inside the clock)
     unstaged = [index_positions(b, args.minibatch, np.searchsorted(keys, b.keys), keys.size) for b in batches]
     staged = [engine.stage(layout) for layout in unstaged]
 

@@ -90,7 +90,7 @@ class BatchIndex:
         upload to make): this index."""
         if device.type == "cpu" or self.staging is not None:
             return self
-        return dataclasses.replace(self, staging=self._stage(device.type == "cuda" and torch.cuda.is_available()))
+        return dataclasses.replace(self, staging=self._stage(device))
 
     def at_slots(
         self, slots: torch.Tensor, keys: torch.Tensor | None, device: torch.device, pack: bool | None = None
@@ -144,8 +144,10 @@ class BatchIndex:
         ]
         return self.rows.to(device), arrays
 
-    def _stage(self, pinned: bool) -> Staged:
-        """The host arrays in the two buffers of :class:`Staged` (``pinned``: in pinned memory)."""
+    def _stage(self, device: torch.device) -> Staged:
+        """The host arrays in the two buffers of :class:`Staged` for ``device`` (in pinned memory
+        where it is a CUDA device)."""
+        pinned = device.type == "cuda" and torch.cuda.is_available()
         if self.rows.numel() >= 2**31:
             raise ValueError(f"a batch of {self.rows.numel()} positions does not fit int32")
         ints = [self.rows.to(torch.int32)]
@@ -158,7 +160,7 @@ class BatchIndex:
     def _packed(self, device: torch.device) -> tuple[torch.Tensor, list[_Arrays]]:
         """:meth:`_copied` through the two buffers of :class:`Staged` (:meth:`staged`, else
         staged now): views of them on ``device``."""
-        st = self.staging or self._stage(device.type == "cuda" and torch.cuda.is_available())
+        st = self.staging or self._stage(device)
         cut = iter(_views(st.ints.to(device, non_blocking=st.pinned), st.int_spans))
         fcut = iter(_views(st.floats.to(device, non_blocking=st.pinned), st.float_spans))
         pos = next(cut)
