@@ -257,9 +257,9 @@ def test_the_reference_trains_with_its_own_threads_whatever_the_caller_set():
     """The pipeline's trainer uses the machine's cores; the reference trains with as many
     whatever this process set (a test before it set 1, and CI's bigger-than-memory run differed
     in 20 rows), and leaves the caller's setting as it was. Where the BLAS sums a dense weight's
-    gradient in chunks per thread (Intel's MKL on an Intel CPU), one thread trains other bits;
-    whether it does is the BLAS's and the CPU's (MKL on this AMD EPYC: the same bits, 2026-12-02),
-    so the guard is the thread count the model's forward sees."""
+    gradient in chunks per thread, one thread trains other bits (so it did where this guard was
+    written); whether it does is the BLAS's and the CPU's (MKL on an AMD EPYC, 2026-12-02: the
+    same bits at 1 and 2 threads), so the guard is the thread count the model's forward sees."""
     cores = os.cpu_count() or 1
     caller = torch.get_num_threads()
     _, rows, dense, seen = _fit(None)
