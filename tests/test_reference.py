@@ -10,6 +10,7 @@ from hpsray.config import TrainConfig
 from hpsray.data import Batch, PlantedCTR
 from hpsray.kernels.init import initial_rows
 from hpsray.models import DNN, BagLayout, auc, logloss, pool_sum
+from hpsray.models.kinds import build_model
 from hpsray.reference import ReferenceTrainer
 
 SMALL = dict(hidden=(32, 16), minibatch_size=256)
@@ -227,13 +228,11 @@ def test_the_references_own_admission_rule_decides_as_the_owners_table(admit_aft
 
 
 class _ThreadsSeen(torch.nn.Module):
-    """The DNN of ``_fit``'s config, noting torch's intra-op thread count at every forward."""
+    """``config``'s model, noting torch's intra-op thread count at every forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: TrainConfig, n_slots: int, n_dense: int) -> None:
         super().__init__()
-        from hpsray.models.kinds import build_model
-
-        self.inner = build_model(_FIT_CONFIG, 4, 2)
+        self.inner = build_model(config, n_slots, n_dense)
         self.seen: set[int] = set()
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -241,13 +240,11 @@ class _ThreadsSeen(torch.nn.Module):
         return self.inner(pooled, dense)
 
 
-_FIT_CONFIG = TrainConfig(dim=8, hidden=(8,), minibatch_size=1000)
-
-
 def _fit(threads: int | None) -> tuple[np.ndarray, np.ndarray, dict, set[int]]:
     gen = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=2, seed=3)
-    model = _ThreadsSeen()
-    ref = ReferenceTrainer(4, 2, _FIT_CONFIG, model, threads=threads)
+    cfg = TrainConfig(dim=8, hidden=(8,), minibatch_size=1000)
+    model = _ThreadsSeen(cfg, gen.n_slots, gen.n_dense)
+    ref = ReferenceTrainer(gen.n_slots, gen.n_dense, cfg, model, threads=threads)
     ref.fit(gen.batches(6000, 2000))
     return (*ref.export(), model.seen)
 
