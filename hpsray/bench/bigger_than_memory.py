@@ -117,10 +117,23 @@ def _write_table(directory: str, job: Job, rows_per_file: int = 1 << 20) -> dict
     return {"rows": n, "files": len(files), "bytes": dir_bytes(directory), "seconds": time.perf_counter() - t0}
 
 
-def _touched(job: Job) -> np.ndarray:
+def _trace(job: Job) -> tuple[list[np.ndarray], int]:
+    """Each batch's distinct keys, the warm-up's then the timed pass's; and the warm-up's batches."""
     warm, timed = job.sources()
-    keys = [np.unique(b.keys) for src in (warm, timed) for b in src.open(job.batch)]
-    return np.unique(np.concatenate(keys))
+    batches = [[np.unique(b.keys) for b in src.open(job.batch)] for src in (warm, timed)]
+    return batches[0] + batches[1], len(batches[0])
+
+
+def _hit_rate_bounds(trace: list[np.ndarray], warm_batches: int, capacity: int) -> dict:
+    """What any MEM-PS policy could hit on the timed pass: Belady's optimum at ``capacity`` and a
+    cache that never evicts (every miss left a key's first use); the warm-up only warms."""
+    from hpsray.tiers.cache_policy import belady_hit_rate, unbounded_hit_rate
+
+    return {
+        "capacity_rows": capacity,
+        "belady": belady_hit_rate(trace, capacity, warm_batches)["hit_rate"],
+        "unbounded": unbounded_hit_rate(trace, warm_batches)["hit_rate"],
+    }
 
 
 def _reference(job: Job, touched: np.ndarray) -> tuple[ReferenceTrainer, float]:
@@ -175,7 +188,8 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"memory_limit_bytes": limit, "cgroup": "v2" if limited.v2 else "v1"}
     try:
         written = _write_table(table, job)
-        touched = _touched(job)
+        trace, warm_batches = _trace(job)
+        touched = np.unique(np.concatenate(trace))
         rng = np.random.default_rng(1)
         untouched = np.setdiff1d(
             _vocabulary_sample(job, rng, min(args.sample * 2, job.slots * job.keys_per_slot)), touched
@@ -263,6 +277,11 @@ def run(args: argparse.Namespace) -> dict:
         load_stage["planned_vs_measured_load_s"] = load_stage["planned_disk_s_per_load"] / max(
             load_stage["seconds_per_load"], 1e-9
         )
+        # the timed pass's hit rate beside what any policy could hit on its trace (its misses are loads)
+        load_stage["hit_rate"] = {
+            "measured": trained["cache_hit_rate_mean"],
+            **_hit_rate_bounds(trace, warm_batches, job.mem_rows),
+        }
         device = trained["device"]
         if device is not None:
             rows = max(trained["load_counts"]["rows_loaded"], 1)

@@ -13,7 +13,8 @@ Frequencies are halved every ``aging × capacity`` visits so that rows that *wer
 to a drifting hot set (the reset of TinyLFU).
 
 :func:`belady_hit_rate` is the offline optimum (evict the row used farthest in the future)
-over the same batch-granular trace model, for the cache benchmark.
+over the same batch-granular trace model, for the cache benchmark; :func:`unbounded_hit_rate`
+the ceiling of any capacity (a cache that never evicts misses each key's first use only).
 """
 
 from __future__ import annotations
@@ -230,8 +231,27 @@ class LruLfuPolicy:
         self.tick[slots] = 0
 
 
-def belady_hit_rate(trace: list[np.ndarray], capacity: int) -> dict:
-    """Hit rate of the offline optimum on a trace of batches (each an array of keys).
+def unbounded_hit_rate(trace: list[np.ndarray], count_from: int = 0) -> dict:
+    """Hit rate of a cache that never evicts on a trace of batches (each an array of keys): a
+    batch's distinct key hits when an earlier batch named it. No capacity does better; the
+    misses left are first uses (compulsory). Counted from batch ``count_from`` on (the
+    batches before it only warm the cache), over distinct keys per batch, as MEM-PS counts."""
+    batches = [distinct_sorted(np.asarray(b, dtype=np.uint64)) for b in trace]
+    if not batches:
+        return {"hits": 0, "accesses": 0, "hit_rate": 0.0}
+    keys = np.concatenate(batches)
+    when = np.repeat(np.arange(len(batches), dtype=np.int64), [b.size for b in batches])
+    first = np.zeros(keys.size, dtype=bool)
+    first[np.unique(keys, return_index=True)[1]] = True  # the earliest batch naming each key
+    counted = when >= count_from
+    total = int(np.count_nonzero(counted))
+    hits = int(np.count_nonzero(counted & ~first))
+    return {"hits": hits, "accesses": total, "hit_rate": hits / total if total else 0.0}
+
+
+def belady_hit_rate(trace: list[np.ndarray], capacity: int, count_from: int = 0) -> dict:
+    """Hit rate of the offline optimum on a trace of batches (each an array of keys), counted
+    from batch ``count_from`` on (the batches before it only warm the cache).
 
     Model (the same as MEM-PS): a batch's distinct keys must all be resident while it runs;
     misses are admitted, and when room is needed the resident rows not in the batch whose next
@@ -255,12 +275,13 @@ def belady_hit_rate(trace: list[np.ndarray], capacity: int) -> dict:
     in_batch = np.zeros(capacity, dtype=bool)
     hits = 0
     start = 0
-    for b in batches:
+    for t, b in enumerate(batches):
         nb = nxt[start : start + b.size]
         start += b.size
         slots = index.find(b)
         hit = slots >= 0
-        hits += int(np.count_nonzero(hit))
+        if t >= count_from:
+            hits += int(np.count_nonzero(hit))
         miss = b[~hit]
         need = index.size + miss.size - capacity
         if need > 0:
@@ -275,5 +296,5 @@ def belady_hit_rate(trace: list[np.ndarray], capacity: int) -> dict:
         slot_key[new] = miss + np.uint64(1)
         slots[~hit] = new
         next_use[slots] = nb
-    total = int(sizes.sum())
+    total = int(sizes[count_from:].sum())
     return {"hits": hits, "accesses": total, "hit_rate": hits / total if total else 0.0}

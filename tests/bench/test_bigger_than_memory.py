@@ -59,5 +59,8 @@ def test_bench_runs_in_a_cgroup_and_is_lossless(tmp_path):
     assert report["load_reads_vs_disk_bound"] == stage["load_reads_vs_disk_bound"] > 0
     assert stage["planned_cold_share"] == 0.0  # a 60 MB store under a 3 GiB limit: the page cache holds it
     assert stage["planned_disk_s_per_load"] == 0.0
+    hit = stage["hit_rate"]  # the timed pass's, beside what any MEM-PS policy could hit on its trace
+    assert hit["capacity_rows"] == 20000 and 0 < hit["measured"] <= hit["belady"] + 0.01
+    assert hit["belady"] <= hit["unbounded"] < 1  # Belady's optimum at this capacity; no eviction
     assert (stage["device"] is None) == ("device_bytes_per_row" not in stage)  # no block device: no counters
     assert not os.path.exists(tmp_path / "w")  # big files removed

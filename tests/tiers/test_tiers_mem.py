@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from hpsray.errors import CapacityError
 from hpsray.kernels.init import RowInit, initial_rows
-from hpsray.tiers.cache_policy import LruLfuPolicy, belady_hit_rate
+from hpsray.tiers.cache_policy import LruLfuPolicy, belady_hit_rate, unbounded_hit_rate
 from hpsray.tiers.mem import MemPS, rows_for_bytes
 from hpsray.tiers.ssd import SSDPS
 
@@ -244,6 +244,22 @@ def test_belady_beats_online_policies_on_a_small_trace():
         pull_loaded(mem, t, keys)
         mem.unpin(t)
     assert 0 < mem.stats["hit_rate"] <= opt + 1e-12
+
+
+def test_a_cache_that_never_evicts_misses_first_uses_only():
+    """Distinct keys per batch; a key hits when an earlier batch named it; ``count_from`` leaves
+    the warming batches out of the count."""
+    trace = [np.array([1, 1, 2], np.uint64), np.array([2, 3, 3], np.uint64), np.array([4, 1, 3], np.uint64)]
+    assert unbounded_hit_rate(trace) == {"hits": 3, "accesses": 7, "hit_rate": 3 / 7}
+    assert unbounded_hit_rate(trace, count_from=2) == {"hits": 2, "accesses": 3, "hit_rate": 2 / 3}
+    assert unbounded_hit_rate([])["hit_rate"] == 0.0
+    # Belady with room for every key is that cache; with less it can only miss more
+    assert belady_hit_rate(trace, 4) == unbounded_hit_rate(trace)
+    assert belady_hit_rate(trace, 4, count_from=2) == unbounded_hit_rate(trace, count_from=2)
+    rng = np.random.default_rng(7)
+    zipf = [rng.zipf(1.2, 80).astype(np.uint64) % np.uint64(400) for _ in range(100)]
+    assert belady_hit_rate(zipf, 60)["hit_rate"] < unbounded_hit_rate(zipf)["hit_rate"]
+    assert belady_hit_rate(zipf, 400) == unbounded_hit_rate(zipf)
 
 
 def test_a_compact_pull_ships_the_rows_a_full_pull_would_and_never_gathers_held_ones():
