@@ -6,8 +6,10 @@ adjacent blocks merged), then :func:`read_parallel` issues them from numba loops
 split among a thread pool, so several reads are in flight at once (an SSD's queue depth instead
 of one page fault at a time). :func:`read_ranges` puts it together for ranges of many files:
 what the page cache holds is copied at once (from a caller's mapping of the file where it keeps
-one and ``mincore`` finds the pages resident: no system call per range; else
-``preadv2(RWF_NOWAIT)``); the rest is split among
+one and ``mincore`` finds the pages resident: no system call per range); the rest goes through
+this thread's io_uring ring (:mod:`hpsray.uring`: up to ``DEPTH`` reads in flight from one
+thread, a system call per refill). Where there is no ring (or for the few ranges a ring leaves
+short), what the page cache holds is read by ``preadv2(RWF_NOWAIT)`` and the rest is split among
 the threads, each of which first asks the kernel to start reading its whole share
 (``POSIX_FADV_WILLNEED``: asynchronous, so the device sees every range at once), then reads it.
 """
@@ -24,20 +26,28 @@ import numba as nb
 import numpy as np
 from numba import types as nbt
 
+from hpsray import uring
+
 __all__ = [
     "IOV_MAX",
     "MINCORE_GAP_PAGES",
     "MIN_RANGES_PER_THREAD",
+    "MIN_RING_RANGES",
+    "STAGE_BYTES",
     "copy_mapped",
     "hinted_pread_ranges",
     "pread_ranges",
     "preadv_ranges",
+    "queue_depth",
     "read_parallel",
     "read_ranges",
+    "ring_read",
 ]
 
 IOV_MAX = 1024  # Linux's limit of one preadv's vector
 MIN_RANGES_PER_THREAD = 16  # fewer ranges than this per thread: the pool's hand-off costs more than it saves
+MIN_RING_RANGES = 32  # fewer ranges to read than this: preadv2 and pread (a ring's round trip costs more)
+STAGE_BYTES = 16 << 20  # a thread's bounce buffer for direct reads (the ring drains once per fill)
 MINCORE_GAP_PAGES = 32  # ranges this few pages apart share one mincore (a call costs about what ~16-32 pages do)
 
 # libc's calls, linked by name (no address baked in, so the kernels below are cached on disk);
@@ -160,6 +170,12 @@ def read_parallel(pool: Executor | None, threads: int, read: Callable[..., int],
     return sum(int(f.result()) for f in futures)
 
 
+def queue_depth(threads: int) -> int:
+    """The reads :func:`read_ranges` keeps in flight with ``threads`` I/O threads: the ring's
+    depth where this thread has a ring, else the threads (each hinting its share)."""
+    return uring.DEPTH if uring.thread_ring() is not None else max(1, threads)
+
+
 def read_ranges(
     pool: Executor | None,
     threads: int,
@@ -170,8 +186,9 @@ def read_ranges(
     mapped: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[int, int]:
     """Read ``lengths[r]`` bytes of file ``fds[r]`` at ``offsets[r]`` to address ``dest[r]``, for
-    every range ``r`` (sorted by file and offset, so the device sees them in order): cached ones
-    at once, the rest hinted then read in parallel (module docstring). ``mapped``: per range, the
+    every range ``r`` (sorted by file and offset, so the device sees them in order): mapped and
+    resident ones copied, the rest through the thread's ring or hinted then read in parallel
+    (module docstring). ``mapped``: per range, the
     address and length of a read-only mapping of its file (address 0: none), kept by the caller
     for as long as this call runs. Returns the short reads and the ranges copied from mappings."""
     n = int(fds.size)
@@ -186,12 +203,108 @@ def read_ranges(
         copied = int(copy_mapped(order, bases, sizes, offsets, lengths, dest, mmap.PAGESIZE, done))
         if copied == n:
             return 0, copied
-    iov = np.empty((n, 2), np.uint64)
-    iov[:, 0] = dest
-    iov[:, 1] = lengths
-    if _read_cached(fds, iov.ctypes.data, offsets, lengths, _NOWAIT, done) == n:
-        return 0, copied
+    ring = uring.thread_ring() if n - copied >= MIN_RING_RANGES else None
+    if ring is None:
+        iov = np.empty((n, 2), np.uint64)
+        iov[:, 0] = dest
+        iov[:, 1] = lengths
+        if _read_cached(fds, iov.ctypes.data, offsets, lengths, _NOWAIT, done) == n:
+            return 0, copied
     rest = np.flatnonzero(done != 1)
     fds, dest, offsets, lengths = fds[rest], dest[rest], offsets[rest], lengths[rest]
+    if ring is not None:
+        try:
+            ok = ring_read(ring, fds, dest, offsets, lengths)
+        except OSError:
+            uring.drop_thread_ring()
+        else:
+            again = np.flatnonzero(~ok)  # short or failed: read again the way below
+            fds, dest, offsets, lengths = fds[again], dest[again], offsets[again], lengths[again]
     args = (fds, 0, dest, offsets, lengths)
-    return read_parallel(pool, threads, hinted_pread_ranges, args, int(rest.size)), copied
+    return read_parallel(pool, threads, hinted_pread_ranges, args, int(fds.size)), copied
+
+
+@nb.njit(nogil=True, cache=True)
+def _copy_staged(stage, staged, skip, dest, lengths, got, need, ok):
+    """After direct reads into the bounce buffer at ``stage``: copy each range whose read came
+    back whole (``got[r] >= need[r]``) from ``stage + staged[r] + skip[r]`` to ``dest[r]``."""
+    for r in range(dest.size):
+        if got[r] >= need[r]:
+            _memcpy(dest[r], stage + staged[r] + skip[r], lengths[r])
+            ok[r] = True
+
+
+def ring_read(
+    ring: uring.Ring, fds: np.ndarray, dest: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> np.ndarray:
+    """Read every range through ``ring``: ``O_DIRECT`` where the file's device takes it (each
+    range widened to its device's logical blocks, read into the ring's bounce buffer of at most
+    ``STAGE_BYTES``, a share of the ranges at a time, and copied out: no page cache filled, none
+    reclaimed), else buffered. Returns which ranges were read whole; raises ``OSError`` when the
+    ring fails."""
+    direct = _direct_fds(fds)
+    if direct is None:
+        return ring.read(fds, dest, offsets, lengths) == lengths
+    dfds, align = direct
+    try:
+        start = offsets // align * align
+        need = offsets + lengths - start
+        span = -(-need // align) * align
+        end, skip = np.cumsum(span), offsets - start
+        ok = np.zeros(fds.size, np.bool_)
+        stage = ring.staging(min(int(end[-1]), max(STAGE_BYTES, int(span.max()))))
+        lo = 0
+        while lo < fds.size:  # the ranges whose spans fit the buffer together, from lo on
+            base = int(end[lo] - span[lo])
+            hi = max(lo + 1, int(np.searchsorted(end, base + STAGE_BYTES, side="right")))
+            staged = end[lo:hi] - span[lo:hi] - base
+            got = ring.read(dfds[lo:hi], stage + staged, start[lo:hi], span[lo:hi])
+            _copy_staged(stage, staged, skip[lo:hi], dest[lo:hi], lengths[lo:hi], got, need[lo:hi], ok[lo:hi])
+            lo = hi
+        return ok
+    finally:
+        for fd in np.unique(dfds).tolist():
+            os.close(fd)
+
+
+_DIRECT_ALIGN: dict[int, int] = {}  # st_dev -> its logical block size; 0: no O_DIRECT there
+
+
+def _direct_fds(fds: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per range, a descriptor of its file opened again with ``O_DIRECT`` (the caller closes
+    them) and the alignment its device needs; ``None`` where some file cannot be read so."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    distinct = np.unique(fds)
+    opened: list[int] = []
+    aligns = []
+    try:
+        for fd in distinct.tolist():
+            dev = os.fstat(fd).st_dev
+            align = _DIRECT_ALIGN.get(dev)
+            if align is None:
+                align = _DIRECT_ALIGN[dev] = _logical_block(dev)
+            if align == 0:
+                raise OSError("no O_DIRECT")
+            opened.append(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT))
+            aligns.append(align)
+    except OSError:
+        for d in opened:
+            os.close(d)
+        return None
+    at = np.searchsorted(distinct, fds)
+    return np.asarray(opened, np.int32)[at], np.asarray(aligns, np.int64)[at]
+
+
+def _logical_block(dev: int) -> int:
+    """The logical block size of the device ``dev`` is on (4096 when unknown: a multiple of
+    every common one); 0 for a file system without devices (tmpfs, overlay's upper)."""
+    if os.major(dev) == 0:
+        return 0
+    for rel in ("queue/logical_block_size", "../queue/logical_block_size"):
+        try:
+            with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/{rel}") as f:
+                return max(512, int(f.read().strip()))
+        except (OSError, ValueError):
+            continue
+    return 4096

@@ -31,6 +31,7 @@ import numpy as np
 from hpsray.bench.bigger_than_memory_phases import Job, table_rows
 from hpsray.bench.disk_bound import load_vs_bound, store_bound
 from hpsray.bench.memory_cgroup import Cgroup, Monitor, dir_bytes
+from hpsray.blockio import queue_depth
 from hpsray.plan.disk import cold_share, disk_s_per_row
 
 if TYPE_CHECKING:
@@ -212,9 +213,10 @@ def run(args: argparse.Namespace) -> dict:
                 "train", limited, {"job": job.__dict__, "ssd": ssd, "mem_rows": job.mem_rows, "dense": dense_path}
             )
         train_peak, train_resident, disk_high = limited.peak(), mon.peak_resident, mon.peak_disk
-        bound = store_bound(store, width, job.io_threads, args.disk_probe_seconds)  # the store's own files
+        depth = queue_depth(job.io_threads)  # the reads a load keeps in flight (its ring's, else its threads)
+        bound = store_bound(store, width, depth, args.disk_probe_seconds)  # the store's own files
         load_stage = {
-            **load_vs_bound(trained["load_counts"], bound, job.io_threads),
+            **load_vs_bound(trained["load_counts"], bound, depth),
             "load_stage_busy_s_per_batch": trained["load_stage_busy_s"] / max(trained["batches"], 1),
             "device": trained["device"],
             "machine_cpu_busy": trained["machine_cpu_busy"],
@@ -273,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
         cold = cold_share(model_bytes, limit - planned["memory_bytes"])
         load_stage["planned_cold_share"] = cold
         load_stage["planned_disk_s_per_load"] = load_stage["rows_per_load"] * disk_s_per_row(
-            bound, job.io_threads, cold, job.width
+            bound, depth, cold, job.width
         )
         load_stage["planned_vs_measured_load_s"] = load_stage["planned_disk_s_per_load"] / max(
             load_stage["seconds_per_load"], 1e-9

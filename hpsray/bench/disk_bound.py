@@ -5,7 +5,8 @@
 the size of one checksummed block of rows, page-rounded (what a partial load reads per touched
 block); :func:`load_vs_bound` turns the store's counters over some loads (``SSDPS.stats``
 differences) into the load stage's reads/s and bytes/s and their ratios to the bound at the
-store's queue depth (its I/O threads): ``load_reads_vs_disk_bound`` and ``load_bytes_vs_disk_bound``
+store's queue depth (:func:`hpsray.blockio.queue_depth`: its io_uring ring's, else its I/O
+threads): ``load_reads_vs_disk_bound`` and ``load_bytes_vs_disk_bound``
 (the reads counted include those the page cache served: ``reads_mapped_share`` of them were
 copied from a mapping).
 """
@@ -37,11 +38,11 @@ def block_bytes(width: int) -> int:
     return block_rows_for(width) * 4 * width
 
 
-def store_bound(directory: str, width: int, io_threads: int, seconds: float = 2.0) -> DiskBound:
+def store_bound(directory: str, width: int, depth: int, seconds: float = 2.0) -> DiskBound:
     """The random-read bound of the disk under the store ``directory``, over its parameter files,
-    at depths 1, 8, 32 and ``io_threads``, reads of one block (:func:`block_bytes`)."""
+    at depths 1, 8, 32 and the store's ``depth``, reads of one block (:func:`block_bytes`)."""
     paths = [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.endswith(SUFFIX)]
-    depths = tuple(sorted({*DEPTHS, max(1, io_threads)}))
+    depths = tuple(sorted({*DEPTHS, max(1, depth)}))
     return probe(paths, block_bytes(width), depths, seconds)
 
 

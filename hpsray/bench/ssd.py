@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from hpsray.bench.disk_bound import delta, load_vs_bound, store_bound
+from hpsray.blockio import queue_depth
 from hpsray.fileio import drop_cache
 from hpsray.tiers.ssd import DEFAULT_FILE_BYTES, SSDPS, default_rows_per_file
 from hpsray.tiers.ssd.paramfile import SUFFIX, file_bytes, record_bytes
@@ -183,7 +184,8 @@ def run(args: argparse.Namespace) -> dict:
         report["dump_bytes_per_s"] = st["bytes_written"] / dump_s
         report["dump_rows_per_s"] = n_rows / dump_s
         disk = st["disk_bytes"]
-        bound = store_bound(d, width, args.io_threads, args.disk_probe_seconds)  # random reads of the store's files
+        depth = queue_depth(args.io_threads)  # the reads a load keeps in flight (its ring's, else its threads)
+        bound = store_bound(d, width, depth, args.disk_probe_seconds)  # random reads of the store's files
         report["disk_bound"] = bound.to_dict()
 
         runs = []
@@ -192,7 +194,7 @@ def run(args: argparse.Namespace) -> dict:
             raw = raw_file_read(_param_files(d), args.io_threads)
             full = cold_load(store, rng.permutation(keys))
             sparse = cold_load(store, rng.choice(keys, max(1, keys.size // 20), replace=False))
-            stage = load_vs_bound(sparse["counts"], bound, args.io_threads)
+            stage = load_vs_bound(sparse["counts"], bound, depth)
             runs.append(
                 {
                     "load_reads_vs_disk_bound": stage["load_reads_vs_disk_bound"],

@@ -1,0 +1,163 @@
+"""Reads through an io_uring ring (``hpsray.uring``) and ``read_ranges`` over it: the bytes equal
+``pread``'s, direct and buffered, in one fill of the bounce buffer or many; a short range and a
+failed ring fall back to ``pread``; the ring is made only where ``HPSRAY_IO_URING=1``."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hpsray import blockio, uring
+from hpsray.blockio import read_ranges
+from hpsray.fileio import drop_cache
+
+SIZE = 1 << 20
+
+
+def _ring_works() -> bool:
+    try:
+        uring.Ring().close()
+    except OSError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _ring_works(), reason="this kernel gives no io_uring ring")
+
+
+@pytest.fixture(autouse=True)
+def ring_on(monkeypatch):
+    monkeypatch.setenv("HPSRAY_IO_URING", "1")  # read by each new thread's first thread_ring()
+
+
+def in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a new thread, which starts without a ring (rings are per thread)."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def files(directory, n: int = 3) -> tuple[list[int], list[bytes]]:
+    datas, fds = [], []
+    for i in range(n):
+        path = os.path.join(directory, f"f{i}")
+        d = np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+        with open(path, "wb") as f:
+            f.write(d)
+        drop_cache([path])
+        datas.append(d)
+        fds.append(os.open(path, os.O_RDONLY))
+    return fds, datas
+
+
+def ranges(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``n`` ranges sorted by file and offset, lengths 0 to 9,000, the last one past its file's end."""
+    rng = np.random.default_rng(seed)
+    f = np.sort(rng.integers(0, 3, n))
+    off = rng.integers(0, SIZE - 9000, n)
+    order = np.lexsort((off, f))
+    f, off = f[order], off[order]
+    length = rng.integers(0, 9000, n)
+    length[: n // 10] = 0
+    rng.shuffle(length)
+    off[-1], length[-1] = SIZE - 100, 300
+    at = np.zeros(n + 1, np.int64)
+    np.cumsum(length, out=at[1:])
+    return f, off, length, at
+
+
+def expect(datas, f, off, length) -> list[bytes]:
+    return [datas[f[r]][off[r] : off[r] + length[r]] for r in range(f.size)]
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_ring_reads_equal_pread_direct_and_buffered(tmp_path, where, monkeypatch):
+    if where == "tmpfs":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm")
+        directory = os.path.join("/dev/shm", f"hpsray-uring-{os.getpid()}")
+        os.makedirs(directory)
+    else:
+        directory = str(tmp_path)
+    monkeypatch.setattr(blockio, "STAGE_BYTES", 64 << 10)  # many fills of the bounce buffer per call
+    fds, datas = files(directory)
+    try:
+        f, off, length, at = ranges(2000, seed=3)
+        out = np.zeros(int(at[-1]), np.uint8)
+
+        def go() -> tuple[int, int, bool]:
+            short, copied = read_ranges(None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
+            return short, copied, uring.thread_ring() is not None
+
+        short, copied, kept = in_thread(go)
+        assert (short, copied, kept) == (1, 0, True)  # only the range past the end is short
+        want = expect(datas, f, off, length)
+        got = [out[at[r] : at[r + 1]].tobytes() for r in range(f.size)]
+        assert got[:-1] == want[:-1] and got[-1][:100] == want[-1]
+
+        ring = uring.Ring()  # the ring alone, buffered: each read's own count of bytes
+        try:
+            res = ring.read(np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length, depth=7)
+        finally:
+            ring.close()
+        assert res[:-1].tolist() == length[:-1].tolist() and res[-1] == 100
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if where == "tmpfs":
+            for name in os.listdir(directory):
+                os.unlink(os.path.join(directory, name))
+            os.rmdir(directory)
+
+
+def test_a_failed_ring_is_dropped_and_the_reads_fall_back_to_pread(tmp_path):
+    fds, datas = files(str(tmp_path))
+    try:
+        f, off, length, at = ranges(500, seed=5)
+        out = np.zeros(int(at[-1]), np.uint8)
+
+        def go() -> tuple[int, bool]:
+            ring = uring.thread_ring()
+            assert ring is not None
+            os.close(ring.fd)  # the fault: every enter now fails
+            ring.fd = os.open(os.devnull, os.O_RDONLY)  # a descriptor the ring's close may close
+            short, _ = read_ranges(None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
+            return short, uring.thread_ring() is None
+
+        assert in_thread(go) == (1, True)
+        got = [out[at[r] : at[r + 1]].tobytes() for r in range(f.size)]
+        assert got[:-1] == expect(datas, f, off, length)[:-1]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_closed_ring_raises_and_the_ring_is_opt_in(tmp_path, monkeypatch):
+    fds, _ = files(str(tmp_path), 1)
+    ring = uring.Ring()
+    real = ring.fd
+    ring.fd = os.open(os.devnull, os.O_RDONLY)  # not a ring: io_uring_enter fails
+    buf = np.zeros(64, np.uint8)
+    try:
+        with pytest.raises(OSError, match="io_uring_enter"):
+            ring.read(np.asarray(fds), np.asarray([buf.ctypes.data]), np.asarray([0]), np.asarray([64]))
+    finally:
+        os.close(ring.fd)
+        ring.fd = real
+        ring.close()
+        os.close(fds[0])
+    assert in_thread(lambda: blockio.queue_depth(6)) == uring.DEPTH
+    for off in ("0", None):
+        if off is None:
+            monkeypatch.delenv("HPSRAY_IO_URING")
+        else:
+            monkeypatch.setenv("HPSRAY_IO_URING", off)
+        assert in_thread(uring.thread_ring) is None
+        assert in_thread(lambda: blockio.queue_depth(6)) == 6
