@@ -7,8 +7,8 @@ split among a thread pool, so several reads are in flight at once (an SSD's queu
 of one page fault at a time). :func:`read_ranges` puts it together for ranges of many files:
 what the page cache holds is copied at once (from a caller's mapping of the file where it keeps
 one and ``mincore`` finds the pages resident: no system call per range); the rest goes through
-this thread's io_uring ring (:mod:`hpsray.uring`: up to ``DEPTH`` reads in flight from one
-thread, a system call per refill). Where there is no ring (or for the few ranges a ring leaves
+this thread's io_uring ring where it has one (opt-in, :mod:`hpsray.uring`: up to ``DEPTH`` reads
+in flight from one thread, a system call per refill). Where there is no ring (or for the few ranges a ring leaves
 short), what the page cache holds is read by ``preadv2(RWF_NOWAIT)`` and the rest is split among
 the threads, each of which first asks the kernel to start reading its whole share
 (``POSIX_FADV_WILLNEED``: asynchronous, so the device sees every range at once), then reads it.

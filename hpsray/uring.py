@@ -4,8 +4,8 @@ One ring per thread (:func:`thread_ring`), driven by the raw system calls: the l
 requests into the submission queue, enters the kernel once per refill to submit them and wait for
 at least one completion, and reaps the completion queue, so up to ``depth`` reads are in flight
 from one thread and the kernel sees them in one call instead of one ``pread`` each
-(docs/benchmarks.md, "CPU per random read": 5.2 µs of CPU per buffered read against 8.2 µs for
-hinted ``pread`` on 4 threads). Opt-in: only where ``$HPSRAY_IO_URING`` is ``1`` does
+(docs/benchmarks.md, "io_uring reads": 5.2 µs of CPU per buffered read, 3.3 µs direct, against
+8.2 µs for hinted ``pread`` on 4 threads). Opt-in: only where ``$HPSRAY_IO_URING`` is ``1`` does
 :func:`thread_ring` make a ring (its direct reads fill no page cache, so loads that the page
 cache would serve later go to the device again: docs/operations.md); elsewhere, and where the
 kernel has no io_uring or forbids it (``EPERM``, ``ENOSYS``: seccomp,
@@ -26,7 +26,7 @@ from numba import types as nbt
 
 __all__ = ["DEPTH", "Ring", "drop_thread_ring", "thread_ring"]
 
-DEPTH = 128  # reads in flight: this disk's rate stops rising past ~128 (docs/benchmarks.md)
+DEPTH = 128  # reads in flight: 166k reads/s here against 96-119k at 32 (docs/benchmarks.md, "io_uring reads")
 _ENTRIES = 256
 _SYS_SETUP, _SYS_ENTER = 425, 426  # the same numbers on every architecture since Linux 5.1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
