@@ -3,15 +3,16 @@
 Shared by serving's :mod:`~hpsray.serving.blockread` (rows of a point store) and SSD-PS partial
 loads (:mod:`~hpsray.tiers.ssd.reads`): a caller plans its ranges (sorted by file and offset,
 adjacent blocks merged), then :func:`read_parallel` issues them from numba loops that hold no GIL,
-split among a thread pool, so several reads are in flight at once (an SSD's queue depth instead
-of one page fault at a time). :func:`read_ranges` puts it together for ranges of many files:
-what the page cache holds is copied at once (from a caller's mapping of the file where it keeps
-one and ``mincore`` finds the pages resident: no system call per range); the rest goes through
-this thread's io_uring ring where it has one (opt-in, :mod:`hpsray.uring`: up to ``DEPTH`` reads
-in flight from one thread, a system call per refill). Where there is no ring (or for the few ranges a ring leaves
-short), what the page cache holds is read by ``preadv2(RWF_NOWAIT)`` and the rest is split among
-the threads, each of which first asks the kernel to start reading its whole share
-(``POSIX_FADV_WILLNEED``: asynchronous, so the device sees every range at once), then reads it.
+split among a thread pool, so several reads are in flight at once (an SSD's queue depth instead of
+one page fault at a time). :func:`read_ranges` puts it together for ranges of many files: what the
+page cache holds is copied at once (from a caller's mapping of the file where it keeps one and
+``mincore`` finds the pages resident: no system call per range); the rest goes through this thread's
+io_uring ring where it has one (:mod:`hpsray.uring`: up to ``DEPTH`` reads in flight from one
+thread, a system call per refill; past the page cache where the caller asks). Where there is no ring
+(or for the few ranges a ring leaves short), what the page cache holds is read by
+``preadv2(RWF_NOWAIT)`` and the rest is split among the threads, each of which first asks the kernel
+to start reading its whole share (``POSIX_FADV_WILLNEED``: asynchronous, so the device sees every
+range at once), then reads it.
 """
 
 from __future__ import annotations
@@ -184,16 +185,19 @@ def read_ranges(
     offsets: np.ndarray,
     lengths: np.ndarray,
     mapped: tuple[np.ndarray, np.ndarray] | None = None,
-) -> tuple[int, int]:
+    direct: bool = False,
+) -> tuple[int, int, int]:
     """Read ``lengths[r]`` bytes of file ``fds[r]`` at ``offsets[r]`` to address ``dest[r]``, for
     every range ``r`` (sorted by file and offset, so the device sees them in order): mapped and
     resident ones copied, the rest through the thread's ring or hinted then read in parallel
     (module docstring). ``mapped``: per range, the
     address and length of a read-only mapping of its file (address 0: none), kept by the caller
-    for as long as this call runs. Returns the short reads and the ranges copied from mappings."""
+    for as long as this call runs. ``direct``: the ring reads past the page cache where the
+    device takes it (:func:`ring_read`). Returns the short reads, the ranges copied from mappings
+    and those the ring read."""
     n = int(fds.size)
     if n == 0:
-        return 0, 0
+        return 0, 0, 0
     fds = np.ascontiguousarray(fds, np.int32)
     done = np.zeros(n, np.uint8)
     copied = 0
@@ -202,26 +206,28 @@ def read_ranges(
         order = np.lexsort((offsets, bases))  # a file's key and row ranges interleave
         copied = int(copy_mapped(order, bases, sizes, offsets, lengths, dest, mmap.PAGESIZE, done))
         if copied == n:
-            return 0, copied
+            return 0, copied, 0
     ring = uring.thread_ring() if n - copied >= MIN_RING_RANGES else None
     if ring is None:
         iov = np.empty((n, 2), np.uint64)
         iov[:, 0] = dest
         iov[:, 1] = lengths
         if _read_cached(fds, iov.ctypes.data, offsets, lengths, _NOWAIT, done) == n:
-            return 0, copied
+            return 0, copied, 0
     rest = np.flatnonzero(done != 1)
     fds, dest, offsets, lengths = fds[rest], dest[rest], offsets[rest], lengths[rest]
+    ringed = 0
     if ring is not None:
         try:
-            ok = ring_read(ring, fds, dest, offsets, lengths)
+            ok = ring_read(ring, fds, dest, offsets, lengths, direct)
         except OSError:
             uring.drop_thread_ring()
         else:
             again = np.flatnonzero(~ok)  # short or failed: read again the way below
+            ringed = int(ok.size - again.size)
             fds, dest, offsets, lengths = fds[again], dest[again], offsets[again], lengths[again]
     args = (fds, 0, dest, offsets, lengths)
-    return read_parallel(pool, threads, hinted_pread_ranges, args, int(fds.size)), copied
+    return read_parallel(pool, threads, hinted_pread_ranges, args, int(fds.size)), copied, ringed
 
 
 @nb.njit(nogil=True, cache=True)
@@ -235,17 +241,22 @@ def _copy_staged(stage, staged, skip, dest, lengths, got, need, ok):
 
 
 def ring_read(
-    ring: uring.Ring, fds: np.ndarray, dest: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+    ring: uring.Ring,
+    fds: np.ndarray,
+    dest: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    direct: bool,
 ) -> np.ndarray:
-    """Read every range through ``ring``: ``O_DIRECT`` where the file's device takes it (each
+    """Read every range through ``ring``: with ``direct``, ``O_DIRECT`` where the file's device takes it (each
     range widened to its device's logical blocks, read into the ring's bounce buffer of at most
     ``STAGE_BYTES``, a share of the ranges at a time, and copied out: no page cache filled, none
     reclaimed), else buffered. Returns which ranges were read whole; raises ``OSError`` when the
     ring fails."""
-    direct = _direct_fds(fds)
-    if direct is None:
+    opened = _direct_fds(fds) if direct else None
+    if opened is None:
         return ring.read(fds, dest, offsets, lengths) == lengths
-    dfds, align = direct
+    dfds, align = opened
     try:
         start = offsets // align * align
         need = offsets + lengths - start

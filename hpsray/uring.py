@@ -5,11 +5,11 @@ requests into the submission queue, enters the kernel once per refill to submit 
 at least one completion, and reaps the completion queue, so up to ``depth`` reads are in flight
 from one thread and the kernel sees them in one call instead of one ``pread`` each
 (docs/benchmarks.md, "io_uring reads": 5.2 µs of CPU per buffered read, 3.3 µs direct, against
-8.2 µs for hinted ``pread`` on 4 threads). Opt-in: only where ``$HPSRAY_IO_URING`` is ``1`` does
-:func:`thread_ring` make a ring (its direct reads fill no page cache, so loads that the page
-cache would serve later go to the device again: docs/operations.md); elsewhere, and where the
-kernel has no io_uring or forbids it (``EPERM``, ``ENOSYS``: seccomp,
-``kernel.io_uring_disabled``), it returns ``None`` and callers read the way they did before.
+8.2 µs for hinted ``pread`` on 4 threads). On unless ``$HPSRAY_IO_URING`` is ``0``
+(docs/operations.md); where it is, and where the kernel has no io_uring or forbids it (``EPERM``,
+``ENOSYS``: seccomp, ``kernel.io_uring_disabled``), :func:`thread_ring` returns ``None`` and
+callers read with ``pread``. Whether a ring's reads go past the page cache is the caller's
+choice (:func:`hpsray.blockio.ring_read`).
 """
 
 from __future__ import annotations
@@ -175,11 +175,11 @@ _local = threading.local()
 
 
 def thread_ring() -> Ring | None:
-    """This thread's ring, made on first use where ``$HPSRAY_IO_URING`` is ``1``; ``None`` where
-    it is not or io_uring is unavailable (module docstring): then always ``None`` in this thread."""
+    """This thread's ring, made on first use unless ``$HPSRAY_IO_URING`` is ``0``; ``None`` where
+    it is, or io_uring is unavailable (module docstring): then always ``None`` in this thread."""
     if not hasattr(_local, "ring"):
         _local.ring = None
-        if os.environ.get("HPSRAY_IO_URING", "0").strip() == "1":
+        if os.environ.get("HPSRAY_IO_URING", "1").strip() != "0":
             try:
                 _local.ring = Ring()
             except OSError:

@@ -7,7 +7,7 @@ store reopened and read back; the same job then runs with every row in memory. R
 ``in_memory_examples_per_s``, ``lossless.equal``, ``disk_high_water_vs_live``,
 ``key_map_bytes_per_key``, ``reopen_seconds_per_100m_keys``, the disk's random-read bound measured
 on the store's files after training (``disk_bound``), the timed pass's load stage beside it
-(``load_stage``, ``load_reads_vs_disk_bound`` at the store's I/O threads; ``load_stage.hit_rate``:
+(``load_stage``, ``load_reads_vs_disk_bound`` at the depth loads keep in flight; ``load_stage.hit_rate``:
 the measured MEM-PS hit rate beside Belady's at ``--mem-rows`` and a never-evicting cache's), ...).
 The phases and the lossless check: docs/benchmarks.md, section "Bigger than memory". The children's side is
 :mod:`~hpsray.bench.bigger_than_memory_phases`; the cgroup, :mod:`~hpsray.bench.memory_cgroup`.

@@ -8,7 +8,7 @@ differences) into the load stage's reads/s and bytes/s and their ratios to the b
 store's queue depth (:func:`hpsray.blockio.queue_depth`: its io_uring ring's, else its I/O
 threads): ``load_reads_vs_disk_bound`` and ``load_bytes_vs_disk_bound``
 (the reads counted include those the page cache served: ``reads_mapped_share`` of them were
-copied from a mapping).
+copied from a mapping, ``reads_ring_share`` read through the load threads' io_uring rings).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ COUNTERS = (
     "bytes_read",
     "reads_issued",
     "reads_mapped",
+    "reads_ring",
     "pages_read",
     "files_read",
     "files_read_partially",
@@ -71,6 +72,7 @@ def load_vs_bound(counts: dict, bound: DiskBound, depth: int) -> dict:
         "reads_per_row": counts["reads_issued"] / rows,
         "pages_per_row": counts.get("pages_read", 0) / rows,
         "reads_mapped_share": counts.get("reads_mapped", 0) / max(int(counts["reads_issued"]), 1),
+        "reads_ring_share": counts.get("reads_ring", 0) / max(int(counts["reads_issued"]), 1),
         "files_read_partially_share": counts["files_read_partially"] / max(int(counts["files_read"]), 1),
         "reads_per_s": reads_s,
         "bytes_per_s": bytes_s,

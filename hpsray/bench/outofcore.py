@@ -177,6 +177,7 @@ def _summary(report: dict, extra: dict, batches: int) -> dict:
                 "load_cpu_seconds",
                 "reads_issued",
                 "reads_mapped",
+                "reads_ring",
                 "dumps",
                 "bytes_written",
                 "dump_seconds",

@@ -1,19 +1,20 @@
 """The disk under SSD-PS in the plan: its measured random-read bound, cached per disk, and what it
 adds to the load stage of a job bigger than memory.
 
-A missed row the page cache does not hold costs the load stage :func:`reads_per_missed_row`
-random reads of the disk (a partial load reads the touched block's keys and its rows, or only
-the row of a one-row block, :mod:`~hpsray.tiers.ssd.reads`), hinted all at once by the store's
-``io_threads``: ``reads / bound(deepest depth probed)`` seconds, on top of the engine's own
-seconds (the calibration's store is small and cached). The share of missed rows read from the disk
-(:func:`cold_share`) is what the page cache cannot hold: the store's bytes beyond the memory the
-plan leaves to the cache.
+A missed row the page cache does not hold costs the load stage :func:`reads_per_missed_row` random
+reads of the disk (a partial load reads the touched block's keys and its rows, or only the row of a
+one-row block, :mod:`~hpsray.tiers.ssd.reads`), in flight at once (a load thread's io_uring ring,
+else the store's ``io_threads``): ``reads / bound(deepest depth probed)`` seconds, on top of the
+engine's own seconds (the calibration's store is small and cached). The share of missed rows read
+from the disk (:func:`cold_share`) is what the page cache cannot hold: the store's bytes beyond the
+memory the plan leaves to the cache.
 
 The bound is measured with ``hpsray plan --calibrate`` (:func:`measure_bound`: a scratch file in the
-SSD-PS directory's file system, random reads of one checksummed block at depths 1, 8, 32 and the
-store's I/O threads, a second each) and cached beside the stage costs (:func:`cache_file`), keyed by
-this host and the disk's device; like the stage costs, a bound measured while the load average is
-above the cores serves that plan only and is not cached (other processes' reads share the disk).
+SSD-PS directory's file system, random reads of one checksummed block at depths 1, 8, 32, the
+store's I/O threads and the depth its loads keep in flight, :func:`hpsray.blockio.queue_depth`, a
+second each) and cached beside the stage costs (:func:`cache_file`), keyed by this host and the
+disk's device; like the stage costs, a bound measured while the load average is above the cores
+serves that plan only and is not cached (other processes' reads share the disk).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import socket
 import tempfile
 from dataclasses import asdict
 
+from hpsray.blockio import queue_depth
 from hpsray.fileio import write_json
 from hpsray.plan.pipeline_cost import cache_file as costs_cache_file
 from hpsray.tiers.ssd.paramfile import block_rows_for
@@ -83,8 +85,8 @@ def load_bound(path: str | None) -> DiskBound | None:
     try:
         with open(cache_file()) as f:
             d = json.load(f)
-        if d.pop("key") != disk_key(path):
-            return None
+        if d.pop("key") != disk_key(path) or "issued_by" not in d.get("extra", {}):
+            return None  # another disk's, or measured before the probe read through a ring
         for name in ("reads_per_s", "bytes_per_s", "reads", "seconds"):
             d[name] = {int(k): v for k, v in d[name].items()}
         return DiskBound(**d)
@@ -111,7 +113,8 @@ def measure_bound(
         from hpsray.tiers.ssd.probe import scratch_file
 
         f = scratch_file(d, nbytes)
-        bound = probe([f], block_rows_for(width) * 4 * width, tuple(sorted({*DEPTHS, max(1, io_threads)})), seconds)
+        depths = tuple(sorted({*DEPTHS, max(1, io_threads), queue_depth(io_threads)}))
+        bound = probe([f], block_rows_for(width) * 4 * width, depths, seconds)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if bound.load_average > cores:
         return bound, f"load average {bound.load_average:.1f} above the {cores} cores"

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from hpsray.blockio import queue_depth
 from hpsray.job import JobConfig
 from hpsray.plan import make_plan
 from hpsray.plan.calibrate import STAGES, Calibration, predict_rate
@@ -16,6 +17,7 @@ from hpsray.plan.disk import (
     READS_PER_MISSED_ROW,
     cache_file,
     cold_share,
+    disk_key,
     disk_s_per_row,
     load_bound,
     measure_bound,
@@ -57,7 +59,8 @@ def test_the_bound_is_cached_per_disk_and_not_when_the_machine_is_busy(tmp_path,
     monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
     bound, why = measure_bound(ssd, 4, 4, seconds=0.05, nbytes=1 << 20)
     assert why is not None and "load average 99.0" in why and load_bound(ssd) is None
-    assert set(bound.reads_per_s) == {1, 4, 8, 32} and bound.read_bytes == 4096
+    # 1, 8, 32, the 4 I/O threads and the depth loads keep in flight (a ring's 128, else the threads)
+    assert set(bound.reads_per_s) == {1, 4, 8, 32, queue_depth(4)} and bound.read_bytes == 4096
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     bound, why = measure_bound(ssd, 4, 4, seconds=0.05, nbytes=1 << 20)
     if not bound.direct:
@@ -67,6 +70,9 @@ def test_the_bound_is_cached_per_disk_and_not_when_the_machine_is_busy(tmp_path,
     assert not [n for n in os.listdir(tmp_path) if n.startswith("hpsray-disk-")]  # scratch removed
     d = json.loads(open(cache_file()).read())
     d["key"] = "another-host|8:0"
+    open(cache_file(), "w").write(json.dumps(d))
+    assert load_bound(ssd) is None
+    d["key"], d["extra"] = disk_key(ssd), {}  # measured before the probe said what issued its reads
     open(cache_file(), "w").write(json.dumps(d))
     assert load_bound(ssd) is None
 

@@ -6,13 +6,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hpsray import uring
 from hpsray.tiers.ssd import SSDPS
 from hpsray.tiers.ssd.probe import PAGE, DiskBound, DiskCounters, probe, read_size, scratch_file
 
 
-def test_probe_reads_random_pages_of_a_real_file_per_depth(tmp_path):
+def _no_ring(*_: object) -> uring.Ring:
+    raise OSError(38, "io_uring_setup: Function not implemented")
+
+
+def _ring_works() -> bool:
+    try:
+        uring.Ring().close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("ring", [True, False])
+def test_probe_reads_random_pages_of_a_real_file_per_depth(tmp_path, ring, monkeypatch):
+    if not ring:  # a kernel without io_uring: the depth comes from threads
+        monkeypatch.setattr(uring, "Ring", _no_ring)
     path = scratch_file(str(tmp_path), 4 << 20)
     bound = probe([path], 1000, depths=(1, 4), seconds=10.0, max_reads=300)
+    assert bound.to_dict()["issued_by"] == ("io_uring" if ring and _ring_works() else "threads")
     assert bound.read_bytes == PAGE == read_size(1000)  # whole pages, as the page cache reads
     assert bound.reads == {1: 300, 4: 300}  # the read budget ends each depth, not the clock
     for d in (1, 4):

@@ -49,12 +49,12 @@ def test_read_ranges_reads_cached_and_uncached_ranges_in_parallel(tmp_path):
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(4) as pool:
-            short, mapped = read_ranges(pool, 4, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
+            short, mapped, _ = read_ranges(pool, 4, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
         assert short == 0 and mapped == 0
         for r in range(n):
             assert np.array_equal(out[at[r] : at[r + 1]], data[f[r]][off[r] : off[r] + length[r]])
         end = np.asarray([(1 << 20) - 10])
-        past, _ = read_ranges(None, 1, np.asarray(fds[:1]), np.asarray([out.ctypes.data]), end, np.asarray([20]))
+        past, _, _ = read_ranges(None, 1, np.asarray(fds[:1]), np.asarray([out.ctypes.data]), end, np.asarray([20]))
         assert past == 1  # a range past the end of its file is a short read
     finally:
         for fd in fds:
@@ -85,18 +85,18 @@ def test_read_ranges_copies_the_resident_ranges_of_mapped_files_and_reads_the_re
         np.cumsum(length, out=at[1:])
         out = np.zeros(int(at[-1]), np.uint8)
         sizes = np.full(3, 1 << 18, np.int64)
-        short, copied = read_ranges(
+        short, copied, _ = read_ranges(
             None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length, (base[f], sizes[f])
         )
         assert short == 0 and copied == 40  # file 0's ranges; file 1's pages were not resident
         for r in range(f.size):
             assert np.array_equal(out[at[r] : at[r + 1]], data[f[r]][off[r] : off[r] + length[r]])
-        short, copied = read_ranges(
+        short, copied, _ = read_ranges(
             None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length, (base[f], sizes[f])
         )
         assert short == 0 and copied == 80  # file 1's ranges are resident now
         end, one = np.asarray([(1 << 18) - 10]), np.asarray([0])
-        past, copied = read_ranges(
+        past, copied, _ = read_ranges(
             None, 1, np.asarray(fds[:1]), np.asarray([out.ctypes.data]), end, np.asarray([20]), (base[one], sizes[one])
         )
         assert (past, copied) == (1, 0)  # past the mapping: not copied, a short read
@@ -162,6 +162,34 @@ def test_partial_loads_of_many_files_equal_the_rows_cold_and_cached(tmp_path):
         st = s.stats
         assert st["files_read_partially"] == st["files_read"] == 6 * 20
         assert st["bytes_read"] < 6 * s.stats["disk_bytes"] // 4  # blocks, not whole files
+
+
+def test_rounds_read_while_the_next_is_planned_place_every_row_and_a_bad_round_raises(tmp_path, monkeypatch):
+    from hpsray.tiers.ssd import reads as ssd_reads
+
+    monkeypatch.setattr(
+        ssd_reads, "PARTIAL_ROUND_FILES", 3
+    )  # 20 files: 7 rounds, each fetched while the next is planned
+    br = block_rows_for(W)
+    rpf = 64 * br
+    keys = np.arange(1, 20 * rpf + 1, dtype=np.uint64)
+    want = keys[:: 7 * br + 3]  # a few blocks of every file
+    with SSDPS(tmp_path / "s", W, rows_per_file=rpf, background=False) as s:
+        for part in np.array_split(keys, 20):
+            s.dump(part, rows_for(part))
+        _drop(tmp_path / "s")
+        for _ in range(2):  # cold, then from the mappings
+            got, found = s.load(want[::-1])
+            assert found.all() and np.array_equal(got, rows_for(want[::-1]))
+        assert s.stats["files_read_partially"] == 2 * 20
+        middle = tmp_path / "s" / file_name(s.file_stats()[10]["file_no"])
+        os.truncate(middle, 4096)  # a round in the middle fails; the rounds around it were in flight
+        _drop(tmp_path / "s")
+        with pytest.raises(CorruptFileError, match="short reads.*truncated|checksum mismatch"):
+            s.load(want)
+        ok = want[want <= 10 * rpf]  # the files before it are still served
+        got, found = s.load(ok)
+        assert found.all() and np.array_equal(got, rows_for(ok))
 
 
 def test_a_truncated_file_is_named_by_a_partial_load(tmp_path):

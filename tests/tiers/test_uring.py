@@ -1,6 +1,7 @@
 """Reads through an io_uring ring (``hpsray.uring``) and ``read_ranges`` over it: the bytes equal
 ``pread``'s, direct and buffered, in one fill of the bounce buffer or many; a short range and a
-failed ring fall back to ``pread``; the ring is made only where ``HPSRAY_IO_URING=1``."""
+failed ring fall back to ``pread``; the ring is made unless ``HPSRAY_IO_URING=0``; a store larger
+than its share of memory reads past the page cache, a smaller one through it."""
 
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def expect(datas, f, off, length) -> list[bytes]:
     return [datas[f[r]][off[r] : off[r] + length[r]] for r in range(f.size)]
 
 
-@pytest.mark.parametrize("where", ["disk", "tmpfs"])
-def test_ring_reads_equal_pread_direct_and_buffered(tmp_path, where, monkeypatch):
+@pytest.mark.parametrize(("where", "direct"), [("disk", True), ("disk", False), ("tmpfs", True)])
+def test_ring_reads_equal_pread_direct_and_buffered(tmp_path, where, direct, monkeypatch):
     if where == "tmpfs":
         if not os.path.isdir("/dev/shm"):
             pytest.skip("no /dev/shm")
@@ -92,12 +93,14 @@ def test_ring_reads_equal_pread_direct_and_buffered(tmp_path, where, monkeypatch
         f, off, length, at = ranges(2000, seed=3)
         out = np.zeros(int(at[-1]), np.uint8)
 
-        def go() -> tuple[int, int, bool]:
-            short, copied = read_ranges(None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
-            return short, copied, uring.thread_ring() is not None
+        def go() -> tuple[int, int, int, bool]:
+            fd, dest = np.asarray(fds)[f], at[:-1] + out.ctypes.data
+            short, copied, ringed = read_ranges(None, 1, fd, dest, off, length, direct=direct)
+            return short, copied, ringed, uring.thread_ring() is not None
 
-        short, copied, kept = in_thread(go)
-        assert (short, copied, kept) == (1, 0, True)  # only the range past the end is short
+        short, copied, ringed, kept = in_thread(go)
+        # only the range past the end is short (read again by pread); the ring read the rest
+        assert (short, copied, ringed, kept) == (1, 0, f.size - 1, True)
         want = expect(datas, f, off, length)
         got = [out[at[r] : at[r + 1]].tobytes() for r in range(f.size)]
         assert got[:-1] == want[:-1] and got[-1][:100] == want[-1]
@@ -123,15 +126,15 @@ def test_a_failed_ring_is_dropped_and_the_reads_fall_back_to_pread(tmp_path):
         f, off, length, at = ranges(500, seed=5)
         out = np.zeros(int(at[-1]), np.uint8)
 
-        def go() -> tuple[int, bool]:
+        def go() -> tuple[int, int, bool]:
             ring = uring.thread_ring()
             assert ring is not None
             os.close(ring.fd)  # the fault: every enter now fails
             ring.fd = os.open(os.devnull, os.O_RDONLY)  # a descriptor the ring's close may close
-            short, _ = read_ranges(None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
-            return short, uring.thread_ring() is None
+            short, _, ringed = read_ranges(None, 1, np.asarray(fds)[f], at[:-1] + out.ctypes.data, off, length)
+            return short, ringed, uring.thread_ring() is None
 
-        assert in_thread(go) == (1, True)
+        assert in_thread(go) == (1, 0, True)
         got = [out[at[r] : at[r + 1]].tobytes() for r in range(f.size)]
         assert got[:-1] == expect(datas, f, off, length)[:-1]
     finally:
@@ -139,7 +142,7 @@ def test_a_failed_ring_is_dropped_and_the_reads_fall_back_to_pread(tmp_path):
             os.close(fd)
 
 
-def test_a_closed_ring_raises_and_the_ring_is_opt_in(tmp_path, monkeypatch):
+def test_a_closed_ring_raises_and_the_ring_is_on_unless_turned_off(tmp_path, monkeypatch):
     fds, _ = files(str(tmp_path), 1)
     ring = uring.Ring()
     real = ring.fd
@@ -154,10 +157,42 @@ def test_a_closed_ring_raises_and_the_ring_is_opt_in(tmp_path, monkeypatch):
         ring.close()
         os.close(fds[0])
     assert in_thread(lambda: blockio.queue_depth(6)) == uring.DEPTH
-    for off in ("0", None):
-        if off is None:
-            monkeypatch.delenv("HPSRAY_IO_URING")
-        else:
-            monkeypatch.setenv("HPSRAY_IO_URING", off)
-        assert in_thread(uring.thread_ring) is None
-        assert in_thread(lambda: blockio.queue_depth(6)) == 6
+    monkeypatch.delenv("HPSRAY_IO_URING")  # on by default
+    assert in_thread(lambda: blockio.queue_depth(6)) == uring.DEPTH
+    monkeypatch.setenv("HPSRAY_IO_URING", "0")
+    assert in_thread(uring.thread_ring) is None
+    assert in_thread(lambda: blockio.queue_depth(6)) == 6
+
+
+@pytest.mark.parametrize("share", [0.0, None])
+def test_a_store_larger_than_its_share_of_memory_reads_past_the_page_cache(tmp_path, share, monkeypatch):
+    from hpsray.tiers.ssd import SSDPS
+    from hpsray.tiers.ssd import reads as ssd_reads
+
+    if share is not None:  # every store is "larger" than 0 bytes: read O_DIRECT
+        monkeypatch.setattr(ssd_reads, "DIRECT_SHARE", share)
+    width, rpf = 32, 64 * 8
+    keys = np.arange(1, 12 * rpf + 1, dtype=np.uint64)
+    rows = np.repeat(keys[:, None].astype(np.float32), width, axis=1)
+    want = keys[::40]  # a few blocks of every file: partial loads
+    with SSDPS(tmp_path / "s", width, rows_per_file=rpf, background=False) as s:
+        for part in np.array_split(np.arange(keys.size), 12):
+            s.dump(keys[part], rows[part])
+    with SSDPS(tmp_path / "s", background=False) as s:
+        drop_cache(str(p) for p in (tmp_path / "s").iterdir())
+
+        def twice() -> list[dict]:
+            out = []
+            for _ in range(2):
+                before = s.stats
+                got, found = s.load(want)
+                assert found.all() and np.array_equal(got, rows[want - 1])
+                out.append({k: s.stats[k] - before[k] for k in ("reads_issued", "reads_mapped", "reads_ring")})
+            return out
+
+        cold, again = in_thread(twice)
+    assert cold["reads_mapped"] == 0 and cold["reads_ring"] == cold["reads_issued"] > 0
+    if share is not None:  # nothing was left in the page cache: the ring reads every range again
+        assert again["reads_mapped"] == 0 and again["reads_ring"] == again["reads_issued"]
+    else:  # read through the page cache: the second load copies every range from the mappings
+        assert again["reads_mapped"] == again["reads_issued"] and again["reads_ring"] == 0

@@ -1,15 +1,18 @@
 """The disk's random-read bound: what the device under SSD-PS can read at random, per queue depth.
 
 :func:`probe` reads random page-aligned ranges of ``read_bytes`` from real files (a store's own
-parameter files, or :func:`scratch_file`) for a few seconds per queue depth, ``depth`` threads each
-issuing one ``pread`` at a time from a numba loop that holds no GIL (:func:`hpsray.blockio.pread_ranges`),
-so ``depth`` reads are in flight. Reads bypass the page cache (``O_DIRECT``, page-aligned buffers
-from ``mmap``); where the file system refuses ``O_DIRECT`` (tmpfs) the files are dropped from the
-cache (``POSIX_FADV_DONTNEED``) before each depth and read through it, and the result says so
-(``direct`` false: a bound of the cache, not of a disk). :class:`DiskCounters` reads the device's
-own counters (``/proc/diskstats``) around a run: reads completed, bytes, and the mean reads in
-flight (the device's milliseconds reading over the wall's, Little's law); they count every
-process's reads of that device.
+parameter files, or :func:`scratch_file`) for a few seconds per queue depth, ``depth`` reads in
+flight: from one io_uring ring (:class:`hpsray.uring.Ring`, as SSD-PS loads issue them) where the
+kernel gives one, else from ``depth`` threads each issuing one ``pread`` at a time from a numba loop
+that holds no GIL (:func:`hpsray.blockio.pread_ranges`). On this machine's 2 cores threads reached
+59k reads/s at depth 128 where one ring read 136k/s of the same file (docs/benchmarks.md, "io_uring
+reads"): the ring's rate is the disk's, the threads' is their CPU. Reads bypass the page cache
+(``O_DIRECT``, page-aligned buffers from ``mmap``); where the file system refuses ``O_DIRECT``
+(tmpfs) the files are dropped from the cache (``POSIX_FADV_DONTNEED``) before each depth and read
+through it, and the result says so (``direct`` false: a bound of the cache, not of a disk).
+:class:`DiskCounters` reads the device's own counters (``/proc/diskstats``) around a run: reads
+completed, bytes, and the mean reads in flight (the device's milliseconds reading over the wall's,
+Little's law); they count every process's reads of that device.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hpsray import uring
 from hpsray.blockio import pread_ranges
 
 __all__ = ["DEPTHS", "PAGE", "DiskBound", "DiskCounters", "probe", "read_size", "scratch_file"]
@@ -89,6 +93,7 @@ class DiskBound:
             "load_average": self.load_average,
             "note": self.note,
             "measured_at": self.measured_at,
+            **self.extra,
         }
 
 
@@ -163,7 +168,8 @@ def probe(
             if not direct:
                 for fd in fds:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            n, dt = _at_depth(np.asarray(fds, np.int32), pages, weights, size, depth, seconds, max_reads, seed)
+            at = np.asarray(fds, np.int32)
+            n, dt, issued_by = _at_depth(at, pages, weights, size, depth, seconds, max_reads, seed)
             counts[depth], secs[depth] = n, dt
             rates[depth] = n / dt
             bps[depth] = n * size / dt
@@ -183,10 +189,73 @@ def probe(
         load_average=max(load0, os.getloadavg()[0]),
         note=note,
         measured_at=when,
+        extra={"issued_by": issued_by},
     )
 
 
 def _at_depth(
+    fds: np.ndarray,
+    pages: np.ndarray,
+    weights: np.ndarray,
+    size: int,
+    depth: int,
+    seconds: float,
+    max_reads: int | None,
+    seed: int,
+) -> tuple[int, float, str]:
+    """The reads done and the seconds they took at ``depth`` in flight, and what issued them
+    (``"io_uring"``, else ``"threads"``). Raises ``OSError`` on a short read."""
+    try:
+        ring = uring.Ring(max(8, 2 * depth))
+    except OSError:
+        return (*_at_depth_threads(fds, pages, weights, size, depth, seconds, max_reads, seed), "threads")
+    try:
+        return (*_at_depth_ring(ring, fds, pages, weights, size, depth, seconds, max_reads, seed), "io_uring")
+    finally:
+        ring.close()
+
+
+def _at_depth_ring(
+    ring: uring.Ring,
+    fds: np.ndarray,
+    pages: np.ndarray,
+    weights: np.ndarray,
+    size: int,
+    depth: int,
+    seconds: float,
+    max_reads: int | None,
+    seed: int,
+) -> tuple[int, float]:
+    """``ring`` reading random pages of ``fds`` as :func:`_at_depth_threads` does, ``depth`` in
+    flight, in calls of many reads (each call drains the ring once at its end)."""
+    rng = np.random.default_rng((seed, depth))
+    per_call = max(64 * depth, 1024)
+    slots = min(per_call, 4096)  # buffers reused round-robin: reads in flight never share one
+    buf = mmap.mmap(-1, size * slots)
+    view = np.frombuffer(buf, np.uint8)
+    done = 0
+    try:
+        dest = view.ctypes.data + (np.arange(per_call, dtype=np.int64) % slots) * size
+        lengths = np.full(per_call, size, np.int64)
+        t0 = time.perf_counter()
+        deadline = t0 + seconds
+        while time.perf_counter() < deadline and (max_reads is None or done < max_reads):
+            n = per_call if max_reads is None else min(per_call, max_reads - done)
+            f = rng.choice(fds.size, size=n, p=weights)
+            offs = (rng.random(n) * pages[f]).astype(np.int64) * PAGE
+            got = ring.read(fds[f], dest[:n], offs, lengths[:n], depth=depth)
+            if (got != size).any():
+                short = int((got != size).sum())
+                raise OSError(f"disk probe: {short} reads of {size} bytes came back short (depth {depth})")
+            done += n
+        dt = time.perf_counter() - t0
+    finally:
+        del view
+        buf.close()
+    return done, dt
+
+
+def _at_depth_threads(
     fds: np.ndarray,
     pages: np.ndarray,
     weights: np.ndarray,

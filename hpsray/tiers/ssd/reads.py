@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 
 from hpsray.blockio import read_ranges
 from hpsray.errors import CorruptFileError
+from hpsray.memlimit import memory_limit
 from hpsray.tiers.ssd.blockpick import pick_known, pick_staged, touched_blocks, touched_blocks_upto
 from hpsray.tiers.ssd.maps import FileMaps
 from hpsray.tiers.ssd.outbuf import OutputPool
@@ -34,12 +36,17 @@ from hpsray.tiers.ssd.readplan import group_keys, pick_rows, plan_blocks
 from hpsray.tiers.ssd.state import StoreState
 from hpsray.tiers.ssd.wholeread import ONE_PASS, Buffers, chunk_rows_for, read_pick
 
-__all__ = ["MAX_OPEN_FILES", "PARTIAL_ROUND_FILES", "ROUND_BYTES", "Reads"]
+__all__ = ["DIRECT_SHARE", "MAX_OPEN_FILES", "PARTIAL_ROUND_FILES", "ROUND_BYTES", "Reads"]
 
 MAX_OPEN_FILES = 64  # files opened per whole-file round: bounds descriptors...
 ROUND_BYTES = 128 << 20  # ...and the bytes read ahead of the rows being picked
 PARTIAL_ROUND_FILES = 256  # most files whose blocks one partial round reads (their ranges all in flight)...
 PARTIAL_ROUND_BYTES = 32 << 20  # ...and about the most bytes of blocks it stages (one file's blocks at least)
+DIRECT_SHARE = 0.5
+"""A store whose files exceed this share of the memory its process may use (:func:`memory_limit`)
+reads its partial loads' misses past the page cache (``O_DIRECT`` through the load thread's ring,
+:func:`hpsray.blockio.ring_read`): the page cache could not keep them, so filling it only costs
+reclaim; a smaller store reads through the cache, which then serves the next loads."""
 PAGE_BYTES = 4096  # what the device and the page cache read at the least
 MERGE_GAP_BYTES = PAGE_BYTES  # blocks of a file closer than this (a page) are read in one range, the gap too
 
@@ -49,6 +56,28 @@ def _will_need(fds: list[int]) -> None:
     so it runs on an I/O thread while the caller goes on)."""
     for fd in fds:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+
+
+@dataclass(frozen=True)
+class _BlockRead:
+    """One partial round planned (:meth:`Reads._plan_blocks`): its files (``tasks``, each
+    ``(indices into the load's keys, positions, file number)``; ``tstart``: where each starts in
+    ``idx``/``pos``), each position's block (``ublk``), the blocks (task, number, where their keys
+    and rows land, rows; ``expected``: checksums), the staging buffers, the ranges to read
+    (descriptor, address, offset, length) with each file's mapping, and whether past the page cache."""
+
+    tasks: list
+    tstart: np.ndarray
+    idx: np.ndarray
+    pos: np.ndarray
+    ublk: np.ndarray
+    blk: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    expected: np.ndarray
+    staged_keys: np.ndarray
+    staged_rows: np.ndarray
+    ranges: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    mapped_at: tuple[np.ndarray, np.ndarray]
+    direct: bool
 
 
 class Reads:
@@ -63,6 +92,10 @@ class Reads:
         self.chunk_rows = chunk_rows_for(state.width)  # whole files are verified and picked a chunk at a time
         self.outputs = OutputPool()  # the memory of released outputs, for the next loads
         self.maps = FileMaps()  # partial loads copy resident blocks from these
+        # one thread reads a partial round's blocks while the load's thread plans the next
+        self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssdps-fetch")
+        # files larger than this are read past the page cache (DIRECT_SHARE)
+        self.direct_above = int(memory_limit()[0] * DIRECT_SHARE)
 
     def load(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
         """Rows of ``keys``, the found mask, and the load's counters (see :meth:`SSDPS.load`)."""
@@ -75,8 +108,9 @@ class Reads:
         opened: list[tuple[list, list, list]] = []
         prefetch: list = []
         gone: list[np.ndarray] = []  # keys deleted between the lookup and their round
+        fetching: list[tuple[_BlockRead, Future]] = []  # partial rounds whose reads are in flight
         n_files = n_bytes = n_reads = 0
-        n_partial = n_mapped = 0
+        n_partial = n_mapped = n_ring = 0
         partial_bytes = partial_pages = 0
         with st.lock:
             self.maps.begin(st.files.slot_of)
@@ -110,7 +144,9 @@ class Reads:
             # Files whose requested rows fill few blocks: only those blocks are read (merged
             # ranges, all in flight, checksummed blocks), in rounds of open descriptors.
             part = groups[partial]
-            for cut in self._partial_rounds(part, starts, pos):
+            cuts = self._partial_rounds(part, starts, pos)
+            last_cut = cuts[-1] if cuts else None
+            for cut in cuts:
                 opened.append(self._open_round(keys, cut, starts, idx, pos, file_no, gone))
                 tasks, fds, metas = opened[-1]
                 blocky = [t for t, (_, table) in enumerate(metas) if table is not None]
@@ -125,14 +161,21 @@ class Reads:
                     n_reads += sum(self._whole_reads(m) for m in metas if m[1] is None)
                 if blocky:
                     picked = ([tasks[t] for t in blocky], [fds[t] for t in blocky], [metas[t] for t in blocky])
-                    got, ranges, mapped, pages = self._read_blocks(keys, out, *picked)
+                    plan = self._plan_blocks(*picked)
+                    fetching.append((plan, self.fetcher.submit(self._fetch_blocks, plan)))
+                    n_partial += len(blocky)
+                n_files += len(tasks)
+                # the next round is planned while this one's reads are in flight; then the
+                # previous round's rows are placed
+                while len(fetching) > 1 or (fetching and cut is last_cut):
+                    plan, fut = fetching.pop(0)
+                    got, ranges, mapped, ringed, pages = self._place_blocks(keys, out, plan, fut.result())
                     n_bytes += got
                     partial_bytes += got
                     partial_pages += pages
                     n_reads += ranges
                     n_mapped += mapped
-                    n_partial += len(blocky)
-                n_files += len(tasks)
+                    n_ring += ringed
             # Whole files: rounds of a few files (ROUND_BYTES), opened under the lock: an open
             # descriptor keeps a file readable even if compaction unlinks it a moment later.
             # Later rounds check that their files are still live and look up again the rows of
@@ -162,6 +205,7 @@ class Reads:
         finally:
             for futures in pending:  # an error left reads running: they use the descriptors
                 wait(futures)
+            wait([fut for _, fut in fetching])
             wait(prefetch)  # before their descriptors close
             self.maps.end()  # no read of this load runs any more
             for _, fds, _ in opened:
@@ -180,6 +224,7 @@ class Reads:
             "bytes_read": n_bytes,
             "reads_issued": n_reads,
             "reads_mapped": n_mapped,
+            "reads_ring": n_ring,
             "pages_read": partial_pages + -(-(n_bytes - partial_bytes) // PAGE_BYTES),
         }
         return out, found, counts
@@ -190,7 +235,9 @@ class Reads:
         return 2 + -(-meta[0] // self.chunk_rows) + (meta[1] is not None)
 
     def close(self) -> None:
-        """Release the kept output memory and every file mapping (no load may be running)."""
+        """Release the kept output memory, every file mapping and the fetch thread (no load may
+        be running)."""
+        self.fetcher.shutdown(wait=True)
         self.outputs.clear()
         self.maps.close()
 
@@ -303,16 +350,10 @@ class Reads:
             at = end
         return rounds
 
-    def _read_blocks(
-        self, keys: np.ndarray, out: np.ndarray, tasks: list, fds: list[int], metas: list
-    ) -> tuple[int, int, int, int]:
-        """Read the touched blocks of the files ``tasks`` (open as ``fds``; ``metas``: rows and
-        block table of each) in merged ranges into one staging buffer: those the page cache
-        holds copied from the files' mappings, the rest hinted then read on the I/O threads;
-        verify each block's checksum and the key at each position (one-row blocks: the checksum
-        over the key asked for and the row read, no key read), and place the rows. Returns the
-        bytes read, the reads (merged ranges) issued, how many of them were mapped copies and
-        the pages they span."""
+    def _plan_blocks(self, tasks: list, fds: list[int], metas: list) -> _BlockRead:
+        """Plan the reads of the touched blocks of the files ``tasks`` (open as ``fds``;
+        ``metas``: rows and block table of each): merged ranges into one staging buffer, each
+        block's expected checksum, and where each position's block lands."""
         st = self.state
         sizes = np.fromiter((t[0].size for t in tasks), np.int64, len(tasks))
         tstart = np.zeros(len(tasks) + 1, np.int64)
@@ -347,23 +388,57 @@ class Reads:
         bases, lengths = self.maps.addresses([t[2] for t in tasks], fds)
         by_fd = np.argsort(tfd)
         r_task = by_fd[np.searchsorted(tfd[by_fd], r_fd)]
-        short, mapped = read_ranges(st.pool, st.io_threads, r_fd, dest, r_off, r_len, (bases[r_task], lengths[r_task]))
+        return _BlockRead(
+            tasks=tasks,
+            tstart=tstart,
+            idx=idx,
+            pos=pos,
+            ublk=ublk,
+            blk=(blk_task, blk_b, blk_kat, blk_at, blk_n),
+            expected=expected,
+            staged_keys=staged_keys,
+            staged_rows=staged_rows,
+            ranges=(r_fd, dest, r_off, r_len),
+            mapped_at=(bases[r_task], lengths[r_task]),
+            direct=st.files.disk_bytes > self.direct_above,
+        )
+
+    def _fetch_blocks(self, plan: _BlockRead) -> tuple[int, int, int]:
+        """Read ``plan``'s ranges into its staging buffers: those the page cache holds copied from
+        the files' mappings, the rest through this thread's ring (or hinted, then read on the I/O
+        threads). Returns the short reads, the mapped copies and the ranges the ring read."""
+        st = self.state
+        r_fd, dest, r_off, r_len = plan.ranges
+        return read_ranges(st.pool, st.io_threads, r_fd, dest, r_off, r_len, plan.mapped_at, plan.direct)
+
+    def _place_blocks(
+        self, keys: np.ndarray, out: np.ndarray, plan: _BlockRead, fetched: tuple[int, int, int]
+    ) -> tuple[int, int, int, int, int]:
+        """After :meth:`_fetch_blocks`: verify each block's checksum and the key at each position
+        (one-row blocks: the checksum over the key asked for and the row read, no key read), and
+        place the rows in ``out``. Returns the bytes read, the reads (merged ranges) issued, how
+        many of them were mapped copies, how many the ring read, and the pages they span."""
+        st = self.state
+        short, mapped, ringed = fetched
+        tasks, idx, pos, ublk = plan.tasks, plan.idx, plan.pos, plan.ublk
+        blk_task, blk_b, blk_kat, blk_at, blk_n = plan.blk
+        r_fd, _, r_off, r_len = plan.ranges
         if short:
             raise CorruptFileError(
                 f"{short} short reads of blocks in {len(tasks)} parameter files "
                 f"({st.path(tasks[0][2])}, ...): a file shorter than its rows (truncated)"
             )
-        if known:
-            r = pick_known(staged_rows, blk_b, blk_at, expected, out, idx, ublk, keys)
+        if st.block_rows == 1:
+            r = pick_known(plan.staged_rows, blk_b, blk_at, plan.expected, out, idx, ublk, keys)
         else:
             r = pick_staged(
-                staged_keys,
-                staged_rows,
+                plan.staged_keys,
+                plan.staged_rows,
                 blk_b,
                 blk_kat,
                 blk_at,
                 blk_n,
-                expected,
+                plan.expected,
                 out,
                 idx,
                 pos,
@@ -380,9 +455,9 @@ class Reads:
             )
         if r < 0:
             j = -r - 1
-            t = int(np.searchsorted(tstart, j, side="right") - 1)
+            t = int(np.searchsorted(plan.tstart, j, side="right") - 1)
             raise CorruptFileError(
                 f"{st.path(tasks[t][2])}: row {int(pos[j])} does not hold key {int(keys[idx[j]])} as the mapping says"
             )
         pages = int(((r_off + r_len - 1) // PAGE_BYTES - r_off // PAGE_BYTES + 1).sum())
-        return int(r_len.sum()), int(r_len.size), mapped, pages
+        return int(r_len.sum()), int(r_len.size), mapped, ringed, pages

@@ -46,6 +46,7 @@ STAT_NAMES = (
     "files_read_partially",
     "reads_issued",
     "reads_mapped",
+    "reads_ring",
     "pages_read",
     "load_cpu_seconds",
     "compactions",
@@ -63,7 +64,8 @@ STAT_NAMES = (
 """The store's counters (``SSDPS.stats``); all start at 0. ``reads_issued``: the positioned reads
 loads made (a partial load's merged ranges, a whole file's header, index, chunks and table);
 ``reads_mapped``: of a partial load's ranges, those the page cache held, copied from the file's
-mapping without a system call (:mod:`~hpsray.tiers.ssd.maps`); ``pages_read``: the 4 KiB pages
+mapping without a system call (:mod:`~hpsray.tiers.ssd.maps`); ``reads_ring``: of the rest, those
+read through the load thread's io_uring ring (:mod:`hpsray.uring`, opt-in); ``pages_read``: the 4 KiB pages
 those reads span (a whole-file read's bytes in pages), what the device reads at the least when
 the page cache holds none of them; ``load_cpu_seconds``: this
 process's CPU seconds (all its threads) while loads ran."""
