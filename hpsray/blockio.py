@@ -269,7 +269,7 @@ def ring_read(
             base = int(end[lo] - span[lo])
             hi = max(lo + 1, int(np.searchsorted(end, base + STAGE_BYTES, side="right")))
             staged = end[lo:hi] - span[lo:hi] - base
-            got = ring.read(dfds[lo:hi], stage + staged, start[lo:hi], span[lo:hi])
+            got = ring.read(dfds[lo:hi], stage + staged, start[lo:hi], span[lo:hi], staged=True)
             _copy_staged(stage, staged, skip[lo:hi], dest[lo:hi], lengths[lo:hi], got, need[lo:hi], ok[lo:hi])
             lo = hi
         return ok

@@ -9,7 +9,9 @@ from one thread and the kernel sees them in one call instead of one ``pread`` ea
 (docs/operations.md); where it is, and where the kernel has no io_uring or forbids it (``EPERM``,
 ``ENOSYS``: seccomp, ``kernel.io_uring_disabled``), :func:`thread_ring` returns ``None`` and
 callers read with ``pread``. Whether a ring's reads go past the page cache is the caller's
-choice (:func:`hpsray.blockio.ring_read`).
+choice (:func:`hpsray.blockio.ring_read`). A ring's bounce buffer (:meth:`Ring.staging`) is
+registered with the kernel where it allows (``RLIMIT_MEMLOCK``), so reads into it skip pinning
+their pages each time (``IORING_OP_READ_FIXED``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ _ENTRIES = 256
 _SYS_SETUP, _SYS_ENTER = 425, 426  # the same numbers on every architecture since Linux 5.1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _FEAT_SINGLE_MMAP = 1
-_OP_READ = 22
+_OP_READ, _OP_READ_FIXED = 22, 4
+_REGISTER_BUFFERS, _UNREGISTER_BUFFERS = 0, 1
+_SYS_REGISTER = 427
 _ENTER_GETEVENTS = 1
 _RETRIES = 1000  # failed enters in a row before the ring gives up
 _i64 = nbt.int64
@@ -92,20 +96,31 @@ class Ring:
         self.sqes = np.frombuffer(self._maps[-1], np.uint64).reshape(-1, 8)
         self.entries = int(p.sq_entries)
         self._stage = np.empty(0, np.uint8)  # a view of an anonymous mapping, freed with it
+        self._libc = libc
+        self.fixed = False  # whether the bounce buffer is registered (reads into it READ_FIXED)
 
     def read(
-        self, fds: np.ndarray, dest: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, depth: int = DEPTH
+        self,
+        fds: np.ndarray,
+        dest: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        depth: int = DEPTH,
+        staged: bool = False,
     ) -> np.ndarray:
         """Read ``lengths[r]`` bytes of file ``fds[r]`` at ``offsets[r]`` to address ``dest[r]``
         for every ``r``, at most ``depth`` at once; returns each read's result (bytes read, or a
-        negative errno: a caller re-reads those that fall short its own way). Raises ``OSError``
-        when the ring itself fails (the reads' results are then unknown, and the ring unusable)."""
+        negative errno: a caller re-reads those that fall short its own way). ``staged``: every
+        destination lies in the buffer of the last :meth:`staging` call (read with
+        ``READ_FIXED`` where it is registered). Raises ``OSError`` when the ring itself fails
+        (the reads' results are then unknown, and the ring unusable)."""
         res = np.zeros(fds.size, np.int64)
         if fds.size:
             err = _ring_read(
                 self.fd, self.sq, self.sq_at, self.cq, self.cq_at, self.sqes, max(1, min(depth, self.entries)),
                 np.ascontiguousarray(fds, np.int32), np.ascontiguousarray(dest, np.int64),
                 np.ascontiguousarray(offsets, np.int64), np.ascontiguousarray(lengths, np.int64), res,
+                _OP_READ_FIXED if staged and self.fixed else _OP_READ,
             )  # fmt: skip
             if err:
                 raise OSError(-err, f"io_uring_enter: {os.strerror(-err)}")
@@ -113,14 +128,31 @@ class Ring:
 
     def staging(self, nbytes: int) -> int:
         """The address of this ring's page-aligned bounce buffer of at least ``nbytes`` (for
-        ``O_DIRECT`` reads; valid until the next call)."""
+        ``O_DIRECT`` reads; valid until the next call), registered with the kernel where it
+        allows (:attr:`fixed`)."""
         if self._stage.size < nbytes:
+            self._register(None)
             self._stage = np.frombuffer(mmap.mmap(-1, max(nbytes, 2 * self._stage.size)), np.uint8)
+            self._register(self._stage)
         return int(self._stage.ctypes.data)
+
+    def _register(self, buf: np.ndarray | None) -> None:
+        """Register ``buf`` as the ring's one fixed buffer (``None``: unregister the current
+        one); :attr:`fixed` says whether one is registered (the kernel may refuse: memlock)."""
+        sc = self._libc.syscall
+        if buf is None:
+            if self.fixed:
+                sc(ctypes.c_long(_SYS_REGISTER), ctypes.c_uint(self.fd), ctypes.c_uint(_UNREGISTER_BUFFERS), None, 0)
+            self.fixed = False
+            return
+        iov = (ctypes.c_uint64 * 2)(buf.ctypes.data, buf.size)
+        got = sc(ctypes.c_long(_SYS_REGISTER), ctypes.c_uint(self.fd), ctypes.c_uint(_REGISTER_BUFFERS), iov, 1)
+        self.fixed = got == 0
 
     def close(self) -> None:
         """Unmap the ring and close it (the views of its mappings go first: a mapping with views
         cannot close)."""
+        self._register(None)
         self._stage = np.empty(0, np.uint8)
         self.sq = self.cq = np.empty(0, np.uint32)
         self.sqes = np.empty((0, 8), np.uint64)
@@ -130,8 +162,9 @@ class Ring:
 
 
 @nb.njit(nogil=True, cache=True)
-def _ring_read(ring_fd, sq, sq_at, cq, cq_at, sqes, depth, fds, dest, offsets, lengths, res):
-    """The read loop of :meth:`Ring.read`: returns 0, or the negative errno of a failed enter."""
+def _ring_read(ring_fd, sq, sq_at, cq, cq_at, sqes, depth, fds, dest, offsets, lengths, res, op):
+    """The read loop of :meth:`Ring.read` (``op``: READ, or READ_FIXED of buffer 0): returns 0,
+    or the negative errno of a failed enter."""
     n = fds.size
     sq_head, sq_tail, sq_mask, sq_array = sq_at[0], sq_at[1], sq[sq_at[2]], sq_at[3]
     cq_head, cq_tail, cq_mask, cqes = cq_at[0], cq_at[1], cq[cq_at[2]], cq_at[3]
@@ -141,12 +174,12 @@ def _ring_read(ring_fd, sq, sq_at, cq, cq_at, sqes, depth, fds, dest, offsets, l
         while inflight < depth and nxt < n:
             slot = tail & sq_mask
             e = sqes[slot]
-            e[0] = np.uint64(_OP_READ) | (np.uint64(np.uint32(fds[nxt])) << np.uint64(32))  # opcode, fd
+            e[0] = np.uint64(op) | (np.uint64(np.uint32(fds[nxt])) << np.uint64(32))  # opcode, fd
             e[1] = np.uint64(offsets[nxt])
             e[2] = np.uint64(dest[nxt])
             e[3] = np.uint64(lengths[nxt])  # the length; no read flags
             e[4] = np.uint64(nxt)  # user data: the range
-            e[5] = e[6] = e[7] = 0
+            e[5] = e[6] = e[7] = 0  # a fixed read's buffer index (0) is e[5]'s low 16 bits
             sq[sq_array + slot] = slot
             tail += np.uint32(1)
             nxt += 1

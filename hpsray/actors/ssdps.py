@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
+import ray
 
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Loan, Pulled
@@ -15,14 +17,26 @@ from hpsray.tiers.rowgroups import RowGroups
 from hpsray.tiers.ssd import SSDPS, restore_snapshot
 from hpsray.tiers.ssd.bulkload import TableImport
 from hpsray.tiers.ssd.grouped import GroupedSSDPS
+from hpsray.tiers.ssd.outbuf import OutputPool
 from hpsray.tiers.tagcount import N_TAGS, by_tag
 from hpsray.tiers.warmup import warm_ssd_ps
+
+WRITES = "writes"
+"""The actor's concurrency group of MEM-PS's writes (:meth:`SSDPSShard.dump`, ``delete``): one
+thread of their own, so a batch's load does not wait behind the evicted rows' writes and fsyncs
+(:func:`~hpsray.pipelines.placement.start_ssd` declares it)."""
 
 
 class SSDPSShard:
     """Owns one node's parameter-file directory: the load stage (:meth:`load_missing`: the rows
     a pull left missing), and MEM-PS's backing store (:meth:`load_found`, :meth:`dump`,
     :meth:`delete`: the engine's ``load`` less absent keys' rows, ``dump`` and ``delete``).
+
+    Writes run on their own thread (:data:`WRITES`), beside the loads: the engine takes both at
+    once, and no load asks for a key whose write is still in flight (MEM-PS serves those from
+    its victim buffer until it sees the write done). :meth:`restore` and :meth:`close` wait for
+    a write in progress, and a later write goes to the store that replaced it, as when the two
+    ran one after the other.
 
     Two clocks: ``load`` times the load stage (its events are the stage's intervals), ``dump``
     the writes MEM-PS hands down (tagged with the batch whose pull or write-back made them).
@@ -46,6 +60,7 @@ class SSDPSShard:
         self.directory, self.width, self.options, self.groups = directory, width, options, groups
         self.restored = self._restore(restore_from) if restore_from else None
         self.store = self._open()
+        self.swap = threading.Lock()  # a write, or the store's replacement (restore, close)
         self.imported = None
         if init_from is not None and restore_from is None:
             if node != 0:
@@ -57,6 +72,7 @@ class SSDPSShard:
         self.counts = {"loads": 0, "loaded": 0, "initialised": 0}
         self.by_tag = {"loaded": np.zeros(N_TAGS, np.int64), "initialised": np.zeros(N_TAGS, np.int64)}
         self.gauges = LiveGauges(stage="load", node=node)
+        self.loans = OutputPool()  # the memory of the last loan's rows, once Ray has copied them out
 
     def _export(self) -> None:
         st = self.store.stats
@@ -83,7 +99,7 @@ class SSDPSShard:
             return rows, found
 
         with self.clock.timed(batch_id):
-            rows, loaded = pulled.load_missing(load)
+            rows, loaded = pulled.load_missing(load, self.loans.rows)
         missing = int(pulled.missing.size)
         self.counts["loads"] += 1
         self.counts["loaded"] += loaded
@@ -106,14 +122,16 @@ class SSDPSShard:
         self._export()
         return (rows, found) if found.all() else (rows[found], found)
 
+    @ray.method(concurrency_group=WRITES)
     def dump(self, keys: np.ndarray, rows: np.ndarray, batch: Hashable | None = None) -> None:
-        with self.writes.timed(batch):
+        with self.swap, self.writes.timed(batch):
             self.store.dump(keys, rows)
         self._export()
 
+    @ray.method(concurrency_group=WRITES)
     def delete(self, keys: np.ndarray, batch: Hashable | None = None) -> int:
         """Delete the rows of ``keys`` (expiry); returns how many were stored."""
-        with self.writes.timed(batch):
+        with self.swap, self.writes.timed(batch):
             n = self.store.delete(keys)
         self._export()
         return n
@@ -141,9 +159,10 @@ class SSDPSShard:
 
     def restore(self, snapshot: str) -> dict:
         """Replace the store with a snapshot's state (a recovery that keeps this process)."""
-        self.store.close()
-        self.restored = self._restore(snapshot)
-        self.store = self._open()
+        with self.swap:
+            self.store.close()
+            self.restored = self._restore(snapshot)
+            self.store = self._open()
         return self.restored
 
     def scan(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -162,4 +181,5 @@ class SSDPSShard:
         return {**clocks, "store": self.store.stats, **self.counts, "by_tag": by_tag}
 
     def close(self) -> None:
-        self.store.close()
+        with self.swap:
+            self.store.close()

@@ -218,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
         load_stage = {
             **load_vs_bound(trained["load_counts"], bound, depth),
             "load_stage_busy_s_per_batch": trained["load_stage_busy_s"] / max(trained["batches"], 1),
+            "dump_busy_s_per_batch": trained["dump_busy_s"] / max(trained["batches"], 1),
             "device": trained["device"],
             "machine_cpu_busy": trained["machine_cpu_busy"],
             "load_average": os.getloadavg()[0],

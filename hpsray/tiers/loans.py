@@ -59,11 +59,20 @@ class Pulled:
     held: npt.NDArray[np.bool_] | None = None
 
     def load_missing(
-        self, load: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+        self,
+        load: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+        empty: Callable[[int, int], np.ndarray] | None = None,
     ) -> tuple[npt.NDArray[np.float32], int]:
         """``(rows, loaded)``: the rows shipped, the missing ones from ``load(keys) -> (rows,
-        found)`` (a store's), initial rows where not found; ``loaded`` counts the rows found."""
-        rows = np.array(self.rows)  # a writable copy (an object-store array is read-only)
+        found)`` (a store's), initial rows where not found; ``loaded`` counts the rows found.
+        ``rows`` is a writable copy (an object-store array is read-only), in memory from
+        ``empty(n, width)`` where given (an uninitialised ``float32[n, width]``, e.g. a reused
+        buffer's, :class:`~hpsray.tiers.ssd.outbuf.OutputPool`), else newly allocated."""
+        if empty is None:
+            rows = np.array(self.rows)
+        else:
+            rows = empty(*self.rows.shape)
+            np.copyto(rows, self.rows)
         if not self.missing.size:
             return rows, 0
         got, found = load(self.missing_keys)

@@ -60,3 +60,38 @@ def test_loads_into_reused_memory_zero_absent_rows_and_leave_held_outputs_alone(
         assert found[:4000].all() and not found[4000:].any()
         np.testing.assert_array_equal(got[:4000], rows[:4000])
         assert not got[4000:].any()
+
+
+def test_loans_fill_reused_memory_equal_to_fresh_copies_and_never_a_held_loans():
+    # the load stage's loans (Pulled.load_missing with a pool, as SSDPSShard lends them)
+    from hpsray.kernels.init import RowInit
+    from hpsray.tiers.loans import Pulled
+
+    w, n = 64, 8192
+    rng = np.random.default_rng(0)
+    keys = np.arange(1, n + 1, dtype=np.uint64)
+    table = rng.standard_normal((n, w)).astype(np.float32)
+    pool = OutputPool()
+
+    def pulled(seed: int) -> Pulled:
+        shipped = np.random.default_rng(seed).standard_normal((n, w)).astype(np.float32)
+        shipped.flags.writeable = False  # as an object-store array arrives
+        missing = np.flatnonzero(np.random.default_rng(seed).random(n) < 0.3)
+        return Pulled(shipped, missing, keys[missing], RowInit())
+
+    def load(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        found = k % 7 != 0  # some keys never stored: initial rows
+        return table[k.astype(np.int64) - 1] * found[:, None], found
+
+    first, loaded = pulled(1).load_missing(load, pool.rows)
+    fresh, loaded_fresh = pulled(1).load_missing(load)
+    np.testing.assert_array_equal(first, fresh)
+    assert loaded == loaded_fresh and first.flags.writeable
+    second, _ = pulled(2).load_missing(load, pool.rows)  # first is held: other memory (kept instead)
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(first, fresh)
+    addr = second.ctypes.data
+    del first, second, fresh
+    third, _ = pulled(3).load_missing(load, pool.rows)  # released: reused, and all of it rewritten
+    assert third.ctypes.data == addr
+    np.testing.assert_array_equal(third, pulled(3).load_missing(load)[0])

@@ -1,5 +1,6 @@
 """Reads through an io_uring ring (``hpsray.uring``) and ``read_ranges`` over it: the bytes equal
-``pread``'s, direct and buffered, in one fill of the bounce buffer or many; a short range and a
+``pread``'s, direct and buffered, in one fill of the bounce buffer or many, its buffer registered
+(``READ_FIXED``) or not; a short range and a
 failed ring fall back to ``pread``; the ring is made unless ``HPSRAY_IO_URING=0``; a store larger
 than its share of memory reads past the page cache, a smaller one through it."""
 
@@ -78,8 +79,11 @@ def expect(datas, f, off, length) -> list[bytes]:
     return [datas[f[r]][off[r] : off[r] + length[r]] for r in range(f.size)]
 
 
-@pytest.mark.parametrize(("where", "direct"), [("disk", True), ("disk", False), ("tmpfs", True)])
-def test_ring_reads_equal_pread_direct_and_buffered(tmp_path, where, direct, monkeypatch):
+@pytest.mark.parametrize(
+    ("where", "direct", "registered"),
+    [("disk", True, True), ("disk", True, False), ("disk", False, True), ("tmpfs", True, True)],
+)
+def test_ring_reads_equal_pread_direct_and_buffered(tmp_path, where, direct, registered, monkeypatch):
     if where == "tmpfs":
         if not os.path.isdir("/dev/shm"):
             pytest.skip("no /dev/shm")
@@ -88,19 +92,24 @@ def test_ring_reads_equal_pread_direct_and_buffered(tmp_path, where, direct, mon
     else:
         directory = str(tmp_path)
     monkeypatch.setattr(blockio, "STAGE_BYTES", 64 << 10)  # many fills of the bounce buffer per call
+    if not registered:  # a kernel that refuses to pin the bounce buffer (memlock): plain reads into it
+        monkeypatch.setattr(uring.Ring, "_register", lambda self, buf: setattr(self, "fixed", False))
     fds, datas = files(directory)
     try:
         f, off, length, at = ranges(2000, seed=3)
         out = np.zeros(int(at[-1]), np.uint8)
 
-        def go() -> tuple[int, int, int, bool]:
+        def go() -> tuple[int, int, int, bool, bool]:
             fd, dest = np.asarray(fds)[f], at[:-1] + out.ctypes.data
             short, copied, ringed = read_ranges(None, 1, fd, dest, off, length, direct=direct)
-            return short, copied, ringed, uring.thread_ring() is not None
+            ring = uring.thread_ring()
+            return short, copied, ringed, ring is not None, ring is not None and ring.fixed
 
-        short, copied, ringed, kept = in_thread(go)
+        short, copied, ringed, kept, fixed = in_thread(go)
         # only the range past the end is short (read again by pread); the ring read the rest
         assert (short, copied, ringed, kept) == (1, 0, f.size - 1, True)
+        if direct and where == "disk" and os.geteuid() == 0:  # root may pin: reads into the bounce buffer are fixed
+            assert fixed == registered
         want = expect(datas, f, off, length)
         got = [out[at[r] : at[r + 1]].tobytes() for r in range(f.size)]
         assert got[:-1] == want[:-1] and got[-1][:100] == want[-1]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpsray import uring
-from hpsray.blockio import pread_ranges
+from hpsray.blockio import STAGE_BYTES, pread_ranges
 
 __all__ = ["DEPTHS", "PAGE", "DiskBound", "DiskCounters", "probe", "read_size", "scratch_file"]
 
@@ -227,32 +227,28 @@ def _at_depth_ring(
     seed: int,
 ) -> tuple[int, float]:
     """``ring`` reading random pages of ``fds`` as :func:`_at_depth_threads` does, ``depth`` in
-    flight, in calls of many reads (each call drains the ring once at its end)."""
+    flight, in calls of many reads (each call drains the ring once at its end), into the ring's
+    bounce buffer as loads' direct reads do (:func:`hpsray.blockio.ring_read`)."""
     rng = np.random.default_rng((seed, depth))
     per_call = max(64 * depth, 1024)
-    slots = min(per_call, 4096)  # buffers reused round-robin: reads in flight never share one
-    buf = mmap.mmap(-1, size * slots)
-    view = np.frombuffer(buf, np.uint8)
+    # buffers reused round-robin (reads in flight never share one), in about a load's bounce buffer
+    slots = max(depth, min(per_call, 4096, STAGE_BYTES // size))
+    stage = ring.staging(size * slots)
     done = 0
-    try:
-        dest = view.ctypes.data + (np.arange(per_call, dtype=np.int64) % slots) * size
-        lengths = np.full(per_call, size, np.int64)
-        t0 = time.perf_counter()
-        deadline = t0 + seconds
-        while time.perf_counter() < deadline and (max_reads is None or done < max_reads):
-            n = per_call if max_reads is None else min(per_call, max_reads - done)
-            f = rng.choice(fds.size, size=n, p=weights)
-            offs = (rng.random(n) * pages[f]).astype(np.int64) * PAGE
-            got = ring.read(fds[f], dest[:n], offs, lengths[:n], depth=depth)
-            if (got != size).any():
-                short = int((got != size).sum())
-                raise OSError(f"disk probe: {short} reads of {size} bytes came back short (depth {depth})")
-            done += n
-        dt = time.perf_counter() - t0
-    finally:
-        del view
-        buf.close()
-    return done, dt
+    dest = stage + (np.arange(per_call, dtype=np.int64) % slots) * size
+    lengths = np.full(per_call, size, np.int64)
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    while time.perf_counter() < deadline and (max_reads is None or done < max_reads):
+        n = per_call if max_reads is None else min(per_call, max_reads - done)
+        f = rng.choice(fds.size, size=n, p=weights)
+        offs = (rng.random(n) * pages[f]).astype(np.int64) * PAGE
+        got = ring.read(fds[f], dest[:n], offs, lengths[:n], depth=depth, staged=True)
+        if (got != size).any():
+            short = int((got != size).sum())
+            raise OSError(f"disk probe: {short} reads of {size} bytes came back short (depth {depth})")
+        done += n
+    return done, time.perf_counter() - t0
 
 
 def _at_depth_threads(
