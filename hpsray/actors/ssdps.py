@@ -24,7 +24,7 @@ from hpsray.tiers.warmup import warm_ssd_ps
 WRITES = "writes"
 """The actor's concurrency group of MEM-PS's writes (:meth:`SSDPSShard.dump`, ``delete``): one
 thread of their own, so a batch's load does not wait behind the evicted rows' writes and fsyncs
-(:func:`~hpsray.pipelines.placement.start_ssd` declares it)."""
+(:func:`actor_class` declares it)."""
 
 
 class SSDPSShard:
@@ -183,3 +183,9 @@ class SSDPSShard:
     def close(self) -> None:
         with self.swap:
             self.store.close()
+
+
+def actor_class() -> Any:
+    """:class:`SSDPSShard` as a Ray actor class, its :data:`WRITES` group declared."""
+    # Ray's stubs lack this keyword's overload
+    return ray.remote(concurrency_groups={WRITES: 1})(SSDPSShard)  # type: ignore[call-overload]

@@ -132,7 +132,7 @@ def _phase_train(p: dict) -> dict:
         "cache_hit_rate_mean": float(np.mean(list(report["cache_hit_rate"].values()))),
         "load_counts": delta(after["store"], before["store"]),  # the timed pass's loads
         "load_stage_busy_s": after.get("busy_s", 0.0) - before.get("busy_s", 0.0),
-        # the same actor's writes (MEM-PS's dumps), which run between its loads
+        # the same actor's writes (MEM-PS's dumps), on their own thread beside its loads
         "dump_busy_s": after["dump"].get("busy_s", 0.0) - before["dump"].get("busy_s", 0.0),
         "device": disk1.since(disk0) if disk0 is not None and disk1 is not None else None,
         "machine_cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1e-9),  # every core's, every process's

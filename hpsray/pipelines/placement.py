@@ -23,8 +23,7 @@ from hpsray.actors.ahead import trainer_actor
 from hpsray.actors.cpu import yield_cores
 from hpsray.actors.memps import MemPSShard
 from hpsray.actors.reader import Reader
-from hpsray.actors.ssdps import WRITES as SSD_WRITES
-from hpsray.actors.ssdps import SSDPSShard
+from hpsray.actors.ssdps import actor_class as ssd_actor_class
 from hpsray.actors.trainer import Trainer
 from hpsray.cluster.runtime import on_node
 from hpsray.errors import ConfigError
@@ -89,8 +88,7 @@ def start_ssd(pipeline: Placed, index: int, node_id: str, directory: str, restor
         pipeline,
         _named(
             lambda: (
-                # MEM-PS's writes beside the loads (Ray's stubs lack this keyword's overload)
-                ray.remote(concurrency_groups={SSD_WRITES: 1})(SSDPSShard)  # type: ignore[call-overload]
+                ssd_actor_class()  # MEM-PS's writes on a thread beside the loads
                 .options(name=f"{pipeline.name}:SSDPS[node {index}]", **_options(node_id))
                 .remote(
                     index,

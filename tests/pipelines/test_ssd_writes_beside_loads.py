@@ -8,7 +8,7 @@ import os
 import numpy as np
 import ray
 
-from hpsray.actors.ssdps import WRITES, SSDPSShard
+from hpsray.actors.ssdps import SSDPSShard, actor_class
 
 
 def _block_writes_until(flag: str):
@@ -28,11 +28,7 @@ def _block_writes_until(flag: str):
 
 def test_a_load_runs_while_a_write_is_in_progress_and_then_sees_it(ray_local, tmp_path):
     w = 8
-    shard = (
-        ray.remote(concurrency_groups={WRITES: 1})(SSDPSShard)
-        .options(num_cpus=0, max_concurrency=1)
-        .remote(0, str(tmp_path / "ssd"), w)
-    )
+    shard = actor_class().options(num_cpus=0, max_concurrency=1).remote(0, str(tmp_path / "ssd"), w)
     old = np.arange(1, 101, dtype=np.uint64)
     ray.get(shard.dump.remote(old, np.ones((old.size, w), np.float32)))
     flag = str(tmp_path / "go")
