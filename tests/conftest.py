@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+from duration_order import DurationOrder  # tests/duration_order.py (this directory is on sys.path)
 
 if not hasattr(np, "row_stack"):  # numpy 2.5 dropped it; numba-cuda's array overloads still name it
     np.row_stack = np.vstack
@@ -25,15 +26,24 @@ for _name, _value in _S3_TEST_CREDENTIALS.items():
     os.environ.setdefault(_name, _value)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help="write each test file's seconds into tests/durations.json (the order files run in)",
+    )
+
+
 def pytest_configure(config):
-    """Register :class:`_OptionalCollect`; and, before the xdist workers start their Ray
-    instances, make Ray's default auth token once.
+    """Register :class:`_OptionalCollect` and :class:`duration_order.DurationOrder`; and, before
+    the xdist workers start their Ray instances, make Ray's default auth token once.
 
     Each ``ray.init`` of a new local instance writes ``~/.ray/auth_token`` when it is missing; two
     workers doing that at once on a fresh machine could leave one cluster with a token the file
     no longer holds.
     """
     config.pluginmanager.register(_OptionalCollect(), "hpsray-optional-collect")
+    config.pluginmanager.register(DurationOrder(config.getoption("store_durations")), "hpsray-duration-order")
     if hasattr(config, "workerinput") or os.environ.get("RAY_AUTH_TOKEN"):
         return
     try:
