@@ -51,10 +51,11 @@ def served(ray_local, exports, tmp_path_factory):
         "swap": (str(root), ServeOptions(port=port, watch_s=0.3)),
         "delta": (str(delta), ServeOptions(port=port, watch_s=0.3, mem_fraction=0.05)),
     }
-    handles = {}
+    targets = []
     for name, (path, opts) in apps.items():
         opts = ServeOptions(**{**opts.__dict__, "replica_cpus": 0, "name": name, "route_prefix": f"/{name}"})
-        handles[name] = serve.run(build_app(path, opts), name=name, route_prefix=f"/{name}")
+        targets.append(serve.RunTarget(build_app(path, opts), name=name, route_prefix=f"/{name}"))
+    handles = dict(zip(apps, serve.run_many(targets)))  # the replicas start side by side
     yield {"base": f"http://127.0.0.1:{port}", "handles": handles, "root": root, "delta": str(delta)}
     serve.shutdown()
 
