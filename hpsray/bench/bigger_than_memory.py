@@ -8,7 +8,9 @@ store reopened and read back; the same job then runs with every row in memory. R
 ``key_map_bytes_per_key``, ``reopen_seconds_per_100m_keys``, the disk's random-read bound measured
 on the store's files after training (``disk_bound``), the timed pass's load stage beside it
 (``load_stage``, ``load_reads_vs_disk_bound`` at the depth loads keep in flight; ``load_stage.hit_rate``:
-the measured MEM-PS hit rate beside Belady's at ``--mem-rows`` and a never-evicting cache's), ...).
+the measured MEM-PS hit rate beside Belady's at ``--mem-rows`` and a never-evicting cache's;
+``load_stage.dumps_per_batch`` and ``dump_busy_s_per_batch``: MEM-PS's writes to SSD-PS and the
+load actor's busy time on them), ...).
 The phases and the lossless check: docs/benchmarks.md, section "Bigger than memory". The children's side is
 :mod:`~hpsray.bench.bigger_than_memory_phases`; the cgroup, :mod:`~hpsray.bench.memory_cgroup`.
 """
@@ -219,6 +221,7 @@ def run(args: argparse.Namespace) -> dict:
             **load_vs_bound(trained["load_counts"], bound, depth),
             "load_stage_busy_s_per_batch": trained["load_stage_busy_s"] / max(trained["batches"], 1),
             "dump_busy_s_per_batch": trained["dump_busy_s"] / max(trained["batches"], 1),
+            "dumps_per_batch": trained["dumps"] / max(trained["batches"], 1),
             "device": trained["device"],
             "machine_cpu_busy": trained["machine_cpu_busy"],
             "load_average": os.getloadavg()[0],

@@ -134,6 +134,7 @@ def _phase_train(p: dict) -> dict:
         "load_stage_busy_s": after.get("busy_s", 0.0) - before.get("busy_s", 0.0),
         # the same actor's writes (MEM-PS's dumps), on their own thread beside its loads
         "dump_busy_s": after["dump"].get("busy_s", 0.0) - before["dump"].get("busy_s", 0.0),
+        "dumps": int(after["store"].get("dumps", 0) - before["store"].get("dumps", 0)),  # MEM-PS's writes to SSD-PS
         "device": disk1.since(disk0) if disk0 is not None and disk1 is not None else None,
         "machine_cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1e-9),  # every core's, every process's
         "ssd": {k: store[k] for k in ("live_rows", "live_bytes", "disk_bytes", "space_ratio", "bytes_read", "files")},
