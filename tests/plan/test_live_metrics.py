@@ -5,7 +5,9 @@ A background thread scrapes ``http://NODE:MetricsExportPort/metrics`` every seco
 StageClock metrics) with plausible values, and every series the Grafana dashboard
 (docs/grafana/hpsray.json) queries. Ray names them ``ray_<name>`` (and counters
 ``ray_<name>_total``): a search for the bare ``hpsray_batches`` name with a tag brace after it
-never matches.
+never matches. Only the series of this test's own processes count (Ray's ``WorkerId`` label): the
+agent goes on exporting a killed worker's last values for tens of seconds, so an earlier test's
+trainer of two devices would show bytes exchanged on "node 0".
 """
 
 import pathlib
@@ -31,6 +33,7 @@ TRAINER_SYNC = {"ray_hpsray_max_staleness", "ray_hpsray_exchanged_bytes_per_mini
 
 
 def _scrape(url: str, seen: dict, stop: threading.Event) -> None:
+    """Every hpsray series of the endpoint into ``seen[(name, stage or edge, node, WorkerId)]``."""
     while not stop.is_set():
         try:
             text = urllib.request.urlopen(url, timeout=5).read().decode()
@@ -40,7 +43,8 @@ def _scrape(url: str, seen: dict, stop: threading.Event) -> None:
             m = LINE.match(line)
             if m:
                 labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-                key = (m.group(1), labels.get("stage", labels.get("edge", "")), labels.get("node", ""))
+                stage = labels.get("stage", labels.get("edge", ""))
+                key = (m.group(1), stage, labels.get("node", ""), labels.get("WorkerId", ""))
                 seen[key] = float(m.group(3))
         stop.wait(1.0)
 
@@ -50,9 +54,9 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
     ray = ray_local
     node = ray.nodes()[0]
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-    seen: dict = {}
+    scraped: dict = {}
     stop = threading.Event()
-    scraper = threading.Thread(target=_scrape, args=(url, seen, stop), daemon=True)
+    scraper = threading.Thread(target=_scrape, args=(url, scraped, stop), daemon=True)
     scraper.start()
 
     class SyncProbe:  # defined here: Ray ships it by value (workers cannot import this test module)
@@ -67,6 +71,12 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
 
     probe = ray.remote(num_cpus=0)(SyncProbe).remote()
     ray.get(probe.run.remote())
+    own = {ray.get_runtime_context().get_worker_id(), _worker_id(ray, probe)}  # the driver sets the edges'
+
+    def series() -> dict:
+        """``{(name, stage, node): value}`` of this test's processes."""
+        return {(name, stage, n): v for (name, stage, n, w), v in list(scraped.items()) if w in own}
+
     data = PlantedCTR(n_slots=4, keys_per_slot=2000, n_dense=2, seed=0)
     config = CFG
     every = {s for name, kind in METRICS.items() for s in prometheus_names(name, kind)}
@@ -74,10 +84,10 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
     queried = set(re.findall(r"\bray_hpsray_\w+", DASHBOARD.read_text()))
 
     def names(from_run: bool = True) -> set:
-        return {name for name, _, n in list(seen) if (n != PROBE_NODE) == from_run}
+        return {name for name, _, n in series() if (n != PROBE_NODE) == from_run}
 
     def problems() -> list:
-        last = {name: v for (name, _, n), v in list(seen.items()) if n != PROBE_NODE}
+        last = {name: v for (name, _, n), v in series().items() if n != PROBE_NODE}
         out = [f"missing {sorted(want - names())}"] if not want <= names() else []
         out += [f"probe missing {sorted(TRAINER_SYNC - names(False))}"] if not TRAINER_SYNC <= names(False) else []
         checks = {
@@ -93,6 +103,7 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
 
     with small_pipeline(SyntheticSource(data, rows=16_000), config, mem_rows=4000, batch_size=2000) as pipe:
         report = pipe.fit(progress=False)
+        own |= {_worker_id(ray, actor) for actor in pipe.actors().values()}
         deadline = time.time() + 60  # Ray exports every few seconds: wait for the last values
         while time.time() < deadline and problems():
             time.sleep(1)
@@ -100,6 +111,7 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
     ray.kill(probe)
     assert not problems(), (problems(), report.get("ssd"), report.get("cache"))
     assert queried <= names() | names(False), f"the dashboard queries series never exported: {queried - names()}"
+    seen = series()
     value = {name: v for (name, _, n), v in seen.items() if n != PROBE_NODE}
     assert seen[("ray_hpsray_batches_total", "train", "0")] >= 1
     # edges carry the node like the stages: {edge: "read->pull", node: "0"}
@@ -110,6 +122,10 @@ def test_gauges_reach_the_prometheus_endpoint_during_a_run(ray_local):
         assert value[name] == 0.0, (name, value[name])
     assert seen[("ray_hpsray_max_staleness", "train", PROBE_NODE)] == 3.0
     assert seen[("ray_hpsray_exchanged_bytes_per_minibatch", "train", PROBE_NODE)] == 600.0
+
+
+def _worker_id(ray, actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_worker_id()))
 
 
 def test_a_gauge_that_cannot_register_is_logged(ray_local, caplog):
