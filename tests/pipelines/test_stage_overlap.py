@@ -99,9 +99,13 @@ def test_the_load_stage_intervals_are_the_ssd_actor_s_and_dumps_are_written_behi
     ) as p:
         report = p.fit(progress=False)
         ssd = ray.get(p.actors()["SSDPS[node 0]"].stats.remote())
+        recovered = ray.get(p.actors()["MemPS[node 0]"].stats.remote())["cache"]["recovered"]
     loads = {b for _, _, b in ssd["events"] if b is not None}
     assert loads == set(range(6))
-    assert ssd["dump"]["per_batch"] and ssd["loaded"] == report["cache"]["loaded"] > 0
+    assert ssd["dump"]["per_batch"] and ssd["loaded"] == report["cache"]["loaded"]
+    # evicted rows came back: read from SSD-PS, or, on a loaded machine, taken from MEM-PS's
+    # writes still in flight (the CI run of 2d77244 loaded none)
+    assert ssd["loaded"] > 0 or recovered > 0, (ssd["loaded"], recovered)
     assert report["cache"]["dumps_in_flight_max"] >= 1
 
 
