@@ -17,8 +17,10 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def free_port() -> int:
+    """A port free on every address: the head's agents bind the node's address or all of them, so
+    a port free on 127.0.0.1 alone may be a Ray worker's on the node's address already."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
@@ -80,9 +82,13 @@ def head():
 
 
 def head_output(log) -> str:
-    """The end of what the head node printed (its reason, where it stopped)."""
+    """The end of what the head node printed (its reason, where it stopped), and of its
+    dashboard agent's log (the job agent that takes submissions lives there)."""
     log.flush()
-    return Path(log.name).read_text()[-3000:]
+    out = Path(log.name).read_text()[-3000:]
+    for agent in sorted(Path(log.name.removesuffix(".log")).glob("session_*/logs/dashboard_agent.log")):
+        out += f"\n{agent}:\n" + agent.read_text(errors="replace")[-3000:]
+    return out
 
 
 def test_hpsray_train_runs_as_a_submitted_job(head, tmp_path):
