@@ -2,7 +2,9 @@
 
 Every host is a network namespace with its own loopback and address (conftest.py); the
 hostname resolves as on this machine, not to the host's address. Nothing sets an interface
-variable: hpsray must bind its collective groups to the address Ray gave each node.
+variable: hpsray must bind its collective groups to the address Ray gave each node. The scale
+bench's exchange probe is measured here too, on the same hosts (a module of its own would make
+them again: ~20 s).
 """
 
 import json
@@ -141,3 +143,23 @@ def test_job_submitted_from_a_non_head_host_trains_on_every_host(hosts, tmp_path
         timeout=300,
     )
     assert compare.returncode == 0, compare.stdout[-2000:] + compare.stderr[-3000:]
+
+
+def test_the_exchange_probe_measures_the_link_it_crosses(hosts, drive):
+    """The scale bench's exchange probe measures the link it runs over (a rows transfer cannot
+    beat the shaped rate) and its costs feed the scaling model."""
+    rows = 2_000_000
+    free = drive("exchange_probe", str(rows))
+    hosts.shape("100mbit", None)
+    try:
+        shaped = drive("exchange_probe", str(rows))
+    finally:
+        hosts.shape(None, None)
+    rate = 100e6 / 8
+    # a batch's rows of one owner cross the link once: at 100 Mbit/s no faster than bytes / rate
+    assert shaped["transfer_s"] >= 0.9 * rows / rate, shaped
+    # a mini-batch's collectives move at least the dense all-reduce's half each way
+    assert shaped["round_s"] >= 0.9 * (400_000 / 2) / rate, shaped
+    assert free["transfer_s"] < shaped["transfer_s"] and free["round_s"] < shaped["round_s"], (free, shaped)
+    assert free["round_cpu_s"] is None  # no cores of their own: no CPU figures
+    assert shaped["count"] == 3 and shaped["rows_bytes"] == pytest.approx(rows)
