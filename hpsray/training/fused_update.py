@@ -1,7 +1,7 @@
 """The sparse backward and optimizer of a mini-batch as one torch op on the arena.
 
 ``torch.ops.hpsray.fused_sparse_update(arena, rows, grad_bags, grad_offsets, grad_pooled, kind,
-hp)`` (registered with ``torch.library``; it mutates ``arena`` in place and returns nothing):
+hp)`` (defined with ``torch.library``; it mutates ``arena`` in place and returns nothing):
 for each distinct slot ``rows[u]``, the row's gradient is summed from ``grad_pooled``
 (``float32[n_bags, dim]``) over its bags ``grad_bags[grad_offsets[u]:grad_offsets[u + 1]]`` in
 bag order from zero, and optimizer ``kind`` (:mod:`hpsray.kernels.optim`, float32
@@ -23,10 +23,21 @@ import torch
 
 import hpsray.kernels.fused_update as cpu_kernels  # looked up per call (tests count numba calls)
 
-__all__ = ["fused_sparse_update", "warm_fused_update"]
+__all__ = ["OP", "fused_sparse_update", "warm_fused_update"]
 
 
-@torch.library.custom_op("hpsray::fused_sparse_update", mutates_args=("arena",), device_types="cpu")
+OP = "hpsray::fused_sparse_update"
+torch.library.define(
+    OP,
+    "(Tensor(a!) arena, Tensor rows, Tensor grad_bags, Tensor grad_offsets, Tensor grad_pooled, int kind, "
+    "float[] hp) -> ()",
+)
+# Registered with torch.library's low-level verbs, not ``torch.library.custom_op``: a custom op's
+# kernels are wrapped to keep TorchDynamo out, and that wrapper imports TorchDynamo on the first
+# call (~1.3 s of CPU in each trainer's start, docs/benchmarks.md: The start). The op takes no
+# part in autograd: its arguments are gradients and an arena no graph records.
+
+
 def fused_sparse_update(
     arena: torch.Tensor,
     rows: torch.Tensor,
@@ -36,7 +47,20 @@ def fused_sparse_update(
     kind: int,
     hp: list[float],
 ) -> None:
-    """See the module docstring (the CPU implementation)."""
+    """See the module docstring: ``torch.ops.hpsray.fused_sparse_update`` on these arguments."""
+    torch.ops.hpsray.fused_sparse_update(arena, rows, grad_bags, grad_offsets, grad_pooled, kind, hp)
+
+
+@torch.library.impl(OP, "cpu")
+def _fused_sparse_update_cpu(
+    arena: torch.Tensor,
+    rows: torch.Tensor,
+    grad_bags: torch.Tensor,
+    grad_offsets: torch.Tensor,
+    grad_pooled: torch.Tensor,
+    kind: int,
+    hp: list[float],
+) -> None:
     _check(arena, rows, grad_bags, grad_offsets, grad_pooled)
     cpu_kernels.fused_rows_update(
         arena.numpy(),
@@ -50,7 +74,7 @@ def fused_sparse_update(
     )
 
 
-@fused_sparse_update.register_kernel("cuda")
+@torch.library.impl(OP, "cuda")
 def _fused_sparse_update_cuda(
     arena: torch.Tensor,
     rows: torch.Tensor,
@@ -75,7 +99,7 @@ def _fused_sparse_update_cuda(
     k_fused_rows_update[(n + 127) // 128, 128, stream](*args, kind, cuda.as_cuda_array(hp_dev))
 
 
-@fused_sparse_update.register_fake
+@torch.library.register_fake(OP)
 def _(arena, rows, grad_bags, grad_offsets, grad_pooled, kind, hp) -> None:  # type: ignore[no-untyped-def]
     return None
 

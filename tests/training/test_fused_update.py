@@ -223,3 +223,16 @@ def test_the_fused_step_bench_runs_and_both_steps_end_with_the_same_rows(capsys)
     (figures,) = json.loads(capsys.readouterr().out)
     assert figures["same_rows"] and figures["minibatches"] == 2
     assert figures["fused_ms_per_minibatch"] > 0 and figures["update_unfused_ms"] > 0
+
+
+def test_a_trainer_s_warm_up_does_not_import_torch_dynamo():
+    """A ``torch.library.custom_op``'s kernels import TorchDynamo on their first call (~1.3 s of CPU
+    in each trainer's start); the op is defined with the low-level verbs instead."""
+    code = (
+        "import sys; from hpsray.config import TrainConfig; from hpsray.tiers.hbm import HbmPS; "
+        "from hpsray.tiers.warmup import warm_trainer_step; c = TrainConfig(dim=4, hidden=(8,)); "
+        "warm_trainer_step(HbmPS(256, c.row_width, c.row_init(), 1, 1, 'cpu'), c.row_init(), c.row_width, 3, 2); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
