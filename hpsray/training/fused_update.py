@@ -34,7 +34,7 @@ torch.library.define(
 )
 # Registered with torch.library's low-level verbs, not ``torch.library.custom_op``: a custom op's
 # kernels are wrapped to keep TorchDynamo out, and that wrapper imports TorchDynamo on the first
-# call (~1.3 s of CPU in each trainer's start, docs/benchmarks.md: The start). The op takes no
+# call (~1 s of CPU in each trainer's start, docs/benchmarks.md: The start). The op takes no
 # part in autograd: its arguments are gradients and an arena no graph records.
 
 

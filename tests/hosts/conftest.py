@@ -4,7 +4,7 @@
 10.77.0.1:8265) shared by the tests under tests/hosts that a process runs one after another,
 torn down by the PIDs inside the namespaces (hpsray.cluster.netns) as soon as the next test to
 run does not use it: idle, its three Ray nodes and dashboard would take CPU from every test
-after it (about 0.07 of a core, 130 CPU seconds of a CI run). Skipped, with the reason, where
+after it (about 0.07 of a core, some 125 CPU seconds of a CI run). Skipped, with the reason, where
 namespaces cannot be made.
 Nothing here sets GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME: the hosts' environment drops them.
 """

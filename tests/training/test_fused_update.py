@@ -226,7 +226,7 @@ def test_the_fused_step_bench_runs_and_both_steps_end_with_the_same_rows(capsys)
 
 
 def test_a_trainer_s_warm_up_does_not_import_torch_dynamo():
-    """A ``torch.library.custom_op``'s kernels import TorchDynamo on their first call (~1.3 s of CPU
+    """A ``torch.library.custom_op``'s kernels import TorchDynamo on their first call (~1 s of CPU
     in each trainer's start); the op is defined with the low-level verbs instead."""
     code = (
         "import sys; from hpsray.config import TrainConfig; from hpsray.tiers.hbm import HbmPS; "
