@@ -27,31 +27,12 @@ __all__ = ["OP", "fused_sparse_update", "warm_fused_update"]
 
 
 OP = "hpsray::fused_sparse_update"
-torch.library.define(
-    OP,
-    "(Tensor(a!) arena, Tensor rows, Tensor grad_bags, Tensor grad_offsets, Tensor grad_pooled, int kind, "
-    "float[] hp) -> ()",
-)
 # Registered with torch.library's low-level verbs, not ``torch.library.custom_op``: a custom op's
 # kernels are wrapped to keep TorchDynamo out, and that wrapper imports TorchDynamo on the first
 # call (~1 s of CPU in each trainer's start, docs/benchmarks.md: The start). The op takes no
 # part in autograd: its arguments are gradients and an arena no graph records.
 
 
-def fused_sparse_update(
-    arena: torch.Tensor,
-    rows: torch.Tensor,
-    grad_bags: torch.Tensor,
-    grad_offsets: torch.Tensor,
-    grad_pooled: torch.Tensor,
-    kind: int,
-    hp: list[float],
-) -> None:
-    """See the module docstring: ``torch.ops.hpsray.fused_sparse_update`` on these arguments."""
-    torch.ops.hpsray.fused_sparse_update(arena, rows, grad_bags, grad_offsets, grad_pooled, kind, hp)
-
-
-@torch.library.impl(OP, "cpu")
 def _fused_sparse_update_cpu(
     arena: torch.Tensor,
     rows: torch.Tensor,
@@ -72,6 +53,24 @@ def _fused_sparse_update_cpu(
         np.asarray(hp, dtype=np.float32),
         8 * numba.get_num_threads(),
     )
+
+
+# the schema from the CPU implementation's signature, as ``custom_op`` derives it
+torch.library.define(OP, torch.library.infer_schema(_fused_sparse_update_cpu, mutates_args=("arena",)))
+torch.library.impl(OP, "cpu", _fused_sparse_update_cpu)
+
+
+def fused_sparse_update(
+    arena: torch.Tensor,
+    rows: torch.Tensor,
+    grad_bags: torch.Tensor,
+    grad_offsets: torch.Tensor,
+    grad_pooled: torch.Tensor,
+    kind: int,
+    hp: list[float],
+) -> None:
+    """See the module docstring: ``torch.ops.hpsray.fused_sparse_update`` on these arguments."""
+    torch.ops.hpsray.fused_sparse_update(arena, rows, grad_bags, grad_offsets, grad_pooled, kind, hp)
 
 
 @torch.library.impl(OP, "cuda")
