@@ -76,12 +76,14 @@ class _RemoteStore:
             self.counts["stalls"] += 1
             self.counts["stall_s"] += time.perf_counter() - t0
             self.reap()
-        order = np.argsort(keys, kind="stable")
-        keys, rows_ref = keys[order], None
+        rows_ref = None
+        if keys.size > 1 and not (keys[1:] >= keys[:-1]).all():  # MEM-PS's own writes come sorted
+            order = np.argsort(keys, kind="stable")
+            keys, rows = keys[order], (None if rows is None else rows[order])
         if rows is None:
             ref = self.actor.delete.remote(keys, self.batch)
         else:
-            rows_ref = ray.put(np.ascontiguousarray(rows[order]))
+            rows_ref = ray.put(np.ascontiguousarray(rows))
             ref = self.actor.dump.remote(keys, rows_ref, self.batch)
             rows = ray.get(rows_ref)  # read-only, shared with the object store: no second copy
         self.writes.append(_Write(ref, keys, rows, rows_ref))

@@ -41,12 +41,23 @@ from hpsray.tiers.cache_policy import (
     LruLfuPolicy,
 )
 
-__all__ = ["META_BYTES_PER_ROW", "BackingStore", "DeletingStore", "MemPS", "WritingBehindStore", "rows_for_bytes"]
+__all__ = [
+    "FLUSH_CHUNK_BYTES",
+    "META_BYTES_PER_ROW",
+    "BackingStore",
+    "DeletingStore",
+    "MemPS",
+    "WritingBehindStore",
+    "rows_for_bytes",
+]
 
 # per-row bookkeeping besides the row and the hash buckets: table row_keys/free/first (24),
 # our slot keys (8), policy region/tick/freq/pins (21), dirty flag (1)
 META_BYTES_PER_ROW = 54
-_FLUSH_CHUNK_ROWS = 1 << 20
+FLUSH_CHUNK_BYTES = 64 << 20
+"""The most row bytes one write of a flush hands to the backing store: each write's gathered
+rows, their copy in flight and the store's unsynced pages stay this small, whatever the cache's
+size (a flush in one write of a 600k-row cache of 512-byte rows held ~1 GB at once)."""
 
 
 class BackingStore(Protocol):
@@ -359,6 +370,7 @@ class MemPS:
             return
         dirty = victims[self._dirty[victims]]
         if dirty.size:
+            dirty = dirty[np.argsort(self._slot_key[dirty])]  # in key order: no store reorders a copy
             self.ssd.dump(self._slot_key[dirty], self._table.gather(dirty))  # before release
         self._table.erase(self._slot_key[victims])
         self._policy.release(victims, self._slot_key[victims])
@@ -369,12 +381,15 @@ class MemPS:
         self._totals["evicted_dirty"] += int(dirty.size)
 
     def flush(self) -> int:
-        """Write every dirty row (pinned ones included) to SSD-PS; rows stay resident.
-        Returns the number of rows written."""
+        """Write every dirty row (pinned ones included) to SSD-PS, in key order, in writes of at
+        most :data:`FLUSH_CHUNK_BYTES` of rows; rows stay resident. Returns the number of rows
+        written."""
         with self._lock:
             dirty = np.flatnonzero(self._dirty)
-            for i in range(0, dirty.size, _FLUSH_CHUNK_ROWS):
-                part = dirty[i : i + _FLUSH_CHUNK_ROWS]
+            dirty = dirty[np.argsort(self._slot_key[dirty])]
+            chunk = max(1, FLUSH_CHUNK_BYTES // max(1, 4 * self.width))
+            for i in range(0, dirty.size, chunk):
+                part = dirty[i : i + chunk]
                 self.ssd.dump(self._slot_key[part], self._table.gather(part))
                 self._dirty[part] = False
             self._totals["flushed"] += int(dirty.size)

@@ -141,6 +141,35 @@ def test_random_batch_cycles_keep_pins_and_values(data):
         assert mem.size <= capacity
 
 
+def test_a_flush_writes_in_key_order_in_writes_of_bounded_bytes(tmp_path, monkeypatch):
+    """However big the cache, one write of a flush carries at most FLUSH_CHUNK_BYTES of rows, in
+    key order (what the store writes without a copy), and every row lands."""
+    import hpsray.tiers.mem as mem_module
+
+    monkeypatch.setattr(mem_module, "FLUSH_CHUNK_BYTES", 7 * 4 * W)  # seven rows a write
+    sizes: list[int] = []
+    order: list[np.ndarray] = []
+
+    class Recorded(SSDPS):
+        def dump(self, keys, rows):
+            sizes.append(int(keys.size))
+            order.append(np.asarray(keys).copy())
+            super().dump(keys, rows)
+
+    with Recorded(tmp_path / "ssd", W, rows_per_file=16) as ssd:
+        mem = MemPS(100, W, ssd, INIT)
+        keys = np.random.default_rng(3).permutation(np.arange(1000, 1050, dtype=np.uint64))
+        rows = pull_loaded(mem, 0, keys) + 1.0
+        mem.write_back(0, keys, rows)
+        mem.unpin(0)
+        assert mem.flush() == 50
+        assert sizes == [7] * 7 + [1]
+        written = np.concatenate(order)
+        assert np.array_equal(written, np.sort(keys))
+        got, found = ssd.load(keys)
+        assert found.all() and np.array_equal(got, rows)
+
+
 def test_only_dirty_rows_are_written_on_eviction():
     store = DictStore()
     mem = MemPS(10, W, store, INIT, lru_fraction=1.0)

@@ -180,9 +180,10 @@ class SSDPS:
         rows = as_rows(rows, keys.size, self.width, "dump rows")
         if keys.size == 0:
             return
-        rev = np.unique(keys[::-1], return_index=True)[1]
-        pick = keys.size - 1 - rev  # last occurrence of each distinct key, in key order
-        keys, rows = keys[pick], rows[pick]
+        if keys.size > 1 and not (keys[1:] > keys[:-1]).all():  # else distinct and in order already: no copy
+            rev = np.unique(keys[::-1], return_index=True)[1]
+            pick = keys.size - 1 - rev  # last occurrence of each distinct key, in key order
+            keys, rows = keys[pick], rows[pick]
         t0 = time.perf_counter()
         rpf = self.rows_per_file
         with self.state.dump_lock:
