@@ -28,8 +28,11 @@ from numba import types as nbt
 
 __all__ = ["DEPTH", "Ring", "drop_thread_ring", "thread_ring"]
 
-DEPTH = 128  # reads in flight: 166k reads/s here against 96-119k at 32 (docs/benchmarks.md, "io_uring reads")
-_ENTRIES = 256
+DEPTH = 256
+"""Reads a ring keeps in flight. This disk alone saturates at 128 (~90k reads/s), but beside the
+training the reaping thread waits for a core, and 128 left ~81 at the device; 256 kept ~175 there
+and loaded 6-8 % faster, 512 no faster (docs/benchmarks.md, Bigger than memory, 2026-12-07)."""
+_ENTRIES = 2 * DEPTH  # submission slots: a full refill never waits for a slot
 _SYS_SETUP, _SYS_ENTER = 425, 426  # the same numbers on every architecture since Linux 5.1
 _OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
 _FEAT_SINGLE_MMAP = 1
