@@ -36,6 +36,7 @@ __all__ = [
     "MIN_RING_RANGES",
     "STAGE_BYTES",
     "copy_mapped",
+    "copy_resident",
     "hinted_pread_ranges",
     "pread_ranges",
     "preadv_ranges",
@@ -177,6 +178,20 @@ def queue_depth(threads: int) -> int:
     return uring.DEPTH if uring.thread_ring() is not None else max(1, threads)
 
 
+def copy_resident(
+    dest: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, mapped: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, int]:
+    """The first step of :func:`read_ranges`, for a caller to run apart (on another thread than
+    the reads, say): copy the ranges whose pages a mapping (``mapped``, as there) finds resident.
+    Returns each range's state (1 copied, 2 a page not resident, 0 not mapped) and the copies."""
+    done = np.zeros(int(offsets.size), np.uint8)
+    if offsets.size == 0:
+        return done, 0
+    bases, sizes = mapped
+    order = np.lexsort((offsets, bases))  # a file's key and row ranges interleave
+    return done, int(copy_mapped(order, bases, sizes, offsets, lengths, dest, mmap.PAGESIZE, done))
+
+
 def read_ranges(
     pool: Executor | None,
     threads: int,
@@ -186,6 +201,7 @@ def read_ranges(
     lengths: np.ndarray,
     mapped: tuple[np.ndarray, np.ndarray] | None = None,
     direct: bool = False,
+    resident: tuple[np.ndarray, int] | None = None,
 ) -> tuple[int, int, int]:
     """Read ``lengths[r]`` bytes of file ``fds[r]`` at ``offsets[r]`` to address ``dest[r]``, for
     every range ``r`` (sorted by file and offset, so the device sees them in order): mapped and
@@ -193,20 +209,18 @@ def read_ranges(
     (module docstring). ``mapped``: per range, the
     address and length of a read-only mapping of its file (address 0: none), kept by the caller
     for as long as this call runs. ``direct``: the ring reads past the page cache where the
-    device takes it (:func:`ring_read`). Returns the short reads, the ranges copied from mappings
+    device takes it (:func:`ring_read`). ``resident``: what :func:`copy_resident` already copied
+    (then ``mapped`` is not looked at). Returns the short reads, the ranges copied from mappings
     and those the ring read."""
     n = int(fds.size)
     if n == 0:
         return 0, 0, 0
     fds = np.ascontiguousarray(fds, np.int32)
-    done = np.zeros(n, np.uint8)
-    copied = 0
-    if mapped is not None:
-        bases, sizes = mapped
-        order = np.lexsort((offsets, bases))  # a file's key and row ranges interleave
-        copied = int(copy_mapped(order, bases, sizes, offsets, lengths, dest, mmap.PAGESIZE, done))
-        if copied == n:
-            return 0, copied, 0
+    if resident is None:
+        resident = copy_resident(dest, offsets, lengths, mapped) if mapped is not None else (np.zeros(n, np.uint8), 0)
+    done, copied = resident
+    if copied == n:
+        return 0, copied, 0
     ring = uring.thread_ring() if n - copied >= MIN_RING_RANGES else None
     if ring is None:
         iov = np.empty((n, 2), np.uint64)

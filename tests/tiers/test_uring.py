@@ -205,3 +205,41 @@ def test_a_store_larger_than_its_share_of_memory_reads_past_the_page_cache(tmp_p
         assert again["reads_mapped"] == 0 and again["reads_ring"] == again["reads_issued"]
     else:  # read through the page cache: the second load copies every range from the mappings
         assert again["reads_mapped"] == again["reads_issued"] and again["reads_ring"] == 0
+
+
+def test_resident_ranges_copied_apart_are_not_read_again(tmp_path):
+    """``copy_resident`` (what a load's own thread runs while the fetch thread reads the round
+    before) copies the ranges whose pages are resident; ``read_ranges`` given its result reads
+    only the others, and every byte lands."""
+    import mmap
+
+    fds, datas = files(str(tmp_path), 1)
+    fd = fds[0]
+    try:
+        os.fsync(fd)  # clean pages, so that they can be dropped
+        drop_cache([tmp_path / "f0"])
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what is read next
+        os.pread(fd, SIZE // 2, 0)  # the first half resident, the second half not
+        m = mmap.mmap(fd, SIZE, prot=mmap.PROT_READ)
+        base = np.frombuffer(m, np.uint8).ctypes.data
+        n = 64
+        off = np.linspace(0, SIZE - 4096, n).astype(np.int64) // 4096 * 4096 + 100
+        length = np.full(n, 1000, np.int64)
+        out = np.zeros(n * 1000, np.uint8)
+        dest = out.ctypes.data + np.arange(n, dtype=np.int64) * 1000
+        mapped = (np.full(n, base, np.uint64), np.full(n, SIZE, np.int64))
+        done, copied = blockio.copy_resident(dest, off, length, mapped)
+        if (done == 1).all():
+            pytest.skip("this file system keeps the dropped pages resident (tmpfs)")
+        first_half = off + length <= SIZE // 2
+        assert copied == int(first_half.sum()) > 0 and (done[first_half] == 1).all() and (done[~first_half] == 2).all()
+        short, copied_again, ringed = in_thread(
+            lambda: read_ranges(None, 1, np.full(n, fd, np.int32), dest, off, length, resident=(done, copied))
+        )
+        assert short == 0 and copied_again == copied and ringed == n - copied
+        got = [out[r * 1000 : (r + 1) * 1000].tobytes() for r in range(n)]
+        assert got == expect(datas, np.zeros(n, int), off, length)
+        del base
+        m.close()
+    finally:
+        os.close(fd)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpsray.blockio import read_ranges
+from hpsray.blockio import copy_resident, read_ranges
 from hpsray.errors import CorruptFileError
 from hpsray.memlimit import memory_limit
 from hpsray.tiers.ssd.blockpick import pick_known, pick_staged, touched_blocks, touched_blocks_upto
@@ -162,7 +162,10 @@ class Reads:
                 if blocky:
                     picked = ([tasks[t] for t in blocky], [fds[t] for t in blocky], [metas[t] for t in blocky])
                     plan = self._plan_blocks(*picked)
-                    fetching.append((plan, self.fetcher.submit(self._fetch_blocks, plan)))
+                    # the resident blocks copied here, so the fetch thread only reads (its
+                    # mincore calls kept the device idle between its rounds)
+                    resident = copy_resident(plan.ranges[1], plan.ranges[2], plan.ranges[3], plan.mapped_at)
+                    fetching.append((plan, self.fetcher.submit(self._fetch_blocks, plan, resident)))
                     n_partial += len(blocky)
                 n_files += len(tasks)
                 # the next round is planned while this one's reads are in flight; then the
@@ -403,13 +406,16 @@ class Reads:
             direct=st.files.disk_bytes > self.direct_above,
         )
 
-    def _fetch_blocks(self, plan: _BlockRead) -> tuple[int, int, int]:
-        """Read ``plan``'s ranges into its staging buffers: those the page cache holds copied from
-        the files' mappings, the rest through this thread's ring (or hinted, then read on the I/O
-        threads). Returns the short reads, the mapped copies and the ranges the ring read."""
+    def _fetch_blocks(self, plan: _BlockRead, resident: tuple[np.ndarray, int]) -> tuple[int, int, int]:
+        """Read ``plan``'s ranges into its staging buffers but those ``resident`` copied from the
+        files' mappings (:func:`~hpsray.blockio.copy_resident`): through this thread's ring (or
+        hinted, then read on the I/O threads). Returns the short reads, the mapped copies and the
+        ranges the ring read."""
         st = self.state
         r_fd, dest, r_off, r_len = plan.ranges
-        return read_ranges(st.pool, st.io_threads, r_fd, dest, r_off, r_len, plan.mapped_at, plan.direct)
+        return read_ranges(
+            st.pool, st.io_threads, r_fd, dest, r_off, r_len, plan.mapped_at, plan.direct, resident=resident
+        )
 
     def _place_blocks(
         self, keys: np.ndarray, out: np.ndarray, plan: _BlockRead, fetched: tuple[int, int, int]
