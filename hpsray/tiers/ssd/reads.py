@@ -162,9 +162,12 @@ class Reads:
                 if blocky:
                     picked = ([tasks[t] for t in blocky], [fds[t] for t in blocky], [metas[t] for t in blocky])
                     plan = self._plan_blocks(*picked)
-                    # the resident blocks copied here, so the fetch thread only reads (its
-                    # mincore calls kept the device idle between its rounds)
-                    resident = copy_resident(plan.ranges[1], plan.ranges[2], plan.ranges[3], plan.mapped_at)
+                    # past the page cache, few blocks are resident: they are found and copied
+                    # here, so the fetch thread only reads (its mincore calls kept the device
+                    # idle between rounds); through it, most are, and the fetch thread copies
+                    # them while this thread plans the next round
+                    r_dest, r_off, r_len = plan.ranges[1:]
+                    resident = copy_resident(r_dest, r_off, r_len, plan.mapped_at) if plan.direct else None
                     fetching.append((plan, self.fetcher.submit(self._fetch_blocks, plan, resident)))
                     n_partial += len(blocky)
                 n_files += len(tasks)
@@ -406,11 +409,11 @@ class Reads:
             direct=st.files.disk_bytes > self.direct_above,
         )
 
-    def _fetch_blocks(self, plan: _BlockRead, resident: tuple[np.ndarray, int]) -> tuple[int, int, int]:
-        """Read ``plan``'s ranges into its staging buffers but those ``resident`` copied from the
-        files' mappings (:func:`~hpsray.blockio.copy_resident`): through this thread's ring (or
-        hinted, then read on the I/O threads). Returns the short reads, the mapped copies and the
-        ranges the ring read."""
+    def _fetch_blocks(self, plan: _BlockRead, resident: tuple[np.ndarray, int] | None) -> tuple[int, int, int]:
+        """Read ``plan``'s ranges into its staging buffers: those the page cache holds copied from
+        the files' mappings (unless ``resident`` says which were, :func:`~hpsray.blockio.copy_resident`),
+        the rest through this thread's ring (or hinted, then read on the I/O threads). Returns
+        the short reads, the mapped copies and the ranges the ring read."""
         st = self.state
         r_fd, dest, r_off, r_len = plan.ranges
         return read_ranges(
