@@ -41,15 +41,7 @@ from hpsray.tiers.cache_policy import (
     LruLfuPolicy,
 )
 
-__all__ = [
-    "FLUSH_CHUNK_BYTES",
-    "META_BYTES_PER_ROW",
-    "BackingStore",
-    "DeletingStore",
-    "MemPS",
-    "WritingBehindStore",
-    "rows_for_bytes",
-]
+__all__ = ["META_BYTES_PER_ROW", "BackingStore", "DeletingStore", "MemPS", "WritingBehindStore", "rows_for_bytes"]
 
 # per-row bookkeeping besides the row and the hash buckets: table row_keys/free/first (24),
 # our slot keys (8), policy region/tick/freq/pins (21), dirty flag (1)
