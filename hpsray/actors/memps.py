@@ -14,6 +14,7 @@ import ray
 from hpsray.actors.livemetrics import LiveGauges
 from hpsray.actors.messages import Pulled, Refresh, Returned
 from hpsray.actors.timing import StageClock
+from hpsray.kernels.distinct import is_sorted_distinct
 from hpsray.kernels.init import RowInit
 from hpsray.tiers.admission import Admission
 from hpsray.tiers.lending import Lender, RowCache
@@ -77,7 +78,7 @@ class _RemoteStore:
             self.counts["stall_s"] += time.perf_counter() - t0
             self.reap()
         rows_ref = None
-        if keys.size > 1 and not (keys[1:] >= keys[:-1]).all():  # MEM-PS's own writes come sorted
+        if not is_sorted_distinct(keys):  # MEM-PS's own writes come sorted: no reordered copy
             order = np.argsort(keys, kind="stable")
             keys, rows = keys[order], (None if rows is None else rows[order])
         if rows is None:

@@ -6,6 +6,7 @@ than its share of memory reads past the page cache, a smaller one through it."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -211,8 +212,6 @@ def test_resident_ranges_copied_apart_are_not_read_again(tmp_path):
     """``copy_resident`` (what a load's own thread runs while the fetch thread reads the round
     before) copies the ranges whose pages are resident; ``read_ranges`` given its result reads
     only the others, and every byte lands."""
-    import mmap
-
     fds, datas = files(str(tmp_path), 1)
     fd = fds[0]
     try:
@@ -239,7 +238,6 @@ def test_resident_ranges_copied_apart_are_not_read_again(tmp_path):
         assert short == 0 and copied_again == copied and ringed == n - copied
         got = [out[r * 1000 : (r + 1) * 1000].tobytes() for r in range(n)]
         assert got == expect(datas, np.zeros(n, int), off, length)
-        del base
         m.close()
     finally:
         os.close(fd)

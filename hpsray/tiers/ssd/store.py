@@ -19,6 +19,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from hpsray.fileio import Writer
+from hpsray.kernels.distinct import is_sorted_distinct
 from hpsray.kernels.table import as_keys, as_rows
 from hpsray.tiers.ssd.bulkload import TableImport, bulk_load
 from hpsray.tiers.ssd.compaction import Compaction, space_ratio
@@ -180,7 +181,7 @@ class SSDPS:
         rows = as_rows(rows, keys.size, self.width, "dump rows")
         if keys.size == 0:
             return
-        if keys.size > 1 and not (keys[1:] > keys[:-1]).all():  # else distinct and in order already: no copy
+        if not is_sorted_distinct(keys):  # else distinct and in order already: written without a copy
             rev = np.unique(keys[::-1], return_index=True)[1]
             pick = keys.size - 1 - rev  # last occurrence of each distinct key, in key order
             keys, rows = keys[pick], rows[pick]
