@@ -10,7 +10,9 @@ on the store's files after training (``disk_bound``), the timed pass's load stag
 (``load_stage``, ``load_reads_vs_disk_bound`` at the depth loads keep in flight; ``load_stage.hit_rate``:
 the measured MEM-PS hit rate beside Belady's at ``--mem-rows`` and a never-evicting cache's;
 ``load_stage.dumps_per_batch`` and ``dump_busy_s_per_batch``: MEM-PS's writes to SSD-PS and the
-load actor's busy time on them), ...).
+load actor's busy time on them; ``read_bound``: the most the pass could reach beside the in-memory
+run if a batch waited only for its missed rows' reads at that bound, per hit rate, and
+``vs_in_memory_read_bound``, Belady's), ...).
 The phases and the lossless check: docs/benchmarks.md, section "Bigger than memory". The children's side is
 :mod:`~hpsray.bench.bigger_than_memory_phases`; the cgroup, :mod:`~hpsray.bench.memory_cgroup`.
 """
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hpsray.bench.bigger_than_memory_phases import Job, table_rows
-from hpsray.bench.disk_bound import load_vs_bound, store_bound
+from hpsray.bench.disk_bound import load_vs_bound, read_bound, store_bound
 from hpsray.bench.memory_cgroup import Cgroup, Monitor, dir_bytes
 from hpsray.blockio import queue_depth
 from hpsray.plan.disk import cold_share, disk_s_per_row
@@ -289,6 +291,14 @@ def run(args: argparse.Namespace) -> dict:
             "measured": trained["cache_hit_rate_mean"],
             **_hit_rate_bounds(trace, warm_batches, job.mem_rows),
         }
+        # the most this pass could reach if each batch waited only for its misses' reads at the bound
+        hit = load_stage["hit_rate"]
+        bound_ratio = read_bound(
+            float(np.mean([b.size for b in trace[warm_batches:]])),
+            {k: hit[k] for k in ("measured", "belady", "unbounded")},
+            disk_s_per_row(bound, depth, cold, job.width),
+            job.batch / in_memory["examples_per_s"],
+        )
         device = trained["device"]
         if device is not None:
             rows = max(trained["load_counts"]["rows_loaded"], 1)
@@ -328,6 +338,8 @@ def run(args: argparse.Namespace) -> dict:
             disk_bound=bound.to_dict(),
             load_stage=load_stage,
             load_reads_vs_disk_bound=load_stage["load_reads_vs_disk_bound"],
+            read_bound=bound_ratio,
+            vs_in_memory_read_bound=bound_ratio["by_hit_rate"]["belady"]["vs_in_memory_at_most"],
             reopen_seconds=checked["reopen_s"],
             reopen_fixed_seconds=checked["reopen_fixed_s"],
             reopen_keys=checked["keys"],

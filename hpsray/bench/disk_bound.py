@@ -9,6 +9,8 @@ store's queue depth (:func:`hpsray.blockio.queue_depth`: its io_uring ring's, el
 threads): ``load_reads_vs_disk_bound`` and ``load_bytes_vs_disk_bound``
 (the reads counted include those the page cache served: ``reads_mapped_share`` of them were
 copied from a mapping, ``reads_ring_share`` read through the load threads' io_uring rings).
+:func:`read_bound` is the most a spilled pass can reach beside the in-memory one when its
+missed rows must come from the disk at that bound.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 from hpsray.tiers.ssd.paramfile import SUFFIX, block_rows_for
 from hpsray.tiers.ssd.probe import DEPTHS, DiskBound, probe
 
-__all__ = ["COUNTERS", "block_bytes", "delta", "load_vs_bound", "store_bound"]
+__all__ = ["COUNTERS", "block_bytes", "delta", "load_vs_bound", "read_bound", "store_bound"]
 
 COUNTERS = (
     "loads",
@@ -82,4 +84,34 @@ def load_vs_bound(counts: dict, bound: DiskBound, depth: int) -> dict:
         "disk_bytes_per_s": disk * bound.read_bytes,
         "load_reads_vs_disk_bound": reads_s / disk if disk else 0.0,
         "load_bytes_vs_disk_bound": bytes_s / (disk * bound.read_bytes) if disk else 0.0,
+    }
+
+
+def read_bound(
+    distinct_keys_per_batch: float,
+    hit_rates: dict[str, float],
+    disk_s_per_missed_row: float,
+    in_memory_s_per_batch: float,
+) -> dict:
+    """At most which share of the in-memory rate a spilled pass reaches when a batch cannot
+    train before its missed rows are read: per hit rate (named in ``hit_rates``: the cache's
+    measured one, Belady's at its capacity, a never-evicting cache's), a batch's missed rows
+    (``distinct_keys_per_batch × (1 − hit rate)``) times the disk's seconds a missed row
+    (:func:`hpsray.plan.disk.disk_s_per_row`), beside the in-memory run's seconds a batch.
+    ``vs_in_memory_at_most`` is 1 where the reads take no longer than the in-memory batch."""
+    by_rate = {}
+    for name, rate in hit_rates.items():
+        missed = distinct_keys_per_batch * (1.0 - rate)
+        disk_s = missed * disk_s_per_missed_row
+        by_rate[name] = {
+            "hit_rate": rate,
+            "missed_rows_per_batch": missed,
+            "disk_s_per_batch": disk_s,
+            "vs_in_memory_at_most": min(1.0, in_memory_s_per_batch / disk_s) if disk_s > 0 else 1.0,
+        }
+    return {
+        "distinct_keys_per_batch": distinct_keys_per_batch,
+        "disk_s_per_missed_row": disk_s_per_missed_row,
+        "in_memory_s_per_batch": in_memory_s_per_batch,
+        "by_hit_rate": by_rate,
     }

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from hpsray.bench import BENCHMARKS, bigger_than_memory
+from hpsray.bench.disk_bound import read_bound
 from hpsray.blockio import queue_depth
 
 KEYS = (
@@ -30,6 +31,21 @@ def _cgroups() -> bool:
         os.path.isfile("/sys/fs/cgroup/memory/memory.limit_in_bytes")
         or "memory" in open("/sys/fs/cgroup/cgroup.controllers").read()
     )
+
+
+def test_the_read_bound_is_the_in_memory_batch_over_the_misses_reads():
+    """A batch of 100k distinct keys at 10 µs of disk a missed row, beside an in-memory batch of
+    0.42 s: 60k misses (0.6 s) allow 0.7x, 50k (0.5 s) 0.84x; no misses, or reads faster than the
+    in-memory batch, cap at 1."""
+    got = read_bound(100_000, {"measured": 0.4, "belady": 0.5, "unbounded": 1.0}, 1e-5, 0.42)
+    by = got["by_hit_rate"]
+    assert by["measured"]["missed_rows_per_batch"] == pytest.approx(60_000)
+    assert by["measured"]["disk_s_per_batch"] == pytest.approx(0.6)
+    assert by["measured"]["vs_in_memory_at_most"] == pytest.approx(0.7)
+    assert by["belady"]["vs_in_memory_at_most"] == pytest.approx(0.84)
+    assert by["unbounded"]["disk_s_per_batch"] == 0 and by["unbounded"]["vs_in_memory_at_most"] == 1.0
+    assert read_bound(1000, {"measured": 0.5}, 1e-5, 0.42)["by_hit_rate"]["measured"]["vs_in_memory_at_most"] == 1.0
+    assert got["in_memory_s_per_batch"] == 0.42 and got["disk_s_per_missed_row"] == 1e-5
 
 
 @pytest.mark.slow
@@ -66,5 +82,11 @@ def test_bench_runs_in_a_cgroup_and_is_lossless(tmp_path):
     hit = stage["hit_rate"]  # the timed pass's, beside what any MEM-PS policy could hit on its trace
     assert hit["capacity_rows"] == 12800 and 0 < hit["measured"] <= hit["belady"] + 0.01
     assert hit["belady"] <= hit["unbounded"] < 1  # Belady's optimum at this capacity; no eviction
+    # the page cache holds this store: no miss waits for the disk, so nothing bounds the ratio below 1
+    bound = report["read_bound"]
+    assert set(bound["by_hit_rate"]) == {"measured", "belady", "unbounded"}
+    assert bound["by_hit_rate"]["measured"]["hit_rate"] == hit["measured"]
+    assert bound["distinct_keys_per_batch"] > 0 and bound["disk_s_per_missed_row"] == 0.0
+    assert report["vs_in_memory_read_bound"] == bound["by_hit_rate"]["belady"]["vs_in_memory_at_most"] == 1.0
     assert (stage["device"] is None) == ("device_bytes_per_row" not in stage)  # no block device: no counters
     assert not os.path.exists(tmp_path / "w")  # big files removed
