@@ -279,10 +279,9 @@ def run(args: argparse.Namespace) -> dict:
         planned = _planned(job, imported["rows"], int(touched.size), limit)
         # the planner's disk term (hpsray/plan/disk.py) for this run's loads, beside what they took
         cold = cold_share(model_bytes, limit - planned["memory_bytes"])
+        disk_row_s = disk_s_per_row(bound, depth, cold, job.width)
         load_stage["planned_cold_share"] = cold
-        load_stage["planned_disk_s_per_load"] = load_stage["rows_per_load"] * disk_s_per_row(
-            bound, depth, cold, job.width
-        )
+        load_stage["planned_disk_s_per_load"] = load_stage["rows_per_load"] * disk_row_s
         load_stage["planned_vs_measured_load_s"] = load_stage["planned_disk_s_per_load"] / max(
             load_stage["seconds_per_load"], 1e-9
         )
@@ -296,7 +295,7 @@ def run(args: argparse.Namespace) -> dict:
         bound_ratio = read_bound(
             float(np.mean([b.size for b in trace[warm_batches:]])),
             {k: hit[k] for k in ("measured", "belady", "unbounded")},
-            disk_s_per_row(bound, depth, cold, job.width),
+            disk_row_s,
             job.batch / in_memory["examples_per_s"],
         )
         device = trained["device"]
